@@ -1,0 +1,22 @@
+# Two entry points for a fresh machine with only Python: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	# the pinned CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/packtrain train configs/demo.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+.PHONY: install demo test

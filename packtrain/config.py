@@ -1,0 +1,283 @@
+"""One typed config tree, loaded from YAML and overridden with ``--set section.key=value``.
+
+Every problem in a config (unknown key, wrong type, bad value) is collected and reported together, each with
+its dotted path, in one :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; ``problems`` lists every dotted path that is wrong."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        where = f" in {source}" if source else ""
+        super().__init__(f"invalid config{where}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # a local transformers directory (no downloads)
+    config: dict | None = None  # or a transformers config dict, randomly initialised from `seed`
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    # Kernels for the packed forward: torch (CPU reference, also runs on CUDA) or fla (CUDA: fla + FlexAttention).
+    # `auto` picks fla on CUDA when fla imports, else torch; the choice is always printed.
+    kernels: Literal["auto", "torch", "fla"] = "auto"
+
+
+@dataclass
+class DataConfig:
+    train: str | None = None
+    eval: str | None = None
+    format: Literal["text", "chat", "pretokenized"] | None = None  # auto-detected from the first line when None
+    tokenizer: str | None = None  # a local tokenizer directory; default: model.path, else the bundled tokenizer
+
+
+@dataclass
+class PackingConfig:
+    mode: Literal["shared_prefix", "standalone"] = "shared_prefix"
+    token_budget: int = 150_000  # positions per pack: len(P) + sum of continuation lengths
+    max_continuations: int = 90
+    on_overflow: Literal["error", "skip"] = "error"  # an example whose P + continuation alone exceeds the budget
+
+
+@dataclass
+class LoraConfig:
+    r: int = 8
+    alpha: float = 16
+    dropout: float = 0.05
+    # The seed's choice for long inputs: no adapter on up_proj/down_proj (down_proj's adapter input is the
+    # intermediate-wide activation, ~3.4 GiB per recomputed layer at 70K tokens with dropout).
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"])
+    init_lora_weights: Union[bool, str] = True
+    modules_to_save: list[str] | None = None
+    bias: Literal["none", "all", "lora_only"] = "none"
+    use_rslora: bool = False
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 2.0e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    schedule: Literal["constant", "cosine"] = "constant"
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1.0e-8
+    momentum: float = 0.0  # sgd only
+    max_grad_norm: float | None = 1.0  # None: no clipping (the norm is still logged)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 2
+    max_steps: int | None = None
+    packs_per_step: int = 1  # global: packs of one optimizer step across all ranks
+    seed: int = 0
+    save_every: int = 100
+    eval_every: int | None = None
+    activation_checkpointing: bool = False
+    offload: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True
+    wandb: Literal["off", "offline", "online"] = "off"
+    wandb_project: str = "packtrain"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    output_dir: str = "runs/default"
+    # Directory of the YAML file: relative data/model paths are resolved against it.
+    base_dir: str = field(default=".", metadata={"internal": True})
+
+    def resolve_path(self, p: str | None) -> Path | None:
+        if p is None:
+            return None
+        path = Path(p).expanduser()
+        return path if path.is_absolute() else (Path(self.base_dir) / path)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("base_dir")
+        return d
+
+
+# Bounds checked after types: (dotted path, predicate, message).
+_BOUNDS = [
+    ("packing.token_budget", lambda v: v >= 2, "must be at least 2"),
+    ("packing.max_continuations", lambda v: v >= 1, "must be at least 1"),
+    ("lora.r", lambda v: v >= 1, "must be at least 1"),
+    ("lora.dropout", lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+    ("optim.lr", lambda v: v > 0, "must be positive"),
+    ("optim.warmup_steps", lambda v: v >= 0, "must be >= 0"),
+    ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two numbers in [0, 1)"),
+    ("train.epochs", lambda v: v >= 1, "must be at least 1"),
+    ("train.max_steps", lambda v: v is None or v >= 1, "must be at least 1 (or null)"),
+    ("train.packs_per_step", lambda v: v >= 1, "must be at least 1"),
+    ("train.save_every", lambda v: v >= 1, "must be at least 1"),
+    ("train.eval_every", lambda v: v is None or v >= 1, "must be at least 1 (or null)"),
+]
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Return (ok, coerced value). Ints are accepted where floats are expected; bools are never ints."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return (value in typing.get_args(tp)), value
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, v = _check_value(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if origin is list:
+        if not isinstance(value, list):
+            return False, value
+        (item_tp,) = typing.get_args(tp)
+        out = []
+        for item in value:
+            ok, v = _check_value(item, item_tp)
+            if not ok:
+                return False, value
+            out.append(v)
+        return True, out
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if tp is dict:
+        return isinstance(value, dict), value
+    raise TypeError(f"unsupported config type {tp!r}")
+
+
+def _build(cls: type, raw: Any, prefix: str, problems: list[str]):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        problems.append(f"{prefix or 'config'}: expected a mapping, got {type(raw).__name__}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            problems.append(f"{path}: unknown key (known: {', '.join(sorted(fields))})")
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, path, problems)
+            continue
+        ok, coerced = _check_value(value, tp)
+        if not ok:
+            problems.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+            continue
+        kwargs[key] = coerced
+    return cls(**kwargs)
+
+
+def _get(cfg: Config, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _validate(cfg: Config) -> list[str]:
+    problems = []
+    for path, ok, msg in _BOUNDS:
+        value = _get(cfg, path)
+        if value is not None and not ok(value):
+            problems.append(f"{path}: {msg}, got {value!r}")
+    if cfg.model.path is not None and cfg.model.config is not None:
+        problems.append("model: give either model.path or model.config, not both")
+    return problems
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``section.key=value`` -> (["section", "key"], value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError([f"--set {text!r}: expected section.key=value"])
+    key, value = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(value) if value.strip() else None
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for k in keys[:-1]:
+            nxt = node.get(k)
+            if not isinstance(nxt, dict):
+                nxt = {}
+                node[k] = nxt
+            node = nxt
+        node[keys[-1]] = value
+    return raw
+
+
+def config_from_dict(raw: dict, base_dir: str = ".", source: str | None = None) -> Config:
+    problems: list[str] = []
+    cfg = _build(Config, raw, "", problems)
+    if not problems:
+        problems = _validate(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    cfg.base_dir = base_dir
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"config file not found: {path}"])
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([f"not valid YAML: {e}"], str(path)) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(["the top level must be a mapping"], str(path))
+    raw = apply_overrides(raw, overrides or [])
+    return config_from_dict(raw, base_dir=str(path.parent.resolve()), source=str(path))
