@@ -7,6 +7,7 @@ its dotted path, in one :class:`ConfigError`.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -14,6 +15,21 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where ``1e-4`` is a string; accept it as a float, as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
 
 
 class ConfigError(ValueError):
@@ -238,15 +254,26 @@ def _validate(cfg: Config) -> list[str]:
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``section.key=value`` -> (["section", "key"], value parsed as YAML)."""
-    if "=" not in text:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip() or "" in key.strip().split("."):
         raise ConfigError([f"--set {text!r}: expected section.key=value"])
-    key, value = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(value) if value.strip() else None
+    try:
+        parsed = _load_yaml(value) if value.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError([f"--set {text!r}: the value is not valid YAML"]) from None
+    return key.strip().split("."), parsed
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    parsed, problems = [], []
     for text in overrides:
-        keys, value = parse_override(text)
+        try:
+            parsed.append(parse_override(text))
+        except ConfigError as e:
+            problems += e.problems
+    if problems:
+        raise ConfigError(problems)
+    for keys, value in parsed:
         node = raw
         for k in keys[:-1]:
             nxt = node.get(k)
@@ -261,8 +288,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 def config_from_dict(raw: dict, base_dir: str = ".", source: str | None = None) -> Config:
     problems: list[str] = []
     cfg = _build(Config, raw, "", problems)
-    if not problems:
-        problems = _validate(cfg)
+    # A field with a wrong type keeps its (valid) default, so the bounds checks can still run: every problem is
+    # reported in one go.
+    problems += _validate(cfg)
     if problems:
         raise ConfigError(problems, source)
     cfg.base_dir = base_dir
@@ -274,7 +302,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     if not path.is_file():
         raise ConfigError([f"config file not found: {path}"])
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError([f"not valid YAML: {e}"], str(path)) from None
     if not isinstance(raw, dict):

@@ -1,0 +1,157 @@
+"""The config tree: YAML in, every problem reported at once with its dotted path, `--set` overrides typed."""
+
+from pathlib import Path
+
+import pytest
+
+from packtrain.config import Config, ConfigError, config_from_dict, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_yaml(tmp_path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def problems_of(raw: dict) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    return e.value.problems
+
+
+def test_empty_config_is_all_defaults():
+    assert config_from_dict({}) == Config()
+
+
+def test_values_are_read_into_the_typed_tree(tmp_path):
+    path = write_yaml(tmp_path, "packing:\n  token_budget: 4096\n  on_overflow: skip\noptim:\n  lr: 1\n")
+    cfg = load_config(path)
+    assert cfg.packing.token_budget == 4096
+    assert cfg.packing.on_overflow == "skip"
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)  # an int is accepted where a float is expected
+
+
+def test_exponent_without_a_dot_is_a_float(tmp_path):
+    # YAML 1.1 (PyYAML's default) reads `1e-4` as a string; a learning rate written that way must still load.
+    cfg = load_config(write_yaml(tmp_path, "optim:\n  lr: 1e-4\n  eps: 1E-8\n"))
+    assert (cfg.optim.lr, cfg.optim.eps) == (0.0001, 1e-08)
+
+
+def test_unknown_key():
+    assert problems_of({"packing": {"token_budgett": 10}}) == [
+        "packing.token_budgett: unknown key (known: max_continuations, mode, on_overflow, token_budget)"
+    ]
+
+
+def test_unknown_section():
+    [problem] = problems_of({"pakcing": {}})
+    assert problem.startswith("pakcing: unknown key")
+
+
+def test_wrong_type():
+    assert problems_of({"train": {"seed": "zero"}}) == ["train.seed: expected int, got 'zero'"]
+
+
+def test_bool_is_not_an_int():
+    assert problems_of({"train": {"epochs": True}}) == ["train.epochs: expected int, got True"]
+
+
+def test_value_outside_a_literal():
+    assert problems_of({"packing": {"on_overflow": "ignore"}}) == [
+        "packing.on_overflow: expected 'error' | 'skip', got 'ignore'"
+    ]
+
+
+def test_bad_value():
+    assert problems_of({"packing": {"token_budget": 1}}) == ["packing.token_budget: must be at least 2, got 1"]
+
+
+def test_section_that_is_not_a_mapping():
+    assert problems_of({"lora": 8}) == ["lora: expected a mapping, got int"]
+
+
+def test_several_problems_are_listed_together(tmp_path):
+    path = write_yaml(
+        tmp_path,
+        "packing:\n  token_budget: 1\n  max_continuations: many\n  colour: red\ntrain:\n  epochs: 0\n",
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert sorted(e.value.problems) == sorted([
+        "packing.max_continuations: expected int, got 'many'",
+        "packing.colour: unknown key (known: max_continuations, mode, on_overflow, token_budget)",
+        "packing.token_budget: must be at least 2, got 1",
+        "train.epochs: must be at least 1, got 0",
+    ])
+    message = str(e.value)
+    assert str(path) in message
+    for p in e.value.problems:
+        assert p in message
+
+
+def test_set_overrides_a_value(tmp_path):
+    path = write_yaml(tmp_path, "packing:\n  token_budget: 4096\n")
+    cfg = load_config(path, ["packing.token_budget=8192", "train.seed=7"])
+    assert cfg.packing.token_budget == 8192
+    assert cfg.train.seed == 7
+
+
+def test_set_overrides_nested_dict_value(tmp_path):
+    path = write_yaml(tmp_path, "model:\n  config:\n    hidden_size: 64\n    num_hidden_layers: 4\n")
+    cfg = load_config(path, ["model.config.hidden_size=32"])
+    assert cfg.model.config == {"hidden_size": 32, "num_hidden_layers": 4}
+
+
+def test_set_parses_yaml_values(tmp_path):
+    path = write_yaml(tmp_path, "")
+    cfg = load_config(path, ["optim.max_grad_norm=null", "lora.target_modules=[q_proj, v_proj]", "optim.lr=1e-3"])
+    assert cfg.optim.max_grad_norm is None
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.optim.lr == 0.001
+
+
+def test_set_is_type_checked(tmp_path):
+    path = write_yaml(tmp_path, "")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["packing.token_budget=lots", "packing.max_continuations=0", "data.trian=x.jsonl"])
+    assert sorted(e.value.problems) == sorted([
+        "packing.token_budget: expected int, got 'lots'",
+        "packing.max_continuations: must be at least 1, got 0",
+        "data.trian: unknown key (known: eval, format, tokenizer, train)",
+    ])
+
+
+def test_malformed_set(tmp_path):
+    path = write_yaml(tmp_path, "")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["packing.token_budget", "a..b=1"])
+    assert e.value.problems == [
+        "--set 'packing.token_budget': expected section.key=value",
+        "--set 'a..b=1': expected section.key=value",
+    ]
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write_yaml(tmp_path, "packing: [\n"))
+
+
+def test_relative_paths_resolve_against_the_config_directory(tmp_path):
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "run.yaml"
+    path.write_text("data:\n  train: ../train.jsonl\n")
+    cfg = load_config(path)
+    assert cfg.resolve_path(cfg.data.train).resolve() == (tmp_path / "train.jsonl").resolve()
+    assert cfg.resolve_path("/abs/x.jsonl") == Path("/abs/x.jsonl")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_starts_with_its_command_and_loads(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith(("# packtrain ", "# torchrun ")), first
+    assert path.relative_to(REPO).as_posix() in first
+    load_config(path)
