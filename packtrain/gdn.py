@@ -1,0 +1,100 @@
+"""Gated DeltaNet on a packed buffer: every continuation starts from P's state, never another continuation's.
+
+Two routes carry history across a boundary and both are cut and re-wired here:
+- the recurrent state: P runs from the zero state; every continuation starts from P's final state
+  (``initial_state``, broadcast), so the gradients of all continuations sum into P through it;
+- the causal conv (width W): each continuation sees P's last W-1 *pre-conv* inputs (``in_proj_qkv`` outputs,
+  LoRA included) as its history, and never another continuation's (conv-tail replay).
+
+This replaces ``Qwen3_5GatedDeltaNet.forward`` only when a pack layout is passed; otherwise the module's own
+forward runs unchanged. It calls the module's children through their own ``__call__`` (LoRA, FSDP hooks).
+Shape legend: T buffer, P prefix length, S = T - P continuation tokens, N continuations, L longest, C conv
+channels, W conv width, H/HV key/value heads, K/V head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from packtrain.kernels import Backend
+from packtrain.kernels import torch_ref
+from packtrain.layout import PackLayout
+
+
+def _pad(x_S: torch.Tensor, layout: PackLayout) -> torch.Tensor:
+    """[S, ...] continuation tokens -> [N, L, ...] right-padded with zeros (both ops below are causal, so
+    padding at the end of a continuation changes nothing before it)."""
+    zero = x_S.new_zeros((1,) + x_S.shape[1:])
+    return torch.cat([x_S, zero])[layout.pad_index]
+
+
+def _unpad(x_NL: torch.Tensor, layout: PackLayout) -> torch.Tensor:
+    return x_NL.flatten(0, 1)[layout.unpad_index]
+
+
+def conv_tail(mixed_TC: torch.Tensor, prefix_len: int, width: int) -> torch.Tensor:
+    """P's last W-1 conv inputs [W-1, C], zero-filled on the left when P is shorter (as the zero history
+    P itself starts from)."""
+    tail = mixed_TC[max(0, prefix_len - (width - 1)):prefix_len]
+    missing = (width - 1) - tail.shape[0]
+    if missing > 0:
+        tail = torch.cat([tail.new_zeros(missing, tail.shape[1]), tail])
+    return tail
+
+
+def packed_conv_torch(mixed_TC, weight_CW, bias_C, layout: PackLayout) -> torch.Tensor:
+    p, W = layout.prefix_len, weight_CW.shape[-1]
+    out_P = torch_ref.causal_conv_silu(mixed_TC[:p].T[None], weight_CW, bias_C)[0].T
+    cont_NLC = _pad(mixed_TC[p:], layout)
+    history = conv_tail(mixed_TC, p, W).T[None].expand(cont_NLC.shape[0], -1, -1)
+    out_NCL = torch_ref.conv_with_history_silu(cont_NLC.transpose(1, 2), history, weight_CW, bias_C)
+    return torch.cat([out_P, _unpad(out_NCL.transpose(1, 2), layout)])
+
+
+def packed_delta_rule_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: PackLayout) -> torch.Tensor:
+    p = layout.prefix_len
+    out_P, state = torch_ref.chunk_gated_delta_rule(
+        q_THK[None, :p], k_THK[None, :p], v_THV[None, :p], g_TH[None, :p], beta_TH[None, :p],
+        output_final_state=True)
+    padded = [_pad(x[p:], layout) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH)]
+    n = padded[0].shape[0]
+    out_N, _ = torch_ref.chunk_gated_delta_rule(*padded, initial_state=state.expand(n, -1, -1, -1))
+    return torch.cat([out_P[0], _unpad(out_N, layout)])
+
+
+def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, backend: Backend) -> torch.Tensor:
+    """Same computation as ``Qwen3_5GatedDeltaNet.forward`` (no cache, no padding mask) on a pack."""
+    assert hidden_states.shape[0] == 1, "a pack is batch 1"
+    x_TD = hidden_states[0]
+    T = x_TD.shape[0]
+    mixed_TC = module.in_proj_qkv(x_TD)
+    z = module.in_proj_z(x_TD).reshape(T, -1, module.head_v_dim)
+    b = module.in_proj_b(x_TD)
+    a = module.in_proj_a(x_TD)
+    weight_CW = module.conv1d.weight.squeeze(1)
+
+    if backend.gdn == "fla":
+        from packtrain.kernels import fla_backend
+
+        mixed_TC = fla_backend.packed_conv(mixed_TC, weight_CW, module.conv1d.bias, layout)
+    else:
+        mixed_TC = packed_conv_torch(mixed_TC, weight_CW, module.conv1d.bias, layout)
+
+    q, k, v = torch.split(mixed_TC, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q = q.reshape(T, -1, module.head_k_dim)
+    k = k.reshape(T, -1, module.head_k_dim)
+    v = v.reshape(T, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    # If the model is loaded in fp16, without the .float() here, A might be -inf (as transformers does)
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+
+    if backend.gdn == "fla":
+        from packtrain.kernels import fla_backend
+
+        core = fla_backend.packed_delta_rule(q, k, v, g, beta, layout)
+    else:
+        core = packed_delta_rule_torch(q, k, v, g, beta, layout)
+
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(1, T, -1))

@@ -1,0 +1,45 @@
+"""Kernel back ends for the packed forward, chosen once and reported; nothing falls back silently.
+
+- ``torch``: pure torch (CPU reference; also runs on CUDA). Gated DeltaNet runs P once and all continuations as
+  one right-padded batch from P's final state; attention runs P causally once and the continuations as one batch
+  against [P's keys ; their own] (``batched``), or over the whole buffer with a dense mask (``dense``, a second
+  reference built straight from the predicate).
+- ``fla``: CUDA only. fla's ``chunk_gated_delta_rule`` with ``cu_seqlens`` and a per-continuation
+  ``initial_state``, fla's varlen causal conv, and FlexAttention with one BlockMask per pack.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Backend:
+    gdn: str  # "torch" | "fla"
+    attention: str  # "batched" | "dense" | "flex"
+
+    def describe(self) -> str:
+        return f"gated-deltanet={self.gdn}, attention={self.attention}"
+
+
+def fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def select_backend(kernels: str, device: torch.device | str, attention: str | None = None) -> Backend:
+    """``kernels``: auto | torch | fla. ``auto`` takes fla on CUDA when it imports, else torch."""
+    device = torch.device(device)
+    if kernels == "auto":
+        kernels = "fla" if device.type == "cuda" and fla_available() else "torch"
+    if kernels == "fla":
+        if device.type != "cuda":
+            raise ValueError("model.kernels=fla needs a CUDA device; use model.kernels=torch on CPU")
+        if not fla_available():
+            raise ValueError("model.kernels=fla but the `fla` package is not installed (pip install 'packtrain[gpu]')")
+        return Backend(gdn="fla", attention=attention or "flex")
+    if kernels == "torch":
+        return Backend(gdn="torch", attention=attention or "batched")
+    raise ValueError(f"model.kernels: unknown back end {kernels!r} (auto | torch | fla)")

@@ -1,0 +1,89 @@
+"""Packed vs standalone comparison used by the parity tests (and by the leak tests, which expect it to fail)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from packtrain.forward import PackedLM
+from packtrain.kernels import torch_ref
+from packtrain.layout import build_pack_layout, build_standalone_layout
+
+
+@dataclass
+class Diff:
+    loss: float  # max relative difference of per-example losses
+    grad: float  # max over trainable tensors of max|g_a - g_b| / max|g_b|
+    losses_a: list
+    losses_b: list
+
+
+def trainable_grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def packed_run(model, prefix, conts):
+    model.zero_grad(set_to_none=True)
+    out = PackedLM(model)(build_pack_layout(prefix, conts))
+    out.loss_sum.backward()
+    return out.per_example.tolist(), trainable_grads(model)
+
+
+def standalone_run(model, prefix, conts):
+    model.zero_grad(set_to_none=True)
+    lm = PackedLM(model)
+    losses = []
+    for c in conts:
+        out = lm(build_standalone_layout(prefix, c))
+        out.loss_sum.backward()
+        losses.extend(out.per_example.tolist())
+    return losses, trainable_grads(model)
+
+
+def compare(model, prefix, conts) -> Diff:
+    la, ga = packed_run(model, prefix, conts)
+    lb, gb = standalone_run(model, prefix, conts)
+    assert ga.keys() == gb.keys() and ga
+    for name, g in gb.items():  # a zero gradient would make the comparison vacuous
+        assert g.abs().max() > 0, f"zero gradient for {name}"
+    loss = rel(torch.tensor(la, dtype=torch.float64), torch.tensor(lb, dtype=torch.float64))
+    return Diff(loss=loss, grad=max(rel(ga[n], gb[n]) for n in ga), losses_a=la, losses_b=lb)
+
+
+def hf_losses(model, prefix, conts):
+    """transformers' own forward with labels on concat(P, Ci), one example at a time (no packtrain code)."""
+    out = []
+    with torch.no_grad():
+        for c in conts:
+            ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
+            labels = torch.full_like(ids, -100)
+            start = len(prefix) + len(c.item_ids)
+            labels[0, start:] = ids[0, start:]
+            out.append(model(input_ids=ids, labels=labels).loss.item())
+    return out
+
+
+def _rmsnorm_same_dtype(self, x):
+    return self._norm(x) * (1.0 + self.weight)
+
+
+def _gated_norm_same_dtype(self, hidden_states, gate):
+    var = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(var + self.variance_epsilon)) * torch.nn.functional.silu(gate)
+
+
+@contextlib.contextmanager
+def without_float32_casts(monkeypatch):
+    """Test-only: keep transformers' RMSNorm, gated norm and chunk rule in the input dtype, so a float64 run is
+    float64 throughout and packed-vs-standalone differences come from summation order alone."""
+    monkeypatch.setattr(hf.Qwen3_5RMSNorm, "forward", _rmsnorm_same_dtype)
+    monkeypatch.setattr(hf.Qwen3_5RMSNormGated, "forward", _gated_norm_same_dtype)
+    monkeypatch.setattr(hf, "torch_chunk_gated_delta_rule", torch_ref.chunk_gated_delta_rule)
+    yield
