@@ -58,7 +58,10 @@ class PackedLM(nn.Module):
         return out.last_hidden_state
 
     def forward(self, layout: PackLayout) -> LossOutput:
-        _, lm_head = text_parts(self.model)
+        text_model, lm_head = text_parts(self.model)
+        device = text_model.embed_tokens.weight.device
+        if layout.input_ids.device != device:
+            layout = layout.to(device)
         hidden = self.hidden_states(layout)
         h_MD = hidden[0].index_select(0, layout.target_positions)
         logits = lm_head(h_MD)

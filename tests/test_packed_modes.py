@@ -75,3 +75,28 @@ def test_backend_choice_is_explicit():
         select_backend("fla", "cpu")
     with pytest.raises(ValueError, match="unknown"):
         select_backend("triton", "cpu")
+
+
+def test_text_stack_of_vision_language_model():
+    """Qwen3_5ForConditionalGeneration (the Qwen3.6 form): text-only packs through its language model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from parity import compare, hf_losses
+    from tiny_models import tiny_text_config
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5Config(text_config=tiny_text_config([L, F, L]).to_dict(),
+                        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                           out_hidden_size=32, patch_size=4, spatial_merge_size=2,
+                                           temporal_patch_size=1))
+    model = get_peft_model(Qwen3_5ForConditionalGeneration(cfg).double(),
+                           LoraConfig(r=4, target_modules=["q_proj", "in_proj_qkv", "gate_proj"],
+                                      init_lora_weights=False, lora_dropout=0.0))
+    patch_model(model, BACKEND)
+    assert model.get_base_model().config.vision_config._attn_implementation != "packtrain"  # encoder untouched
+    prefix, conts = random_pack(30, [(3, 2), (70, 4)], seed=11)
+    d = compare(model, prefix, conts)
+    assert d.loss < 5e-6 and d.grad < 1e-4, d  # the float64-as-shipped bounds of test_parity.py
+    reference = torch.tensor(hf_losses(model, prefix, conts), dtype=torch.float64)
+    assert ((torch.tensor(d.losses_a, dtype=torch.float64) - reference).abs() / reference).max() < 5e-6
