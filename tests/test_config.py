@@ -152,6 +152,5 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path):
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_starts_with_its_command_and_loads(path):
     first = path.read_text().splitlines()[0]
-    assert first.startswith(("# packtrain ", "# torchrun ")), first
-    assert path.relative_to(REPO).as_posix() in first
+    assert first.startswith("# ") and path.relative_to(REPO).as_posix() in first, first
     load_config(path)

@@ -1,0 +1,58 @@
+"""`packtrain plan CONFIG [--set ...] [--json]`: plan the training data's packs and print the statistics.
+
+Nothing touches torch or a model: this is how to size ``packing.token_budget`` before a run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from packtrain.config import ConfigError, load_config
+from packtrain.data import load_split
+from packtrain.planner import plan_packs, plan_stats
+
+
+def _shown(path: Path) -> Path:
+    """Relative to the working directory when it is below it, else absolute."""
+    path = path.resolve()
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+
+
+def format_table(stats: dict, title: str) -> str:
+    s = stats
+    skipped = f"  ({s['skipped']:,} skipped: over the token budget)" if s["skipped"] else ""
+    per_pack = f"min {s['continuations_min']}, median {s['continuations_median']}, max {s['continuations_max']}"
+    rows = [
+        ("positions", s["positions_standalone"], s["positions_packed"], s["position_ratio"]),
+        ("attention pairs", s["attention_pairs_standalone"], s["attention_pairs_packed"], s["attention_pair_ratio"]),
+    ]
+    width = max(len("standalone"), *(len(f"{r[1]:,}") for r in rows)) + 2
+    lines = [
+        title,
+        f"  examples   {s['examples']:,}{skipped}",
+        f"  prompts    {s['prompts']:,}",
+        f"  packs      {s['packs']:,}  (continuations per pack: {per_pack})",
+        f"  budget     {s['token_budget']:,} positions per pack, {s['budget_utilisation']:.1%} used",
+        "",
+        f"  {'':<17}{'standalone':>{width}}{'packed':>{width}}{'ratio':>9}",
+    ]
+    for name, standalone, packed, ratio in rows:
+        lines.append(f"  {name:<17}{standalone:>{width},}{packed:>{width},}{ratio:>8.1f}x")
+    lines.append("  (attention pairs: query-key pairs of causal attention, per full-attention layer and head)")
+    return "\n".join(lines)
+
+
+def run_plan(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if cfg.data.train is None:
+        raise ConfigError(["data.train: not set (the training data to plan)"], args.config)
+    examples = load_split(cfg, "train")
+    packing = cfg.packing
+    plan = plan_packs(examples, packing.token_budget, packing.max_continuations, packing.on_overflow, cfg.train.seed)
+    stats = plan_stats(plan, examples)
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        print(format_table(stats, f"plan for {_shown(cfg.resolve_path(cfg.data.train))}"))
+    return 0

@@ -1,0 +1,186 @@
+"""`packtrain plan` through the real command line, in a subprocess: statistics out, one clear error for bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RULEBOOK = "You are the clerk. Rule 1. Answer with the codes only.\n- falcon is written juru"
+
+
+def run_plan(*args, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "packtrain", "plan", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def write_config(tmp_path, lines, extra="") -> Path:
+    """A config planning a data file written next to it (a list of records or raw lines)."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"# packtrain plan {config}\ndata:\n  train: train.jsonl\n{extra}")
+    return config
+
+
+def assert_one_clear_error(result, expected: str):
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    assert result.stderr == f"packtrain plan: error: {expected}\n"
+
+
+def text_record(**kw):
+    return {"system": RULEBOOK, "item": "Encode: falcon", "target": "juru", **kw}
+
+
+def test_the_seeds_illustration_as_json(tmp_path):
+    prefix = json.dumps([k % 1000 for k in range(64_000)])
+    lines = [f'{{"id": "c{k}", "prefix_ids": {prefix}, "item_ids": {json.dumps([5] * 999)}, "target_ids": [6]}}'
+             for k in range(80)]
+    result = run_plan(write_config(tmp_path, lines, "packing:\n  token_budget: 150000\n"), "--json")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)
+    assert {k: stats[k] for k in ("examples", "prompts", "packs", "positions_standalone", "positions_packed",
+                                  "attention_pairs_standalone", "attention_pairs_packed")} == {
+        "examples": 80,
+        "prompts": 1,
+        "packs": 1,
+        "positions_standalone": 5_200_000,
+        "positions_packed": 144_000,
+        "attention_pairs_standalone": 169_002_600_000,
+        "attention_pairs_packed": 7_208_072_000,
+    }
+    assert f"{stats['position_ratio']:.1f}" == "36.1"
+    assert f"{stats['attention_pair_ratio']:.1f}" == "23.4"
+
+
+def test_table_output(tmp_path):
+    # P of 4, budget 10: [c] and [a, b], as in the planner's small table
+    records = [{"id": i, "prefix_ids": [1, 2, 3, 4], "item_ids": [5] * (n - 1), "target_ids": [6]}
+               for i, n in (("a", 3), ("b", 3), ("c", 5))]
+    result = run_plan(write_config(tmp_path, records, "packing:\n  token_budget: 10\n"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1:] == [
+        "  examples   3",
+        "  prompts    1",
+        "  packs      2  (continuations per pack: min 1, median 1, max 2)",
+        "  budget     10 positions per pack, 95.0% used",
+        "",
+        "                     standalone      packed    ratio",
+        "  positions                  23          19     1.2x",
+        "  attention pairs           101          91     1.1x",
+        "  (attention pairs: query-key pairs of causal attention, per full-attention layer and head)",
+    ]
+
+
+def test_set_overrides_the_config(tmp_path):
+    records = [{"prefix_ids": [1, 2, 3, 4], "item_ids": [5, 5], "target_ids": [6]} for _ in range(6)]
+    config = write_config(tmp_path, records, "packing:\n  token_budget: 10\n")
+    assert json.loads(run_plan(config, "--json").stdout)["packs"] == 3
+    result = run_plan(config, "--json", "--set", "packing.token_budget=100", "--set", "packing.max_continuations=4")
+    assert json.loads(result.stdout)["packs"] == 2
+
+
+def test_demo_config(tmp_path):
+    result = run_plan("configs/demo.yaml", "--json")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)
+    assert (stats["examples"], stats["prompts"], stats["skipped"]) == (300, 5, 0)
+    # positions standalone, counted independently: each example rendered whole and tokenized alone
+    from packtrain.data import load_tokenizer
+
+    tok = load_tokenizer()
+    records = [json.loads(line) for line in (REPO / "data/demo/train.jsonl").read_text().splitlines()]
+    whole = [tok.apply_chat_template([{"role": "system", "content": r["system"]}, {"role": "user", "content": r["item"]},
+                                      {"role": "assistant", "content": r["target"]}], tokenize=False) for r in records]
+    assert stats["positions_standalone"] == sum(len(ids) for ids in tok(whole, add_special_tokens=False)["input_ids"])
+
+
+def test_console_script_exists():
+    script = Path(sys.executable).parent / "packtrain"
+    if not script.exists():
+        pytest.skip("packtrain is not installed in this environment (pip install -e .)")
+    result = subprocess.run([str(script), "plan", "--help"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and "--json" in result.stdout
+
+
+# --- bad input: one message naming file, line and field; exit 2; no traceback -----------------------------------------
+
+def test_malformed_json(tmp_path):
+    config = write_config(tmp_path, [text_record(), '{"system": "s", "item": "i", "target": }'])
+    assert_one_clear_error(run_plan(config), f"{tmp_path / 'train.jsonl'}:2: not valid JSON: Expecting value "
+                                             "(column 40)")
+
+
+def test_missing_field(tmp_path):
+    config = write_config(tmp_path, [text_record(), {"system": RULEBOOK, "target": "juru"}])
+    assert_one_clear_error(run_plan(config), f"{tmp_path / 'train.jsonl'}:2: field 'item': missing (the text format "
+                                             "needs it)")
+
+
+def test_mistyped_field(tmp_path):
+    config = write_config(tmp_path, [text_record(target=["juru"])])
+    assert_one_clear_error(run_plan(config), f"{tmp_path / 'train.jsonl'}:1: field 'target': expected a string, got "
+                                             '["juru"]')
+
+
+def test_empty_target(tmp_path):
+    config = write_config(tmp_path, [text_record(), text_record(), text_record(target="")])
+    assert_one_clear_error(run_plan(config), f"{tmp_path / 'train.jsonl'}:3: field 'target': empty")
+
+
+def test_empty_file(tmp_path):
+    config = write_config(tmp_path, [])
+    assert_one_clear_error(run_plan(config), f"{tmp_path / 'train.jsonl'}: empty file: no examples")
+
+
+def test_chat_without_a_system_message(tmp_path):
+    chat = {"messages": [{"role": "user", "content": "Encode: falcon"}, {"role": "assistant", "content": "juru"}]}
+    config = write_config(tmp_path, [chat])
+    assert_one_clear_error(run_plan(config), f"{tmp_path / 'train.jsonl'}:1: field 'messages[0].role': the first "
+                                             "message must be the system message, got user")
+
+
+def test_p_that_is_not_a_token_prefix(tmp_path):
+    from packtrain.data import load_tokenizer
+
+    tok = load_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # no separators: BPE merges across
+    tok.save_pretrained(tmp_path / "tokenizer")
+    config = write_config(tmp_path, [text_record(), text_record(system="jur", item="u", target="x")],
+                          "  tokenizer: tokenizer\n")
+    assert_one_clear_error(run_plan(config), f"{tmp_path / 'train.jsonl'}:2: field 'system': the system turn's tokens "
+                                             "are not a prefix of the whole example's tokens (the tokenizer merges "
+                                             "across the end of the system turn)")
+
+
+def test_example_over_the_budget(tmp_path):
+    records = [{"id": "long", "prefix_ids": [1, 2, 3, 4], "item_ids": [5] * 6, "target_ids": [6]}]
+    config = write_config(tmp_path, records, "packing:\n  token_budget: 10\n")
+    assert_one_clear_error(run_plan(config), f"{tmp_path / 'train.jsonl'}:1: example 'long' needs 11 positions (P 4 + "
+                                             "continuation 7), over packing.token_budget=10; raise the budget or set "
+                                             "packing.on_overflow=skip")
+    result = run_plan(config, "--json", "--set", "packing.on_overflow=skip")
+    assert_one_clear_error(result, "no example fits packing.token_budget=10 (1 skipped)")
+
+
+def test_bad_config_lists_every_problem(tmp_path):
+    config = write_config(tmp_path, [text_record()], "packing:\n  token_budget: 1\n  max_continuation: 3\n")
+    result = run_plan(config, "--set", "train.seed=x")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        f"packtrain plan: error: invalid config in {config}:",
+        "  - packing.max_continuation: unknown key (known: max_continuations, mode, on_overflow, token_budget)",
+        "  - train.seed: expected int, got 'x'",
+        "  - packing.token_budget: must be at least 2, got 1",
+    ]
+
+
+def test_missing_train_data(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("packing:\n  token_budget: 100\n")
+    result = run_plan(config)
+    assert_one_clear_error(result, f"invalid config in {config}:\n  - data.train: not set (the training data to plan)")
