@@ -93,12 +93,14 @@ def _records(path: Path) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) for each non-blank line."""
     if not path.is_file():
         raise DataError(path, None, None, "file not found")
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
+            except UnicodeDecodeError:
+                raise DataError(path, line_no, None, "not valid UTF-8") from None
             except json.JSONDecodeError as e:
                 raise DataError(path, line_no, None, f"not valid JSON: {e.msg} (column {e.colno})") from None
             if not isinstance(record, dict):

@@ -149,7 +149,8 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     """Exact counts for a plan: positions and full-attention pairs (per layer and head), standalone vs packed.
 
     Standalone, each example is its own sequence P + C. Packed, a continuation of length c after P attends to P
-    and to itself: c * len(P) + c(c+1)/2 pairs, and P's own pairs are counted once per pack.
+    and to itself: c * len(P) + c(c+1)/2 pairs, and P's own pairs are counted once per pack. The median of
+    continuations per pack is the lower median, so an integer like the rest.
     """
     per_pack = []
     positions_standalone = pairs_standalone = pairs_packed = 0

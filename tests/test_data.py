@@ -130,6 +130,12 @@ def test_malformed_json(tmp_path):
     assert load_error(path).startswith(f"{path}:2: not valid JSON: Expecting ',' delimiter")
 
 
+def test_invalid_utf8(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"system": "s", "item": "i", "target": "t"}\n{"system": "\xff", "item": "i", "target": "t"}\n')
+    assert load_error(path) == f"{path}:2: not valid UTF-8"
+
+
 def test_line_that_is_not_an_object(tmp_path):
     path = write_lines(tmp_path, ["[1, 2]"])
     assert load_error(path) == f"{path}:1: expected a JSON object, got list"

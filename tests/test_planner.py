@@ -105,6 +105,13 @@ def test_the_plan_is_the_same_in_every_process():
     assert len(runs[0]["packs"]) > 10 and runs[0]["orders"][0] != runs[0]["orders"][1]
 
 
+def test_planning_imports_neither_torch_nor_transformers():
+    code = ("import sys, packtrain.planner, packtrain.data, packtrain.commands.plan; "
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_overflow_is_an_error_naming_file_line_and_id():
     examples = [ex("fits", 6, line=1), ex("too-long", 7, line=2)]
     with pytest.raises(PlanError) as e:
