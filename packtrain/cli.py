@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 
 
@@ -20,20 +22,46 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
+    p = sub.add_parser("train", help="train a LoRA adapter (single process, or under torchrun / accelerate launch)")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+
+    p = sub.add_parser("eval", help="per-example losses of an adapter on data.eval (or data.train)")
+    _add_config_args(p)
+    p.add_argument("--adapter", required=True, help="adapter directory (PEFT format)")
+    p.add_argument("--out", required=True, help="output JSONL: one {id, loss, target_tokens} line per example")
+
     return parser
+
+
+COMMANDS = {
+    "plan": ("packtrain.commands.plan", "run_plan"),
+    "train": ("packtrain.commands.train", "run_train"),
+    "eval": ("packtrain.commands.evaluate", "run_eval"),
+}
+
+
+def _quiet_library_noise() -> None:
+    """transformers announces its slow fallbacks for the *unpacked* GDN kernels on every CPU run, and peft
+    trips a deprecation warning: neither says anything about the packed path, whose back end we print."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    logging.getLogger("transformers").addFilter(
+        lambda record: "falling back to its reference PyTorch implementation" not in record.getMessage())
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet_library_noise()
+    module, name = COMMANDS[args.command]
     try:
-        if args.command == "plan":
-            from packtrain.commands.plan import run_plan
-
-            return run_plan(args)
+        return getattr(importlib.import_module(module), name)(args)
     except ValueError as e:  # user errors: config, data, CLI arguments
         print(f"packtrain {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

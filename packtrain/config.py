@@ -105,6 +105,7 @@ class TrainConfig:
     eval_every: int | None = None
     activation_checkpointing: bool = False
     offload: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
 
 
 @dataclass

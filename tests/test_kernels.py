@@ -56,3 +56,12 @@ def test_conv_with_history_equals_conv_over_concatenation():
     whole = torch_ref.causal_conv_silu(x, w, None)
     tail = torch_ref.conv_with_history_silu(x[..., 12:], x[..., 9:12], w, None)
     torch.testing.assert_close(tail, whole[..., 12:], rtol=1e-13, atol=1e-14)
+
+
+def test_conv_equals_torch_conv1d():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 6, 30, generator=g, dtype=torch.float64)
+    w = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    b = torch.randn(6, generator=g, dtype=torch.float64)
+    ref = torch.nn.functional.silu(torch.nn.functional.conv1d(x, w.unsqueeze(1), b, padding=3, groups=6)[..., :30])
+    torch.testing.assert_close(torch_ref.causal_conv_silu(x, w, b), ref, rtol=1e-13, atol=1e-14)

@@ -1,0 +1,46 @@
+"""`packtrain eval CONFIG --adapter DIR --out FILE.jsonl`: one ``{"id", "loss", "target_tokens"}`` line per example,
+packed by default, standalone with ``--set packing.mode=standalone``. Uses data.eval, else data.train."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from packtrain.config import load_config
+from packtrain.distributed import init_distributed, shutdown
+
+
+def run_eval(args) -> int:
+    from peft import PeftModel
+
+    from packtrain.data import load_split
+    from packtrain.evaluate import evaluate, mean_loss
+    from packtrain.forward import PackedLM
+    from packtrain.kernels import select_backend
+    from packtrain.model import build_base_model
+    from packtrain.model_patch import patch_model
+    from packtrain.trainer import plan_for
+
+    cfg = load_config(args.config, args.overrides)
+    adapter = Path(args.adapter)
+    if not (adapter / "adapter_config.json").is_file():
+        raise ValueError(f"--adapter: {adapter} is not a PEFT adapter directory (no adapter_config.json)")
+    split = "eval" if cfg.data.eval else "train"
+    examples = load_split(cfg, split)
+    if examples is None:
+        raise ValueError("data.eval and data.train are both unset: nothing to evaluate")
+    info = init_distributed(cfg.train.device)
+    try:
+        model = PeftModel.from_pretrained(build_base_model(cfg), adapter, is_trainable=False)
+        backend = select_backend(cfg.model.kernels, info.device)
+        lm = PackedLM(patch_model(model, backend)).to(info.device)
+        rows = evaluate(lm, plan_for(cfg, examples), examples, cfg.packing.mode, info)
+        if info.is_main:
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            print(f"packtrain eval: {len(rows)} examples of data.{split}, mode {cfg.packing.mode}, "
+                  f"kernels {backend.describe()}: mean loss {mean_loss(rows):.4f} -> {out}")
+    finally:
+        shutdown()
+    return 0

@@ -1,0 +1,37 @@
+"""Per-example evaluation losses, packed (default) or standalone, on every rank's share of the packs."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from packtrain.distributed import DistInfo
+from packtrain.forward import PackedLM
+from packtrain.planner import Plan
+from packtrain.steps import rank_units, unit_layout
+
+
+@torch.no_grad()
+def evaluate(lm: PackedLM, plan: Plan, examples, mode: str, info: DistInfo, progress=None) -> list[dict]:
+    """``[{"id", "loss", "target_tokens"}]`` in example order (on every rank), skipped examples left out."""
+    was_training = lm.training
+    lm.eval()
+    results: dict[int, tuple[float, int]] = {}
+    units = rank_units(plan, list(range(len(plan.packs))), mode, info.rank, info.world_size)
+    for unit in units:
+        out = lm(unit_layout(unit, plan, examples, mode).to(info.device))
+        if not unit.dummy:
+            for e, loss, n in zip(unit.examples, out.per_example.tolist(), out.target_tokens.tolist()):
+                results[e] = (loss, n)
+        if progress is not None:
+            progress.update(1)
+    if info.enabled:
+        gathered = [None] * info.world_size
+        dist.all_gather_object(gathered, results)
+        results = {k: v for part in gathered for k, v in part.items()}
+    lm.train(was_training)
+    return [{"id": examples[e].id, "loss": results[e][0], "target_tokens": results[e][1]} for e in sorted(results)]
+
+
+def mean_loss(rows: list[dict]) -> float:
+    return sum(r["loss"] for r in rows) / len(rows)

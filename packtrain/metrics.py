@@ -1,0 +1,67 @@
+"""metrics.jsonl (one line per step, eval lines marked ``"split": "eval"``), peak memory, and the loss plot."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: peak allocated on the device; CPU: the process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class MetricsLog:
+    def __init__(self, path: Path, enabled: bool = True, resume: bool = False):
+        self.path = Path(path)
+        self.enabled = enabled
+        if enabled and not resume and self.path.exists():
+            self.path.unlink()
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop lines a killed run wrote after the checkpoint it resumes from."""
+        if not (self.enabled and self.path.exists()):
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
+    """Train loss per step and eval loss at each evaluation, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not metrics_path.exists():
+        return None
+    train, evals = [], []
+    for line in metrics_path.read_text().splitlines():
+        rec = json.loads(line)
+        (evals if rec.get("split") == "eval" else train).append((rec["step"], rec["loss"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train (mean per-example loss)", lw=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval", lw=1.5)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png

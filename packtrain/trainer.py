@@ -1,0 +1,233 @@
+"""The training run, top to bottom: setup -> (step, log, eval, save)* -> final adapter.
+
+    examples -> planner -> packs -> per-rank units -> layout -> patched model -> loss -> backward -> AdamW/SGD
+
+An optimizer step takes ``train.packs_per_step`` packs (global across ranks). Each unit's ``loss_sum`` (sum of
+per-example mean target cross-entropies) is scaled by 1 / (examples in the whole step), so the update is the
+mean of per-example losses whatever the split into packs, micro-steps, modes or ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from packtrain import checkpoint as ckpt
+from packtrain.config import Config
+from packtrain.data import load_split
+from packtrain.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from packtrain.evaluate import evaluate, mean_loss
+from packtrain.forward import PackedLM
+from packtrain.kernels import select_backend
+from packtrain.metrics import MetricsLog, peak_memory_bytes, plot_losses
+from packtrain.model import apply_lora, build_base_model
+from packtrain.model_patch import patch_model
+from packtrain.optim import build_optimizer, build_scheduler
+from packtrain.planner import Plan, plan_packs, plan_stats
+from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
+from packtrain.wrap import checkpoint_decoder_layers
+
+
+class ZeroGradientError(RuntimeError):
+    pass
+
+
+CUT_OFF = ("the adapters are cut off from the loss: frozen embeddings without enable_input_require_grads, a "
+           "detached layer, or lora.target_modules the loss does not depend on")
+
+
+def plan_for(cfg: Config, examples) -> Plan:
+    p = cfg.packing
+    return plan_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed)
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for pack in plan.packs:
+        h.update(repr((pack.prompt, pack.examples)).encode())
+    return h.hexdigest()[:16]
+
+
+class Trainer:
+    def __init__(self, cfg: Config, resume: bool = False, log=print):
+        self.cfg = cfg
+        self.log = log
+        self.dist: DistInfo = init_distributed(cfg.train.device)
+        self.out = Path(cfg.output_dir)
+        self.mode = cfg.packing.mode
+        self.train_examples = load_split(cfg, "train")
+        if self.train_examples is None:
+            raise ValueError("data.train: not set")
+        self.eval_examples = load_split(cfg, "eval")
+        self.plan = plan_for(cfg, self.train_examples)
+        self.eval_plan = plan_for(cfg, self.eval_examples) if self.eval_examples else None
+        self.steps_per_epoch = steps_per_epoch(self.plan, cfg.train.packs_per_step)
+        self.total_steps = cfg.train.epochs * self.steps_per_epoch
+        if cfg.train.max_steps is not None:
+            self.total_steps = min(self.total_steps, cfg.train.max_steps)
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        base_dir = self.out / "base" if cfg.model.config is not None else None
+        model = build_base_model(cfg, save_to=base_dir if self.dist.is_main else None)
+        self.model = apply_lora(model, cfg)
+        self.backend = select_backend(cfg.model.kernels, self.dist.device)
+        patch_model(self.model, self.backend)
+        if cfg.train.activation_checkpointing:
+            checkpoint_decoder_layers(self.model)
+        self.lm = PackedLM(self.model).to(self.dist.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        self.step = 0
+        if resume:
+            self._resume()
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.dist.is_main, resume=resume)
+        if resume:
+            self.metrics.truncate_after(self.step)
+        if self.dist.is_main:
+            (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+    # -- the run ---------------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, info = self.cfg, self.dist
+        self._print_header()
+        first_eval = last_eval = None
+        if self.eval_plan is not None and self.step == 0:
+            first_eval = last_eval = self._eval()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (info.is_main and cfg.logging.progress))
+        checked_gradients = False
+        while self.step < self.total_steps:
+            record = self._train_step(check_gradients=not checked_gradients)
+            checked_gradients = True
+            self.metrics.write(record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                            pos_s=f"{record['positions'] / max(record['seconds'], 1e-9):.0f}")
+            bar.update(1)
+            end_of_epoch = self.step % self.steps_per_epoch == 0
+            every = cfg.train.eval_every
+            if self.eval_plan is not None and (end_of_epoch or (every and self.step % every == 0)):
+                last_eval = self._eval()
+            if self.step % cfg.train.save_every == 0 and self.step < self.total_steps:
+                self._save_checkpoint()
+        bar.close()
+        self._save_final()
+        summary = {"steps": self.step, "eval_before": first_eval, "eval_after": last_eval,
+                   "adapter": str(self.out / "adapter"), "plot": str(self.out / "loss.png")}
+        self._print_footer(summary)
+        return summary
+
+    def _train_step(self, check_gradients: bool) -> dict:
+        cfg, info = self.cfg, self.dist
+        epoch, index = divmod(self.step, self.steps_per_epoch)
+        t0 = time.perf_counter()
+        pack_ids = step_packs(self.plan, epoch, index, cfg.train.packs_per_step, cfg.train.seed)
+        n_examples = step_examples(self.plan, pack_ids)
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=info.device)  # [sum of per-example losses, positions]
+        for unit in rank_units(self.plan, pack_ids, self.mode, info.rank, info.world_size):
+            layout = unit_layout(unit, self.plan, self.train_examples, self.mode).to(info.device)
+            out = self.lm(layout)
+            if not out.loss_sum.requires_grad:
+                raise ZeroGradientError(CUT_OFF + " (the loss does not require grad at all)")
+            # FSDP averages gradients over ranks; the world factor turns that average into the global sum.
+            scale = 0.0 if unit.dummy else info.world_size / n_examples
+            (out.loss_sum * scale).backward()
+            if not unit.dummy:
+                loss_sum += torch.tensor([out.per_example.sum().item(), layout.length], dtype=torch.float64,
+                                         device=info.device)
+        all_reduce_sum(loss_sum, info)
+        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if check_gradients and grad_norm == 0.0:
+            raise ZeroGradientError(CUT_OFF + " (every trainable gradient is zero after the first step)")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"step": self.step, "epoch": epoch, "loss": float(loss_sum[0]) / n_examples, "lr": lr,
+                "grad_norm": grad_norm, "examples": n_examples, "packs": len(pack_ids),
+                "positions": int(loss_sum[1]), "seconds": time.perf_counter() - t0,
+                "peak_memory_bytes": peak_memory_bytes(info.device)}
+
+    def _eval(self) -> float:
+        info = self.dist
+        bar = tqdm(total=None, desc="eval", unit="unit", leave=False,
+                   disable=not (info.is_main and self.cfg.logging.progress))
+        rows = evaluate(self.lm, self.eval_plan, self.eval_examples, self.mode, info, progress=bar)
+        bar.close()
+        loss = mean_loss(rows)
+        self.metrics.write({"split": "eval", "step": self.step, "loss": loss, "examples": len(rows)})
+        if info.is_main:
+            tqdm.write(f"eval  step {self.step}: loss {loss:.4f} over {len(rows)} examples")
+        return loss
+
+    # -- saving and resuming --------------------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {"epoch": self.step // self.steps_per_epoch, "plan": plan_fingerprint(self.plan),
+                "world_size": self.dist.world_size, "mode": self.mode}
+
+    def _save_checkpoint(self) -> None:
+        if self.dist.is_main:
+            ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, self._state())
+        barrier(self.dist)
+        # Fault injection for resume tests: die like a preempted job (SIGKILL: no cleanup, no final save).
+        if os.environ.get("PACKTRAIN_KILL_AFTER_CHECKPOINT") == str(self.step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _save_final(self) -> None:
+        if self.dist.is_main:
+            ckpt.save_adapter(self.model, self.out / "adapter")
+            plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
+        barrier(self.dist)
+
+    def _resume(self) -> None:
+        from peft import set_peft_model_state_dict
+
+        latest = ckpt.latest_checkpoint(self.out)
+        if latest is None:
+            self.log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
+            return
+        state = ckpt.read_state(latest)
+        if state["plan"] != plan_fingerprint(self.plan):
+            raise ValueError(f"resume: {latest} was written for another plan (data or packing changed)")
+        set_peft_model_state_dict(self.model, ckpt.load_adapter_weights(latest / "adapter"))
+        self.optimizer.load_state_dict(torch.load(latest / "optimizer.pt", map_location=self.dist.device))
+        self.scheduler.load_state_dict(torch.load(latest / "scheduler.pt"))
+        ckpt.set_rng_state(torch.load(latest / "rng.pt", weights_only=False))
+        self.step = state["step"]
+        self.log(f"resume: continuing from {latest} (step {self.step})")
+
+    # -- what the user sees ---------------------------------------------------------------------------------
+    def _print_header(self) -> None:
+        if not self.dist.is_main:
+            return
+        s = plan_stats(self.plan, self.train_examples)
+        trainable = sum(p.numel() for p in self.params)
+        self.log(f"packtrain train: {s['examples']} examples, {s['prompts']} prompts -> {s['packs']} packs "
+                 f"(positions {s['positions_standalone']:,} standalone vs {s['positions_packed']:,} packed, "
+                 f"{s['position_ratio']:.1f}x)")
+        self.log(f"  mode {self.mode}, kernels: {self.backend.describe()}, device {self.dist.device}, "
+                 f"world size {self.dist.world_size}, dtype {self.cfg.model.dtype}")
+        self.log(f"  {self.total_steps} steps ({self.steps_per_epoch} per epoch, {self.cfg.train.packs_per_step} "
+                 f"packs per step), {trainable:,} trainable parameters, output {self.out}")
+
+    def _print_footer(self, summary: dict) -> None:
+        if not self.dist.is_main:
+            return
+        if summary["eval_before"] is not None:
+            self.log(f"eval loss: {summary['eval_before']:.4f} at step 0 -> {summary['eval_after']:.4f} "
+                     f"at step {self.step}")
+        self.log(f"adapter: {summary['adapter']}")
+        self.log(f"loss plot: {summary['plot']}")
+        self.log(f"metrics: {self.out / 'metrics.jsonl'}")
+

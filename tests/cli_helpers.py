@@ -1,0 +1,72 @@
+"""Run the real `packtrain` CLI in a subprocess on tiny configs written to a temp directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY_MODEL = {
+    "model_type": "qwen3_5_text", "vocab_size": 1024, "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                        "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+}
+
+RULEBOOKS = [
+    "Rulebook A. Map each colour word to its code: red is alpha, blue is beta, green is gamma. Answer with the code.",
+    "Rulebook B. Map each colour word to its code: red is gamma, blue is alpha, green is beta. Answer with the code.",
+    "Rulebook C. Answer with the colour word repeated twice, separated by a space.",
+]
+
+
+def write_text_data(path: Path, items_per_rulebook: int = 5, offset: int = 0) -> Path:
+    words = ["red", "blue", "green", "red blue", "green red", "blue green", "blue"]
+    lines = []
+    for r, system in enumerate(RULEBOOKS):
+        for i in range(items_per_rulebook):
+            w = words[(i + offset + r) % len(words)]
+            lines.append({"id": f"r{r}-{i + offset}", "system": system, "item": f"Colour: {w}",
+                          "target": f"code for {w} under rulebook {'ABC'[r]}"})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def write_config(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
+    cfg = {
+        "model": {"config": TINY_MODEL, "seed": 0, "dtype": "float64", "kernels": "torch"},
+        "data": {"train": str(write_text_data(tmp / "train.jsonl")),
+                 "eval": str(write_text_data(tmp / "eval.jsonl", items_per_rulebook=2, offset=3))},
+        "packing": {"mode": "shared_prefix", "token_budget": 160, "max_continuations": 3},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "init_lora_weights": False},
+        "optim": {"name": "adamw", "lr": 1.0e-3, "warmup_steps": 0},
+        "train": {"epochs": 1, "packs_per_step": 2, "seed": 0, "save_every": 100},
+        "logging": {"progress": False},
+        "output_dir": str(tmp / "run"),
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            cfg[section].update(values)
+        else:
+            cfg[section] = values
+    path = tmp / name
+    path.write_text("# packtrain train " + name + "\n" + yaml.safe_dump(cfg))
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "packtrain", *args], capture_output=True, text=True, env=full_env,
+                          cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"packtrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc

@@ -1,0 +1,114 @@
+"""End-to-end runs of `packtrain train` / `packtrain eval` on a tiny float64 model (the real CLI, subprocesses)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cli_helpers import run_cli, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def _adapter(run_dir):
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_shared_prefix_and_standalone_give_the_same_adapter(tmp_path):
+    cfg = write_config(tmp_path, train={"max_steps": 2})
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'packed'}")
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'alone'}", "--set", "packing.mode=standalone")
+    packed, alone = _adapter(tmp_path / "packed"), _adapter(tmp_path / "alone")
+    assert packed.keys() == alone.keys() and packed
+    for name in packed:
+        # float64 as shipped: the model's float32 casts bound the agreement (tests/test_parity.py: 1e-4 on grads);
+        # AdamW's first steps normalise the gradient, so the adapters agree to far better than the step size.
+        torch.testing.assert_close(packed[name], alone[name], rtol=1e-6, atol=1e-9)
+    steps = [m for m in _metrics(tmp_path / "packed") if m.get("split") != "eval"]
+    steps_alone = [m for m in _metrics(tmp_path / "alone") if m.get("split") != "eval"]
+    assert [m["examples"] for m in steps] == [m["examples"] for m in steps_alone]
+    assert [m["positions"] for m in steps] < [m["positions"] for m in steps_alone]  # sharing P: fewer positions
+    for a, b in zip(steps, steps_alone):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path):
+    from peft import PeftModel
+    from transformers import Qwen3_5ForCausalLM
+
+    from packtrain.data import load_examples
+
+    cfg = write_config(tmp_path, train={"max_steps": 3, "save_every": 2})
+    run_cli("train", str(cfg))
+    run = tmp_path / "run"
+    for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "config.yaml", "loss.png",
+                 "metrics.jsonl", "base/config.json", "checkpoints/step-2/optimizer.pt",
+                 "checkpoints/step-2/scheduler.pt", "checkpoints/step-2/rng.pt", "checkpoints/step-2/state.json",
+                 "checkpoints/step-2/adapter/adapter_model.safetensors"):
+        assert (run / name).exists(), name
+    metrics = _metrics(run)
+    assert metrics[0]["split"] == "eval" and metrics[0]["step"] == 0  # eval before any update
+    train_lines = [m for m in metrics if m.get("split") != "eval"]
+    assert [m["step"] for m in train_lines] == [1, 2, 3]
+    for key in ("epoch", "loss", "lr", "grad_norm", "examples", "positions", "seconds", "peak_memory_bytes"):
+        assert key in train_lines[0], key
+
+    out = tmp_path / "eval_out.jsonl"
+    run_cli("eval", str(cfg), "--adapter", str(run / "adapter"), "--out", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    examples = {e.id: e for e in load_examples(tmp_path / "eval.jsonl")}
+    assert sorted(r["id"] for r in rows) == sorted(examples)
+
+    base = Qwen3_5ForCausalLM.from_pretrained(run / "base", dtype=torch.float64)
+    model = PeftModel.from_pretrained(base, run / "adapter").eval()
+    with torch.no_grad():
+        for r in rows:
+            ex = examples[r["id"]]
+            ids = torch.tensor([list(ex.prefix_ids) + list(ex.item_ids) + list(ex.target_ids)])
+            labels = torch.full_like(ids, -100)
+            start = len(ex.prefix_ids) + len(ex.item_ids)
+            labels[0, start:] = ids[0, start:]
+            reference = model(input_ids=ids, labels=labels).loss.item()
+            assert r["target_tokens"] == len(ex.target_ids)
+            # float64 model, transformers' float32 casts (RMSNorm, chunk rule, logits.float()): see test_parity.py
+            assert r["loss"] == pytest.approx(reference, rel=5e-6), r["id"]
+
+    standalone = tmp_path / "eval_standalone.jsonl"
+    run_cli("eval", str(cfg), "--adapter", str(run / "adapter"), "--out", str(standalone),
+            "--set", "packing.mode=standalone")
+    alone = {json.loads(line)["id"]: json.loads(line)["loss"] for line in standalone.read_text().splitlines()}
+    for r in rows:
+        assert r["loss"] == pytest.approx(alone[r["id"]], rel=5e-6)
+
+
+def test_resume_after_kill_gives_the_uninterrupted_adapter(tmp_path):
+    cfg = write_config(tmp_path, train={"epochs": 2, "packs_per_step": 1, "save_every": 2},
+                       lora={"dropout": 0.1}, optim={"schedule": "cosine", "warmup_steps": 2})
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'straight'}")
+    killed = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'killed'}",
+                     env={"PACKTRAIN_KILL_AFTER_CHECKPOINT": "4"}, check=False)
+    assert killed.returncode != 0, "the run was meant to die after the step-4 checkpoint"
+    assert not (tmp_path / "killed" / "adapter").exists()
+    resumed = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'killed'}", "--resume")
+    assert "continuing from" in resumed.stdout and "step-4" in resumed.stdout
+    a, b = _adapter(tmp_path / "straight"), _adapter(tmp_path / "killed")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # bitwise on CPU (dropout RNG restored too)
+    steps = [m["step"] for m in _metrics(tmp_path / "killed") if m.get("split") != "eval"]
+    assert steps == sorted(set(steps)) and steps[-1] == len(steps)  # no step logged twice or lost
+
+
+def test_bad_config_is_one_clear_error(tmp_path):
+    cfg = write_config(tmp_path)
+    proc = run_cli("train", str(cfg), "--set", "optim.lr=-1", "--set", "train.bogus=3", "--set",
+                   "packing.mode=tree", check=False)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    for path in ("optim.lr", "train.bogus", "packing.mode"):
+        assert path in proc.stderr, proc.stderr

@@ -1,0 +1,47 @@
+"""Trainer behaviour in-process: the zero-gradient guard and split-independent loss normalisation."""
+
+import pytest
+import torch
+from peft import get_peft_model_state_dict
+
+from cli_helpers import write_config
+from packtrain.config import load_config
+from packtrain.forward import PackedLM
+from packtrain.trainer import Trainer, ZeroGradientError
+
+
+def _trainer(tmp_path, *overrides, name="cfg.yaml"):
+    cfg = load_config(write_config(tmp_path, name=name), list(overrides))
+    return Trainer(cfg, log=lambda *a: None)
+
+
+@pytest.mark.parametrize("cut,message", [
+    (lambda h: h.detach() + 0.0 * h, "every trainable gradient is zero"),  # a graph, but zero gradients
+    (lambda h: h.detach(), "does not require grad"),  # no graph at all
+], ids=["zero-gradients", "no-graph"])
+def test_zero_gradient_guard_fires_when_adapters_are_cut_off(tmp_path, monkeypatch, cut, message):
+    original = PackedLM.hidden_states
+    monkeypatch.setattr(PackedLM, "hidden_states", lambda self, layout: cut(original(self, layout)))
+    trainer = _trainer(tmp_path, "data.eval=null", "train.max_steps=2")
+    with pytest.raises(ZeroGradientError, match=message):
+        trainer.train()
+
+
+def test_guard_is_quiet_on_a_healthy_run(tmp_path):
+    summary = _trainer(tmp_path, "data.eval=null", "train.max_steps=1").train()
+    assert summary["steps"] == 1
+
+
+def test_update_does_not_depend_on_how_a_step_is_split_into_packs(tmp_path):
+    """All 15 examples in one step, packed three different ways: one adapter."""
+    adapters = []
+    for i, (budget, max_cont) in enumerate([(1000, 90), (160, 3), (120, 1)]):
+        trainer = _trainer(tmp_path, "data.eval=null", "train.max_steps=1", "train.packs_per_step=100",
+                           f"packing.token_budget={budget}", f"packing.max_continuations={max_cont}",
+                           "optim.name=sgd", "optim.max_grad_norm=null", f"output_dir={tmp_path / str(i)}")
+        assert len(trainer.plan.packs) in {3, 6, 15}
+        trainer.train()
+        adapters.append(get_peft_model_state_dict(trainer.model))
+    for other in adapters[1:]:
+        for name, value in adapters[0].items():
+            torch.testing.assert_close(other[name], value, rtol=1e-9, atol=1e-12)
