@@ -106,6 +106,12 @@ class TrainConfig:
     activation_checkpointing: bool = False
     offload: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    # A hard cap on positions per forward (a memory limit found by `packtrain smoke`), enforced at run time without
+    # re-planning: a unit over it is skipped on every rank and counted. None: the packing budget is the cap.
+    max_positions: int | None = None
+    # Exception class names that skip a unit (on every rank, counted) instead of stopping the run, when raised
+    # while the unit is prepared, before any collective of the step; e.g. [DataError].
+    skippable_errors: list[str] = field(default_factory=list)
 
 
 @dataclass
