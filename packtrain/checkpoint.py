@@ -1,8 +1,11 @@
 """Adapters and checkpoints on disk, always written under a temporary name and renamed into place.
 
-``OUTPUT/checkpoints/step-N/``: ``adapter/`` (PEFT format), ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` and
-``state.json`` (the step, which fixes the data cursor, and a fingerprint of the plan). A directory only ever
-appears complete, so the newest ``step-N`` is always safe to resume from.
+``OUTPUT/checkpoints/step-N/``: ``adapter/`` (PEFT format), ``trainable.safetensors`` (the same tensors under
+the model's parameter names), ``optimizer.pt`` (full state keyed by parameter names), ``scheduler.pt``,
+``rng-rank-R.pt`` (one per rank) and ``state.json`` (the step, which fixes the data cursor, and a fingerprint of
+the plan). Everything is gathered to full tensors with every rank taking part and written by rank 0, so a
+checkpoint resumes under any world size. A directory only ever appears complete (written under ``.tmp-step-N``
+and renamed), so the newest ``step-N`` is always safe to resume from.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from packtrain.distributed import DistInfo, barrier
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -55,17 +63,103 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(output_dir: Path, step: int, model, optimizer, scheduler, state: dict,
-                    adapter_state: dict | None = None, optimizer_state: dict | None = None) -> Path:
-    def write(tmp: Path):
-        tmp.mkdir(parents=True)
-        model.save_pretrained(tmp / "adapter", state_dict=adapter_state)
-        torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+def clean_name(name: str) -> str:
+    """A parameter name of the wrapped root -> the name in the peft model (no root prefix, no wrapper)."""
+    name = name.replace("_checkpoint_wrapped_module.", "")
+    return name[len("model."):] if name.startswith("model.") else name
 
-    return _atomic_dir(Path(output_dir) / "checkpoints" / f"step-{step}", write)
+
+def trainable_state(lm, info: DistInfo) -> dict | None:
+    """Full trainable tensors (peft names) on rank 0, None elsewhere. Every rank must call it: under FSDP each
+    tensor is all-gathered, in the same order everywhere."""
+    out = {}
+    for name, p in lm.named_parameters():
+        if not p.requires_grad:
+            continue
+        t = p.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        if info.is_main:
+            out[clean_name(name)] = t.cpu().clone()
+    return out if info.is_main else None
+
+
+def load_trainable_state(lm, state: dict | None, info: DistInfo) -> None:
+    """Inverse of :func:`trainable_state`: rank 0's full tensors broadcast and sharded like each parameter."""
+    for name, p in lm.named_parameters():
+        if not p.requires_grad:
+            continue
+        if info.is_main:
+            full = state[clean_name(name)].to(device=info.device, dtype=p.dtype)
+        else:
+            full = torch.empty(p.shape, dtype=p.dtype, device=info.device)
+        if info.enabled:
+            dist.broadcast(full, src=0)
+        with torch.no_grad():
+            if isinstance(p, DTensor):
+                p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
+            else:
+                p.copy_(full)
+
+
+def _state_dict_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def optimizer_state(lm, optimizer) -> dict:
+    """Full optimizer state keyed by parameter names (world-size independent); complete on rank 0."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(lm, optimizer, options=_state_dict_options(cpu_offload=True))
+
+
+def load_optimizer_state(lm, optimizer, state: dict | None, info: DistInfo) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(lm, optimizer, optim_state_dict=state if state is not None else {},
+                             options=_state_dict_options(broadcast_from_rank0=info.enabled))
+
+
+def save_checkpoint(output_dir: Path, step: int, lm, peft_model, optimizer, scheduler, state: dict,
+                    info: DistInfo) -> Path | None:
+    """Every rank takes part (gathers, its own RNG file); rank 0 writes the rest and renames the directory."""
+    final = Path(output_dir) / "checkpoints" / f"step-{step}"
+    tmp = final.parent / f".tmp-{final.name}"
+    if info.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    trainable = trainable_state(lm, info)
+    optim = optimizer_state(lm, optimizer)
+    barrier(info)
+    torch.save(rng_state(), tmp / f"rng-rank-{info.rank}.pt")
+    barrier(info)
+    if info.is_main:
+        peft_model.save_pretrained(tmp / "adapter", state_dict=trainable)
+        save_file(trainable, str(tmp / "trainable.safetensors"))
+        torch.save(optim, tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    barrier(info)
+    return final
+
+
+def load_checkpoint(ckpt: Path, lm, optimizer, scheduler, info: DistInfo) -> dict:
+    """Adapter weights, optimizer, scheduler and this rank's RNG (rank 0's when the world size changed)."""
+    state = read_state(ckpt)
+    trainable = load_file(str(ckpt / "trainable.safetensors")) if info.is_main else None
+    load_trainable_state(lm, trainable, info)
+    optim = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False) if info.is_main else None
+    load_optimizer_state(lm, optimizer, optim, info)
+    scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
+    rng_file = ckpt / f"rng-rank-{info.rank}.pt"
+    set_rng_state(torch.load(rng_file if rng_file.exists() else ckpt / "rng-rank-0.pt", weights_only=False))
+    return state
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -80,7 +174,3 @@ def read_state(ckpt: Path) -> dict:
     return json.loads((ckpt / "state.json").read_text())
 
 
-def load_adapter_weights(ckpt_adapter: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(ckpt_adapter / "adapter_model.safetensors"))

@@ -41,12 +41,10 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     return DistInfo(rank, world, local_rank, device)
 
 
-def all_reduce_max(value: float, info: DistInfo) -> float:
-    if not info.enabled:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+def all_reduce_max_tensor(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:

@@ -22,21 +22,34 @@ from tqdm.auto import tqdm
 from packtrain import checkpoint as ckpt
 from packtrain.config import Config
 from packtrain.data import load_split
-from packtrain.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from packtrain.distributed import DistInfo, all_reduce_max_tensor, all_reduce_sum, barrier, init_distributed
 from packtrain.evaluate import evaluate, mean_loss
-from packtrain.forward import PackedLM
 from packtrain.kernels import select_backend
 from packtrain.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.model import apply_lora, build_base_model
-from packtrain.model_patch import patch_model
 from packtrain.optim import build_optimizer, build_scheduler
 from packtrain.planner import Plan, plan_packs, plan_stats
 from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
-from packtrain.wrap import checkpoint_decoder_layers
+from packtrain.wrap import prepare
 
 
 class ZeroGradientError(RuntimeError):
     pass
+
+
+OK, SKIP, FATAL = 0, 1, 2  # per-unit codes, agreed across ranks with an all-reduce MAX
+
+
+def _exception_class(name: str) -> type:
+    import builtins
+
+    from packtrain import data, planner
+
+    for where in (data, planner, builtins, torch.cuda):
+        cls = getattr(where, name, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            return cls
+    raise ValueError(f"train.skippable_errors: unknown exception class {name!r}")
 
 
 CUT_OFF = ("the adapters are cut off from the loss: frozen embeddings without enable_input_require_grads, a "
@@ -80,14 +93,17 @@ class Trainer:
         model = build_base_model(cfg, save_to=base_dir if self.dist.is_main else None)
         self.model = apply_lora(model, cfg)
         self.backend = select_backend(cfg.model.kernels, self.dist.device)
-        patch_model(self.model, self.backend)
-        if cfg.train.activation_checkpointing:
-            checkpoint_decoder_layers(self.model)
-        self.lm = PackedLM(self.model).to(self.dist.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        t = cfg.train
+        self.lm = prepare(self.model, self.backend, checkpointing=t.activation_checkpointing, offload=t.offload,
+                          shard=self.dist.enabled, device=self.dist.device)
+        self.params = [p for p in self.lm.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        # Each rank draws its own dropout masks; the seed fixes them (and a checkpoint stores every rank's state).
+        torch.manual_seed(t.seed + 1_000_003 * self.dist.rank)
+        self.skippable = tuple(_exception_class(name) for name in t.skippable_errors)
         self.step = 0
+        self.skipped_total = 0
         if resume:
             self._resume()
         self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.dist.is_main, resume=resume)
@@ -110,7 +126,8 @@ class Trainer:
             record = self._train_step(check_gradients=not checked_gradients)
             checked_gradients = True
             self.metrics.write(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+            loss = "skipped" if record["loss"] is None else f"{record['loss']:.4f}"
+            bar.set_postfix(loss=loss, lr=f"{record['lr']:.2e}",
                             pos_s=f"{record['positions'] / max(record['seconds'], 1e-9):.0f}")
             bar.update(1)
             end_of_epoch = self.step % self.steps_per_epoch == 0
@@ -126,38 +143,72 @@ class Trainer:
         self._print_footer(summary)
         return summary
 
+    def _prepare_units(self, units) -> tuple[list, list[bool], int]:
+        """Build every unit's layout and agree with all ranks, before any collective of the step, which units
+        to skip. Returns (layouts, skip flags per unit index, examples skipped across all ranks)."""
+        info, cap = self.dist, self.cfg.train.max_positions
+        codes, layouts, errors = [], [], []
+        for unit in units:
+            code, layout = OK, None
+            try:
+                layout = unit_layout(unit, self.plan, self.train_examples, self.mode)
+                if cap is not None and layout.length > cap:
+                    code = SKIP
+            except self.skippable:
+                code = SKIP
+            except Exception as e:  # noqa: BLE001 - reported below, after every rank knows
+                code, errors = FATAL, errors + [e]
+            codes.append(code)
+            layouts.append(layout)
+        agreed = all_reduce_max_tensor(torch.tensor(codes or [OK], dtype=torch.int64, device=info.device), info)
+        if int(agreed.max()) == FATAL:
+            if errors:
+                raise errors[0]
+            raise RuntimeError("another rank failed while preparing this step (its error is in its log)")
+        skip = [int(c) == SKIP for c in agreed.tolist()[:len(units)]]
+        mine = sum(len(u.examples) for u, s in zip(units, skip) if s and not u.dummy)
+        skipped = int(all_reduce_sum(torch.tensor([mine], dtype=torch.int64, device=info.device), info)[0])
+        return layouts, skip, skipped
+
     def _train_step(self, check_gradients: bool) -> dict:
         cfg, info = self.cfg, self.dist
         epoch, index = divmod(self.step, self.steps_per_epoch)
         t0 = time.perf_counter()
         pack_ids = step_packs(self.plan, epoch, index, cfg.train.packs_per_step, cfg.train.seed)
-        n_examples = step_examples(self.plan, pack_ids)
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=info.device)  # [sum of per-example losses, positions]
-        for unit in rank_units(self.plan, pack_ids, self.mode, info.rank, info.world_size):
-            layout = unit_layout(unit, self.plan, self.train_examples, self.mode).to(info.device)
-            out = self.lm(layout)
+        units = rank_units(self.plan, pack_ids, self.mode, info.rank, info.world_size)
+        layouts, skip, skipped_examples = self._prepare_units(units)
+        n_examples = step_examples(self.plan, pack_ids) - skipped_examples
+        totals = torch.zeros(2, dtype=torch.float64, device=info.device)  # [sum of per-example losses, positions]
+        for unit, layout, skipped in zip(units, layouts, skip):
+            if skipped or n_examples == 0:
+                continue
+            out = self.lm(layout.to(info.device))
             if not out.loss_sum.requires_grad:
                 raise ZeroGradientError(CUT_OFF + " (the loss does not require grad at all)")
             # FSDP averages gradients over ranks; the world factor turns that average into the global sum.
             scale = 0.0 if unit.dummy else info.world_size / n_examples
             (out.loss_sum * scale).backward()
             if not unit.dummy:
-                loss_sum += torch.tensor([out.per_example.sum().item(), layout.length], dtype=torch.float64,
-                                         device=info.device)
-        all_reduce_sum(loss_sum, info)
-        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        if check_gradients and grad_norm == 0.0:
-            raise ZeroGradientError(CUT_OFF + " (every trainable gradient is zero after the first step)")
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+                totals += torch.tensor([out.per_example.sum().item(), layout.length], dtype=torch.float64,
+                                       device=info.device)
+        all_reduce_sum(totals, info)
+        grad_norm, lr = 0.0, self.scheduler.get_last_lr()[0]
+        if n_examples > 0:
+            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            if check_gradients and grad_norm == 0.0:
+                raise ZeroGradientError(CUT_OFF + " (every trainable gradient is zero after the first step)")
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"step": self.step, "epoch": epoch, "loss": float(loss_sum[0]) / n_examples, "lr": lr,
-                "grad_norm": grad_norm, "examples": n_examples, "packs": len(pack_ids),
-                "positions": int(loss_sum[1]), "seconds": time.perf_counter() - t0,
-                "peak_memory_bytes": peak_memory_bytes(info.device)}
+        n_skipped = sum(skip)
+        self.skipped_total += n_skipped
+        return {"step": self.step, "epoch": epoch, "loss": float(totals[0]) / n_examples if n_examples else None,
+                "lr": lr, "grad_norm": grad_norm, "examples": n_examples, "packs": len(pack_ids),
+                "positions": int(totals[1]), "skipped": n_skipped, "skipped_examples": skipped_examples,
+                "seconds": time.perf_counter() - t0, "peak_memory_bytes": peak_memory_bytes(info.device)}
 
     def _eval(self) -> float:
         info = self.dist
@@ -177,22 +228,20 @@ class Trainer:
                 "world_size": self.dist.world_size, "mode": self.mode}
 
     def _save_checkpoint(self) -> None:
-        if self.dist.is_main:
-            ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, self._state())
-        barrier(self.dist)
+        ckpt.save_checkpoint(self.out, self.step, self.lm, self.model, self.optimizer, self.scheduler,
+                             self._state(), self.dist)
         # Fault injection for resume tests: die like a preempted job (SIGKILL: no cleanup, no final save).
         if os.environ.get("PACKTRAIN_KILL_AFTER_CHECKPOINT") == str(self.step):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _save_final(self) -> None:
+        trainable = ckpt.trainable_state(self.lm, self.dist)
         if self.dist.is_main:
-            ckpt.save_adapter(self.model, self.out / "adapter")
+            ckpt.save_adapter(self.model, self.out / "adapter", state_dict=trainable)
             plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
         barrier(self.dist)
 
     def _resume(self) -> None:
-        from peft import set_peft_model_state_dict
-
         latest = ckpt.latest_checkpoint(self.out)
         if latest is None:
             self.log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
@@ -200,12 +249,11 @@ class Trainer:
         state = ckpt.read_state(latest)
         if state["plan"] != plan_fingerprint(self.plan):
             raise ValueError(f"resume: {latest} was written for another plan (data or packing changed)")
-        set_peft_model_state_dict(self.model, ckpt.load_adapter_weights(latest / "adapter"))
-        self.optimizer.load_state_dict(torch.load(latest / "optimizer.pt", map_location=self.dist.device))
-        self.scheduler.load_state_dict(torch.load(latest / "scheduler.pt"))
-        ckpt.set_rng_state(torch.load(latest / "rng.pt", weights_only=False))
+        ckpt.load_checkpoint(latest, self.lm, self.optimizer, self.scheduler, self.dist)
         self.step = state["step"]
-        self.log(f"resume: continuing from {latest} (step {self.step})")
+        if self.dist.is_main:
+            self.log(f"resume: continuing from {latest} (step {self.step}, written with world size "
+                     f"{state['world_size']}, now {self.dist.world_size})")
 
     # -- what the user sees ---------------------------------------------------------------------------------
     def _print_header(self) -> None:
@@ -218,6 +266,11 @@ class Trainer:
                  f"{s['position_ratio']:.1f}x)")
         self.log(f"  mode {self.mode}, kernels: {self.backend.describe()}, device {self.dist.device}, "
                  f"world size {self.dist.world_size}, dtype {self.cfg.model.dtype}")
+        if self.dist.enabled:
+            local = sum(getattr(p, "_local_tensor", p).numel() for p in self.lm.parameters())
+            total = sum(p.numel() for p in self.lm.parameters())
+            self.log(f"  FSDP2 over {self.dist.world_size} ranks: rank 0 holds {local:,} of {total:,} parameter "
+                     "elements")
         self.log(f"  {self.total_steps} steps ({self.steps_per_epoch} per epoch, {self.cfg.train.packs_per_step} "
                  f"packs per step), {trainable:,} trainable parameters, output {self.out}")
 

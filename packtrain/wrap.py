@@ -1,9 +1,11 @@
 """The one place that wraps a model for training, always in this order:
 LoRA -> model patch -> activation checkpointing (+ offload) -> FSDP.
 
-Activation checkpointing goes through torch's own checkpoint wrapper per decoder layer (the path FSDP uses),
+Activation checkpointing goes through torch's own checkpoint per decoder layer (the path FSDP composes with),
 never transformers' gradient checkpointing: its recompute receives the same keyword arguments, so the pack
-layout is rebuilt identically in backward.
+layout is rebuilt identically in backward. With ``train.offload`` the checkpointed layer inputs live in host
+memory (:mod:`packtrain.offload`). FSDP2 ``fully_shard`` goes on every decoder layer, then on the root
+:class:`~packtrain.forward.PackedLM`, whose forward runs the whole model (embedding, layers, norm, head).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from packtrain.model_patch import text_parts
+from packtrain.forward import PackedLM
+from packtrain.kernels import Backend
+from packtrain.model_patch import patch_model, text_parts
+from packtrain.offload import DEFAULT_CHUNK_BYTES, ChunkPool, OffloadedCheckpoint
 
 
 def checkpoint_decoder_layers(model: nn.Module) -> nn.Module:
@@ -30,3 +35,37 @@ def checkpoint_decoder_layers(model: nn.Module) -> nn.Module:
         check_fn=lambda m: isinstance(m, layer_type),
     )
     return model
+
+
+def offload_decoder_layers(model: nn.Module, pool: ChunkPool) -> nn.Module:
+    """Checkpoint every decoder layer and keep its input in ``pool`` until backward needs it."""
+    text_model, _ = text_parts(model)
+    for i, layer in enumerate(text_model.layers):
+        text_model.layers[i] = OffloadedCheckpoint(layer, pool)
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    text_model, _ = text_parts(model)
+    return list(text_model.layers)
+
+
+def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, offload: bool = False,
+            shard: bool = False, device=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PackedLM:
+    """A LoRA-wrapped model -> the trainable root module. ``offload`` implies checkpointing."""
+    patch_model(model, backend)
+    if offload:
+        pin = device is not None and getattr(device, "type", str(device)) == "cuda"
+        offload_decoder_layers(model, ChunkPool(chunk_bytes, pin_memory=pin))
+    elif checkpointing:
+        checkpoint_decoder_layers(model)
+    lm = PackedLM(model)
+    if device is not None:
+        lm = lm.to(device)
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(lm)
+    return lm

@@ -70,3 +70,24 @@ def run_cli(*args: str, env: dict | None = None, check: bool = True) -> subproce
     if check and proc.returncode != 0:
         raise AssertionError(f"packtrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_distributed(nproc: int, *args: str, env: dict | None = None, check: bool = True,
+                    timeout: int = 240) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N -m packtrain ...` on CPU (gloo), as `accelerate launch` would start it."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), "-m", "packtrain", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    return proc

@@ -48,7 +48,8 @@ def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path):
     run = tmp_path / "run"
     for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "config.yaml", "loss.png",
                  "metrics.jsonl", "base/config.json", "checkpoints/step-2/optimizer.pt",
-                 "checkpoints/step-2/scheduler.pt", "checkpoints/step-2/rng.pt", "checkpoints/step-2/state.json",
+                 "checkpoints/step-2/scheduler.pt", "checkpoints/step-2/rng-rank-0.pt", "checkpoints/step-2/state.json",
+                 "checkpoints/step-2/trainable.safetensors",
                  "checkpoints/step-2/adapter/adapter_model.safetensors"):
         assert (run / name).exists(), name
     metrics = _metrics(run)

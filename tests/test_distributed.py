@@ -1,0 +1,101 @@
+"""Two ranks over gloo with FSDP2 (parameters really sharded) against one rank, through the real CLI."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cli_helpers import RULEBOOKS, run_cli, run_distributed, write_config
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _adapter(run_dir):
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def _steps(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines if json.loads(x).get("split") != "eval"]
+
+
+def _assert_same(a, b, exact=False):
+    assert a.keys() == b.keys() and a
+    for name in a:
+        if exact:
+            assert torch.equal(a[name], b[name]), name
+        else:  # float64: only the order of the cross-rank sums differs
+            torch.testing.assert_close(a[name], b[name], rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("mode", ["shared_prefix", "standalone"])
+def test_two_ranks_equal_one_rank(tmp_path, mode):
+    cfg = write_config(tmp_path, train={"max_steps": 3, "packs_per_step": 2}, packing={"mode": mode},
+                       data={"eval": None})
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'one'}")
+    two = run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
+    line = next(x for x in two.stdout.splitlines() if "FSDP2 over 2 ranks" in x)
+    held, total = (int(v.replace(",", "")) for v in line.split("holds ")[1].split(" parameter")[0].split(" of "))
+    assert held < 0.6 * total, line  # really sharded: each rank holds about half
+    _assert_same(_adapter(tmp_path / "one"), _adapter(tmp_path / "two"))
+    assert [s["examples"] for s in _steps(tmp_path / "one")] == [s["examples"] for s in _steps(tmp_path / "two")]
+
+
+def test_over_budget_pack_on_one_rank_is_skipped_by_both(tmp_path):
+    from packtrain.config import load_config
+    from packtrain.data import load_split
+    from packtrain.steps import step_packs
+    from packtrain.trainer import plan_for
+
+    cfg_path = write_config(tmp_path, train={"epochs": 1, "packs_per_step": 4}, data={"eval": None})
+    with (tmp_path / "train.jsonl").open("a") as f:  # one clearly longest example makes one largest pack
+        f.write(json.dumps({"id": "long", "system": RULEBOOKS[0], "item": "Colour: " + "red " * 12,
+                            "target": "alpha"}) + "\n")
+    cfg = load_config(cfg_path)
+    plan = plan_for(cfg, load_split(cfg, "train"))
+    sizes = sorted(p.positions for p in plan.packs)
+    assert sizes[-1] > sizes[-2], "the fixture needs one largest pack"
+    big = next(i for i, p in enumerate(plan.packs) if p.positions == sizes[-1])
+
+    def big_on_rank1(seed):  # rank r takes packs r, r+2, ... of a step: an odd index is rank 1's
+        return any(big in (ids := step_packs(plan, 0, i, 4, seed)) and ids.index(big) % 2 == 1 for i in range(2))
+
+    seed = next(s for s in range(100) if big_on_rank1(s))
+    run_distributed(2, "train", str(cfg_path), "--set", f"train.seed={seed}",
+                    "--set", f"train.max_positions={sizes[-1] - 1}")
+    steps = _steps(tmp_path / "run")
+    assert [s["skipped"] for s in steps].count(1) == 1 and sum(s["skipped"] for s in steps) == 1
+    assert (tmp_path / "run" / "adapter").exists()
+    hit = next(s for s in steps if s["skipped"])
+    # the micro-step is skipped on both ranks: the big pack and the pack rank 0 had at the same index
+    step_ids = step_packs(plan, 0, steps.index(hit), 4, seed)
+    j = step_ids.index(big)
+    both = [step_ids[j - 1], big]
+    assert hit["skipped_examples"] == sum(len(plan.packs[i].examples) for i in both)
+    assert hit["examples"] == sum(len(plan.packs[i].examples) for i in step_ids) - hit["skipped_examples"] > 0
+    assert hit["loss"] is not None
+
+
+def test_save_and_resume_under_two_ranks(tmp_path):
+    cfg = write_config(tmp_path, train={"epochs": 2, "packs_per_step": 2, "save_every": 2},
+                       lora={"dropout": 0.1}, data={"eval": None})
+    run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'straight'}")
+    killed = run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'killed'}",
+                             env={"PACKTRAIN_KILL_AFTER_CHECKPOINT": "2"}, check=False)
+    assert killed.returncode != 0 and not (tmp_path / "killed" / "adapter").exists()
+    assert (tmp_path / "killed" / "checkpoints" / "step-2" / "rng-rank-1.pt").exists()
+    run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'killed'}", "--resume")
+    _assert_same(_adapter(tmp_path / "straight"), _adapter(tmp_path / "killed"), exact=True)
+
+
+
+def test_checkpoint_from_two_ranks_resumes_on_one(tmp_path):
+    cfg = write_config(tmp_path, train={"epochs": 2, "packs_per_step": 2, "save_every": 2}, data={"eval": None})
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'one'}")
+    killed = run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'moved'}",
+                             env={"PACKTRAIN_KILL_AFTER_CHECKPOINT": "2"}, check=False)
+    assert killed.returncode != 0
+    resumed = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'moved'}", "--resume")
+    assert "written with world size 2, now 1" in resumed.stdout
+    _assert_same(_adapter(tmp_path / "one"), _adapter(tmp_path / "moved"))
