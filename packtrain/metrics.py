@@ -51,7 +51,8 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
     train, evals = [], []
     for line in metrics_path.read_text().splitlines():
         rec = json.loads(line)
-        (evals if rec.get("split") == "eval" else train).append((rec["step"], rec["loss"]))
+        if rec.get("loss") is not None:  # a step whose every unit was skipped has no loss
+            (evals if rec.get("split") == "eval" else train).append((rec["step"], rec["loss"]))
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="train (mean per-example loss)", lw=1)
