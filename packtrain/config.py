@@ -122,6 +122,15 @@ class LoggingConfig:
 
 
 @dataclass
+class OpsConfig:
+    # Compare what every rank imports (versions, paths, CUDA/NCCL, GPU, FLA cache) before step 0; a difference
+    # refuses the run (`packtrain check-nodes` runs the same check by hand).
+    check_nodes: bool = True
+    # No completed step for this long: every rank writes its stacks to OUTPUT/hang/rank-N.txt. None: no watchdog.
+    hang_timeout: float | None = 1800.0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -130,6 +139,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)
     output_dir: str = "runs/default"
     # Directory of the YAML file: relative data/model paths are resolved against it.
     base_dir: str = field(default=".", metadata={"internal": True})
@@ -160,6 +170,7 @@ _BOUNDS = [
     ("train.packs_per_step", lambda v: v >= 1, "must be at least 1"),
     ("train.save_every", lambda v: v >= 1, "must be at least 1"),
     ("train.eval_every", lambda v: v is None or v >= 1, "must be at least 1 (or null)"),
+    ("ops.hang_timeout", lambda v: v is None or v > 0, "must be positive (or null: no watchdog)"),
 ]
 
 
