@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan packs for a config's training data and print the statistics")
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--memory", action="store_true", help="also estimate per-GPU memory for the largest pack")
+    p.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks sharing the weights (FSDP)")
 
     p = sub.add_parser("train", help="train a LoRA adapter (single process, or under torchrun / accelerate launch)")
     _add_config_args(p)

@@ -1,15 +1,18 @@
-"""`packtrain plan CONFIG [--set ...] [--json]`: plan the training data's packs and print the statistics.
+"""`packtrain plan CONFIG [--set ...] [--json] [--memory [--world-size N]]`: plan the training data's packs and
+print the statistics; with ``--memory``, the per-GPU memory estimate for the largest pack (:mod:`packtrain.ops.memory`).
 
 Nothing touches torch or a model: this is how to size ``packing.token_budget`` before a run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from packtrain.config import ConfigError, load_config
 from packtrain.data import load_split
+from packtrain.ops import memory
 from packtrain.planner import plan_packs, plan_stats
 
 
@@ -51,8 +54,17 @@ def run_plan(args) -> int:
     packing = cfg.packing
     plan = plan_packs(examples, packing.token_budget, packing.max_continuations, packing.on_overflow, cfg.train.seed)
     stats = plan_stats(plan, examples)
+    if args.world_size < 1:
+        raise ValueError(f"--world-size: must be at least 1, got {args.world_size}")
+    est = memory.estimate_for_plan(cfg, plan, examples, args.world_size) if args.memory else None
     if args.json:
+        if est is not None:
+            stats["memory"] = {"terms": [dataclasses.asdict(t) for t in est.terms],
+                               "total_device_bytes": est.total("device"), "total_host_bytes": est.total("host")}
         print(json.dumps(stats))
-    else:
-        print(format_table(stats, f"plan for {_shown(cfg.resolve_path(cfg.data.train))}"))
+        return 0
+    print(format_table(stats, f"plan for {_shown(cfg.resolve_path(cfg.data.train))}"))
+    if est is not None:
+        print()
+        print(memory.format_table(est))
     return 0

@@ -1,0 +1,180 @@
+"""Memory estimator: the seed's figures for Qwen3.6-27B, parameter counts against transformers and peft, and the
+MLP / adapter terms against the tensors autograd actually saves."""
+
+import json
+
+import pytest
+import torch
+from cli_helpers import REPO, TINY_MODEL, run_cli, write_config
+
+from packtrain.config import config_from_dict, load_config
+from packtrain.ops import memory
+
+GiB = 2**30
+# Qwen3.6-27B's text config (docs/FACTS: hidden 5120, 64 layers [linear x3, full] x 16, 24 heads, 4 KV heads,
+# head_dim 256, intermediate 17408, vocab 248320, linear key heads 16, value heads 48, head dims 128, conv 4).
+QWEN36_27B = {
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
+    "num_hidden_layers": 64, "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 24,
+    "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+QWEN36_27B["layer_types"] = QWEN36_27B["layer_types"] * 16
+SEED_LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]
+
+
+def _seed_estimate(positions, targets=1000, **kw):
+    args = {"dtype": "bfloat16", "lora_r": 8, "lora_targets": SEED_LORA, "lora_dropout": 0.05, **kw}
+    return memory.estimate(memory.text_config(QWEN36_27B), positions, targets, **args)
+
+
+def test_seed_hidden_state_and_checkpointed_inputs():
+    est = _seed_estimate(70_000)
+    inputs = est.get("checkpointed_inputs").bytes
+    assert inputs / 64 / GiB == pytest.approx(0.67, abs=0.005)  # one [70K, 5120] bf16 hidden state
+    assert inputs / GiB == pytest.approx(43, abs=0.5)  # 64 checkpointed layer inputs
+    assert est.get("checkpointed_inputs").where == "device"
+
+
+def test_seed_mlp_intermediate():
+    assert _seed_estimate(70_000).get("mlp").bytes / 3 / GiB == pytest.approx(2.3, abs=0.05)
+
+
+def test_seed_full_logits_for_144k_positions():
+    full = _seed_estimate(144_000).get("logits_full")
+    assert full.bytes / 1e9 == pytest.approx(71.5, abs=0.05) and full.where == "compare"
+
+
+def test_seed_down_proj_adapter_costs_3_4_gib_per_recomputed_layer():
+    # The seed's adapters were bf16: a [70K, 17408] dropout copy (2.3 GiB) and its 1-byte mask (1.1 GiB).
+    with_down = _seed_estimate(70_000, lora_targets=SEED_LORA + ["down_proj"], adapter_dtype="bfloat16")
+    without = _seed_estimate(70_000, adapter_dtype="bfloat16")
+    saved = with_down.get("layer_peak").bytes - without.get("layer_peak").bytes
+    assert saved / GiB == pytest.approx(3.4, abs=0.05)
+
+
+def test_parameters_match_transformers_for_the_shipped_27b_config():
+    from transformers import AutoConfig, Qwen3_5ForCausalLM
+
+    cfg = load_config(REPO / "configs" / "qwen3.6-27b.yaml")
+    raw = dict(cfg.model.config)
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    n = sum(p.numel() for p in model.parameters())
+    assert memory.model_parameters(memory.text_config(cfg.model.config)) == n
+    assert n / 1e9 == pytest.approx(26.9, abs=0.05)
+
+
+def test_shipped_27b_config_is_the_seed_setup():
+    path = REPO / "configs" / "qwen3.6-27b.yaml"
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# accelerate launch --config_file launch/eight_nodes_64gpu.yaml")
+    assert first.endswith(" -m packtrain train configs/qwen3.6-27b.yaml")
+    cfg = load_config(path)
+    assert cfg.model.config == QWEN36_27B
+    assert (cfg.model.dtype, cfg.packing.token_budget, cfg.packing.max_continuations) == ("bfloat16", 150000, 90)
+    assert (cfg.lora.r, cfg.lora.dropout, cfg.lora.target_modules) == (8, 0.05, SEED_LORA)
+    assert cfg.train.activation_checkpointing and cfg.train.offload
+
+
+def test_text_defaults_are_transformers_defaults():
+    from transformers import Qwen3_5TextConfig
+
+    defaults = Qwen3_5TextConfig()
+    for key, value in memory.TEXT_DEFAULTS.items():
+        assert getattr(defaults, key) == value, key
+    assert memory.text_config({})["layer_types"] == defaults.layer_types
+
+
+def test_offload_chunk_matches_the_offload_module():
+    offload = pytest.importorskip("packtrain.offload")
+    assert memory.OFFLOAD_CHUNK_BYTES == offload.DEFAULT_CHUNK_BYTES
+
+
+@pytest.mark.parametrize("targets", [["gate_proj"], ["q_proj", "gate_proj", "up_proj", "down_proj"]])
+def test_lora_parameters_match_peft(targets):
+    from packtrain.model import apply_lora, build_base_model
+
+    cfg = config_from_dict({"model": {"config": TINY_MODEL}, "lora": {"r": 4, "target_modules": targets}})
+    model = apply_lora(build_base_model(cfg), cfg)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert memory.lora_parameters(memory.text_config(TINY_MODEL), 4, targets) == trainable
+
+
+def _saved_bytes_of_mlp(dtype, targets, dropout, T):
+    """Bytes of the activations autograd saves in one MLP forward (parameters excluded, each storage once)."""
+    from packtrain.model import apply_lora, build_base_model
+
+    cfg = config_from_dict({"model": {"config": TINY_MODEL, "dtype": dtype},
+                            "lora": {"r": 4, "dropout": dropout, "target_modules": targets}})
+    model = apply_lora(build_base_model(cfg), cfg).train()
+    mlp = model.get_base_model().model.layers[0].mlp
+    params = {p.data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            saved[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(T, TINY_MODEL["hidden_size"], dtype=getattr(torch, dtype), requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(x)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("targets", [["gate_proj"], ["gate_proj", "up_proj", "down_proj"], ["q_proj"]])
+def test_mlp_and_adapter_terms_equal_what_autograd_saves(dtype, dropout, targets):
+    T = 37
+    measured = _saved_bytes_of_mlp(dtype, targets, dropout, T)
+    b = memory.DTYPE_BYTES[dtype]
+    a = 4  # packtrain's adapters are float32 (peft's autocast) for a bf16 model too
+    # CPU's dropout is unfused: its mask has the input's dtype (CUDA's fused dropout keeps 1-byte masks)
+    terms = memory.layer_recompute(memory.text_config(TINY_MODEL), "linear_attention", T, b, a, 4, targets,
+                                   dropout, mask_bytes=a)
+    mlp_terms = [t for t in terms if t.key == "mlp" or t.key in {f"lora:{n}" for n in ("gate_proj", "up_proj",
+                                                                                         "down_proj")}]
+    assert sum(t.bytes for t in mlp_terms) == measured
+
+
+def test_offload_moves_layer_inputs_to_host_in_chunks():
+    est = _seed_estimate(70_000, offload=True)
+    inputs = est.get("checkpointed_inputs")
+    per_layer = 70_000 * 5120 * 2
+    assert inputs.where == "host" and inputs.bytes == 64 * (-(-per_layer // (64 * 2**20)) * 64 * 2**20)
+    assert est.total("device") < _seed_estimate(70_000).total("device") - 40 * GiB
+
+
+def test_world_size_shards_the_weights_and_adds_gathered_layers():
+    one, many = _seed_estimate(70_000), _seed_estimate(70_000, world_size=64)
+    assert many.get("weights").bytes * 64 == pytest.approx(one.get("weights").bytes, abs=64)
+    assert many.get("gathered").approx
+
+
+def test_plan_memory_prints_the_estimate(tmp_path):
+    cfg = write_config(tmp_path, model={"dtype": "bfloat16"}, train={"activation_checkpointing": True})
+    out = run_cli("plan", str(cfg), "--memory", "--world-size", "2").stdout
+    assert "memory per GPU for the largest pack:" in out and "world size 2" in out
+    assert "MLP intermediates: 3 x [" in out and "total on the device" in out
+    stats = json.loads(run_cli("plan", str(cfg), "--memory", "--json").stdout)
+    terms = {t["key"]: t for t in stats["memory"]["terms"]}
+    assert terms["checkpointed_inputs"]["bytes"] == 3 * terms["residual"]["bytes"]  # 3 layers x [T, H]
+    assert stats["memory"]["total_device_bytes"] == sum(t["bytes"] for t in terms.values()
+                                                        if t["where"] == "device" and t["depth"] == 0)
+
+
+def test_plan_memory_rejects_a_bad_world_size(tmp_path):
+    proc = run_cli("plan", str(write_config(tmp_path)), "--memory", "--world-size", "0", check=False)
+    assert proc.returncode == 2 and "--world-size" in proc.stderr
+
+
+def test_model_path_config_json_is_read(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": QWEN36_27B}))
+    cfg = config_from_dict({"model": {"path": str(tmp_path / "m")}})
+    assert memory.text_config(memory.config_dict_of(cfg))["hidden_size"] == 5120
