@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", required=True, help="adapter directory (PEFT format)")
     p.add_argument("--out", required=True, help="output JSONL: one {id, loss, target_tokens} line per example")
 
+    p = sub.add_parser("check-nodes", help="compare what every rank imports (run under the training launcher)")
+    _add_config_args(p)
+
     return parser
 
 
@@ -40,6 +43,7 @@ COMMANDS = {
     "plan": ("packtrain.commands.plan", "run_plan"),
     "train": ("packtrain.commands.train", "run_train"),
     "eval": ("packtrain.commands.evaluate", "run_eval"),
+    "check-nodes": ("packtrain.commands.check_nodes", "run_check_nodes"),
 }
 
 

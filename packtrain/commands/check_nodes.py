@@ -1,0 +1,20 @@
+"""`packtrain check-nodes CONFIG`, under the training launcher: every rank reports what it imports; rank 0 prints
+one table; any difference exits 2 on every rank, naming the field and the ranks on each side
+(:mod:`packtrain.ops.nodes`). ``packtrain train`` runs the same check before step 0 unless ``ops.check_nodes: false``.
+"""
+
+from __future__ import annotations
+
+from packtrain.config import load_config
+from packtrain.distributed import init_distributed, shutdown
+from packtrain.ops.nodes import check_nodes
+
+
+def run_check_nodes(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    info = init_distributed(cfg.train.device)
+    try:
+        check_nodes(info)
+    finally:
+        shutdown()
+    return 0

@@ -1,0 +1,243 @@
+"""What every rank actually imports, gathered to every rank and compared, before step 0.
+
+Why: in the seed's 64-GPU run the requirements files matched, but one worker imported another transformers minor
+version, which issued different collectives in backward: a silent hang. So the report is what the process
+*imports* (``module.__version__`` and the folder it was loaded from), never what a requirements file lists.
+
+Compared across ranks: the Python, torch, transformers, peft, accelerate, fla, causal_conv1d, triton and packtrain
+versions *and* their install folders (the same version from another folder is another install, e.g. another
+checkout of packtrain: its sources are also hashed), CUDA and NCCL versions, the GPU name, and the FLA autotune
+cache fla will use (mode, folder, a digest of the pinned default configs). Not compared: the host name.
+
+Test hook: ``PACKTRAIN_TEST_OVERRIDE_RANK<N>="field=value"`` makes rank N report ``value`` for ``field`` (an
+existing field, else an error); the table marks it. It needs the rank in its name, so a stray variable in a shared
+environment changes one named rank and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import platform
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packtrain.ops import fla_tune
+
+PACKAGES = ("torch", "transformers", "peft", "accelerate", "fla", "causal_conv1d", "triton", "packtrain")
+NOT_INSTALLED = "not installed"
+OVERRIDE_ENV = "PACKTRAIN_TEST_OVERRIDE_RANK{rank}"
+NOT_COMPARED = ("host",)
+
+
+class NodeMismatchError(ValueError):
+    """Ranks import different things; ``fields`` maps each differing field to [(value, ranks), ...]."""
+
+    def __init__(self, message: str, fields: dict[str, list[tuple[str, list[int]]]]):
+        super().__init__(message)
+        self.fields = fields
+
+
+@dataclass
+class NodeReport:
+    rank: int
+    fields: dict[str, str]
+    overridden: list[str] = field(default_factory=list)
+
+
+def _package(name: str) -> tuple[str, str]:
+    """(version, install folder) of an importable package, as imported by this process."""
+    if importlib.util.find_spec(name) is None:
+        return NOT_INSTALLED, "-"
+    try:
+        module = importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 (fla imports triton and CUDA bits: any failure is a finding to report)
+        return f"import failed: {type(e).__name__}: {str(e)[:80]}", "-"
+    version = getattr(module, "__version__", None)
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        try:
+            version = dist_version(name.replace("_", "-"))
+        except PackageNotFoundError:
+            version = "unknown"
+    return str(version), str(Path(module.__file__).resolve().parent)
+
+
+def _source_digest() -> str:
+    """sha256 of packtrain's own .py files: two checkouts at version 0.1.0 are not the same code."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _gpu_fields(device) -> dict[str, str]:
+    import torch
+
+    cuda = device is not None and getattr(device, "type", "cpu") == "cuda"
+    nccl = "none"
+    if cuda and torch.distributed.is_nccl_available():
+        v = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return {"cuda": torch.version.cuda or "none", "nccl": nccl,
+            "gpu": torch.cuda.get_device_name(device) if cuda else "none (cpu)"}
+
+
+def fla_cache_fields(fla_version: str) -> dict[str, str]:
+    """The FLA cache fla will use: its own view when it imports (mode and folder are read at import), else the
+    environment. The pinned configs are read from the folder and summarised by kernel count and digest."""
+    mode = os.environ.get(fla_tune.ENV_MODE, "disabled")
+    folder = os.environ.get(fla_tune.ENV_DIR)
+    if fla_version != NOT_INSTALLED and not fla_version.startswith("import failed"):
+        from fla.ops.utils import cache
+
+        mode, folder = cache.FLA_CACHE_MODE.value, str(cache.get_fla_config_dir())
+    fields = {"FLA_CACHE_MODE": mode, "FLA_CONFIG_DIR": folder or "unset"}
+    if folder is None:
+        fields["FLA default configs"] = "-"
+    elif not Path(folder).is_dir():
+        fields["FLA default configs"] = "folder missing"
+    else:
+        configs = fla_tune.read_fla_configs(Path(folder))
+        digest = fla_tune.configs_digest(configs)
+        fields["FLA default configs"] = f"{_count(len(configs), 'kernel')}, digest {digest}" if configs else "none"
+    return fields
+
+
+def node_report(rank: int, device=None) -> NodeReport:
+    fields = {"host": socket.gethostname(), "python": platform.python_version()}
+    for name in PACKAGES:
+        fields[name], fields[f"{name} path"] = _package(name)
+    fields["packtrain source"] = _source_digest()
+    fields.update(_gpu_fields(device))
+    fields.update(fla_cache_fields(fields["fla"]))
+    report = NodeReport(rank, fields)
+    apply_test_override(report)
+    return report
+
+
+def apply_test_override(report: NodeReport) -> None:
+    name = OVERRIDE_ENV.format(rank=report.rank)
+    text = os.environ.get(name)
+    if not text:
+        return
+    for item in text.split(";"):
+        key, sep, value = item.partition("=")
+        if not sep or key not in report.fields:
+            raise ValueError(f"{name}={text!r}: expected field=value with a field of the report "
+                             f"({', '.join(report.fields)})")
+        report.fields[key] = value
+        report.overridden.append(key)
+
+
+def gather_objects(obj, info) -> list:
+    """Every rank's ``obj`` on every rank, in rank order (the process group is already up: init_distributed)."""
+    if not info.enabled:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _groups(reports: list[NodeReport], name: str) -> list[tuple[str, list[int]]]:
+    """[(value, ranks)], the most common value first."""
+    by_value: dict[str, list[int]] = {}
+    for r in reports:
+        by_value.setdefault(r.fields.get(name, "-"), []).append(r.rank)
+    return sorted(by_value.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+
+
+def differences(reports: list[NodeReport]) -> dict[str, list[tuple[str, list[int]]]]:
+    names = list(dict.fromkeys(n for r in reports for n in r.fields))
+    out = {}
+    for name in names:
+        groups = _groups(reports, name)
+        if name not in NOT_COMPARED and len(groups) > 1:
+            out[name] = groups
+    return out
+
+
+def rank_list(ranks: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    runs, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            runs.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(runs)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def fla_pinning_note(fields: dict[str, str]) -> str | None:
+    """A line for rank 0 when fla will autotune during training (the seed's first full-length backward ran out
+    of memory inside Triton's benchmark)."""
+    if fields["fla"] == NOT_INSTALLED or fields["fla"].startswith("import failed"):
+        return None
+    if fields["FLA_CACHE_MODE"] not in ("default", "always"):
+        return (f"note: FLA autotune is not pinned (FLA_CACHE_MODE={fields['FLA_CACHE_MODE']}): Triton will tune "
+                "during the first full-length backward; `packtrain pretune-fla CONFIG` pins it")
+    if not fields["FLA default configs"][0].isdigit():
+        return (f"note: FLA_CACHE_MODE={fields['FLA_CACHE_MODE']} but {fields['FLA_CONFIG_DIR']} has no pinned "
+                f"configs ({fields['FLA default configs']}): Triton will tune; run `packtrain pretune-fla CONFIG`")
+    return None
+
+
+def format_table(reports: list[NodeReport]) -> str:
+    diff = differences(reports)
+    names = list(dict.fromkeys(n for r in reports for n in r.fields))
+    rows = []
+    for name in names:
+        groups = _groups(reports, name)
+        mark = "!" if name in diff else " "
+        for i, (value, ranks) in enumerate(groups):
+            shown = "all" if len(groups) == 1 else rank_list(ranks)
+            rows.append((name if i == 0 else "", mark, value, shown))
+    width = max(len(r[0]) for r in rows) + 2
+    vwidth = max(len(r[2]) for r in rows)
+    hosts = len({r.fields["host"] for r in reports})
+    verdict = "all identical" if not diff else f"{_count(len(diff), 'field')} differ{'s' * (len(diff) == 1)}, marked !"
+    lines = [f"check-nodes: {_count(len(reports), 'rank')} on {_count(hosts, 'host')} ({verdict})",
+             f"  {'field':<{width}}  {'value':<{vwidth}}  ranks"]
+    lines += [f"  {n:<{width}}{m} {v:<{vwidth}}  {s}" for n, m, v, s in rows]
+    lines.append("  (install folders are compared too: the same version from another folder is another install)")
+    for r in reports:
+        if r.overridden:
+            lines.append(f"  rank {r.rank}: {', '.join(r.overridden)} set by {OVERRIDE_ENV.format(rank=r.rank)}")
+    return "\n".join(lines)
+
+
+def mismatch_error(diff: dict[str, list[tuple[str, list[int]]]]) -> NodeMismatchError:
+    lines = [f"ranks differ in what they import, refusing to start ({_count(len(diff), 'field')}):"]
+    for name, groups in diff.items():
+        sides = "; ".join(f"{value} on rank{'s' if len(ranks) > 1 else ''} {rank_list(ranks)}"
+                          for value, ranks in groups)
+        lines.append(f"  {name}: {sides}")
+    lines.append("make every node import the same installs (the table above; or `packtrain check-nodes CONFIG` "
+                 "under the launcher); ops.check_nodes: false skips this check")
+    return NodeMismatchError("\n".join(lines), diff)
+
+
+def check_nodes(info, log=print) -> list[NodeReport]:
+    """Gather, print the table on rank 0, and raise :class:`NodeMismatchError` on every rank if any field differs."""
+    # every rank gets every report, so every rank reaches the same verdict and none is left waiting
+    reports = gather_objects(node_report(info.rank, info.device), info)
+    if info.is_main:
+        log(format_table(reports))
+    diff = differences(reports)
+    if diff:
+        raise mismatch_error(diff)
+    return reports
