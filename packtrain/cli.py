@@ -8,8 +8,8 @@ import os
 import sys
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML config file")
+def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument("config", nargs="?" if optional else None, help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable); the value is parsed as YAML")
 
@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-nodes", help="compare what every rank imports (run under the training launcher)")
     _add_config_args(p)
 
+    p = sub.add_parser("dump-stacks", help="stacks and GPU status of a running job's processes on this host")
+    _add_config_args(p, optional=True)
+    p.add_argument("--pid", type=int, action="append", default=[], help="only this process (repeatable); "
+                   "without CONFIG: py-spy on any process")
+
     return parser
 
 
@@ -44,6 +49,7 @@ COMMANDS = {
     "train": ("packtrain.commands.train", "run_train"),
     "eval": ("packtrain.commands.evaluate", "run_eval"),
     "check-nodes": ("packtrain.commands.check_nodes", "run_check_nodes"),
+    "dump-stacks": ("packtrain.commands.dump_stacks", "run_dump_stacks"),
 }
 
 

@@ -1,0 +1,72 @@
+"""check-nodes and the hang watchdog over two gloo ranks (torchrun on CPU)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from cli_helpers import REPO, free_port, run_distributed, write_config
+
+pytestmark = pytest.mark.distributed
+
+
+def test_identical_ranks_pass(tmp_path):
+    proc = run_distributed(2, "check-nodes", str(write_config(tmp_path)))
+    assert "check-nodes: 2 ranks on 1 host (all identical)" in proc.stdout
+
+
+def test_a_rank_seeing_another_transformers_is_refused_naming_field_and_ranks(tmp_path):
+    import transformers
+
+    proc = run_distributed(2, "check-nodes", str(write_config(tmp_path)), check=False,
+                           env={"PACKTRAIN_TEST_OVERRIDE_RANK1": "transformers=5.0.0"})
+    assert proc.returncode != 0
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert ["transformers", "!", transformers.__version__, "0"] in rows and ["!", "5.0.0", "1"] in rows
+    assert f"transformers: {transformers.__version__} on rank 0; 5.0.0 on rank 1" in proc.stderr
+
+
+_HANGING_RANK = """
+import sys, time
+from pathlib import Path
+from packtrain.config import config_from_dict
+from packtrain.distributed import barrier, init_distributed, shutdown
+from packtrain.ops.runtime import RunOps
+
+def sleeping_step():
+    time.sleep(2.5)
+
+out = Path(sys.argv[1])
+cfg = config_from_dict({"output_dir": str(out), "ops": {"hang_timeout": 0.5}})
+info = init_distributed("cpu")
+ops = RunOps(cfg, info, out)
+ops.start()  # check-nodes over both ranks first
+sleeping_step()
+barrier(info)
+ops.close()
+shutdown()
+"""
+
+
+def test_a_step_past_the_timeout_leaves_a_stack_file_per_rank(tmp_path):
+    script = tmp_path / "hanging_rank.py"
+    script.write_text(_HANGING_RANK)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script), str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "check-nodes: 2 ranks on 1 host (all identical)" in proc.stdout
+    for rank in (0, 1):
+        text = (tmp_path / "run" / "hang" / f"rank-{rank}.txt").read_text()
+        assert f"rank {rank}, pid" in text and "no step completed for" in text and "in sleeping_step" in text
+
+
+@pytest.mark.skipif("RunOps" not in (REPO / "packtrain" / "trainer.py").read_text(),
+                    reason="trainer.py does not call RunOps yet")
+def test_train_refuses_mismatched_ranks_before_step_0(tmp_path):
+    cfg = write_config(tmp_path, train={"max_steps": 1})
+    proc = run_distributed(2, "train", str(cfg), check=False,
+                           env={"PACKTRAIN_TEST_OVERRIDE_RANK1": "transformers=5.0.0"})
+    assert proc.returncode != 0 and "5.0.0 on rank 1" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
