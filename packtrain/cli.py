@@ -36,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-nodes", help="compare what every rank imports (run under the training launcher)")
     _add_config_args(p)
 
+    p = sub.add_parser("smoke", help="two updates on the largest pack, then a save: peak memory of each phase")
+    _add_config_args(p)
+
+    p = sub.add_parser("pretune-fla", help="tune fla's Triton kernels on a short update and pin the winners (GPU)")
+    _add_config_args(p)
+    p.add_argument("--prompt-tokens", type=int, default=8192, metavar="N", help="cut P to N tokens (default 8192)")
+    p.add_argument("--out", help="folder for the config files (default OUTPUT/fla-configs/<GPU name>)")
+
     p = sub.add_parser("dump-stacks", help="stacks and GPU status of a running job's processes on this host")
     _add_config_args(p, optional=True)
     p.add_argument("--pid", type=int, action="append", default=[], help="only this process (repeatable); "
@@ -49,6 +57,8 @@ COMMANDS = {
     "train": ("packtrain.commands.train", "run_train"),
     "eval": ("packtrain.commands.evaluate", "run_eval"),
     "check-nodes": ("packtrain.commands.check_nodes", "run_check_nodes"),
+    "smoke": ("packtrain.commands.smoke", "run_smoke"),
+    "pretune-fla": ("packtrain.commands.pretune_fla", "run_pretune_fla"),
     "dump-stacks": ("packtrain.commands.dump_stacks", "run_dump_stacks"),
 }
 

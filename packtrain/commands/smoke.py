@@ -1,0 +1,107 @@
+"""`packtrain smoke CONFIG`: two optimizer updates on the largest pack of the plan, then a checkpoint save, with the
+peak memory of each phase.
+
+Why two updates and a save: AdamW creates its moment tensors during the first update, so only the second backward
+runs with them in memory, and a save has its own memory pattern; a one-update test sees neither peak (the seed).
+Writes to OUTPUT/smoke/ (never OUTPUT/checkpoints/, which ``train --resume`` reads). On out-of-memory it prints the
+phases so far and exits 3 naming the phase. Under the training launcher every rank runs the same pack, sharded as
+in training, and the table shows each phase's largest peak and its rank (an out-of-memory rank leaves the others
+waiting in a collective until the launcher's timeout; its own output names the phase).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from packtrain.config import load_config
+from packtrain.distributed import init_distributed, shutdown
+from packtrain.ops.nodes import gather_objects
+
+OUT_OF_MEMORY_EXIT = 3
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def worst_over_ranks(per_rank: list[list]) -> list[tuple[object, int]]:
+    """[(phase with the largest peak allocated, its rank)] per phase, from every rank's phases."""
+    return [max(((phases[i], r) for r, phases in enumerate(per_rank)), key=lambda pr: pr[0].allocated or 0)
+            for i in range(len(per_rank[0]))]
+
+
+def format_table(title: str, phases, cuda: bool, since_start: bool, ranks: list[int] | None = None) -> str:
+    heads = ("peak allocated GiB", "peak reserved GiB") if cuda else ("peak RSS GiB",)
+    lines = [title, f"  {'phase':<34}" + "".join(f"{h:>20}" for h in heads) + f"{'seconds':>10}"
+             + ("  rank" if ranks else "")]
+    for i, p in enumerate(phases):
+        values = (p.allocated, p.reserved) if cuda else (p.allocated,)
+        row = f"  {p.name:<34}" + "".join(f"{_gib(v):>20}" for v in values) + f"{p.seconds:>10.1f}"
+        row += f"  {ranks[i]:>4}" if ranks else ""
+        lines.append(row + (f"   {p.error}" if p.error else ""))
+    if since_start:
+        lines.append("  (this system does not reset the peak RSS: each figure is the peak since the process started)")
+    return "\n".join(lines)
+
+
+def run_smoke(args) -> int:
+    from packtrain import checkpoint as ckpt
+    from packtrain.data import load_split
+    from packtrain.ops.harness import PeakMemory, build_lm, is_out_of_memory, largest_unit, one_update, run_phase
+    from packtrain.optim import build_optimizer, build_scheduler
+    from packtrain.steps import unit_layout
+    from packtrain.trainer import plan_for
+
+    cfg = load_config(args.config, args.overrides)
+    examples = load_split(cfg, "train")
+    if examples is None:
+        raise ValueError("data.train: not set (smoke runs its largest pack)")
+    info = init_distributed(cfg.train.device)
+    plan = plan_for(cfg, examples)
+    unit = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
+    layout = unit_layout(unit, plan, examples, cfg.packing.mode)
+    out = Path(cfg.output_dir) / "smoke"
+    probe = PeakMemory(info.device)
+    phases = []
+    state = {}
+
+    def load():
+        state["lm"], state["model"], state["backend"] = build_lm(cfg, info)
+        params = [p for p in state["lm"].parameters() if p.requires_grad]
+        state["optimizer"] = build_optimizer(params, cfg.optim)
+        state["scheduler"] = build_scheduler(state["optimizer"], cfg.optim, 2)
+
+    def update():
+        one_update(state["lm"], layout, state["optimizer"])
+        state["scheduler"].step()
+
+    def save():
+        ckpt.save_checkpoint(out, 2, state["lm"], state["model"], state["optimizer"], state["scheduler"],
+                             {"smoke": True}, info)
+
+    targets = sum(len(examples[e].target_ids) for e in unit.examples)
+    title = (f"smoke: the largest {'pack' if cfg.packing.mode == 'shared_prefix' else 'example'}, "
+             f"{layout.length:,} positions ({len(unit.examples)} continuations, {targets:,} target tokens), "
+             f"device {info.device}, {cfg.model.dtype}")
+    try:
+        run_phase(phases, probe, "load model", load)
+        run_phase(phases, probe, "update 1", update)
+        run_phase(phases, probe, "update 2 (with optimizer state)", update)
+        run_phase(phases, probe, "save checkpoint", save)
+        per_rank = gather_objects(phases, info)
+    except BaseException as e:
+        if not is_out_of_memory(e):
+            raise
+        print(format_table(title + f" (rank {info.rank})", phases, probe.cuda, probe.since_start))
+        print(f"packtrain smoke: out of memory in phase '{phases[-1].name}' on rank {info.rank}", file=sys.stderr)
+        return OUT_OF_MEMORY_EXIT
+    finally:
+        shutdown()
+    if info.is_main:
+        worst = worst_over_ranks(per_rank)
+        print(format_table(f"{title}, kernels {state['backend'].describe()}, world size {info.world_size}",
+                           [p for p, _ in worst], probe.cuda, probe.since_start,
+                           [r for _, r in worst] if info.enabled else None))
+        print(f"checkpoint: {out / 'checkpoints' / 'step-2'}")
+    return 0

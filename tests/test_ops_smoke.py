@@ -1,0 +1,80 @@
+"""`packtrain smoke` on CPU with a tiny model: the phase table, the checkpoint, and out-of-memory naming its phase."""
+
+import argparse
+
+import pytest
+import torch
+from cli_helpers import run_cli, write_config
+
+from packtrain.commands import smoke
+from packtrain.config import load_config
+from packtrain.data import load_split
+from packtrain.ops import harness
+from packtrain.trainer import plan_for
+
+PHASES = ["load model", "update 1", "update 2 (with optimizer state)", "save checkpoint"]
+
+
+def test_smoke_prints_every_phase_and_saves_outside_the_run_checkpoints(tmp_path):
+    cfg = write_config(tmp_path, lora={"dropout": 0.05}, train={"activation_checkpointing": True})
+    out = run_cli("smoke", str(cfg)).stdout
+    lines = out.splitlines()
+    loaded = load_config(cfg)
+    largest = max(p.positions for p in plan_for(loaded, load_split(loaded, "train")).packs)
+    assert lines[0].startswith(f"smoke: the largest pack, {largest:,} positions") and "device cpu" in lines[0]
+    assert lines[1].split() == ["phase", "peak", "RSS", "GiB", "seconds"]
+    for name, line in zip(PHASES, lines[2:6]):
+        assert line.strip().startswith(name)
+        assert float(line.split()[-2]) > 0  # peak RSS in GiB
+    assert (tmp_path / "run" / "smoke" / "checkpoints" / "step-2" / "state.json").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()  # resume never sees the smoke checkpoint
+
+
+def test_the_largest_unit_is_the_pack_with_most_positions(tmp_path):
+    cfg = load_config(write_config(tmp_path))
+    examples = load_split(cfg, "train")
+    plan = plan_for(cfg, examples)
+    unit = harness.largest_unit(plan, examples, "shared_prefix")
+    assert max(p.positions for p in plan.packs) == next(p.positions for p in plan.packs
+                                                        if (p.prompt, p.examples) == (unit.prompt, unit.examples))
+    alone = harness.largest_unit(plan, examples, "standalone")
+    lengths = [len(plan.prompts[p.prompt]) + examples[e].len_continuation for p in plan.packs for e in p.examples]
+    assert len(alone.examples) == 1
+    assert len(plan.prompts[alone.prompt]) + examples[alone.examples[0]].len_continuation == max(lengths)
+
+
+def test_shortened_prompt_keeps_the_continuations(tmp_path):
+    cfg = load_config(write_config(tmp_path))
+    examples = load_split(cfg, "train")
+    plan = plan_for(cfg, examples)
+    unit = harness.largest_unit(plan, examples, "shared_prefix")
+    full = harness.unit_layout_shortened(unit, plan, examples, "shared_prefix", None)
+    short = harness.unit_layout_shortened(unit, plan, examples, "shared_prefix", 5)
+    assert short.prefix_len == 5 and full.length - short.length == full.prefix_len - 5
+    assert torch.equal(short.target_ids, full.target_ids)
+
+
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
+def test_out_of_memory_exits_non_zero_naming_the_phase(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def update_that_runs_out_on_the_second_call(lm, layout, optimizer):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.27 GiB")
+        return 1.0
+
+    monkeypatch.setattr(harness, "one_update", update_that_runs_out_on_the_second_call)
+    args = argparse.Namespace(config=str(write_config(tmp_path)), overrides=[])
+    assert smoke.run_smoke(args) == smoke.OUT_OF_MEMORY_EXIT
+    captured = capsys.readouterr()
+    assert "packtrain smoke: out of memory in phase 'update 2 (with optimizer state)' on rank 0" in captured.err
+    rows = [line.strip() for line in captured.out.splitlines()]
+    assert rows[-1].startswith("update 2 (with optimizer state)") and "out of memory: CUDA out of memory" in rows[-1]
+    assert not any(r.startswith("save checkpoint") for r in rows)
+
+
+def test_cpu_allocator_failure_counts_as_out_of_memory():
+    assert harness.is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: "
+                                                 "can't allocate memory: you tried to allocate 100 bytes"))
+    assert not harness.is_out_of_memory(RuntimeError("shape mismatch"))
