@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -212,8 +213,8 @@ class Trainer:
 
     def _eval(self) -> float:
         info = self.dist
-        bar = tqdm(total=None, desc="eval", unit="unit", leave=False,
-                   disable=not (info.is_main and self.cfg.logging.progress))
+        bar = tqdm(total=None, desc="eval", unit="unit", leave=False,  # a terminal only: it would litter logs
+                   disable=not (info.is_main and self.cfg.logging.progress and sys.stderr.isatty()))
         rows = evaluate(self.lm, self.eval_plan, self.eval_examples, self.mode, info, progress=bar)
         bar.close()
         loss = mean_loss(rows)
