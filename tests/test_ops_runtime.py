@@ -108,18 +108,19 @@ def test_wandb_asked_for_but_missing_is_a_clear_error(tmp_path, monkeypatch):
         RunOps(cfg, ONE, Path(cfg.output_dir)).start()
 
 
-def test_start_prints_the_node_table_unless_disabled(tmp_path):
-    lines = []
-    on = config_from_dict({"output_dir": str(tmp_path / "run"), "ops": {"hang_timeout": None}})
-    ops = RunOps(on, ONE, Path(on.output_dir), log=lines.append)
-    ops.start()
-    ops.close()
-    assert lines and lines[0].startswith("check-nodes: 1 rank on 1 host (all identical)")
-    lines.clear()
-    ops = RunOps(_cfg(tmp_path, hang_timeout=None), ONE, tmp_path / "run", log=lines.append)
-    ops.start()
-    ops.close()
-    assert lines == []
+def test_start_checks_nodes_only_across_ranks(tmp_path, monkeypatch):
+    from packtrain.ops import nodes
+
+    checked = []
+    monkeypatch.setattr(nodes, "check_nodes", lambda info, log: checked.append(info.world_size) or [])
+    cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "ops": {"hang_timeout": None}})
+    two = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    for info, off in ((ONE, False), (two, True), (two, False)):
+        cfg.ops.check_nodes = not off
+        ops = RunOps(cfg, info, tmp_path / "run", log=lambda _: None)
+        ops.start()
+        ops.close()
+    assert checked == [2]  # one process: nothing to compare; ops.check_nodes false: never
 
 
 def test_sigusr1_writes_python_stacks_to_the_rank_file(tmp_path):

@@ -1,10 +1,11 @@
 """The hooks one training process calls: ``start`` before step 0, ``step_done`` / ``eval_done`` after each
 record is written to metrics.jsonl, ``close`` at the end (also after an error).
 
-``start``: check-nodes (unless ``ops.check_nodes: false``; a difference raises :class:`NodeMismatchError` on
-every rank), the rank's entry in ``OUTPUT/ops/rank-N.json`` (pid and host, for ``packtrain dump-stacks``),
-faulthandler on SIGUSR1 into ``OUTPUT/hang/rank-N.txt``, the hang watchdog (unless ``ops.hang_timeout`` is null)
-and, on rank 0, the wandb mirror. The watchdog's first interval covers model setup and the first step too.
+``start``: check-nodes over all ranks (unless ``ops.check_nodes: false``; a difference raises
+:class:`NodeMismatchError` on every rank; one process only gets the FLA pinning note), the rank's entry in
+``OUTPUT/ops/rank-N.json`` (pid and host, for ``packtrain dump-stacks``), faulthandler on SIGUSR1 into
+``OUTPUT/hang/rank-N.txt``, the hang watchdog (unless ``ops.hang_timeout`` is null) and, on rank 0, the wandb
+mirror. The watchdog's first interval covers model setup and the first step too.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ class RunOps:
         if wandb_mode != "off":
             require_wandb(wandb_mode)
         if self.cfg.ops.check_nodes:
-            reports = nodes.check_nodes(self.info, self.log)
+            # one process has nothing to compare: no table, only the FLA note below
+            reports = (nodes.check_nodes(self.info, self.log) if self.info.enabled
+                       else [nodes.node_report(self.info.rank, self.info.device)])
             fla_possible = self.cfg.model.kernels != "torch" and self.info.device.type == "cuda"
             note = nodes.fla_pinning_note(reports[0].fields) if fla_possible else None
             if note and self.info.is_main:
