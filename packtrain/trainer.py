@@ -28,6 +28,7 @@ from packtrain.evaluate import evaluate, mean_loss
 from packtrain.kernels import select_backend
 from packtrain.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.model import apply_lora, build_base_model
+from packtrain.ops.runtime import RunOps
 from packtrain.optim import build_optimizer, build_scheduler
 from packtrain.planner import Plan, plan_packs, plan_stats
 from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
@@ -77,6 +78,17 @@ class Trainer:
         self.log = log
         self.dist: DistInfo = init_distributed(cfg.train.device)
         self.out = Path(cfg.output_dir)
+        # check-nodes (refuses mismatched ranks before step 0), hang watchdog, SIGUSR1 stacks, wandb; it goes
+        # before the model build and resume, which already run collectives
+        self.ops = RunOps(cfg, self.dist, self.out, log=log)
+        self.ops.start()
+        try:
+            self._setup(cfg, resume)
+        except BaseException:
+            self.ops.close()
+            raise
+
+    def _setup(self, cfg: Config, resume: bool) -> None:
         self.mode = cfg.packing.mode
         self.train_examples = load_split(cfg, "train")
         if self.train_examples is None:
@@ -115,6 +127,12 @@ class Trainer:
 
     # -- the run ---------------------------------------------------------------------------------------------
     def train(self) -> dict:
+        try:
+            return self._train()
+        finally:
+            self.ops.close()
+
+    def _train(self) -> dict:
         cfg, info = self.cfg, self.dist
         self._print_header()
         first_eval = last_eval = None
@@ -127,6 +145,7 @@ class Trainer:
             record = self._train_step(check_gradients=not checked_gradients)
             checked_gradients = True
             self.metrics.write(record)
+            self.ops.step_done(record)
             loss = "skipped" if record["loss"] is None else f"{record['loss']:.4f}"
             bar.set_postfix(loss=loss, lr=f"{record['lr']:.2e}",
                             pos_s=f"{record['positions'] / max(record['seconds'], 1e-9):.0f}")
@@ -218,7 +237,9 @@ class Trainer:
         rows = evaluate(self.lm, self.eval_plan, self.eval_examples, self.mode, info, progress=bar)
         bar.close()
         loss = mean_loss(rows)
-        self.metrics.write({"split": "eval", "step": self.step, "loss": loss, "examples": len(rows)})
+        record = {"split": "eval", "step": self.step, "loss": loss, "examples": len(rows)}
+        self.metrics.write(record)
+        self.ops.eval_done(record)
         if info.is_main:
             tqdm.write(f"eval  step {self.step}: loss {loss:.4f} over {len(rows)} examples")
         return loss

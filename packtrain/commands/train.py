@@ -11,7 +11,7 @@ def run_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     try:
-        Trainer(cfg, resume=args.resume).train()
+        Trainer(cfg, resume=args.resume).train()  # closes its ops hooks (watchdog, wandb) itself
     finally:
         shutdown()
     return 0
