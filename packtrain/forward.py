@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from packtrain.layout import PackLayout
-from packtrain.model_patch import LAYOUT_KWARG, text_parts
+from packtrain.model_patch import LAYOUT_KWARG, model_body, text_parts, unwrap
 
 
 @dataclass
@@ -48,13 +48,25 @@ class PackedLM(nn.Module):
         text_parts(model)  # fail early on an unsupported model
 
     def hidden_states(self, layout: PackLayout) -> torch.Tensor:
-        text_model, _ = text_parts(self.model)
+        body, is_vlm = model_body(self.model)
         kwargs = {}
         if layout.packed:
             # A dict mask skips transformers' mask builder, which would infer (wrong) sequence boundaries
             # from the shared-prefix position ids; the layout carries the real ones.
-            kwargs = {"attention_mask": {"full_attention": None, "linear_attention": None}, LAYOUT_KWARG: layout}
-        out = text_model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False, **kwargs)
+            kwargs = {"position_ids": layout.position_ids, LAYOUT_KWARG: layout,
+                      "attention_mask": {"full_attention": None, "linear_attention": None}}
+        if layout.image_grid_thw is not None:
+            if not is_vlm:
+                raise ValueError("examples with images need a vision-language model (Qwen3_5ForConditionalGeneration)")
+            if layout.pixel_values is None:
+                raise ValueError("a layout with images has no pixel values (load them with an ImageLoader)")
+            # All images of the pack go through the vision encoder as one batch (per-image boundaries from
+            # image_grid_thw); the model's own forward puts the merger's output into the image-token slots and,
+            # for a standalone example, computes its M-RoPE positions itself.
+            image_token = unwrap(self.model).config.image_token_id
+            kwargs.update(pixel_values=layout.pixel_values, image_grid_thw=layout.image_grid_thw,
+                          mm_token_type_ids=(layout.input_ids == image_token).int())
+        out = body(input_ids=layout.input_ids, use_cache=False, **kwargs)
         return out.last_hidden_state
 
     def forward(self, layout: PackLayout) -> LossOutput:

@@ -18,11 +18,14 @@ from typing import Sequence
 
 import torch
 
+from packtrain.vision import VisionSpec, mrope_positions
+
 
 @dataclass
 class Continuation:
     item_ids: Sequence[int]
     target_ids: Sequence[int]
+    images: Sequence[Sequence[int]] = ()  # (T, H, W) patch grid of each image in the item, in order
 
     def __len__(self) -> int:
         return len(self.item_ids) + len(self.target_ids)
@@ -45,6 +48,8 @@ class PackLayout:
     pad_index: torch.Tensor  # [N, L] index into the continuation region, or ΣL (a zero row) for padding
     valid: torch.Tensor  # [N, L] bool
     unpad_index: torch.Tensor  # [ΣL] index into the flattened [N*L] batch
+    image_grid_thw: torch.Tensor | None = None  # [images, 3] in buffer order, None for text-only
+    pixel_values: torch.Tensor | None = None  # [patches, dim], filled in by the image loader
     _cache: dict = field(default_factory=dict, repr=False)  # per-pack objects built once (e.g. a BlockMask)
 
     @property
@@ -79,15 +84,18 @@ def _targets(offset: int, item_len: int, target_ids: Sequence[int], prefix_last:
     return out
 
 
-def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continuation]) -> PackLayout:
+def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continuation],
+                      vision: VisionSpec | None = None) -> PackLayout:
     """Lay out P once followed by every continuation, each keeping its standalone positions."""
     p = len(prefix_ids)
     if p == 0:
         raise ValueError("a pack needs a non-empty prefix P")
     if not continuations:
         raise ValueError("a pack needs at least one continuation")
+    if vision is not None and vision.image_token_id in prefix_ids:
+        raise ValueError("P must be text-only: image tokens in the shared prefix are not supported")
     ids = list(prefix_ids)
-    positions = list(range(p))
+    positions = [list(range(p)) for _ in range(3)]
     segments = [0] * p
     t_pos: list[int] = []
     t_ids: list[int] = []
@@ -101,26 +109,32 @@ def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
         lens.append(n)
         ids.extend(c.item_ids)
         ids.extend(c.target_ids)
-        positions.extend(range(p, p + n))
+        # local origin at zero, then |P| on all three axes = the coordinates of concat(P, Ci)
+        coords, _ = mrope_positions(list(c.item_ids) + list(c.target_ids), c.images, vision, start=p)
+        for axis, values in zip(positions, coords):
+            axis.extend(values)
         segments.extend([i + 1] * n)
         pos = _targets(offset, len(c.item_ids), c.target_ids, p - 1)
         t_pos.extend(pos)
         t_ids.extend(c.target_ids)
         t_ex.extend([i] * len(c.target_ids))
-    return _finish(True, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, len(continuations))
+    grids = [g for c in continuations for g in c.images]
+    return _finish(True, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, len(continuations), grids)
 
 
-def build_standalone_layout(prefix_ids: Sequence[int], continuation: Continuation) -> PackLayout:
-    """One example alone: ``concat(P, C)`` as a single causal sequence, positions 0..T-1."""
+def build_standalone_layout(prefix_ids: Sequence[int], continuation: Continuation,
+                            vision: VisionSpec | None = None) -> PackLayout:
+    """One example alone: ``concat(P, C)`` as a single causal sequence from position 0."""
     ids = list(prefix_ids) + list(continuation.item_ids) + list(continuation.target_ids)
     t_pos = _targets(len(prefix_ids), len(continuation.item_ids), continuation.target_ids, len(prefix_ids) - 1)
     n = len(ids)
-    return _finish(False, n, [], ids, list(range(n)), [0] * n, t_pos, list(continuation.target_ids),
-                   [0] * len(continuation.target_ids), 1)
+    positions, _ = mrope_positions(ids, continuation.images, vision)
+    return _finish(False, n, [], ids, positions, [0] * n, t_pos, list(continuation.target_ids),
+                   [0] * len(continuation.target_ids), 1, list(continuation.images))
 
 
-def _finish(packed, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_examples) -> PackLayout:
-    pos = torch.tensor(positions, dtype=torch.long)
+def _finish(packed, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_examples, grids=()) -> PackLayout:
+    thw = torch.tensor(positions, dtype=torch.long)  # [3, T]: temporal, height, width
     n = len(lens)
     longest = max(lens, default=0)
     total = sum(lens)
@@ -140,7 +154,8 @@ def _finish(packed, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_exa
         prefix_len=p,
         cont_lens=list(lens),
         input_ids=torch.tensor([ids], dtype=torch.long),
-        position_ids=pos.view(1, 1, -1).expand(4, 1, -1).clone(),
+        # row 0 is the "text position" transformers' mask builder would read (it never sees a pack); 1-3 M-RoPE
+        position_ids=torch.cat([thw[:1], thw])[:, None, :].clone(),
         segment_ids=torch.tensor(segments, dtype=torch.long),
         cu_seqlens=cu,
         target_positions=torch.tensor(t_pos, dtype=torch.long),
@@ -150,6 +165,7 @@ def _finish(packed, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_exa
         pad_index=pad_index,
         valid=valid,
         unpad_index=torch.tensor(unpad, dtype=torch.long),
+        image_grid_thw=torch.tensor([list(g) for g in grids], dtype=torch.long) if grids else None,
     )
 
 

@@ -53,6 +53,23 @@ def text_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
         f"packtrain supports Qwen3_5ForCausalLM and Qwen3_5ForConditionalGeneration (Qwen3.5/3.6); got {name}")
 
 
+def model_body(model: nn.Module) -> tuple[nn.Module, bool]:
+    """(the module that runs embedding + (vision) + decoder stack, whether it is the vision-language model)."""
+    base = unwrap(model)
+    text_parts(model)
+    return base.model, type(base).__name__ == "Qwen3_5ForConditionalGeneration"
+
+
+def vision_spec(model: nn.Module):
+    """The image token id and spatial merge size of a vision-language model, None for a text model."""
+    from packtrain.vision import VisionSpec
+
+    base = unwrap(model)
+    if type(base).__name__ != "Qwen3_5ForConditionalGeneration":
+        return None
+    return VisionSpec(base.config.image_token_id, base.config.vision_config.spatial_merge_size)
+
+
 def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
     layout = kwargs.pop(LAYOUT_KWARG, None)
     if layout is None:

@@ -29,27 +29,36 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
-def packed_run(model, prefix, conts):
+def _with_pixels(layout, conts, pixels):
+    """pixels: one [patches, dim] tensor per image of each continuation (a list per continuation)."""
+    if pixels is not None:
+        images = [p for c, per in zip(conts, pixels) for p in per]
+        layout.pixel_values = torch.cat(images) if images else None
+    return layout
+
+
+def packed_run(model, prefix, conts, vision=None, pixels=None):
     model.zero_grad(set_to_none=True)
-    out = PackedLM(model)(build_pack_layout(prefix, conts))
+    out = PackedLM(model)(_with_pixels(build_pack_layout(prefix, conts, vision), conts, pixels))
     out.loss_sum.backward()
     return out.per_example.tolist(), trainable_grads(model)
 
 
-def standalone_run(model, prefix, conts):
+def standalone_run(model, prefix, conts, vision=None, pixels=None):
     model.zero_grad(set_to_none=True)
     lm = PackedLM(model)
     losses = []
-    for c in conts:
-        out = lm(build_standalone_layout(prefix, c))
+    for i, c in enumerate(conts):
+        layout = build_standalone_layout(prefix, c, vision)
+        out = lm(_with_pixels(layout, [c], None if pixels is None else [pixels[i]]))
         out.loss_sum.backward()
         losses.extend(out.per_example.tolist())
     return losses, trainable_grads(model)
 
 
-def compare(model, prefix, conts) -> Diff:
-    la, ga = packed_run(model, prefix, conts)
-    lb, gb = standalone_run(model, prefix, conts)
+def compare(model, prefix, conts, vision=None, pixels=None) -> Diff:
+    la, ga = packed_run(model, prefix, conts, vision, pixels)
+    lb, gb = standalone_run(model, prefix, conts, vision, pixels)
     assert ga.keys() == gb.keys() and ga
     for name, g in gb.items():  # a zero gradient would make the comparison vacuous
         assert g.abs().max() > 0, f"zero gradient for {name}"

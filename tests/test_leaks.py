@@ -76,7 +76,7 @@ def test_buffer_positions_instead_of_standalone_are_caught(monkeypatch, bad_posi
     original = layout._finish
 
     def cumulative(packed, p, lens, ids, positions, *rest):
-        return original(packed, p, lens, ids, list(range(len(ids))), *rest)
+        return original(packed, p, lens, ids, [list(range(len(ids)))] * 3, *rest)
 
     monkeypatch.setattr(layout, "_finish", cumulative)
     d = _diff(monkeypatch)

@@ -1,0 +1,178 @@
+"""Vision-language packs on a tiny Qwen3_5ForConditionalGeneration (float64): images of different grid sizes,
+several per pack, one continuation with two images, one without; LoRA and a trainable merger.
+
+Tolerances, measured over seeds 0-7 of these fixtures (reproduce: loop `compare` over `tiny_vlm(s)`,
+`vlm_pack(s)`):
+- float64 with the model's float32 casts removed (`without_float32_casts`): losses 6e-16, gradients 5e-11 —
+  the structure (positions, image placement, the one vision batch, isolation) is exact. Bounds 1e-13, 1e-9.
+- float64 as shipped: losses 9.2e-6 packed vs standalone and 1.1e-5 vs transformers, gradients 7.1e-5 — the
+  RMSNorm / gated-norm / chunk-rule float32 casts of tests/test_parity.py, on larger activations here.
+  Bounds 3e-5 and 2e-4.
+"""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+from packtrain.kernels import Backend
+from packtrain.layout import Continuation, build_pack_layout
+from packtrain.model_patch import patch_model, vision_spec
+from packtrain.vision import VisionSpec, mrope_positions
+from parity import compare, packed_run, without_float32_casts
+from tiny_models import tiny_text_config
+
+L, F = "linear_attention", "full_attention"
+IMAGE, START, END = 90, 91, 92
+PATCH_DIM = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch
+
+
+def tiny_vlm(seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen3_5Config(
+        text_config=tiny_text_config([L, F, L]).to_dict(),
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           num_position_embeddings=64),
+        image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END, video_token_id=93)
+    model = Qwen3_5ForConditionalGeneration(cfg).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "visual" not in name:
+                p.normal_(0.0, 0.2)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "in_proj_qkv", "out_proj"],
+                                             modules_to_save=["merger"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and "lora" in name:
+                p.normal_(0.0, 0.1)
+    model.enable_input_require_grads()
+    return patch_model(model, Backend(gdn="torch", attention="batched"))
+
+
+def image_item(text_before, grids, text_after, gen):
+    """Item tokens with one vision block per grid, and random pixels for each image."""
+    ids, pixels = list(text_before), []
+    for t, h, w in grids:
+        ids += [START] + [IMAGE] * (t * h * w // 4) + [END]
+        pixels.append(torch.randn(t * h * w, PATCH_DIM, generator=gen, dtype=torch.float64))
+    return ids + list(text_after), pixels
+
+
+def vlm_pack(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda n: torch.randint(0, 89, (n,), generator=gen).tolist()  # noqa: E731 - text tokens only
+    prefix = rnd(37)
+    specs = [  # (grids, item text before, after, target length)
+        ([(1, 4, 6)], 3, 5, 4),
+        ([], 6, 0, 3),  # no image
+        ([(1, 4, 4), (1, 6, 2)], 2, 4, 5),  # two images, different grids
+        ([(1, 2, 8)], 0, 70, 6),  # straddles the 64-token GDN chunk
+    ]
+    conts, pixels = [], []
+    for grids, before, after, target in specs:
+        item, px = image_item(rnd(before), grids, rnd(after), gen)
+        conts.append(Continuation(item, rnd(target), images=grids))
+        pixels.append(px)
+    return prefix, conts, pixels
+
+
+def hf_vlm_losses(model, prefix, conts, pixels):
+    """transformers' own forward with pixel_values, image_grid_thw and labels on each standalone example."""
+    out = []
+    with torch.no_grad():
+        for c, px in zip(conts, pixels):
+            ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
+            labels = torch.full_like(ids, -100)
+            start = len(prefix) + len(c.item_ids)
+            labels[0, start:] = ids[0, start:]
+            kw = {}
+            if c.images:
+                kw = dict(pixel_values=torch.cat(px), image_grid_thw=torch.tensor([list(g) for g in c.images]),
+                          mm_token_type_ids=(ids == IMAGE).int())
+            out.append(model(input_ids=ids, labels=labels, **kw).loss.item())
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_vlm_packed_equals_standalone_exactly(seed, monkeypatch):
+    with without_float32_casts(monkeypatch):
+        model = tiny_vlm(seed)
+        prefix, conts, pixels = vlm_pack(seed)
+        d = compare(model, prefix, conts, vision_spec(model), pixels)
+    assert d.loss < 1e-13 and d.grad < 1e-9, d
+    # compare() asserts every trainable gradient is non-zero: the merger (modules_to_save) trains
+    assert any("merger" in n and p.requires_grad for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_vlm_as_shipped_equals_standalone_and_transformers(seed):
+    model = tiny_vlm(seed)
+    spec = vision_spec(model)
+    assert spec == VisionSpec(IMAGE, 2)
+    prefix, conts, pixels = vlm_pack(seed)
+    d = compare(model, prefix, conts, spec, pixels)
+    assert d.loss < 3e-5 and d.grad < 2e-4, d
+    reference = torch.tensor(hf_vlm_losses(model, prefix, conts, pixels), dtype=torch.float64)
+    assert ((torch.tensor(d.losses_a, dtype=torch.float64) - reference).abs() / reference).max() < 3e-5
+
+
+def test_continuation_never_sees_another_continuations_image(monkeypatch):
+    """Changing C1's image changes C1's loss and nothing else; the same check fails with a leaky mask."""
+    from packtrain import layout as layout_module
+
+    model = tiny_vlm(seed=1)
+    spec = vision_spec(model)
+    prefix, conts, pixels = vlm_pack(seed=2)
+    changed = [list(p) for p in pixels]
+    changed[0] = [p + 1.0 for p in pixels[0]]
+
+    def losses(px, attention="batched"):
+        patch_model(model, Backend(gdn="torch", attention=attention))
+        return torch.tensor(packed_run(model, prefix, conts, spec, px)[0])
+
+    a, b = losses(pixels), losses(changed)
+    assert (a[0] - b[0]).abs() > 1e-6  # C1 does read its image
+    assert torch.equal(a[1:], b[1:])  # nobody else does, bitwise
+    monkeypatch.setattr(layout_module, "shared_prefix_allowed", lambda sq, skv, q, kv: kv <= q)
+    a, b = losses(pixels, "dense"), losses(changed, "dense")
+    assert not torch.equal(a[1:], b[1:])  # the check catches a leak
+
+
+def test_merged_grid_advances_the_cursor_by_its_longer_side():
+    spec = VisionSpec(image_token_id=7, merge_size=2)
+    c = 11
+    ids = [1, 2] + [7] * (14 * 20) + [3]  # a 14 x 20 merged grid (28 x 40 patches)
+    axes, end = mrope_positions(ids, [(1, 28, 40)], spec, start=c - 2)
+    t, h, w = axes
+    assert (t[2], h[2], w[2]) == (c, c, c)  # first image token at the cursor
+    assert (h[2 + 14 * 20 - 1], w[2 + 14 * 20 - 1]) == (c + 13, c + 19)  # last row, last column
+    assert (t[-1], h[-1], w[-1]) == (c + 20, c + 20, c + 20)  # the following text: c + 20, not c + 280
+    assert end == c + 21
+
+
+def test_packed_coordinates_equal_standalone_coordinates_from_transformers():
+    """Every continuation's (t, h, w) coordinates in the pack equal transformers' get_rope_index on the
+    standalone example."""
+    model = tiny_vlm()
+    spec = vision_spec(model)
+    prefix, conts, _ = vlm_pack(seed=3)
+    layout = build_pack_layout(prefix, conts, spec)
+    vlm = model.get_base_model().model
+    start = len(prefix)
+    for i, c in enumerate(conts):
+        ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
+        grids = torch.tensor([list(g) for g in c.images]) if c.images else None
+        ref, _ = vlm.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE).int(), image_grid_thw=grids)
+        n = len(c)
+        packed = layout.position_ids[1:, 0, start:start + n]
+        assert torch.equal(packed, ref[:, 0, len(prefix):]), f"continuation {i}"
+        start += n
+    assert torch.equal(layout.position_ids[1:, 0, :len(prefix)], torch.arange(len(prefix)).expand(3, -1))
+
+
+def test_images_in_the_prefix_are_refused():
+    with pytest.raises(ValueError, match="text-only"):
+        build_pack_layout([1, IMAGE, 2], [Continuation([3], [4])], VisionSpec(IMAGE, 2))
