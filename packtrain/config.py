@@ -58,6 +58,9 @@ class DataConfig:
     eval: str | None = None
     format: Literal["text", "chat", "pretokenized"] | None = None  # auto-detected from the first line when None
     tokenizer: str | None = None  # a local tokenizer directory; default: model.path, else the bundled tokenizer
+    # a local image-processor directory for examples with images; default: model.path if it has one, else the tiny
+    # bundled one (packtrain/assets/vlm)
+    processor: str | None = None
 
 
 @dataclass

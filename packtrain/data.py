@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
     from packtrain.config import Config
+
+from packtrain.vision import IMAGE_PAD, ImageRef
 
 FORMATS = ("text", "chat", "pretokenized")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tokenizer"
@@ -54,6 +56,7 @@ class Example:
     target_ids: tuple[int, ...]
     source: str = ""
     line: int = 0
+    images: tuple[ImageRef, ...] = ()  # images of the item, in order; their tokens are counted in item_ids
 
     @property
     def continuation_ids(self) -> tuple[int, ...]:
@@ -70,9 +73,10 @@ class _Conversation:
 
     id: str
     line: int
-    messages: list[dict[str, str]]
+    messages: list[dict]
     system_field: str
     target_field: str
+    images: list[tuple[str, str]] = field(default_factory=list)  # (resolved path, field) in order of appearance
 
 
 def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
@@ -178,21 +182,60 @@ def _pretokenized(record: dict, line: int, source: Path, vocab_size: int | None,
     return Example(_example_id(record, line, source), prefix, ids["item_ids"], ids["target_ids"], str(source), line)
 
 
+def _image_path(value: Any, field: str, source: Path, line: int) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise DataError(source, line, field, f"expected an image path, got {json.dumps(value)[:60]}")
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else (Path(source).parent / path))
+
+
 def _text_conversation(record: dict, line: int, source: Path) -> _Conversation:
     system, item, target = (_field(record, k, "text", source, line) for k in ("system", "item", "target"))
+    item = _string(item, "item", source, line)
+    images = record.get("images", [])
+    if not isinstance(images, list):
+        raise DataError(source, line, "images", "expected a list of image paths")
+    paths = [(_image_path(v, f"images[{i}]", source, line), f"images[{i}]") for i, v in enumerate(images)]
+    user: Any = item
+    if paths:  # the images come first, then the item's text (as Qwen's chat examples put them)
+        user = [{"type": "image", "image": p} for p, _ in paths] + [{"type": "text", "text": item}]
     messages = [
         {"role": "system", "content": _string(system, "system", source, line)},
-        {"role": "user", "content": _string(item, "item", source, line)},
+        {"role": "user", "content": user},
         {"role": "assistant", "content": _string(target, "target", source, line, nonempty=True)},
     ]
-    return _Conversation(_example_id(record, line, source), line, messages, "system", "target")
+    return _Conversation(_example_id(record, line, source), line, messages, "system", "target", paths)
+
+
+def _content(value: Any, role: str, field: str, source: Path, line: int, images: list) -> Any:
+    """A message's content: a string, or (user turns) a list of text and image parts."""
+    if isinstance(value, str) or role != "user":
+        if not isinstance(value, str) and role == "system" and isinstance(value, list):
+            raise DataError(source, line, field, "the system message must be a string: P stays text-only")
+        return _string(value, field, source, line)
+    if not isinstance(value, list) or not value:
+        raise DataError(source, line, field, "expected a string or a non-empty list of parts")
+    parts = []
+    for j, part in enumerate(value):
+        where = f"{field}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            parts.append({"type": "text", "text": _string(part.get("text"), f"{where}.text", source, line)})
+        elif kind == "image":
+            path = _image_path(part.get("image"), f"{where}.image", source, line)
+            images.append((path, f"{where}.image"))
+            parts.append({"type": "image", "image": path})
+        else:
+            raise DataError(source, line, where, 'expected {"type": "text", "text": ...} or '
+                                                 '{"type": "image", "image": path}')
+    return parts
 
 
 def _chat_conversation(record: dict, line: int, source: Path) -> _Conversation:
     messages = _field(record, "messages", "chat", source, line)
     if not isinstance(messages, list) or len(messages) < 2:
         raise DataError(source, line, "messages", "expected a list of at least a system and an assistant message")
-    clean = []
+    clean, images = [], []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise DataError(source, line, f"messages[{i}]", "expected an object with role and content")
@@ -205,13 +248,15 @@ def _chat_conversation(record: dict, line: int, source: Path) -> _Conversation:
                                                                f"{role}")
         if i > 0 and role == "system":
             raise DataError(source, line, f"messages[{i}].role", "only the first message may be a system message")
-        clean.append({"role": role, "content": _string(m.get("content"), f"messages[{i}].content", source, line)})
+        content = _content(m.get("content"), role, f"messages[{i}].content", source, line, images)
+        clean.append({"role": role, "content": content})
     last = len(messages) - 1
     if clean[-1]["role"] != "assistant":
         raise DataError(source, line, f"messages[{last}].role", "the last message must be the assistant's (the "
                                                                 "target)")
     _string(clean[-1]["content"], f"messages[{last}].content", source, line, nonempty=True)
-    return _Conversation(_example_id(record, line, source), line, clean, "messages[0]", f"messages[{last}]")
+    return _Conversation(_example_id(record, line, source), line, clean, "messages[0]", f"messages[{last}]",
+                         images)
 
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool, source: Path, conv: _Conversation) -> str:
@@ -219,16 +264,65 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, source: Pa
 
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    except TemplateError as e:
+    except (TemplateError, TypeError) as e:  # TypeError: a string-only template given a list of parts
         raise DataError(source, conv.line, "messages", f"the chat template refused it: {e}") from None
 
 
-def _tokenize(conversations: list[_Conversation], tokenizer, source: Path) -> list[Example]:
+def _image_grids(conversations: list[_Conversation], processor, source: Path) -> dict[str, tuple[int, int, int]]:
+    """The patch grid of every distinct image (each is read once); a missing or unreadable image is a DataError
+    naming the file, line and field of its first use."""
+    from packtrain.vision import open_image
+
+    grids: dict[str, tuple[int, int, int]] = {}
+    for c in conversations:
+        for path, where in c.images:
+            if path in grids:
+                continue
+            if not Path(path).is_file():
+                raise DataError(source, c.line, where, f"image not found: {path}")
+            try:
+                image = open_image(path)
+                grid = processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
+            except Exception as e:  # noqa: BLE001 - any decoder error means the same thing to the user
+                raise DataError(source, c.line, where, f"cannot read image {path}: {e}") from None
+            grids[path] = tuple(int(v) for v in grid)
+    return grids
+
+
+def _expand_images(ids: list[int], c: _Conversation, grids: dict, pad_id: int, merge: int, source: Path,
+                   field_name: str) -> list[int]:
+    """One image-pad token per image (as the template renders it) -> T*H*W/merge^2 of them."""
+    out, k = [], 0
+    for t in ids:
+        if t != pad_id:
+            out.append(t)
+            continue
+        if k >= len(c.images):
+            raise DataError(source, c.line, field_name, "the text holds more image placeholders than images")
+        gt, gh, gw = grids[c.images[k][0]]
+        out.extend([pad_id] * (gt * gh * gw // merge ** 2))
+        k += 1
+    return out
+
+
+def _tokenize(conversations: list[_Conversation], tokenizer, source: Path, processor=None) -> list[Example]:
     if not tokenizer.chat_template:
         raise ValueError(f"the tokenizer {tokenizer.name_or_path} has no chat template: text and chat data need one")
 
     def encode(texts: list[str]) -> list[list[int]]:
         return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+    grids: dict = {}
+    pad_id = None
+    if any(c.images for c in conversations):
+        from packtrain.vision import load_image_processor
+
+        pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        if pad_id is None or pad_id == tokenizer.unk_token_id or IMAGE_PAD not in tokenizer.get_vocab():
+            raise ValueError(f"the tokenizer {tokenizer.name_or_path} has no {IMAGE_PAD} token: examples with "
+                             "images need a vision-language tokenizer (data.tokenizer)")
+        processor = processor if processor is not None else load_image_processor(None)
+        grids = _image_grids(conversations, processor, source)
 
     p_texts, prompt_texts, full_texts = [], [], []
     for c in conversations:
@@ -255,17 +349,27 @@ def _tokenize(conversations: list[_Conversation], tokenizer, source: Path) -> li
             raise DataError(source, c.line, c.target_field, "the prompt's tokens are not a prefix of the whole "
                                                             "example's tokens (the tokenizer merges across the "
                                                             "start of the target)")
-        examples.append(Example(c.id, prefix, tuple(prompt[len(prefix):]), tuple(full[len(prompt):]), str(source),
-                                c.line))
+        item, target = prompt[len(prefix):], full[len(prompt):]
+        refs: tuple[ImageRef, ...] = ()
+        if c.images:
+            if pad_id in target:
+                raise DataError(source, c.line, c.target_field, "the target holds an image placeholder")
+            if item.count(pad_id) != len(c.images):
+                raise DataError(source, c.line, "messages", f"{len(c.images)} images but {item.count(pad_id)} "
+                                                            "image placeholders after rendering the chat template")
+            item = _expand_images(item, c, grids, pad_id, processor.merge_size, source, "messages")
+            refs = tuple(ImageRef(path, grids[path]) for path, _ in c.images)
+        examples.append(Example(c.id, prefix, tuple(item), tuple(target), str(source), c.line, refs))
     return examples
 
 
-def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None) -> list[Example]:
+def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, processor=None) -> list[Example]:
     """Every example of a JSONL file, or a DataError for the first bad one.
 
     ``tokenizer``: a tokenizer, the directory of one, or None. Text and chat need one (None: the bundled one); it is
     loaded only once every line has parsed, so a malformed file fails fast. Pretokenized ids are checked against
-    the vocabulary when a tokenizer is given.
+    the vocabulary when a tokenizer is given. ``processor``: the image processor for examples with images (an
+    object, a local directory, or None: the bundled tiny one).
     """
     path = Path(path)
     records = list(_records(path))
@@ -285,7 +389,11 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None) -> l
         conversations = [parse(r, line, path) for line, r in records]
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
             tokenizer = load_tokenizer(tokenizer)
-        examples = _tokenize(conversations, tokenizer, path)
+        if isinstance(processor, (str, Path)):
+            from packtrain.vision import load_image_processor
+
+            processor = load_image_processor(processor)
+        examples = _tokenize(conversations, tokenizer, path, processor)
     seen: dict[str, int] = {}
     for ex in examples:
         if ex.id in seen:
@@ -305,4 +413,14 @@ def load_split(cfg: Config, split: str, tokenizer=None) -> list[Example] | None:
         return None
     if tokenizer is None:
         tokenizer = cfg.resolve_path(cfg.data.tokenizer or cfg.model.path)
-    return load_examples(path, cfg.data.format, tokenizer)
+    return load_examples(path, cfg.data.format, tokenizer, processor_dir(cfg))
+
+
+def processor_dir(cfg: Config) -> Path | None:
+    """``data.processor``, else the model's directory when it has an image processor, else None (bundled)."""
+    if cfg.data.processor:
+        return cfg.resolve_path(cfg.data.processor)
+    model_dir = cfg.resolve_path(cfg.model.path)
+    if model_dir is not None and (model_dir / "preprocessor_config.json").is_file():
+        return model_dir
+    return None

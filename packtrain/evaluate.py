@@ -9,17 +9,19 @@ from packtrain.distributed import DistInfo
 from packtrain.forward import PackedLM
 from packtrain.planner import Plan
 from packtrain.steps import rank_units, unit_layout
+from packtrain.vision import ImageLoader
 
 
 @torch.no_grad()
-def evaluate(lm: PackedLM, plan: Plan, examples, mode: str, info: DistInfo, progress=None) -> list[dict]:
+def evaluate(lm: PackedLM, plan: Plan, examples, mode: str, info: DistInfo, progress=None,
+             images: ImageLoader | None = None) -> list[dict]:
     """``[{"id", "loss", "target_tokens"}]`` in example order (on every rank), skipped examples left out."""
     was_training = lm.training
     lm.eval()
     results: dict[int, tuple[float, int]] = {}
     units = rank_units(plan, list(range(len(plan.packs))), mode, info.rank, info.world_size)
     for unit in units:
-        out = lm(unit_layout(unit, plan, examples, mode).to(info.device))
+        out = lm(unit_layout(unit, plan, examples, mode, images).to(info.device))
         if not unit.dummy:
             for e, loss, n in zip(unit.examples, out.per_example.tolist(), out.target_tokens.tolist()):
                 results[e] = (loss, n)

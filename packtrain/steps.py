@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from packtrain.layout import Continuation, PackLayout, build_pack_layout, build_standalone_layout
 from packtrain.planner import Plan, epoch_order
+from packtrain.vision import ImageLoader
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,22 @@ def step_examples(plan: Plan, pack_ids: list[int]) -> int:
     return sum(len(plan.packs[i].examples) for i in pack_ids)
 
 
-def unit_layout(unit: Unit, plan: Plan, examples, mode: str) -> PackLayout:
+def unit_layout(unit: Unit, plan: Plan, examples, mode: str, images: ImageLoader | None = None) -> PackLayout:
+    """The layout of one unit; with ``images``, its examples' images are loaded (in buffer order) as well."""
     prefix = plan.prompts[unit.prompt]
-    conts = [Continuation(examples[e].item_ids, examples[e].target_ids) for e in unit.examples]
+    chosen = [examples[e] for e in unit.examples]
+    conts = [Continuation(ex.item_ids, ex.target_ids, [r.grid_thw for r in getattr(ex, "images", ())])
+             for ex in chosen]
+    refs = [r for ex in chosen for r in getattr(ex, "images", ())]
+    if refs and images is None:
+        raise ValueError(f"{chosen[0].source}: examples with images need a vision-language model and an image "
+                         "processor")
+    spec = images.spec if images is not None else None
     if mode == "shared_prefix":
-        return build_pack_layout(prefix, conts)
-    (cont,) = conts
-    return build_standalone_layout(prefix, cont)
+        layout = build_pack_layout(prefix, conts, spec)
+    else:
+        (cont,) = conts
+        layout = build_standalone_layout(prefix, cont, spec)
+    if refs:
+        layout.pixel_values, _ = images.load(refs)
+    return layout

@@ -22,16 +22,18 @@ from tqdm.auto import tqdm
 
 from packtrain import checkpoint as ckpt
 from packtrain.config import Config
-from packtrain.data import load_split
+from packtrain.data import load_split, processor_dir
 from packtrain.distributed import DistInfo, all_reduce_max_tensor, all_reduce_sum, barrier, init_distributed
 from packtrain.evaluate import evaluate, mean_loss
 from packtrain.kernels import select_backend
 from packtrain.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.model import apply_lora, build_base_model
+from packtrain.model_patch import vision_spec
 from packtrain.ops.runtime import RunOps
 from packtrain.optim import build_optimizer, build_scheduler
 from packtrain.planner import Plan, plan_packs, plan_stats
 from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
+from packtrain.vision import ImageLoader, load_image_processor
 from packtrain.wrap import prepare
 
 
@@ -61,6 +63,17 @@ CUT_OFF = ("the adapters are cut off from the loss: frozen embeddings without en
 def plan_for(cfg: Config, examples) -> Plan:
     p = cfg.packing
     return plan_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed)
+
+
+def image_loader(cfg: Config, model, examples) -> ImageLoader | None:
+    """The loader for examples' images (None when no example has one); refuses a text-only model."""
+    if not any(ex.images for ex in examples):
+        return None
+    spec = vision_spec(model)
+    if spec is None:
+        raise ValueError("the data has images but the model is text-only: use a vision-language model "
+                         "(model_type qwen3_5 / Qwen3_5ForConditionalGeneration)")
+    return ImageLoader(load_image_processor(processor_dir(cfg)), spec)
 
 
 def plan_fingerprint(plan: Plan) -> str:
@@ -107,6 +120,7 @@ class Trainer:
         self.model = apply_lora(model, cfg)
         self.backend = select_backend(cfg.model.kernels, self.dist.device)
         t = cfg.train
+        self.images = image_loader(cfg, self.model, self.train_examples + (self.eval_examples or []))
         self.lm = prepare(self.model, self.backend, checkpointing=t.activation_checkpointing, offload=t.offload,
                           shard=self.dist.enabled, device=self.dist.device)
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
@@ -171,7 +185,7 @@ class Trainer:
         for unit in units:
             code, layout = OK, None
             try:
-                layout = unit_layout(unit, self.plan, self.train_examples, self.mode)
+                layout = unit_layout(unit, self.plan, self.train_examples, self.mode, self.images)
                 if cap is not None and layout.length > cap:
                     code = SKIP
             except self.skippable:
@@ -234,7 +248,8 @@ class Trainer:
         info = self.dist
         bar = tqdm(total=None, desc="eval", unit="unit", leave=False,  # a terminal only: it would litter logs
                    disable=not (info.is_main and self.cfg.logging.progress and sys.stderr.isatty()))
-        rows = evaluate(self.lm, self.eval_plan, self.eval_examples, self.mode, info, progress=bar)
+        rows = evaluate(self.lm, self.eval_plan, self.eval_examples, self.mode, info, progress=bar,
+                        images=self.images)
         bar.close()
         loss = mean_loss(rows)
         record = {"split": "eval", "step": self.step, "loss": loss, "examples": len(rows)}

@@ -19,7 +19,7 @@ def run_eval(args) -> int:
     from packtrain.kernels import select_backend
     from packtrain.model import build_base_model
     from packtrain.model_patch import patch_model
-    from packtrain.trainer import plan_for
+    from packtrain.trainer import image_loader, plan_for
 
     cfg = load_config(args.config, args.overrides)
     adapter = Path(args.adapter)
@@ -34,7 +34,8 @@ def run_eval(args) -> int:
         model = PeftModel.from_pretrained(build_base_model(cfg), adapter, is_trainable=False)
         backend = select_backend(cfg.model.kernels, info.device)
         lm = PackedLM(patch_model(model, backend)).to(info.device)
-        rows = evaluate(lm, plan_for(cfg, examples), examples, cfg.packing.mode, info)
+        rows = evaluate(lm, plan_for(cfg, examples), examples, cfg.packing.mode, info,
+                        images=image_loader(cfg, model, examples))
         if info.is_main:
             out = Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)
