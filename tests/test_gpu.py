@@ -44,3 +44,23 @@ def test_fla_packed_equals_standalone(dtype):
     d = compare(_cuda_model(dtype, Backend("fla", "flex")), prefix, conts)
     loss_bound, grad_bound = BOUNDS[dtype]
     assert d.loss < loss_bound and d.grad < grad_bound, d
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_vlm_fla_flex_equals_torch_reference(dtype):
+    """Vision-language packs on the GPU back end against the torch reference (tests/test_vlm.py's fixture)."""
+    from test_vlm import tiny_vlm, vlm_pack
+
+    from packtrain.model_patch import vision_spec
+
+    prefix, conts, pixels = vlm_pack(seed=0)
+    results = []
+    for backend, dt in ((Backend("torch", "batched"), torch.float32), (Backend("fla", "flex"), dtype)):
+        model = patch_model(tiny_vlm(seed=0).to("cuda", dt), backend)
+        px = [[p.to("cuda", dt) for p in per] for per in pixels]
+        results.append(packed_run(model, prefix, conts, vision_spec(model), px))
+    (ref_l, ref_g), (got_l, got_g) = results
+    loss_bound, grad_bound = BOUNDS[dtype]
+    assert rel(torch.tensor(got_l, dtype=torch.float64), torch.tensor(ref_l, dtype=torch.float64)) < loss_bound
+    for n in ref_g:
+        assert rel(got_g[n].float(), ref_g[n].float()) < grad_bound, n
