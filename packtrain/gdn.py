@@ -33,21 +33,18 @@ def _unpad(x_NL: torch.Tensor, layout: PackLayout) -> torch.Tensor:
     return x_NL.flatten(0, 1)[layout.unpad_index]
 
 
-def conv_tail(mixed_TC: torch.Tensor, prefix_len: int, width: int) -> torch.Tensor:
-    """P's last W-1 conv inputs [W-1, C], zero-filled on the left when P is shorter (as the zero history
-    P itself starts from)."""
-    tail = mixed_TC[max(0, prefix_len - (width - 1)):prefix_len]
-    missing = (width - 1) - tail.shape[0]
-    if missing > 0:
-        tail = torch.cat([tail.new_zeros(missing, tail.shape[1]), tail])
-    return tail
+def conv_tail(mixed_TC: torch.Tensor, layout: PackLayout, width: int) -> torch.Tensor:
+    """P's last W-1 conv inputs [W-1, C] (zero rows where P is shorter, as the zero history P starts from).
+    A gather, so the gradients of every continuation's history sum back into P's rows."""
+    padded = torch.cat([mixed_TC.new_zeros(1, mixed_TC.shape[1]), mixed_TC])
+    return padded[layout.conv_tail_index(width) + 1]
 
 
 def packed_conv_torch(mixed_TC, weight_CW, bias_C, layout: PackLayout) -> torch.Tensor:
     p, W = layout.prefix_len, weight_CW.shape[-1]
     out_P = torch_ref.causal_conv_silu(mixed_TC[:p].T[None], weight_CW, bias_C)[0].T
     cont_NLC = _pad(mixed_TC[p:], layout)
-    history = conv_tail(mixed_TC, p, W).T[None].expand(cont_NLC.shape[0], -1, -1)
+    history = conv_tail(mixed_TC, layout, W).T[None].expand(cont_NLC.shape[0], -1, -1)
     out_NCL = torch_ref.conv_with_history_silu(cont_NLC.transpose(1, 2), history, weight_CW, bias_C)
     return torch.cat([out_P, _unpad(out_NCL.transpose(1, 2), layout)])
 

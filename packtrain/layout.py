@@ -67,6 +67,16 @@ class PackLayout:
             out.append(out[-1] + n)
         return out
 
+    def conv_tail_index(self, width: int) -> torch.Tensor:
+        """[W-1] buffer indices of P's last W-1 tokens, the conv history every continuation starts from; -1 where
+        P is shorter than W-1 (a zero row: the zero history P itself starts from)."""
+        key = ("conv_tail", width)
+        if key not in self._cache:
+            p = self.prefix_len
+            idx = [max(i, -1) for i in range(p - (width - 1), p)]
+            self._cache[key] = torch.tensor(idx, dtype=torch.long, device=self.input_ids.device)
+        return self._cache[key]
+
     def to(self, device: torch.device | str) -> "PackLayout":
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()
                  if k != "_cache"}

@@ -33,7 +33,7 @@ def _tailed_index(layout: PackLayout, width: int, device) -> tuple[torch.Tensor,
     key = ("tailed", width)
     if key not in layout._cache:
         p = layout.prefix_len
-        tail = [max(i, -1) + 1 for i in range(p - (width - 1), p)]  # +1: row 0 is a zero row (P shorter than W-1)
+        tail = (layout.conv_tail_index(width) + 1).tolist()  # +1: row 0 is a zero row (P shorter than W-1)
         gather, keep, cu = [], [], [0]
         start = p
         for n in layout.cont_lens:
