@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
+if TYPE_CHECKING:  # planning (which reads ImageRef and the positions) must not import torch
+    import torch
 
 IMAGE_PAD = "<|image_pad|>"
 VISION_START = "<|vision_start|>"
@@ -115,6 +116,8 @@ class ImageLoader:
         self.spec = spec
 
     def load(self, refs: Sequence[ImageRef]) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         pixels, grids = process_images([r.path for r in refs], self.processor)
         expected = torch.tensor([list(r.grid_thw) for r in refs], dtype=grids.dtype)
         if not torch.equal(grids, expected):
