@@ -49,6 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pid", type=int, action="append", default=[], help="only this process (repeatable); "
                    "without CONFIG: py-spy on any process")
 
+    p = sub.add_parser("bench", help="time shared-prefix vs standalone vs a plain transformers + peft loop on the "
+                       "same examples; table, bench.json and bench.png")
+    _add_config_args(p, optional=True)
+    p.add_argument("--preset", choices=["tiny", "cpu", "gpu"], help="config and data shape (default cpu; with CONFIG: "
+                   "only the data shape, repeats and threads)")
+    p.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.png (default runs/bench)")
+    p.add_argument("--repeats", type=int, help="timed epochs per variant (the median is reported)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="one untimed step of each variant first (default: on for the gpu preset)")
+    p.add_argument("--prompts", type=int, help="generated data: number of prompts")
+    p.add_argument("--prefix-tokens", type=int, metavar="N", help="generated data: tokens in each P")
+    p.add_argument("--continuations", type=int, metavar="N", help="generated data: continuations per prompt")
+    p.add_argument("--cont-tokens", metavar="N|MIN:MAX", help="generated data: tokens per continuation")
+    p.add_argument("--peak-tflops", type=float, metavar="X", help="device peak for MFU (CUDA default 989, the "
+                   "H100/H200 bf16 dense datasheet figure)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: 1 for the "
+                   "cpu and tiny presets, else torch's choice)")
+
     return parser
 
 
@@ -60,6 +78,7 @@ COMMANDS = {
     "smoke": ("packtrain.commands.smoke", "run_smoke"),
     "pretune-fla": ("packtrain.commands.pretune_fla", "run_pretune_fla"),
     "dump-stacks": ("packtrain.commands.dump_stacks", "run_dump_stacks"),
+    "bench": ("packtrain.commands.bench", "run_bench"),
 }
 
 

@@ -1,0 +1,167 @@
+"""Interleaved timing, per-run peak memory, and model FLOPs.
+
+Runs are interleaved: every repeat runs each variant once (the order rotated per repeat, so none always runs
+first or after the same neighbour), and a variant's time is the median over repeats. Each run is a whole
+epoch-equivalent from the same initial adapter; the evaluation of what it trained is not timed.
+
+Peak memory of a run: CPU: the peak resident set during the run above the resident set just before it, after
+freeing what the previous run left (gc, then glibc's ``malloc_trim``), with the kernel's peak counter reset in
+between (``/proc/self/clear_refs``). CUDA: peak allocated during the run above what was allocated before it. Either
+way it is what the run adds on top of the loaded models: activations, gradients, optimizer state, logits.
+
+Model FLOPs of an epoch, per variant, for the positions that variant computes (no recompute): every linear layer's
+forward and input gradient (frozen weights), LoRA forward, input and weight gradients, attention's QK^T and PV
+forward and backward over the causal query-key pairs it computes, and lm_head on the rows it computes (target
+positions for packtrain, every position for the plain loop). Left out: the Gated DeltaNet chunk recurrence and
+conv (about 1.4% of a GDN layer at Qwen3.6-27B's shapes), norms and elementwise work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from packtrain.bench.variants import Models, Workload, run_variant
+from packtrain.ops import memory
+from packtrain.ops.harness import PeakMemory, is_out_of_memory
+
+
+@dataclass
+class Run:
+    seconds: float
+    peak_memory_bytes: int
+    losses: list[float]  # each step's mean per-example training loss
+    final_loss: float | None = None  # the trained adapter's mean per-example loss (Models.evaluate)
+
+
+@dataclass
+class VariantRuns:
+    runs: list[Run] = field(default_factory=list)
+    error: str | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:  # hand freed heap pages back, so the next run's peak is not hidden in memory the last one left
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def memory_in_use(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    m = re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    return int(m.group(1)) * 1024
+
+
+def timed_run(fn, device: torch.device) -> Run:
+    _release(device)
+    _sync(device)
+    probe = PeakMemory(device)
+    probe.reset()
+    before = memory_in_use(device)
+    t0 = time.perf_counter()
+    losses = fn()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    peak, _ = probe.read()
+    return Run(seconds, max(peak - before, 0), losses)
+
+
+def interleave(models: Models, work: Workload, variants: list[str], repeats: int, warmup: bool,
+               log=print) -> dict[str, VariantRuns]:
+    results = {v: VariantRuns() for v in variants}
+
+    def attempt(v: str, fn):
+        try:
+            return fn()
+        except BaseException as e:
+            if not is_out_of_memory(e):
+                raise
+            results[v].error = f"out of memory: {str(e).splitlines()[0][:200]}"
+            log(f"  {v}: {results[v].error}; left out of the remaining repeats")
+            _release(work.device)
+
+    if warmup:
+        for v in variants:
+            t0 = time.perf_counter()
+            attempt(v, partial(run_variant, v, models, work, max_steps=1))
+            log(f"  warm-up {v}: one step, {time.perf_counter() - t0:.1f} s (not timed)")
+    for r in range(repeats):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        for v in order:
+            if results[v].error:
+                continue
+            run = attempt(v, partial(timed_run, partial(run_variant, v, models, work), work.device))
+            if run is not None:
+                run.final_loss = models.evaluate(v, work)
+                results[v].runs.append(run)
+                log(f"  repeat {r + 1}/{repeats} {v:<13} {run.seconds:8.2f} s   final loss {run.final_loss:.7f}")
+    return results
+
+
+def model_flops(text: dict, positions: int, pairs: int, head_rows: int, lora_r: int, lora_targets) -> float:
+    """Forward + backward model FLOPs (see the module docstring) for a text config dict (ops.memory.text_config)."""
+    per_position = 0.0
+    for layer_type in text["layer_types"]:
+        for name, (d_in, d_out, _) in memory.linears(text, layer_type).items():
+            per_position += 4 * d_in * d_out  # forward + input gradient
+            if name in lora_targets:
+                per_position += 6 * lora_r * (d_in + d_out)  # forward + input and weight gradients
+    full_layers = sum(t == memory.FULL for t in text["layer_types"])
+    per_pair = 3 * 4 * text["num_attention_heads"] * text["head_dim"]  # QK^T and PV, forward + 2x backward
+    per_head_row = 4 * text["hidden_size"] * text["vocab_size"]
+    return positions * per_position + pairs * full_layers * per_pair + head_rows * per_head_row
+
+
+def variant_work(variant: str, stats: dict, target_tokens: int) -> tuple[int, int, int]:
+    """(positions, attention pairs per layer and head, lm_head rows) the variant computes in one epoch."""
+    if variant == "shared_prefix":
+        return stats["positions_packed"], stats["attention_pairs_packed"], target_tokens
+    positions = stats["positions_standalone"]
+    head_rows = positions if variant == "plain" else target_tokens
+    return positions, stats["attention_pairs_standalone"], head_rows
+
+
+def summarize(results: dict[str, VariantRuns], stats: dict, target_tokens: int, text: dict, lora_r: int,
+              lora_targets, peak_tflops: float | None) -> dict:
+    out = {}
+    for v, vr in results.items():
+        positions, pairs, head_rows = variant_work(v, stats, target_tokens)
+        entry = {"positions": positions, "attention_pairs": pairs, "lm_head_rows": head_rows,
+                 "model_flops": model_flops(text, positions, pairs, head_rows, lora_r, lora_targets),
+                 "error": vr.error}
+        if vr.runs:
+            seconds = statistics.median(r.seconds for r in vr.runs)
+            flops_per_s = entry["model_flops"] / seconds
+            entry.update({
+                "seconds": seconds,
+                "seconds_per_repeat": [r.seconds for r in vr.runs],
+                "positions_per_s": positions / seconds,
+                "example_positions_per_s": stats["positions_standalone"] / seconds,
+                "target_tokens_per_s": target_tokens / seconds,
+                "peak_memory_bytes": max(r.peak_memory_bytes for r in vr.runs),
+                "final_loss": vr.runs[-1].final_loss,
+                "step_losses": vr.runs[-1].losses,
+                "model_flops_per_s": flops_per_s,
+                "mfu": flops_per_s / (peak_tflops * 1e12) if peak_tflops else None,
+            })
+        out[v] = entry
+    return out

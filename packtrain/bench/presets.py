@@ -1,0 +1,138 @@
+"""Benchmark presets: a packtrain config (as a dict) plus the shape of the generated data.
+
+A preset is what ``packtrain bench --preset NAME`` runs without a config file. Generated data is random token ids
+(no tokenizer): ``prompts`` prompts of ``prefix_tokens`` tokens, each shared by ``continuations`` continuations
+whose lengths are drawn uniformly from ``cont_tokens`` (inclusive); the target is the second half of each.
+
+- ``tiny``: the CI smoke (a 3-layer model of hidden 32); seconds.
+- ``cpu``: a 4-layer hybrid of hidden 256 (3 Gated DeltaNet + 1 attention), float32, one P of 2,048 tokens with
+  16 continuations of 56-72 tokens: one pack, one optimizer step, position ratio 11.0. About 3 minutes on 2 cores.
+- ``gpu``: Qwen3.6-27B's layer shapes with 4 layers (3 GDN + 1 attention), random init, bf16, fla kernels,
+  checkpointed layers, one P of 32,768 tokens with 16 continuations of 768-1,280 tokens (ratio ~11).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, replace
+
+from packtrain.data import Example
+
+L, F = "linear_attention", "full_attention"
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "in_proj_qkv", "in_proj_z", "out_proj"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    prompts: int
+    prefix_tokens: int
+    continuations: int  # per prompt
+    cont_tokens: tuple[int, int]  # (shortest, longest) continuation, item + target
+
+    def describe(self) -> str:
+        lo, hi = self.cont_tokens
+        lengths = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        return (f"{self.prompts} prompt(s) of {self.prefix_tokens:,} tokens x {self.continuations} continuations "
+                f"of {lengths} tokens")
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    config: dict  # a packtrain config tree (model, packing, lora, optim, train); data comes from `shape`
+    shape: Shape
+    repeats: int
+    warmup: bool  # one untimed step of every variant first (Triton autotuning, FlexAttention compile)
+    # torch CPU threads (None: torch's choice). The CPU presets use one: on a 2-core machine that others share, a
+    # 2-thread OpenMP team waits on whichever thread is descheduled, and epochs ran 10-30x slower, erratically.
+    threads: int | None = None
+
+
+def _rope(partial: float, section: list[int]) -> dict:
+    return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+            "mrope_section": section, "mrope_interleaved": True}
+
+
+def _config(model: dict, dtype: str, kernels: str, budget: int, checkpointing: bool = False,
+            device: str = "auto") -> dict:
+    return {
+        "model": {"config": model, "seed": 0, "dtype": dtype, "kernels": kernels},
+        "packing": {"mode": "shared_prefix", "token_budget": budget, "max_continuations": 90},
+        # Dropout off: with it, P's single dropout draw per pack differs from standalone draws (docs/design.md).
+        # Adapters in every layer's mixer too: with the default targets the first GDN layer holds none, so the
+        # plain loop skips its backward while packtrain (apply_lora marks the embedding output as needing a
+        # gradient) runs it: a quarter of the GDN backward in a 4-layer model, 1/48 in Qwen3.6-27B.
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": LORA_TARGETS},
+        "optim": {"name": "adamw", "lr": 1.0e-3, "warmup_steps": 0, "schedule": "constant"},
+        "train": {"packs_per_step": 1, "seed": 0, "activation_checkpointing": checkpointing, "device": device},
+        "logging": {"progress": False},
+    }
+
+
+TINY_MODEL = {
+    "model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 3, "layer_types": [L, F, L], "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8, "tie_word_embeddings": False, "rope_parameters": _rope(0.5, [2, 1, 1]),
+}
+
+# FACTS.md's CPU prototype model (hidden 256) with 4 layers, 3 GDN : 1 attention as in Qwen3.6, so that three
+# interleaved repeats fit in a few minutes. The vocabulary keeps lm_head near its share of a real model's weights
+# (Qwen3.6-27B: ~5% of the 64 layers'; here ~8% of 4 layers').
+CPU_MODEL = {
+    "model_type": "qwen3_5_text", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
+    "num_hidden_layers": 4, "layer_types": [L, L, L, F], "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64, "tie_word_embeddings": False, "rope_parameters": _rope(0.25, [4, 2, 2]),
+}
+
+# Qwen3.6-27B's text config (configs/qwen3.6-27b.yaml) cut to 4 layers.
+GPU_MODEL = {
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
+    "num_hidden_layers": 4, "layer_types": [L, L, L, F], "num_attention_heads": 24, "num_key_value_heads": 4,
+    "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1.0e-6,
+    "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "rope_parameters": {**_rope(0.25, [11, 11, 10]), "rope_theta": 10000000.0},
+}
+
+H100_BF16_DENSE_TFLOPS = 989.0  # FACTS.md measured ~790 on the H200 (--peak-tflops 790)
+H100_SOURCE = "H100/H200 SXM bf16 dense datasheet figure"
+
+PRESETS = {
+    "tiny": Preset("tiny", _config(TINY_MODEL, "float32", "torch", 1024), Shape(2, 96, 6, (8, 16)), repeats=2,
+                   warmup=False, threads=1),
+    "cpu": Preset("cpu", _config(CPU_MODEL, "float32", "torch", 8192), Shape(1, 2048, 16, (56, 72)),
+                  repeats=3, warmup=False, threads=1),
+    "gpu": Preset("gpu", _config(GPU_MODEL, "bfloat16", "fla", 65536, checkpointing=True, device="cuda"),
+                  Shape(1, 32768, 16, (768, 1280)), repeats=3, warmup=True),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"--preset: unknown preset {name!r} (known: {', '.join(PRESETS)})")
+    preset = PRESETS[name]
+    return replace(preset, config=copy.deepcopy(preset.config))
+
+
+def generate_examples(shape: Shape, vocab: int, seed: int = 0) -> list[Example]:
+    """Random token ids in [1, vocab) for the shape; the same seed gives the same examples."""
+    lo, hi = shape.cont_tokens
+    if shape.prompts < 1 or shape.continuations < 1 or shape.prefix_tokens < 1 or not 2 <= lo <= hi:
+        raise ValueError(f"bench data shape: need at least 1 prompt, 1 continuation, a prefix of 1 token and "
+                         f"continuations of at least 2 tokens (item + target); got {shape}")
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(1, vocab) for _ in range(n))
+
+    examples = []
+    for p in range(shape.prompts):
+        prefix = tokens(shape.prefix_tokens)
+        for c in range(shape.continuations):
+            n = rng.randint(lo, hi)
+            item = tokens(n - n // 2)
+            examples.append(Example(f"p{p}-c{c}", prefix, item, tokens(n // 2)))
+    return examples

@@ -1,0 +1,158 @@
+"""The three ways to train the same examples, each one epoch-equivalent of the same optimizer steps.
+
+- ``shared_prefix``: packtrain, one forward per pack (P once, its continuations branched off it).
+- ``standalone``: packtrain, one forward per example (``concat(P, C)`` through the model's own forward, target-only
+  head).
+- ``plain``: what a user writes without packtrain: transformers' ``model(input_ids=..., labels=...)`` on each whole
+  example (labels -100 outside the target), the same peft adapter config, gradient accumulation over the step's
+  examples (loss / examples in the step). Its model is a copy of the same base, never patched.
+
+Every variant takes the step's packs in the same (epoch 0) order, scales each loss by 1 / (examples in the step),
+clips to ``optim.max_grad_norm`` and steps the same optimizer and schedule, as :class:`packtrain.trainer.Trainer`
+does (one process, no skips). Each run starts from the same initial adapter and a fresh optimizer, and ends with
+an evaluation of the adapter it trained, the same for all three.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from peft import get_peft_model
+
+from packtrain.config import Config
+from packtrain.distributed import DistInfo
+from packtrain.evaluate import evaluate, mean_loss
+from packtrain.kernels import select_backend
+from packtrain.model import apply_lora, build_base_model, lora_config
+from packtrain.optim import build_optimizer, build_scheduler
+from packtrain.planner import Plan
+from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
+from packtrain.wrap import prepare
+
+VARIANTS = ("shared_prefix", "standalone", "plain")
+
+
+@dataclass
+class Workload:
+    cfg: Config
+    examples: list
+    plan: Plan
+    steps: list[list[int]]  # pack ids of each optimizer step of one epoch
+    device: torch.device
+
+    @classmethod
+    def of(cls, cfg: Config, examples, plan: Plan, device: torch.device) -> Workload:
+        per_step = cfg.train.packs_per_step
+        steps = [step_packs(plan, 0, i, per_step, cfg.train.seed) for i in range(steps_per_epoch(plan, per_step))]
+        return cls(cfg, examples, plan, steps, device)
+
+
+def trainable_by_name(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Trainable parameters by a name that does not depend on checkpoint wrapping, so two copies line up."""
+    return {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters() if p.requires_grad}
+
+
+class Trainable:
+    """A model's trainable parameters, reset to one initial state (and a fresh optimizer) before every run."""
+
+    def __init__(self, params: dict[str, torch.Tensor], initial: dict[str, torch.Tensor], cfg: Config, n_steps: int):
+        self.params, self.cfg, self.n_steps = params, cfg, n_steps
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(initial[name])
+        self.initial = {n: p.detach().clone() for n, p in params.items()}
+
+    def reset(self):
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(self.initial[name])
+                p.grad = None
+        optimizer = build_optimizer(self.params.values(), self.cfg.optim)
+        return optimizer, build_scheduler(optimizer, self.cfg.optim, self.n_steps)
+
+    def update(self, optimizer, scheduler) -> None:
+        max_norm = self.cfg.optim.max_grad_norm
+        torch.nn.utils.clip_grad_norm_(list(self.params.values()), math.inf if max_norm is None else max_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+class Models:
+    """The packtrain model (both packtrain variants) and the plain one, from one base and one initial adapter."""
+
+    def __init__(self, work: Workload):
+        cfg = work.cfg
+        base = build_base_model(cfg)
+        plain_base = copy.deepcopy(base)  # before packtrain patches anything
+        model = apply_lora(base, cfg)
+        self.backend = select_backend(cfg.model.kernels, work.device)
+        t = cfg.train
+        self.lm = prepare(model, self.backend, checkpointing=t.activation_checkpointing, offload=t.offload,
+                          device=work.device).train()
+        if t.activation_checkpointing or t.offload:  # what a transformers user turns on
+            plain_base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.plain = get_peft_model(plain_base, lora_config(cfg)).to(work.device).train()
+        packed = trainable_by_name(model)
+        # peft draws lora_A at random: the plain model starts from packtrain's initial adapter
+        self.packtrain_state = Trainable(packed, packed, cfg, len(work.steps))
+        self.plain_state = Trainable(trainable_by_name(self.plain), packed, cfg, len(work.steps))
+
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.packtrain_state.params.values())
+
+    def evaluate(self, variant: str, work: Workload) -> float:
+        """Mean per-example loss of the adapter a run left, computed the same way for every variant: the packed
+        forward without gradients (equal to the standalone one, tests/test_parity.py)."""
+        if variant == "plain":
+            with torch.no_grad():
+                for name, p in self.packtrain_state.params.items():
+                    p.copy_(self.plain_state.params[name])
+        rows = evaluate(self.lm, work.plan, work.examples, "shared_prefix", DistInfo(0, 1, 0, work.device))
+        return mean_loss(rows)
+
+
+def packtrain_epoch(models: Models, work: Workload, mode: str, max_steps: int | None = None) -> list[float]:
+    """One epoch as the trainer runs it; returns each step's mean per-example loss."""
+    state = models.packtrain_state
+    optimizer, scheduler = state.reset()
+    losses = []
+    for pack_ids in work.steps[:max_steps]:
+        n = step_examples(work.plan, pack_ids)
+        total = 0.0
+        for unit in rank_units(work.plan, pack_ids, mode, 0, 1):
+            out = models.lm(unit_layout(unit, work.plan, work.examples, mode).to(work.device))
+            (out.loss_sum / n).backward()
+            total += out.per_example.sum().item()
+        state.update(optimizer, scheduler)
+        losses.append(total / n)
+    return losses
+
+
+def plain_epoch(models: Models, work: Workload, max_steps: int | None = None) -> list[float]:
+    """One epoch of the loop a transformers + peft user writes: one whole example per forward."""
+    state = models.plain_state
+    optimizer, scheduler = state.reset()
+    losses = []
+    for pack_ids in work.steps[:max_steps]:
+        batch = [work.examples[e] for i in pack_ids for e in work.plan.packs[i].examples]
+        total = 0.0
+        for ex in batch:
+            input_ids = torch.tensor([ex.prefix_ids + ex.item_ids + ex.target_ids], device=work.device)
+            labels = input_ids.clone()
+            labels[:, :len(ex.prefix_ids) + len(ex.item_ids)] = -100
+            loss = models.plain(input_ids=input_ids, labels=labels, use_cache=False).loss
+            (loss / len(batch)).backward()
+            total += loss.item()
+        state.update(optimizer, scheduler)
+        losses.append(total / len(batch))
+    return losses
+
+
+def run_variant(name: str, models: Models, work: Workload, max_steps: int | None = None) -> list[float]:
+    if name == "plain":
+        return plain_epoch(models, work, max_steps)
+    return packtrain_epoch(models, work, name, max_steps)

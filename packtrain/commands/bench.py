@@ -1,0 +1,141 @@
+"""`packtrain bench [CONFIG] [--preset tiny|cpu|gpu] [--set ...] [--out DIR]`: time one epoch of the same examples
+trained three ways (packtrain shared-prefix, packtrain standalone, a plain transformers + peft loop), interleaved in
+one process; print a table and write DIR/bench.json and DIR/bench.png (:mod:`packtrain.bench`).
+
+Without CONFIG the preset (default ``cpu``) gives the config and the data shape; with CONFIG, its model, LoRA,
+optimizer, packing and steps are used, and its ``data.train`` unless a data-shape option asks for generated data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+
+def _shape(args, preset):
+    shape = preset.shape
+    if args.cont_tokens is not None:
+        lo, _, hi = args.cont_tokens.partition(":")
+        try:
+            shape = dataclasses.replace(shape, cont_tokens=(int(lo), int(hi or lo)))
+        except ValueError:
+            raise ValueError(f"--cont-tokens: expected N or MIN:MAX, got {args.cont_tokens!r}") from None
+    for name in ("prompts", "prefix_tokens", "continuations"):
+        if getattr(args, name) is not None:
+            shape = dataclasses.replace(shape, **{name: getattr(args, name)})
+    return shape
+
+
+def _generated(args) -> bool:
+    return any(getattr(args, n) is not None for n in ("prompts", "prefix_tokens", "continuations", "cont_tokens"))
+
+
+def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
+    from packtrain.ops.memory import FULL
+
+    types = text["layer_types"]
+    full = sum(t == FULL for t in types)
+    ckpt = ", checkpointed layers" if cfg.train.activation_checkpointing else ""
+    describe = (f"{len(types)} layers ({len(types) - full} GDN + {full} attention), hidden {text['hidden_size']:,}, "
+                f"vocab {text['vocab_size']:,}, {cfg.model.dtype}, LoRA r {cfg.lora.r} on "
+                f"{','.join(cfg.lora.target_modules)} ({trainable:,} parameters){ckpt}; kernels {backend.describe()}")
+    return {"layers": len(types), "full_attention_layers": full, "hidden_size": text["hidden_size"],
+            "vocab_size": text["vocab_size"], "dtype": cfg.model.dtype, "kernels": backend.describe(),
+            "activation_checkpointing": cfg.train.activation_checkpointing, "lora_r": cfg.lora.r,
+            "lora_targets": list(cfg.lora.target_modules), "trainable_parameters": trainable, "describe": describe}
+
+
+def _machine(device, load_before: float) -> dict:
+    import torch
+    import transformers
+
+    cuda = device.type == "cuda"
+    if cuda:
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu, {torch.get_num_threads()} torch threads of {os.cpu_count()} cores"
+    return {"device": name, "cuda": cuda, "torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_before": load_before,
+            "load_after": os.getloadavg()[0]}
+
+
+def _config_and_data(args, preset):
+    """(config, text config dict, examples, what the data is, the generated shape or None)."""
+    from packtrain.bench.presets import generate_examples
+    from packtrain.config import apply_overrides, config_from_dict, load_config
+    from packtrain.data import load_split
+    from packtrain.ops import memory
+
+    if args.config is not None:
+        cfg = load_config(args.config, args.overrides)
+    else:
+        cfg = config_from_dict(apply_overrides(preset.config, args.overrides), source=f"preset {preset.name}")
+    text = memory.text_config(memory.config_dict_of(cfg))
+    if args.config is not None and cfg.data.train is not None and not _generated(args):
+        return cfg, text, load_split(cfg, "train"), str(cfg.resolve_path(cfg.data.train)), None
+    shape = _shape(args, preset)
+    examples = generate_examples(shape, text["vocab_size"], cfg.train.seed)
+    return cfg, text, examples, f"generated: {shape.describe()}", shape
+
+
+def run_bench(args) -> int:
+    import torch
+
+    from packtrain.bench.measure import interleave, summarize
+    from packtrain.bench.presets import H100_BF16_DENSE_TFLOPS, H100_SOURCE, get_preset
+    from packtrain.bench.report import format_table, plot, speedups, write_json
+    from packtrain.bench.variants import VARIANTS, Models, Workload
+    from packtrain.distributed import init_distributed
+    from packtrain.planner import plan_stats
+    from packtrain.trainer import plan_for
+
+    load_before = os.getloadavg()[0]
+    preset = get_preset(args.preset or "cpu")
+    threads = args.threads or preset.threads
+    if threads is not None:
+        torch.set_num_threads(threads)
+    repeats = preset.repeats if args.repeats is None else args.repeats
+    if repeats < 1:
+        raise ValueError(f"--repeats: must be at least 1, got {repeats}")
+    cfg, text, examples, data, shape = _config_and_data(args, preset)
+    plan = plan_for(cfg, examples)
+    stats = plan_stats(plan, examples)
+    device = init_distributed(cfg.train.device).device
+    work = Workload.of(cfg, examples, plan, device)
+    print(f"packtrain bench: {data}; {stats['examples']} examples -> {stats['packs']} pack(s), {len(work.steps)} step(s); "
+          f"position ratio {stats['position_ratio']:.2f}x; building the models on {device}")
+    models = Models(work)
+    warmup = preset.warmup if args.warmup is None else args.warmup
+    runs = interleave(models, work, list(VARIANTS), repeats, warmup)
+    peak = args.peak_tflops or (H100_BF16_DENSE_TFLOPS if device.type == "cuda" else None)
+    target_tokens = sum(len(examples[e].target_ids) for pack in plan.packs for e in pack.examples)
+    result = {
+        "title": f"packtrain bench ({f'preset {preset.name}' if args.config is None else args.config}): {data}",
+        "command": "packtrain " + " ".join(sys.argv[1:]),
+        "preset": preset.name if args.config is None else None,
+        "config": args.config,
+        "data": data,
+        "shape": None if shape is None else dataclasses.asdict(shape),
+        "model": _model_summary(cfg, text, models.backend, models.trainable_parameters()),
+        "machine": _machine(device, load_before),
+        "plan": stats,
+        "position_ratio": stats["position_ratio"],
+        "attention_pair_ratio": stats["attention_pair_ratio"],
+        "target_tokens": target_tokens,
+        "steps_per_epoch": len(work.steps),
+        "repeats": repeats,
+        "warmup": warmup,
+        "peak_tflops": peak,
+        "peak_source": None if peak is None else ("--peak-tflops" if args.peak_tflops else H100_SOURCE),
+        "variants": summarize(runs, stats, target_tokens, text, cfg.lora.r, cfg.lora.target_modules, peak),
+    }
+    result["speedup"], result["speedup_over_position_ratio"], result["final_loss_rel_diff"] = speedups(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(format_table(result))
+    print(f"json: {write_json(result, out)}")
+    png = plot(result, out)
+    print(f"chart: {png}" if png else "chart: skipped (matplotlib is not installed)")
+    return 0

@@ -1,0 +1,99 @@
+"""`packtrain bench`: a smoke of the real command (structure of bench.json, equal losses), never its timings; the
+FLOP count against the model's own linear layers; the generated data. The gpu-marked test runs a shortened gpu
+preset (tools/gpu_check.sh runs the full one)."""
+
+import json
+
+import pytest
+import torch
+from cli_helpers import run_cli, write_config
+from tiny_models import tiny_text_config
+
+from packtrain.bench.measure import model_flops
+from packtrain.bench.presets import Shape, generate_examples
+from packtrain.kernels import fla_available
+from packtrain.ops import memory
+
+VARIANT_KEYS = {"seconds", "positions_per_s", "target_tokens_per_s", "peak_memory_bytes", "final_loss"}
+
+
+def _bench(tmp_path, *args) -> dict:
+    out = tmp_path / "bench"
+    proc = run_cli("bench", *args, "--out", str(out))
+    assert "x shared" in proc.stdout  # the table
+    return json.loads((out / "bench.json").read_text())
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def test_tiny_preset_writes_every_variant_and_equal_losses(tmp_path):
+    result = _bench(tmp_path, "--preset", "tiny")
+    assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
+    assert set(result["variants"]) == {"shared_prefix", "standalone", "plain"}
+    for name, v in result["variants"].items():
+        assert VARIANT_KEYS <= v.keys() and v["error"] is None, name
+        assert len(v["seconds_per_repeat"]) == result["repeats"] == 2
+    plan = result["plan"]
+    assert result["position_ratio"] == plan["positions_standalone"] / plan["positions_packed"] > 1
+    assert result["variants"]["shared_prefix"]["positions"] == plan["positions_packed"]
+    assert result["variants"]["plain"]["lm_head_rows"] == plan["positions_standalone"]
+    # One float32 training step from the same adapter: the three trained adapters give the same losses to float32
+    # rounding (packed vs standalone forwards agree to ~3e-7, docs/design.md).
+    shared = result["variants"]["shared_prefix"]["final_loss"]
+    assert _rel(shared, result["variants"]["standalone"]["final_loss"]) < 1e-5
+    assert _rel(shared, result["variants"]["plain"]["final_loss"]) < 1e-5
+    assert result["variants"]["shared_prefix"]["step_losses"][0] == pytest.approx(
+        result["variants"]["plain"]["step_losses"][0], rel=1e-5)
+
+
+def test_config_file_and_its_data(tmp_path):
+    cfg = write_config(tmp_path, model={"dtype": "float32"}, optim={"warmup_steps": 0})
+    result = _bench(tmp_path, str(cfg), "--repeats", "1")
+    assert result["config"] == str(cfg) and result["data"].endswith("train.jsonl")
+    assert result["plan"]["examples"] == 15 and result["steps_per_epoch"] == 3  # 3 rulebooks x 5, packs of 3
+    losses = {name: v["final_loss"] for name, v in result["variants"].items()}
+    assert _rel(losses["shared_prefix"], losses["standalone"]) < 1e-5
+    assert _rel(losses["shared_prefix"], losses["plain"]) < 1e-5
+
+
+def test_a_continuation_needs_an_item_and_a_target_token():
+    with pytest.raises(ValueError, match="continuations of at least 2 tokens"):
+        generate_examples(Shape(prompts=1, prefix_tokens=4, continuations=2, cont_tokens=(1, 3)), vocab=50)
+
+
+def test_model_flops_count_the_models_linear_layers():
+    layer_types = ["linear_attention", "full_attention"]
+    cfg = tiny_text_config(layer_types, vocab=97)
+    model = __import__("transformers").Qwen3_5ForCausalLM(cfg)
+    weights = sum(m.in_features * m.out_features for m in model.model.layers.modules()
+                  if isinstance(m, torch.nn.Linear))
+    text = memory.text_config(cfg.to_dict())
+    assert model_flops(text, 10, 0, 0, 8, []) == 10 * 4 * weights
+    assert model_flops(text, 0, 0, 3, 8, []) == 3 * 4 * cfg.hidden_size * cfg.vocab_size
+    per_pair = 12 * cfg.num_attention_heads * cfg.head_dim  # one full-attention layer
+    assert model_flops(text, 0, 5, 0, 8, []) == 5 * per_pair
+    q = cfg.num_attention_heads * cfg.head_dim * 2  # q_proj carries the output gate
+    assert model_flops(text, 1, 0, 0, 4, ["q_proj"]) - model_flops(text, 1, 0, 0, 4, []) == 6 * 4 * (32 + q)
+
+
+def test_generated_examples_follow_the_shape():
+    shape = Shape(prompts=2, prefix_tokens=7, continuations=3, cont_tokens=(4, 9))
+    examples = generate_examples(shape, vocab=50, seed=1)
+    assert len(examples) == 6 and len({ex.prefix_ids for ex in examples}) == 2
+    assert all(len(ex.prefix_ids) == 7 and 4 <= ex.len_continuation <= 9 and ex.target_ids for ex in examples)
+    assert all(0 < t < 50 for ex in examples for t in ex.prefix_ids + ex.item_ids + ex.target_ids)
+    assert generate_examples(shape, vocab=50, seed=1) == examples
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not fla_available(), reason="needs CUDA and fla")
+def test_gpu_preset_shortened(tmp_path):
+    result = _bench(tmp_path, "--preset", "gpu", "--prefix-tokens", "4096", "--continuations", "4",
+                    "--cont-tokens", "256:512", "--repeats", "1")
+    assert result["machine"]["cuda"] and result["peak_tflops"] == 989.0
+    for name, v in result["variants"].items():
+        assert v["error"] is None and 0 < v["mfu"] < 1, name
+    losses = {name: v["final_loss"] for name, v in result["variants"].items()}
+    assert _rel(losses["shared_prefix"], losses["standalone"]) < 3e-2  # bf16 (tests/test_gpu.py's bound)
