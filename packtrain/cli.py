@@ -82,21 +82,33 @@ COMMANDS = {
 }
 
 
-def _quiet_library_noise() -> None:
+def _quiet_library_noise(command: str) -> None:
     """transformers announces its slow fallbacks for the *unpacked* GDN kernels on every CPU run, and peft
     trips a deprecation warning: neither says anything about the packed path, whose back end we print."""
     import logging
     import warnings
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-    logging.getLogger("transformers").addFilter(
-        lambda record: "falling back to its reference PyTorch implementation" not in record.getMessage())
+
+    def not_fallback(record) -> bool:
+        return "falling back to its reference PyTorch implementation" not in record.getMessage()
+
+    # The messages come from child loggers and propagate to the library root's handler: filter there. Only
+    # commands that load a model pay for importing transformers here.
+    if command != "plan":
+        from transformers.utils import logging as hf_logging
+
+        root = hf_logging.get_logger("transformers")  # configures the library root and its handler
+        for handler in root.handlers or logging.getLogger().handlers:
+            handler.addFilter(not_fallback)
+        root.addFilter(not_fallback)
+        hf_logging.disable_progress_bar()  # "Writing model shards" for a model of a few MB
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _quiet_library_noise()
+    _quiet_library_noise(args.command)
     module, name = COMMANDS[args.command]
     try:
         return getattr(importlib.import_module(module), name)(args)

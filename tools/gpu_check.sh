@@ -15,6 +15,6 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 HF_HUB_OF
 LOG="${OUT:-/tmp}/gpu_check.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
 python3 -c "import torch, transformers, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)" | tee -a "$LOG"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_ops_fla_tune.py 2>&1 | tee -a "$LOG" | tail -25
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_ops_fla_tune.py tests/test_bench.py 2>&1 | tee -a "$LOG" | tail -25
 python3 tools/gpu_report.py 2>&1 | tee -a "$LOG"
 python3 -m packtrain bench --preset gpu --out "${OUT:-/tmp}/bench" 2>&1 | tee -a "$LOG"
