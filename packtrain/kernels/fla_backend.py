@@ -13,7 +13,7 @@ Tested against the torch back end by ``tests/test_gpu.py`` (skipped without CUDA
 from __future__ import annotations
 
 import torch
-from fla.modules.convolution import causal_conv1d
+from fla.modules.causal_conv1d import causal_conv1d
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention as _flex_attention
 
@@ -43,7 +43,7 @@ def _tailed_index(layout: PackLayout, width: int, device) -> tuple[torch.Tensor,
             start += n
             cu.append(len(gather))
         layout._cache[key] = tuple(torch.tensor(v, device=device, dtype=dt) for v, dt in
-                                   ((gather, torch.long), (cu, torch.int32), (keep, torch.long)))
+                                   ((gather, torch.long), (cu, torch.long), (keep, torch.long)))
     return layout._cache[key]
 
 
