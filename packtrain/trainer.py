@@ -25,16 +25,15 @@ from packtrain.config import Config
 from packtrain.data import load_split, processor_dir
 from packtrain.distributed import DistInfo, all_reduce_max_tensor, all_reduce_sum, barrier, init_distributed
 from packtrain.evaluate import evaluate, mean_loss
-from packtrain.kernels import select_backend
 from packtrain.metrics import MetricsLog, peak_memory_bytes, plot_losses
-from packtrain.model import apply_lora, build_base_model
+from packtrain.model import build_base_model
 from packtrain.model_patch import vision_spec
 from packtrain.ops.runtime import RunOps
 from packtrain.optim import build_optimizer, build_scheduler
 from packtrain.planner import Plan, plan_packs, plan_stats
 from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
 from packtrain.vision import ImageLoader, load_image_processor
-from packtrain.wrap import prepare
+from packtrain.wrap import prepare_from_config
 
 
 class ZeroGradientError(RuntimeError):
@@ -117,12 +116,10 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         base_dir = self.out / "base" if cfg.model.config is not None else None
         model = build_base_model(cfg, save_to=base_dir if self.dist.is_main else None)
-        self.model = apply_lora(model, cfg)
-        self.backend = select_backend(cfg.model.kernels, self.dist.device)
-        t = cfg.train
+        self.model, self.lm, self.backend = prepare_from_config(model, cfg, self.dist.device,
+                                                                shard=self.dist.enabled)
         self.images = image_loader(cfg, self.model, self.train_examples + (self.eval_examples or []))
-        self.lm = prepare(self.model, self.backend, checkpointing=t.activation_checkpointing, offload=t.offload,
-                          shard=self.dist.enabled, device=self.dist.device)
+        t = cfg.train
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)

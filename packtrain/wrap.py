@@ -19,8 +19,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
+from packtrain.config import Config
 from packtrain.forward import PackedLM
-from packtrain.kernels import Backend
+from packtrain.kernels import Backend, select_backend
+from packtrain.model import apply_lora
 from packtrain.model_patch import patch_model, text_parts
 from packtrain.offload import DEFAULT_CHUNK_BYTES, ChunkPool, OffloadedCheckpoint
 
@@ -69,3 +71,15 @@ def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, 
             fully_shard(layer)
         fully_shard(lm)
     return lm
+
+
+def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool = False
+                        ) -> tuple[nn.Module, PackedLM, Backend]:
+    """The whole order from a config: LoRA (``lora.*``), the back end (``model.kernels``, chosen for ``device``),
+    patch, checkpointing / offload (``train.*``) and, with ``shard``, FSDP. Returns (peft model, root, back end)."""
+    model = apply_lora(base_model, cfg)
+    backend = select_backend(cfg.model.kernels, device)
+    t = cfg.train
+    lm = prepare(model, backend, checkpointing=t.activation_checkpointing, offload=t.offload, shard=shard,
+                 device=device)
+    return model, lm, backend

@@ -25,12 +25,11 @@ from peft import get_peft_model
 from packtrain.config import Config
 from packtrain.distributed import DistInfo
 from packtrain.evaluate import evaluate, mean_loss
-from packtrain.kernels import select_backend
-from packtrain.model import apply_lora, build_base_model, lora_config
+from packtrain.model import build_base_model, lora_config
 from packtrain.optim import build_optimizer, build_scheduler
 from packtrain.planner import Plan
 from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
-from packtrain.wrap import prepare
+from packtrain.wrap import prepare_from_config
 
 VARIANTS = ("shared_prefix", "standalone", "plain")
 
@@ -88,11 +87,9 @@ class Models:
         cfg = work.cfg
         base = build_base_model(cfg)
         plain_base = copy.deepcopy(base)  # before packtrain patches anything
-        model = apply_lora(base, cfg)
-        self.backend = select_backend(cfg.model.kernels, work.device)
+        model, self.lm, self.backend = prepare_from_config(base, cfg, work.device)
+        self.lm.train()
         t = cfg.train
-        self.lm = prepare(model, self.backend, checkpointing=t.activation_checkpointing, offload=t.offload,
-                          device=work.device).train()
         if t.activation_checkpointing or t.offload:  # what a transformers user turns on
             plain_base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.plain = get_peft_model(plain_base, lora_config(cfg)).to(work.device).train()

@@ -22,14 +22,10 @@ from packtrain.steps import Unit, unit_layout
 def build_lm(cfg, info):
     """(PackedLM on the device, the peft model, the back end), wrapped as the trainer wraps it (FSDP under a
     launcher)."""
-    from packtrain.kernels import select_backend
-    from packtrain.model import apply_lora, build_base_model
-    from packtrain.wrap import prepare
+    from packtrain.model import build_base_model
+    from packtrain.wrap import prepare_from_config
 
-    model = apply_lora(build_base_model(cfg), cfg)
-    backend = select_backend(cfg.model.kernels, info.device)
-    lm = prepare(model, backend, checkpointing=cfg.train.activation_checkpointing, offload=cfg.train.offload,
-                 shard=info.enabled, device=info.device)
+    model, lm, backend = prepare_from_config(build_base_model(cfg), cfg, info.device, shard=info.enabled)
     return lm, model, backend
 
 
