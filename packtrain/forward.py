@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from packtrain.layout import PackLayout
-from packtrain.model_patch import LAYOUT_KWARG, model_body, text_parts, unwrap
+from packtrain.model_patch import LAYOUT_KWARG, model_body, packed_positions, text_parts, unwrap
 
 
 @dataclass
@@ -53,11 +53,12 @@ class PackedLM(nn.Module):
         if layout.packed:
             # A dict mask skips transformers' mask builder, which would infer (wrong) sequence boundaries
             # from the shared-prefix position ids; the layout carries the real ones.
-            kwargs = {"position_ids": layout.position_ids, LAYOUT_KWARG: layout,
+            kwargs = {"position_ids": packed_positions(self.model, layout), LAYOUT_KWARG: layout,
                       "attention_mask": {"full_attention": None, "linear_attention": None}}
         if layout.image_grid_thw is not None:
             if not is_vlm:
-                raise ValueError("examples with images need a vision-language model (Qwen3_5ForConditionalGeneration)")
+                raise ValueError("examples with images need a vision-language model (model_type qwen3_5 or "
+                                 "qwen3_5_moe)")
             if layout.pixel_values is None:
                 raise ValueError("a layout with images has no pixel values (load them with an ImageLoader)")
             # All images of the pack go through the vision encoder as one batch (per-image boundaries from

@@ -61,14 +61,13 @@ def packed_delta_rule_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: PackLayo
 
 
 def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, backend: Backend) -> torch.Tensor:
-    """Same computation as ``Qwen3_5GatedDeltaNet.forward`` (no cache, no padding mask) on a pack."""
+    """Same computation as ``Qwen3_5GatedDeltaNet.forward`` / ``Qwen3NextGatedDeltaNet.forward`` (no cache, no
+    padding mask) on a pack."""
     assert hidden_states.shape[0] == 1, "a pack is batch 1"
     x_TD = hidden_states[0]
     T = x_TD.shape[0]
-    mixed_TC = module.in_proj_qkv(x_TD)
-    z = module.in_proj_z(x_TD).reshape(T, -1, module.head_v_dim)
-    b = module.in_proj_b(x_TD)
-    a = module.in_proj_a(x_TD)
+    # the family's projection split (packtrain.families): pre-conv q|k|v, z, b, a
+    mixed_TC, z, b, a = module.packtrain_split(module, x_TD)
     weight_CW = module.conv1d.weight.squeeze(1)
 
     if backend.gdn == "fla":

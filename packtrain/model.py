@@ -7,6 +7,7 @@ belongs to.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -14,18 +15,23 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from packtrain.config import Config
+from packtrain.families import check_built_config, check_config_dict, family_for_type, family_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def model_class_for(model_type: str):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+def model_class_for(model_type: str, where: str = "model.config.model_type"):
+    import transformers
 
-    classes = {"qwen3_5_text": Qwen3_5ForCausalLM, "qwen3_5": Qwen3_5ForConditionalGeneration}
-    if model_type not in classes:
-        raise ValueError(f"model.config.model_type: {model_type!r} is not supported "
-                         f"(supported: {', '.join(classes)})")
-    return classes[model_type]
+    return getattr(transformers, family_for_type(model_type, where).class_name)
+
+
+def _finish(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Routed experts: transformers' default grouped_mm has no float64 kernel, so a float64 model runs the
+    experts' own per-expert loop (the same maths)."""
+    if dtype == torch.float64 and family_of(model).moe:
+        model.set_experts_implementation("eager")
+    return model
 
 
 def build_base_model(cfg: Config, save_to: Path | None = None) -> nn.Module:
@@ -37,23 +43,26 @@ def build_base_model(cfg: Config, save_to: Path | None = None) -> nn.Module:
         path = cfg.resolve_path(cfg.model.path)
         if not (path / "config.json").is_file():
             raise ValueError(f"model.path: {path} is not a local transformers model directory (no config.json)")
+        family = check_config_dict(json.loads((path / "config.json").read_text()), f"{path / 'config.json'}")
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        check_built_config(family, hf_config, f"{path / 'config.json'}")
         cls = model_class_for(hf_config.model_type)
-        return cls.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
+        model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
+        return _finish(model, dtype)
     if cfg.model.config is None:
         raise ValueError("model: set model.path (a local model directory) or model.config (a config dict)")
     raw = dict(cfg.model.config)
-    model_type = raw.pop("model_type", None)
-    if model_type is None:
-        raise ValueError("model.config.model_type: missing (qwen3_5_text or qwen3_5)")
+    family = check_config_dict(raw)
+    model_type = raw.pop("model_type")
     cls = model_class_for(model_type)
     try:
         hf_config = AutoConfig.for_model(model_type, **raw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"model.config: {e}") from None
+    check_built_config(family, hf_config)
     hf_config._attn_implementation = "sdpa"
     torch.manual_seed(cfg.model.seed)
-    model = cls(hf_config).to(dtype)
+    model = _finish(cls(hf_config).to(dtype), dtype)
     if save_to is not None:
         model.save_pretrained(save_to)
     return model

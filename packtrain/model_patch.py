@@ -1,11 +1,13 @@
-"""The one place that teaches a transformers Qwen3.5/3.6 model to run a pack.
+"""The one place that teaches a transformers model of a supported family (:mod:`packtrain.families`) to run a pack.
 
 - Full-attention layers: transformers' registration point. ``packtrain_attention`` is registered as the
   attention implementation ``packtrain`` (with SDPA's mask builder) and set on the text config; calls that carry
   a pack layout get the shared-prefix predicate, every other call goes to SDPA unchanged.
-- Gated DeltaNet layers have no registration point, so each ``Qwen3_5GatedDeltaNet`` instance gets a forward
+- Gated DeltaNet layers have no registration point, so each GDN instance (Qwen3.5/3.6, Qwen3-Next) gets a forward
   that runs :func:`packtrain.gdn.packed_gdn_forward` when a pack layout is passed and its original forward
-  otherwise. The decoder layer passes its ``**kwargs`` (and so the layout) to both.
+  otherwise, with its family's projection split. The decoder layer passes its ``**kwargs`` (and so the layout)
+  to both. Which layer is which comes from the text config's ``layer_types``; a kind the family's row does not
+  list is refused.
 
 Works on peft-wrapped models (LoRA layers are injected in place) and under activation checkpointing (the
 recompute receives the same layout through the same kwargs).
@@ -20,14 +22,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from packtrain.attention import ATTN_NAME, packtrain_attention
+from packtrain.families import FULL, LINEAR, UnsupportedModelError, check_layer_types, family_of, resolve
 from packtrain.gdn import packed_gdn_forward
 from packtrain.kernels import Backend
 
 LAYOUT_KWARG = "packtrain_pack"
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 def _register() -> None:
@@ -42,31 +41,30 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def text_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(text decoder stack, lm_head) of a Qwen3_5ForCausalLM or Qwen3_5ForConditionalGeneration."""
+    """(text decoder stack, lm_head), where the model's row in :mod:`packtrain.families` says they are."""
+    family = family_of(model)
     base = unwrap(model)
-    name = type(base).__name__
-    if name == "Qwen3_5ForCausalLM":
-        return base.model, base.lm_head
-    if name == "Qwen3_5ForConditionalGeneration":
-        return base.model.language_model, base.lm_head
-    raise UnsupportedModelError(
-        f"packtrain supports Qwen3_5ForCausalLM and Qwen3_5ForConditionalGeneration (Qwen3.5/3.6); got {name}")
+    return resolve(base, family.stack), resolve(base, family.head)
 
 
 def model_body(model: nn.Module) -> tuple[nn.Module, bool]:
-    """(the module that runs embedding + (vision) + decoder stack, whether it is the vision-language model)."""
-    base = unwrap(model)
-    text_parts(model)
-    return base.model, type(base).__name__ == "Qwen3_5ForConditionalGeneration"
+    """(the module that runs embedding + (vision) + decoder stack, whether it is a vision-language model)."""
+    family = family_of(model)
+    return resolve(unwrap(model), family.body), family.vision
+
+
+def packed_positions(model: nn.Module, layout):
+    """The position ids a pack passes to the model: M-RoPE ``[4, 1, T]`` or row 0 (``[1, T]``) for 1-D RoPE."""
+    return layout.position_ids if family_of(model).positions == "mrope" else layout.position_ids[0]
 
 
 def vision_spec(model: nn.Module):
     """The image token id and spatial merge size of a vision-language model, None for a text model."""
     from packtrain.vision import VisionSpec
 
-    base = unwrap(model)
-    if type(base).__name__ != "Qwen3_5ForConditionalGeneration":
+    if not family_of(model).vision:
         return None
+    base = unwrap(model)
     return VisionSpec(base.config.image_token_id, base.config.vision_config.spatial_merge_size)
 
 
@@ -81,22 +79,25 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
 
 def patch_model(model: nn.Module, backend: Backend) -> nn.Module:
     """Patch in place (idempotent; a second call only changes the back end). Returns the model."""
+    family = family_of(model)
     text_model, _ = text_parts(model)
+    layer_types = text_model.config.layer_types
+    check_layer_types(family, layer_types, f"{family.model_type} layer_types")
     _register()
     text_model.config._attn_implementation = ATTN_NAME
-    found = {"full_attention": 0, "linear_attention": 0}
-    for layer in text_model.layers:
-        kind = getattr(layer, "block_type", None)
-        if kind == "linear_attention":
+    for layer, kind in zip(text_model.layers, layer_types):
+        if kind == LINEAR:
             gdn = layer.linear_attn
             if not hasattr(gdn, "_packtrain_original_forward"):
                 gdn._packtrain_original_forward = gdn.forward
                 gdn.forward = types.MethodType(_gdn_forward, gdn)
+            gdn.packtrain_split = family.gdn.split
             gdn.packtrain_backend = backend
-        elif kind == "full_attention":
+        elif kind == FULL:
             layer.self_attn.packtrain_backend = backend
-        else:
-            raise UnsupportedModelError(f"unsupported decoder layer type {kind!r} in {type(layer).__name__}")
-        found[kind] += 1
     text_model.packtrain_backend = backend
     return model
+
+
+__all__ = ["LAYOUT_KWARG", "UnsupportedModelError", "model_body", "packed_positions", "patch_model", "text_parts",
+           "unwrap", "vision_spec"]

@@ -6,7 +6,10 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from packtrain.forward import PackedLM
 from packtrain.kernels import torch_ref
@@ -83,6 +86,10 @@ def _rmsnorm_same_dtype(self, x):
     return self._norm(x) * (1.0 + self.weight)
 
 
+def _plain_rmsnorm_same_dtype(self, x):  # Qwen3: weight * norm(x), not (1 + weight)
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
 def _gated_norm_same_dtype(self, hidden_states, gate):
     var = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(var + self.variance_epsilon)) * torch.nn.functional.silu(gate)
@@ -91,8 +98,10 @@ def _gated_norm_same_dtype(self, hidden_states, gate):
 @contextlib.contextmanager
 def without_float32_casts(monkeypatch):
     """Test-only: keep transformers' RMSNorm, gated norm and chunk rule in the input dtype, so a float64 run is
-    float64 throughout and packed-vs-standalone differences come from summation order alone."""
-    monkeypatch.setattr(hf.Qwen3_5RMSNorm, "forward", _rmsnorm_same_dtype)
-    monkeypatch.setattr(hf.Qwen3_5RMSNormGated, "forward", _gated_norm_same_dtype)
-    monkeypatch.setattr(hf, "torch_chunk_gated_delta_rule", torch_ref.chunk_gated_delta_rule)
+    float64 throughout and packed-vs-standalone differences come from summation order alone (every family)."""
+    for module, prefix in ((hf, "Qwen3_5"), (hf_moe, "Qwen3_5Moe"), (hf_next, "Qwen3Next")):
+        monkeypatch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", _rmsnorm_same_dtype)
+        monkeypatch.setattr(getattr(module, f"{prefix}RMSNormGated"), "forward", _gated_norm_same_dtype)
+        monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", torch_ref.chunk_gated_delta_rule)
+    monkeypatch.setattr(hf_qwen3.Qwen3RMSNorm, "forward", _plain_rmsnorm_same_dtype)
     yield

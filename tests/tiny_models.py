@@ -28,13 +28,16 @@ def tiny_text_config(layer_types, vocab=97, **over) -> Qwen3_5TextConfig:
 def tiny_lora_model(layer_types, dtype=torch.float64, seed=0, targets=ALL_PROJECTIONS):
     """A random model with random LoRA A *and* B (so adapters change the output and get real gradients)."""
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(tiny_text_config(layer_types)).to(dtype)
+    return _random_lora(Qwen3_5ForCausalLM(tiny_text_config(layer_types)).to(dtype), targets)
+
+
+def _random_lora(model, targets, params=None):
     with torch.no_grad():  # larger weights than the default init so every route matters at float64 scale
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
+        for p in model.parameters():
+            if p.dim() >= 2:  # matrices, and the routed experts' [experts, out, in] stacks
                 p.normal_(0.0, 0.2)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
-                                             init_lora_weights=False))
+                                             target_parameters=params or None, init_lora_weights=False))
     for p in model.parameters():
         if p.requires_grad:
             with torch.no_grad():
@@ -50,3 +53,45 @@ def random_pack(prefix_len, cont_specs, vocab=97, seed=0):
     conts = [Continuation([rng.randrange(vocab) for _ in range(i)], [rng.randrange(vocab) for _ in range(t)])
              for i, t in cont_specs]
     return prefix, conts
+
+
+# Other families (packtrain.families): tiny configs with shapes unlike the Qwen3.5 ones above, and the LoRA each
+# trains (routed experts through peft's parameter targeting).
+GDN_SEPARATE = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+_MOE = dict(moe_intermediate_size=12, shared_expert_intermediate_size=20, num_experts=6, num_experts_per_tok=2)
+FAMILY_CONFIGS = {
+    "qwen3_5_moe_text": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                             linear_value_head_dim=8, rope_parameters=tiny_text_config([]).rope_parameters, **_MOE),
+    # fused GDN projections (2 key heads, 6 value heads: 3 per group), dense MLP on layer 0 and odd layers
+    "qwen3_next": dict(hidden_size=24, intermediate_size=40, num_attention_heads=6, num_key_value_heads=3,
+                       head_dim=8, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=4,
+                       linear_value_head_dim=6, decoder_sparse_step=2, mlp_only_layers=[0], norm_topk_prob=False,
+                       **{**_MOE, "num_experts": 5, "num_experts_per_tok": 3}),
+    "qwen3": dict(hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                  tie_word_embeddings=True),
+}
+FAMILY_LORA = {
+    "qwen3_5_moe_text": (ATTENTION_MLP + GDN_SEPARATE, EXPERTS),
+    "qwen3_next": (ATTENTION_MLP + ["in_proj_qkvz", "in_proj_ba", "out_proj"], EXPERTS),
+    "qwen3": (ATTENTION_MLP, []),
+}
+
+
+def tiny_family_model(model_type, layer_types, dtype=torch.float64, seed=0, **over):
+    """A random model of ``model_type`` with random LoRA A and B on every projection (and the routed experts)."""
+    from transformers import AutoConfig
+
+    from packtrain.families import FAMILIES
+    from packtrain.model import model_class_for
+
+    kw = dict(vocab_size=97, num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+              tie_word_embeddings=False)
+    kw.update(FAMILY_CONFIGS[model_type], **over)
+    torch.manual_seed(seed)
+    model = model_class_for(model_type)(AutoConfig.for_model(model_type, **kw)).to(dtype)
+    if FAMILIES[model_type].moe and dtype == torch.float64:
+        model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+    return _random_lora(model, *FAMILY_LORA[model_type])
