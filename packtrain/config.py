@@ -79,6 +79,9 @@ class LoraConfig:
     # The seed's choice for long inputs: no adapter on up_proj/down_proj (down_proj's adapter input is the
     # intermediate-wide activation, ~3.4 GiB per recomputed layer at 70K tokens with dropout).
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"])
+    # Parameters adapted directly (peft's parameter targeting), for the routed experts of MoE families, e.g.
+    # [mlp.experts.gate_up_proj, mlp.experts.down_proj]; needs dropout 0. The router (mlp.gate) stays frozen.
+    target_parameters: list[str] = field(default_factory=list)
     init_lora_weights: Union[bool, str] = True
     modules_to_save: list[str] | None = None
     bias: Literal["none", "all", "lora_only"] = "none"
@@ -270,6 +273,9 @@ def _validate(cfg: Config) -> list[str]:
             problems.append(f"{path}: {msg}, got {value!r}")
     if cfg.model.path is not None and cfg.model.config is not None:
         problems.append("model: give either model.path or model.config, not both")
+    if cfg.lora.target_parameters and cfg.lora.dropout > 0:
+        problems.append(f"lora.dropout: must be 0 with lora.target_parameters (peft cannot drop out the input of a "
+                        f"targeted parameter), got {cfg.lora.dropout!r}")
     return problems
 
 

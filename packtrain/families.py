@@ -157,6 +157,43 @@ def check_built_config(family: Family, hf_config, where: str = "model.config") -
     check_layer_types(family, getattr(text, "layer_types", None), f"{where} (derived) layer_types")
 
 
+def config_dict(cfg) -> dict:
+    """``model.config``, or ``config.json`` under ``model.path`` (read without transformers)."""
+    import json
+
+    if cfg.model.config is not None:
+        return dict(cfg.model.config)
+    if cfg.model.path is None:
+        raise ValueError("model: set model.path (a local model directory) or model.config (a config dict)")
+    path = cfg.resolve_path(cfg.model.path) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model.path: {path.parent} is not a local transformers model directory (no config.json)")
+    return json.loads(path.read_text())
+
+
+def check_model(cfg) -> Family:
+    """The family of ``cfg``'s model, refused at start (before data is read or a model built) if unsupported."""
+    where = "model.config" if cfg.model.config is not None else f"{cfg.resolve_path(cfg.model.path)}/config.json"
+    return check_config_dict(config_dict(cfg), where)
+
+
+def describe(model) -> str:
+    """One header line: family, class, layer kinds, routed experts."""
+    family = family_of(model)
+    get_base = getattr(model, "get_base_model", None)
+    text = (get_base() if callable(get_base) else model).config.get_text_config()
+    kinds = ", ".join(f"{text.layer_types.count(k)} {k}" for k in family.layer_kinds)
+    experts = (f"; {text.num_experts} experts, {text.num_experts_per_tok} per token, router frozen"
+               if family.moe else "")
+    line = f"model: {family.model_type} ({family.class_name}: {kinds}{experts})"
+    peft_config = getattr(model, "peft_config", {}).get("default")
+    if peft_config is not None:  # what peft adapts, after any renaming of its own
+        line += f"; LoRA on {', '.join(sorted(peft_config.target_modules or ()))}"
+        if peft_config.target_parameters:
+            line += f" and parameters {', '.join(sorted(peft_config.target_parameters))}"
+    return line
+
+
 def resolve(obj, dotted: str):
     for part in dotted.split("."):
         obj = getattr(obj, part)

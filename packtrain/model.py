@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from packtrain.config import Config
-from packtrain.families import check_built_config, check_config_dict, family_for_type, family_of
+from packtrain.families import ROUTER, check_built_config, check_config_dict, family_for_type, family_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -71,8 +71,47 @@ def build_base_model(cfg: Config, save_to: Path | None = None) -> nn.Module:
 def lora_config(cfg: Config) -> LoraConfig:
     lc = cfg.lora
     return LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules),
+                      target_parameters=list(lc.target_parameters) or None,
                       init_lora_weights=lc.init_lora_weights, modules_to_save=lc.modules_to_save, bias=lc.bias,
                       use_rslora=lc.use_rslora)
+
+
+def _renamed_by_peft(model: nn.Module, names: list[str]) -> list[str]:
+    """The target_modules peft would rewrite for this model type. peft 0.21 converts targets of some MoE model types
+    (qwen3_next: those of Qwen2-MoE) from transformers v4 names: ``gate_proj``/``up_proj``/``down_proj`` become the
+    routed experts' stacked parameters and ``gate`` the router's weight, and the dense and shared-expert MLPs they
+    name lose their adapters. It does the same when the adapter is loaded, so training must see what loading sees."""
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a peft without the conversion renames nothing
+        return []
+    renamed = []
+    for name in names:
+        probe = LoraConfig(target_modules=[name])
+        try:
+            convert_peft_config_for_transformers(probe, model, None)
+        except ValueError:  # half of a fused pair (gate_proj without up_proj): renamed as well
+            renamed.append(name)
+            continue
+        if name not in (probe.target_modules or ()):
+            renamed.append(name)
+    return renamed
+
+
+def _lora_targets(model: nn.Module, cfg: Config) -> list[str]:
+    """``lora.target_modules``, refused where peft would silently retarget them (see :func:`_renamed_by_peft`); the
+    default list leaves those names out on such a model (the header prints what is adapted)."""
+    names = list(cfg.lora.target_modules)
+    renamed = _renamed_by_peft(model, names)
+    if not renamed:
+        return names
+    if names == type(cfg.lora)().target_modules:
+        return [n for n in names if n not in renamed]
+    model_type = model.config.model_type
+    raise ValueError(f"lora.target_modules: {', '.join(renamed)} on {model_type}: peft reads these names as the "
+                     "routed experts / router of this model type (its transformers v4 checkpoint conversion) and would "
+                     "drop the dense and shared-expert MLPs; adapt the experts with lora.target_parameters "
+                     "(mlp.experts.gate_up_proj, mlp.experts.down_proj) and leave these names out")
 
 
 def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
@@ -81,9 +120,17 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     ``enable_input_require_grads`` marks the frozen embedding's output as requiring grad, so checkpointed layers
     see an input that needs gradients (without it the seed's runs trained with grad_norm exactly 0).
     """
+    config = lora_config(cfg)
+    config.target_modules = _lora_targets(model, cfg)
     try:
-        model = get_peft_model(model, lora_config(cfg), autocast_adapter_dtype=True)
+        model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as e:
         raise ValueError(f"lora: {e}") from None
+    router = [n for n, p in model.named_parameters() if p.requires_grad and f".{ROUTER}." in n]
+    if router:
+        # Without the router's auxiliary balance loss (never added: docs/families.md) a trained router drifts
+        # towards a few experts; the experts and the shared expert carry the adaptation instead.
+        raise ValueError(f"lora: the MoE router ({ROUTER}) stays frozen, but {router[0]} would train; remove it "
+                         "from lora.target_modules / target_parameters / modules_to_save")
     model.enable_input_require_grads()
     return model

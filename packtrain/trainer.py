@@ -25,6 +25,8 @@ from packtrain.config import Config
 from packtrain.data import load_split, processor_dir
 from packtrain.distributed import DistInfo, all_reduce_max_tensor, all_reduce_sum, barrier, init_distributed
 from packtrain.evaluate import evaluate, mean_loss
+from packtrain.families import check_model
+from packtrain.families import describe as describe_model
 from packtrain.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.model import build_base_model
 from packtrain.model_patch import vision_spec
@@ -101,6 +103,7 @@ class Trainer:
             raise
 
     def _setup(self, cfg: Config, resume: bool) -> None:
+        check_model(cfg)  # an unsupported model family or layer type is refused before any data is read
         self.mode = cfg.packing.mode
         self.train_examples = load_split(cfg, "train")
         if self.train_examples is None:
@@ -300,6 +303,7 @@ class Trainer:
                  f"{s['position_ratio']:.1f}x)")
         self.log(f"  mode {self.mode}, kernels: {self.backend.describe()}, device {self.dist.device}, "
                  f"world size {self.dist.world_size}, dtype {self.cfg.model.dtype}")
+        self.log(f"  {describe_model(self.model)}")
         if self.dist.enabled:
             local = sum(getattr(p, "_local_tensor", p).numel() for p in self.lm.parameters())
             total = sum(p.numel() for p in self.lm.parameters())

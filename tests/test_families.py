@@ -76,3 +76,87 @@ def test_moe_trains_experts_and_shared_expert_not_router():
     assert any("mlp.experts" in n and "lora_A" in n for n in trainable)
     assert any("shared_expert.down_proj.lora_B" in n for n in trainable)
     assert not any(".mlp.gate." in n for n in trainable)
+
+
+# -- refusals and LoRA targeting (in process; tests/test_families_cli.py runs two refusals through the CLI) ------
+
+def _cfg(model, lora=None):
+    from packtrain.config import config_from_dict
+
+    return config_from_dict({"model": {"config": model, "dtype": "float64"}, "lora": lora or {}})
+
+
+QWEN3 = {"model_type": "qwen3", "vocab_size": 97, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 3,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8}
+
+
+@pytest.mark.parametrize("model,expected", [
+    ({"model_type": "qwen4_exp"}, "model.config.model_type: 'qwen4_exp' is not a model family packtrain supports "
+                                  "(supported: qwen3_5_text, qwen3_5, qwen3_5_moe_text, qwen3_5_moe, qwen3_next, qwen3)"),
+    ({"model_type": "qwen3_5", "text_config": {"layer_types": [L, "sliding_attention"]}},
+     "model.config.text_config.layer_types[1]: decoder layer type 'sliding_attention' is not supported for qwen3_5"),
+    ({**QWEN3, "layer_types": [F, "linear_attention", F]}, "layer_types[1]: decoder layer type 'linear_attention'"),
+    # layer types transformers derives itself: Qwen3's sliding-window layers from use_sliding_window
+    ({**QWEN3, "use_sliding_window": True, "max_window_layers": 1}, "decoder layer type 'sliding_attention'"),
+    ({"vocab_size": 97}, "model.config.model_type: missing"),
+])
+def test_unsupported_models_are_refused_naming_what(model, expected):
+    from packtrain.families import UnsupportedModelError, check_model
+    from packtrain.model import build_base_model
+
+    with pytest.raises(UnsupportedModelError) as e:
+        cfg = _cfg(model)
+        check_model(cfg)
+        build_base_model(cfg)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_model_directory_of_an_unsupported_type_is_refused(tmp_path):
+    import json
+
+    from packtrain.config import config_from_dict
+    from packtrain.families import check_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen4_exp"}))
+    with pytest.raises(ValueError, match=r"config.json.model_type: 'qwen4_exp' is not a model family"):
+        check_model(config_from_dict({"model": {"path": str(tmp_path)}}))
+
+
+def test_expert_lora_needs_dropout_zero():
+    from packtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="lora.dropout: must be 0 with lora.target_parameters"):
+        _cfg(QWEN3, {"target_parameters": ["mlp.experts.down_proj"], "dropout": 0.05})
+
+
+NEXT = {"model_type": "qwen3_next", "vocab_size": 97, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "layer_types": [L, F], "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+        "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 4, "linear_value_head_dim": 4,
+        "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8, "num_experts": 3, "num_experts_per_tok": 2}
+
+
+def _lora(model, lora):
+    from packtrain.model import apply_lora, build_base_model
+
+    cfg = _cfg(model, {"dropout": 0.0, **lora})
+    peft_model = apply_lora(build_base_model(cfg), cfg)
+    return {n for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def test_router_stays_frozen():
+    with pytest.raises(ValueError, match=r"lora: the MoE router \(mlp.gate\) stays frozen"):
+        _lora(NEXT, {"target_modules": ["q_proj"], "target_parameters": ["mlp.gate.weight"]})
+
+
+def test_peft_renaming_of_mlp_names_is_refused_or_left_out_of_the_default():
+    """peft 0.21 rewrites gate_proj/up_proj/down_proj on qwen3_next into the routed experts (dropping the shared
+    expert's adapters): an explicit list is refused, the default list leaves them out."""
+    with pytest.raises(ValueError, match=r"lora.target_modules: gate_proj, up_proj on qwen3_next: peft reads"):
+        _lora(NEXT, {"target_modules": ["q_proj", "gate_proj", "up_proj"]})
+    trainable = _lora(NEXT, {})  # default [q_proj, k_proj, v_proj, o_proj, gate_proj]
+    assert any(".self_attn.o_proj.lora_A" in n for n in trainable)
+    assert not any("gate_proj" in n or "experts" in n for n in trainable)
+    # on qwen3_5_moe_text (no such conversion) the same default adapts the shared expert's gate_proj
+    moe = {**NEXT, "model_type": "qwen3_5_moe_text"}
+    del moe["intermediate_size"]
+    assert any(".shared_expert.gate_proj.lora_A" in n for n in _lora(moe, {}))

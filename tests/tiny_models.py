@@ -75,7 +75,8 @@ FAMILY_CONFIGS = {
 }
 FAMILY_LORA = {
     "qwen3_5_moe_text": (ATTENTION_MLP + GDN_SEPARATE, EXPERTS),
-    "qwen3_next": (ATTENTION_MLP + ["in_proj_qkvz", "in_proj_ba", "out_proj"], EXPERTS),
+    # peft 0.21 reads MLP names on qwen3_next as its experts (packtrain.model._renamed_by_peft): attention, GDN, experts
+    "qwen3_next": (ATTENTION_MLP[:4] + ["in_proj_qkvz", "in_proj_ba", "out_proj"], EXPERTS),
     "qwen3": (ATTENTION_MLP, []),
 }
 

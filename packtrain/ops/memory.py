@@ -17,9 +17,10 @@ workspace, and FSDP's gathered weights. They depend on kernels; use ``packtrain 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
+
+from packtrain.families import config_dict
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -44,16 +45,7 @@ def text_config(raw: dict) -> dict:
     return text
 
 
-def config_dict_of(cfg) -> dict:
-    """``model.config``, or ``config.json`` under ``model.path``."""
-    if cfg.model.config is not None:
-        return dict(cfg.model.config)
-    if cfg.model.path is None:
-        raise ValueError("model: set model.path or model.config to estimate memory")
-    path = cfg.resolve_path(cfg.model.path) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"model.path: no config.json at {path}")
-    return json.loads(path.read_text())
+config_dict_of = config_dict  # ``model.config``, or ``config.json`` under ``model.path``
 
 
 def linears(text: dict, layer_type: str) -> dict[str, tuple[int, int, str]]:

@@ -1,0 +1,94 @@
+"""`packtrain train` on a tiny model of every family (the real CLI), and clear refusals of anything else."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cli_helpers import TINY_MODEL, run_cli, run_distributed, write_config
+
+pytestmark = pytest.mark.slow
+
+SHAPE = {k: TINY_MODEL[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                    "head_dim", "tie_word_embeddings")}
+GDN = {k: TINY_MODEL[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                  "linear_value_head_dim", "rope_parameters")}
+L, F = "linear_attention", "full_attention"
+MOE = {"model_type": "qwen3_5_moe_text", **SHAPE, **GDN, "num_hidden_layers": 3, "layer_types": [L, F, L],
+       "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}
+EXPERT_LORA = {"target_modules": ["q_proj", "v_proj", "in_proj_qkv", "gate_proj", "down_proj"],
+               "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+FAMILIES = {
+    "qwen3_5_moe_text": (MOE, EXPERT_LORA),
+    "qwen3_next": ({**MOE, "model_type": "qwen3_next", "rope_parameters": None, "intermediate_size": 24,
+                    "layer_types": [F, L, L], "decoder_sparse_step": 2, "tie_word_embeddings": True},
+                   {"target_parameters": ["mlp.experts.gate_up_proj"]}),  # default target_modules
+    "qwen3": ({"model_type": "qwen3", **SHAPE, "intermediate_size": 40, "num_hidden_layers": 2}, {}),
+}
+
+
+def _trains_and_loads(model_type, tmp_path, **sections):
+    """One CLI run of a family's tiny config; checks the header, the steps, and that peft loads the adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_cfg, lora = FAMILIES[model_type]
+    model_cfg = {k: v for k, v in model_cfg.items() if v is not None}
+    cfg = write_config(tmp_path, model={"config": model_cfg}, lora=lora, train={"max_steps": 2}, **sections)
+    proc = run_cli("train", str(cfg))
+    assert f"model: {model_type}" in proc.stdout, proc.stdout
+    run = tmp_path / "run"
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if m.get("split") != "eval"]
+    assert [m["step"] for m in steps] == [1, 2] and all(m["grad_norm"] > 0 for m in steps)
+    adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    if lora.get("target_parameters"):
+        assert any("experts" in k for k in adapter), sorted(adapter)
+    assert not any(".mlp.gate." in k for k in adapter)
+    base = AutoModelForCausalLM.from_pretrained(run / "base", dtype=torch.float64)
+    model = PeftModel.from_pretrained(base, run / "adapter")
+    loaded = {k for k, _ in model.named_parameters() if "lora_" in k}
+    assert len(loaded) == len(adapter)
+    return cfg
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3"])
+def test_family_trains_and_adapter_loads_with_peft(model_type, tmp_path):
+    _trains_and_loads(model_type, tmp_path)
+
+
+@pytest.mark.distributed
+def test_moe_trains_and_two_ranks_equal_one_rank(tmp_path):
+    """Qwen3.6-35B-A3B's family: experts (LoRA on both stacks) inside each FSDP-sharded decoder layer."""
+    cfg = _trains_and_loads("qwen3_5_moe_text", tmp_path, data={"eval": None})
+    two = run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
+    assert "FSDP2 over 2 ranks" in two.stdout
+    one, two = (load_file(str(tmp_path / d / "adapter" / "adapter_model.safetensors")) for d in ("run", "two"))
+    assert one.keys() == two.keys()
+    for name in one:  # float64: only the order of the cross-rank sums differs
+        torch.testing.assert_close(one[name], two[name], rtol=1e-10, atol=1e-13)
+
+
+def _refused(tmp_path, model_cfg, **sections):
+    cfg = write_config(tmp_path, model={"config": model_cfg}, **sections)
+    proc = run_cli("train", str(cfg), check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert not (tmp_path / "run" / "adapter").exists()
+    return lines[0]
+
+
+def test_unknown_model_type_is_refused_naming_it_and_the_supported(tmp_path):
+    line = _refused(tmp_path, {**TINY_MODEL, "model_type": "qwen4_exp"})
+    assert "'qwen4_exp'" in line and "model.config.model_type" in line
+    for supported in ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "qwen3"):
+        assert supported in line
+
+
+def test_unknown_layer_type_is_refused_naming_it(tmp_path):
+    line = _refused(tmp_path, {**TINY_MODEL, "layer_types": [L, "indexed_attention", F]})
+    assert "model.config.layer_types[1]: decoder layer type 'indexed_attention'" in line
+    assert "supported: linear_attention, full_attention;" in line
