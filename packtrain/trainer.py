@@ -73,7 +73,7 @@ def image_loader(cfg: Config, model, examples) -> ImageLoader | None:
     spec = vision_spec(model)
     if spec is None:
         raise ValueError("the data has images but the model is text-only: use a vision-language model "
-                         "(model_type qwen3_5 / Qwen3_5ForConditionalGeneration)")
+                         "(model_type qwen3_5 or qwen3_5_moe)")
     return ImageLoader(load_image_processor(processor_dir(cfg)), spec)
 
 
