@@ -56,16 +56,20 @@ def test_seed_down_proj_adapter_costs_3_4_gib_per_recomputed_layer():
     assert saved / GiB == pytest.approx(3.4, abs=0.05)
 
 
-def test_parameters_match_transformers_for_the_shipped_27b_config():
-    from transformers import AutoConfig, Qwen3_5ForCausalLM
+@pytest.mark.parametrize("name,billions", [("qwen3.6-27b", 26.9), ("qwen3.6-35b-a3b", 34.7)])
+def test_parameters_match_transformers_for_the_shipped_configs(name, billions):
+    from transformers import AutoConfig
 
-    cfg = load_config(REPO / "configs" / "qwen3.6-27b.yaml")
+    from packtrain.model import model_class_for
+
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
     raw = dict(cfg.model.config)
+    model_type = raw.pop("model_type")
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(AutoConfig.for_model(raw.pop("model_type"), **raw))
+        model = model_class_for(model_type)(AutoConfig.for_model(model_type, **raw))
     n = sum(p.numel() for p in model.parameters())
     assert memory.model_parameters(memory.text_config(cfg.model.config)) == n
-    assert n / 1e9 == pytest.approx(26.9, abs=0.05)
+    assert n / 1e9 == pytest.approx(billions, abs=0.05)
 
 
 def test_shipped_27b_config_is_the_seed_setup():
@@ -178,3 +182,69 @@ def test_model_path_config_json_is_read(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": QWEN36_27B}))
     cfg = config_from_dict({"model": {"path": str(tmp_path / "m")}})
     assert memory.text_config(memory.config_dict_of(cfg))["hidden_size"] == 5120
+
+
+# -- other families (packtrain.families) -----------------------------------------------------------------------------
+
+def test_family_defaults_are_transformers_defaults():
+    from transformers import AutoConfig
+
+    for text_type, fields in memory.FAMILY_DEFAULTS.items():
+        defaults = AutoConfig.for_model(text_type)
+        for key, value in fields.items():
+            assert getattr(defaults, key) == value, (text_type, key)
+        assert memory.text_config({"model_type": text_type})["layer_types"] == defaults.layer_types, text_type
+
+
+NEXT_TINY = {"model_type": "qwen3_next", "vocab_size": 97, "hidden_size": 24, "intermediate_size": 40,
+             "num_hidden_layers": 5, "layer_types": ["linear_attention"] * 3 + ["full_attention"] * 2,
+             "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8, "linear_num_key_heads": 2,
+             "linear_num_value_heads": 6, "linear_key_head_dim": 4, "linear_value_head_dim": 6,
+             "decoder_sparse_step": 2, "mlp_only_layers": [3], "moe_intermediate_size": 12,
+             "shared_expert_intermediate_size": 20, "num_experts": 5, "num_experts_per_tok": 3,
+             "tie_word_embeddings": True}
+MOE_TINY = {**{k: v for k, v in NEXT_TINY.items() if k not in ("intermediate_size", "decoder_sparse_step",
+                                                               "mlp_only_layers")}, "model_type": "qwen3_5_moe_text"}
+QWEN3_TINY = {"model_type": "qwen3", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 40,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 8}
+
+
+@pytest.mark.parametrize("raw", [NEXT_TINY, MOE_TINY, QWEN3_TINY, {"model_type": "qwen3_5_moe",
+                                                                   "text_config": MOE_TINY}], ids=lambda r: r["model_type"])
+def test_family_parameters_match_transformers(raw):
+    from transformers import AutoConfig
+
+    from packtrain.families import FAMILIES
+    from packtrain.model import model_class_for
+
+    family = FAMILIES[raw["model_type"]]
+    kw = {k: v for k, v in raw.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = model_class_for(raw["model_type"])(AutoConfig.for_model(raw["model_type"], **kw))
+    text_model = model.model.language_model if family.vision else model.model
+    n = sum(p.numel() for p in text_model.parameters()) + sum(p.numel() for p in model.lm_head.parameters())
+    if raw.get("tie_word_embeddings") or family.text_config(raw).get("tie_word_embeddings"):
+        n -= model.lm_head.weight.numel()  # one shared tensor
+    assert memory.model_parameters(memory.text_config(raw)) == n
+
+
+def test_shipped_35b_a3b_config_adapts_the_experts():
+    cfg = load_config(REPO / "configs" / "qwen3.6-35b-a3b.yaml")
+    assert cfg.model.config["model_type"] == "qwen3_5_moe_text" and cfg.lora.dropout == 0
+    assert cfg.lora.target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("raw,lora", [
+    (MOE_TINY, {"target_modules": ["q_proj", "in_proj_qkv", "gate_proj", "down_proj"],
+                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}),
+    (NEXT_TINY, {"target_modules": ["q_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"],
+                 "target_parameters": ["experts.down_proj"]}),
+], ids=["qwen3_5_moe_text", "qwen3_next"])
+def test_expert_lora_parameters_match_peft(raw, lora):
+    from packtrain.model import apply_lora, build_base_model
+
+    cfg = config_from_dict({"model": {"config": raw}, "lora": {"r": 4, "dropout": 0.0, **lora}})
+    model = apply_lora(build_base_model(cfg), cfg)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    counted = memory.lora_parameters(memory.text_config(raw), 4, lora["target_modules"], lora["target_parameters"])
+    assert counted == trainable

@@ -20,56 +20,112 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from packtrain.families import config_dict
+from packtrain.families import FAMILIES, config_dict
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 OFFLOAD_CHUNK_BYTES = 64 * 2**20  # packtrain.offload.DEFAULT_CHUNK_BYTES (tested equal)
 
-# Qwen3_5TextConfig's defaults for the fields used here (tested equal to transformers').
-TEXT_DEFAULTS = {
-    "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
-    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32, "tie_word_embeddings": False,
+# Each family's text-config defaults for the fields used here (tested equal to transformers').
+_GDN = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+_MOE = {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+FAMILY_DEFAULTS = {
+    "qwen3_5_text": {"vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+                     "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, **_GDN},
+    "qwen3_5_moe_text": {"vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+                         "num_key_value_heads": 2, "head_dim": 256, **_GDN, **_MOE, "num_experts": 256,
+                         "num_experts_per_tok": 8},
+    "qwen3_next": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
+                   "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, **_GDN, **_MOE,
+                   "num_experts": 512, "num_experts_per_tok": 10, "decoder_sparse_step": 1},
+    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128},
 }
+TEXT_DEFAULTS = FAMILY_DEFAULTS["qwen3_5_text"]
 FULL, LINEAR = "full_attention", "linear_attention"
+DENSE, MOE = "dense", "moe"
 
 
 def text_config(raw: dict) -> dict:
-    """A Qwen3.5/3.6 config dict (text, or vision-language with ``text_config``) -> the text fields, defaulted."""
-    raw = raw.get("text_config", raw)
-    text = {**TEXT_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
-    if "layer_types" not in raw:
-        text["layer_types"] = [LINEAR if (i + 1) % 4 else FULL for i in range(text["num_hidden_layers"])]
+    """A config dict of a supported family (text, or vision-language with ``text_config``; without a model_type:
+    Qwen3.5) -> the text fields, defaulted, with ``family`` (its row's model type) and ``kinds`` (per layer: mixer,
+    MLP)."""
+    family = FAMILIES[raw.get("model_type", "qwen3_5_text")]
+    raw = family.text_config(raw)
+    text_type = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(family.model_type,
+                                                                                  family.model_type)
+    given = {k: v for k, v in raw.items() if v is not None}
+    text = {"tie_word_embeddings": False, "mlp_only_layers": [], "decoder_sparse_step": 1,
+            **FAMILY_DEFAULTS[text_type], **given, "family": text_type}
+    if "layer_types" not in given:
+        every = 4 if family.gdn else 1  # full_attention_interval; Qwen3: all full attention
+        text["layer_types"] = [FULL if (i + 1) % every == 0 else LINEAR for i in range(text["num_hidden_layers"])]
+    text["kinds"] = [(t, MOE if _routed(text, family, i) else DENSE) for i, t in enumerate(text["layer_types"])]
     return text
+
+
+def _routed(text: dict, family, i: int) -> bool:
+    """Whether layer i has routed experts (Qwen3-Next: not in mlp_only_layers, every decoder_sparse_step-th)."""
+    return (family.moe and text.get("num_experts", 0) > 0 and i not in text["mlp_only_layers"]
+            and (i + 1) % text["decoder_sparse_step"] == 0)
 
 
 config_dict_of = config_dict  # ``model.config``, or ``config.json`` under ``model.path``
 
 
-def linears(text: dict, layer_type: str) -> dict[str, tuple[int, int, str]]:
-    """name -> (in, out, input group) of one decoder layer's linear layers. Layers of one group read the same
-    input tensor (so an adapter without cast or dropout shares it)."""
-    H, I = text["hidden_size"], text["intermediate_size"]
-    mlp = {"gate_proj": (H, I, "post_norm"), "up_proj": (H, I, "post_norm"), "down_proj": (I, H, "mlp_product")}
-    if layer_type == FULL:
-        q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
-        # q_proj is twice as wide: Qwen3.5 attention has an output gate.
-        return {"q_proj": (H, 2 * q, "input_norm"), "k_proj": (H, kv, "input_norm"), "v_proj": (H, kv, "input_norm"),
-                "o_proj": (q, H, "attention_out"), **mlp}
-    key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
-    value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
-    nv = text["linear_num_value_heads"]
-    return {"in_proj_qkv": (H, 2 * key + value, "input_norm"), "in_proj_z": (H, value, "input_norm"),
-            "in_proj_b": (H, nv, "input_norm"), "in_proj_a": (H, nv, "input_norm"),
-            "out_proj": (value, H, "gated_norm_out"), **mlp}
+def _kind(kind) -> tuple[str, str]:
+    """A layer kind: (mixer, MLP); a bare mixer name means a dense MLP."""
+    return (kind, DENSE) if isinstance(kind, str) else tuple(kind)
 
 
-def layer_parameters(text: dict, layer_type: str) -> int:
+def linears(text: dict, kind) -> dict[str, tuple[int, int, str]]:
+    """name -> (in, out, input group) of one decoder layer's linear layers (by the name LoRA targets). Layers of
+    one group read the same input tensor (so an adapter without cast or dropout shares it). A MoE layer's MLP
+    names are its shared expert's; its router is ``gate`` (frozen); the experts are in :func:`expert_shapes`."""
+    mixer, mlp_kind = _kind(kind)
+    family = FAMILIES[text["family"]]
     H = text["hidden_size"]
-    n = sum(i * o for i, o, _ in linears(text, layer_type).values()) + 2 * H  # + two RMSNorms
-    if layer_type == FULL:
+    if mlp_kind == DENSE:
+        mlp = _mlp(H, text["intermediate_size"])
+    else:
+        shared = text["shared_expert_intermediate_size"]
+        mlp = {"gate": (H, text["num_experts"], "post_norm"), **(_mlp(H, shared) if shared else {}),
+               "shared_expert_gate": (H, 1, "post_norm")}
+    if mixer == FULL:
+        q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
+        q_out = 2 * q if family.attention_gate else q  # an output gate doubles q_proj
+        return {"q_proj": (H, q_out, "input_norm"), "k_proj": (H, kv, "input_norm"), "v_proj": (H, kv, "input_norm"),
+                "o_proj": (q, H, "attention_out"), **mlp}
+    value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
+    projections = {name: (H, width, "input_norm") for name, width in family.gdn.widths(text).items()}
+    return {**projections, "out_proj": (value, H, "gated_norm_out"), **mlp}
+
+
+def _mlp(H: int, width: int) -> dict[str, tuple[int, int, str]]:
+    return {"gate_proj": (H, width, "post_norm"), "up_proj": (H, width, "post_norm"),
+            "down_proj": (width, H, "mlp_product")}
+
+
+def expert_shapes(text: dict, kind) -> dict[str, tuple[int, int, int]]:
+    """The routed experts' stacked parameters of a layer: target_parameters name -> (experts, in, out)."""
+    if _kind(kind)[1] != MOE:
+        return {}
+    E, H, I = text["num_experts"], text["hidden_size"], text["moe_intermediate_size"]
+    return {"mlp.experts.gate_up_proj": (E, H, 2 * I), "mlp.experts.down_proj": (E, I, H)}
+
+
+def _targeted(name: str, target_parameters) -> bool:
+    """peft matches a target parameter by its dotted suffix (``gate_up_proj``, ``experts.gate_up_proj``, ...)."""
+    return any(name == t or name.endswith("." + t) for t in target_parameters)
+
+
+def layer_parameters(text: dict, kind) -> int:
+    mixer, _ = _kind(kind)
+    H = text["hidden_size"]
+    n = sum(i * o for i, o, _ in linears(text, kind).values()) + 2 * H  # + two RMSNorms
+    n += sum(e * i * o for e, i, o in expert_shapes(text, kind).values())
+    if mixer == FULL:
         return n + 2 * text["head_dim"]  # q_norm, k_norm
     key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
     conv_dim = 2 * key + text["linear_num_value_heads"] * text["linear_value_head_dim"]
@@ -79,12 +135,15 @@ def layer_parameters(text: dict, layer_type: str) -> int:
 
 def model_parameters(text: dict) -> int:
     V, H = text["vocab_size"], text["hidden_size"]
-    layers = sum(layer_parameters(text, t) for t in text["layer_types"])
+    layers = sum(layer_parameters(text, k) for k in text["kinds"])
     return layers + V * H * (1 if text["tie_word_embeddings"] else 2) + H
 
 
-def lora_parameters(text: dict, r: int, targets: list[str]) -> int:
-    n = sum(r * (i + o) for t in text["layer_types"] for name, (i, o, _) in linears(text, t).items() if name in targets)
+def lora_parameters(text: dict, r: int, targets: list[str], target_parameters: list[str] = ()) -> int:
+    """peft's adapter sizes: r * (in + out) per targeted linear; r * experts * (in + out) per targeted stack."""
+    n = sum(r * (i + o) for k in text["kinds"] for name, (i, o, _) in linears(text, k).items() if name in targets)
+    n += sum(r * e * (i + o) for k in text["kinds"] for name, (e, i, o) in expert_shapes(text, k).items()
+             if _targeted(name, target_parameters))
     if "lm_head" in targets:
         n += r * (text["hidden_size"] + text["vocab_size"])
     return n
@@ -116,7 +175,7 @@ def _shape(*dims: int) -> str:
     return "[" + ", ".join(f"{d:,}" for d in dims) + "]"
 
 
-def adapter_terms(text: dict, layer_type: str, T: int, b: int, a: int, r: int, targets: list[str],
+def adapter_terms(text: dict, layer_type, T: int, b: int, a: int, r: int, targets: list[str],
                   dropout: float, mask_bytes: int = 1) -> list[Term]:
     """What each adapter of one layer saves for backward: its input (a copy when peft casts it to the adapter dtype
     or drops it out, plus the dropout mask), and lora_A's [T, r] output. ``mask_bytes``: 1 on CUDA (the fused
@@ -138,12 +197,14 @@ def adapter_terms(text: dict, layer_type: str, T: int, b: int, a: int, r: int, t
     return terms
 
 
-def mixer_term(text: dict, layer_type: str, T: int, b: int) -> Term:
-    if layer_type == FULL:
+def mixer_term(text: dict, layer_type, T: int, b: int) -> Term:
+    mixer, _ = _kind(layer_type)
+    if mixer == FULL:
         q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
+        gate = FAMILIES[text["family"]].attention_gate
         # q/k RMSNorm float32 copies; rotated q, k; attention's q, k, v, output; the output gate and its sigmoid
-        per = 4 * (q + kv) + b * (5 * q + 3 * kv)
-        label = "attention: q/k norms, rotary, kernel in/out, output gate"
+        per = 4 * (q + kv) + b * ((5 if gate else 3) * q + 3 * kv)
+        label = "attention: q/k norms, rotary, kernel in/out" + (", output gate" if gate else "")
     else:
         key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
         value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
@@ -155,24 +216,51 @@ def mixer_term(text: dict, layer_type: str, T: int, b: int) -> Term:
     return Term("mixer", label, T * per, approx=True, depth=1)
 
 
-def layer_recompute(text: dict, layer_type: str, T: int, b: int, a: int, r: int, targets: list[str],
-                    dropout: float, mask_bytes: int = 1) -> list[Term]:
+def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=()) -> list[Term]:
+    """The MLP's saved intermediates and its backward workspace. Routed experts (approximate: the per-expert loop's
+    gathers and outputs) see T x k token rows of width I_e; targeted expert stacks are saved adapted (W + BA: peft's
+    parametrization makes a new [experts, out, in] tensor per stack)."""
+    H = text["hidden_size"]
+    if _kind(layer_type)[1] == DENSE:
+        I = text["intermediate_size"]
+        return [Term("mlp", f"MLP intermediates: 3 x {_shape(T, I)} (gate, SiLU(gate), up)", 3 * T * I * b, depth=1),
+                Term("workspace", f"backward workspace: 2 x {_shape(T, I)} SwiGLU gradients",
+                     2 * T * I * b, approx=True, depth=1)]
+    k, E, Ie, Is = (text["num_experts_per_tok"], text["num_experts"], text["moe_intermediate_size"],
+                    text["shared_expert_intermediate_size"])
+    rows = T * k
+    terms = [Term("mlp", f"MoE: shared expert 3 x {_shape(T, Is)}, router float32 {_shape(T, E)} x 2, experts' "
+                         f"{_shape(rows, H)} inputs + outputs and 4 x {_shape(rows, Ie)}",
+                  3 * T * Is * b + 8 * T * E + rows * (2 * H + 4 * Ie) * b, approx=True, depth=1)]
+    adapted = [(n, e * i * o) for n, (e, i, o) in expert_shapes(text, layer_type).items()
+               if _targeted(n, target_parameters)]
+    if adapted:
+        terms.append(Term("experts_adapted", f"adapted expert stacks (W + BA): {', '.join(n for n, _ in adapted)}",
+                          sum(n for _, n in adapted) * b, depth=1))
+    terms.append(Term("workspace", f"backward workspace: 2 x {_shape(rows, Ie)} expert gradients",
+                      2 * rows * Ie * b, approx=True, depth=1))
+    return terms
+
+
+def layer_recompute(text: dict, layer_type, T: int, b: int, a: int, r: int, targets: list[str],
+                    dropout: float, mask_bytes: int = 1, target_parameters=()) -> list[Term]:
     """One decoder layer's saved tensors while its backward runs, plus the backward workspace."""
-    H, I = text["hidden_size"], text["intermediate_size"]
+    H = text["hidden_size"]
+    mlp, workspace = (lambda ts: (ts[:-1], ts[-1]))(mlp_terms(text, layer_type, T, b, target_parameters))
     return [
-        Term("mlp", f"MLP intermediates: 3 x {_shape(T, I)} (gate, SiLU(gate), up)", 3 * T * I * b, depth=1),
+        *mlp,
         *adapter_terms(text, layer_type, T, b, a, r, targets, dropout, mask_bytes),
         mixer_term(text, layer_type, T, b),
         Term("norms", f"RMSNorm float32 copies: 2 x {_shape(T, H)}", 2 * T * H * 4, approx=True, depth=1),
-        Term("workspace", f"backward workspace: 2 x {_shape(T, I)} SwiGLU gradients",
-             2 * T * I * b, approx=True, depth=1),
+        workspace,
     ]
 
 
 def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16", adapter_dtype: str | None = None,
              lora_r: int = 8, lora_targets: list[str] = (), lora_dropout: float = 0.0, optimizer: str = "adamw",
              momentum: float = 0.0, checkpointing: bool = True, offload: bool = False, world_size: int = 1,
-             continuations: int | None = None, offload_chunk_bytes: int = OFFLOAD_CHUNK_BYTES) -> MemoryEstimate:
+             continuations: int | None = None, offload_chunk_bytes: int = OFFLOAD_CHUNK_BYTES,
+             lora_parameters_targets: list[str] = ()) -> MemoryEstimate:
     T, M, W = positions, targets, world_size
     H, V, L = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
     b = DTYPE_BYTES[dtype]
@@ -186,19 +274,20 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     terms.append(Term("weights", f"base weights: {n_params / 1e9:.2f}B parameters, {dtype}{sharded}",
                       math.ceil(n_params * b / W)))
     if W > 1:
-        biggest = max(layer_parameters(text, t) for t in set(text["layer_types"]))
+        biggest = max(layer_parameters(text, k) for k in set(text["kinds"]))
         root = V * H * (1 if text["tie_word_embeddings"] else 2) + H
         # FSDP2 keeps the root module (embedding, lm_head) gathered from forward to backward.
         terms.append(Term("gathered", "FSDP gathered: 2 decoder layers + root (embedding, lm_head)",
                           (2 * biggest + root) * b, approx=True))
-    n_lora = lora_parameters(text, lora_r, targets_list)
+    n_lora = lora_parameters(text, lora_r, targets_list, lora_parameters_targets)
     states = {"adamw": 2, "sgd": 1 if momentum else 0}[optimizer]
     terms.append(Term("adapters", f"LoRA: {n_lora / 1e6:.1f}M parameters x (weight, grad, {states} optimizer states)"
                       f" x {a} bytes{sharded}", math.ceil(n_lora * a * (2 + states) / W)))
 
     layer_input = T * H * b
-    kinds = sorted(set(text["layer_types"]))
-    per_kind = {k: layer_recompute(text, k, T, b, a, lora_r, targets_list, lora_dropout) for k in kinds}
+    kinds = sorted(set(text["kinds"]))
+    per_kind = {k: layer_recompute(text, k, T, b, a, lora_r, targets_list, lora_dropout,
+                                   target_parameters=lora_parameters_targets) for k in kinds}
     kind = max(kinds, key=lambda k: sum(t.bytes for t in per_kind[k]))
     if offload:
         chunks = math.ceil(layer_input / offload_chunk_bytes) * offload_chunk_bytes
@@ -211,12 +300,13 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                           L * layer_input))
         terms.append(Term("residual", f"gradient of the hidden states: {_shape(T, H)}", layer_input))
     else:
-        saved = sum(sum(t.bytes for t in per_kind[k] if t.key != "workspace") for k in text["layer_types"])
+        saved = sum(sum(t.bytes for t in per_kind[k] if t.key != "workspace") for k in text["kinds"])
         terms.append(Term("all_layers", f"saved activations of all {L} layers (no checkpointing)", saved,
                           approx=True))
     parts = per_kind[kind]
     title = "one layer's recompute" if checkpointing else "one layer's backward"
-    terms.append(Term("layer_peak", f"{title} ({kind.replace('_', ' ')} layer, the larger)",
+    what = kind[0].replace("_", " ") + (", MoE" if kind[1] == MOE else "")
+    terms.append(Term("layer_peak", f"{title} ({what} layer, the largest)",
                       sum(t.bytes for t in parts), approx=True))
     terms.extend(parts)
 
@@ -252,6 +342,7 @@ def estimate_for_plan(cfg, plan, examples, world_size: int) -> MemoryEstimate:
     targets = sum(len(examples[e].target_ids) for e in ids)
     return estimate(text_config(config_dict_of(cfg)), positions, targets, dtype=cfg.model.dtype,
                     lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules, lora_dropout=cfg.lora.dropout,
+                    lora_parameters_targets=cfg.lora.target_parameters,
                     optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
                     checkpointing=cfg.train.activation_checkpointing, offload=cfg.train.offload,
                     world_size=world_size, continuations=len(ids))
