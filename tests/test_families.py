@@ -160,3 +160,11 @@ def test_peft_renaming_of_mlp_names_is_refused_or_left_out_of_the_default():
     moe = {**NEXT, "model_type": "qwen3_5_moe_text"}
     del moe["intermediate_size"]
     assert any(".shared_expert.gate_proj.lora_A" in n for n in _lora(moe, {}))
+
+
+def test_memory_plan_refuses_an_unsupported_model_in_one_line():
+    from packtrain.families import UnsupportedModelError
+    from packtrain.ops import memory
+
+    with pytest.raises(UnsupportedModelError, match=r"^model.config.model_type: 'qwen4_exp' is not a model family"):
+        memory.text_config({"model_type": "qwen4_exp"})

@@ -33,8 +33,8 @@ def tiny_lora_model(layer_types, dtype=torch.float64, seed=0, targets=ALL_PROJEC
 
 def _random_lora(model, targets, params=None):
     with torch.no_grad():  # larger weights than the default init so every route matters at float64 scale
-        for p in model.parameters():
-            if p.dim() >= 2:  # matrices, and the routed experts' [experts, out, in] stacks
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or ".experts." in name:  # matrices, and the routed experts' [experts, out, in] stacks
                 p.normal_(0.0, 0.2)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
                                              target_parameters=params or None, init_lora_weights=False))

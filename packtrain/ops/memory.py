@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from packtrain.families import FAMILIES, config_dict
+from packtrain.families import FAMILIES, check_config_dict, config_dict
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -51,7 +51,7 @@ def text_config(raw: dict) -> dict:
     """A config dict of a supported family (text, or vision-language with ``text_config``; without a model_type:
     Qwen3.5) -> the text fields, defaulted, with ``family`` (its row's model type) and ``kinds`` (per layer: mixer,
     MLP)."""
-    family = FAMILIES[raw.get("model_type", "qwen3_5_text")]
+    family = check_config_dict(raw) if "model_type" in raw else FAMILIES["qwen3_5_text"]
     raw = family.text_config(raw)
     text_type = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(family.model_type,
                                                                                   family.model_type)
