@@ -122,6 +122,12 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     """
     config = lora_config(cfg)
     config.target_modules = _lora_targets(model, cfg)
+    names = [n for n, _ in model.named_parameters()]
+    for t in cfg.lora.target_parameters:  # peft passes over a target parameter that matches nothing
+        if not any(n == t or n.endswith("." + t) for n in names):
+            raise ValueError(f"lora.target_parameters: {t!r} matches no parameter of this "
+                             f"{model.config.model_type} model (routed experts: mlp.experts.gate_up_proj, "
+                             "mlp.experts.down_proj)")
     try:
         model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as e:

@@ -149,6 +149,11 @@ def _lora(model, lora):
     return {n for n, p in peft_model.named_parameters() if p.requires_grad}
 
 
+def test_target_parameters_matching_nothing_are_refused():
+    with pytest.raises(ValueError, match=r"lora.target_parameters: 'mlp.experts.down_proj' matches no parameter"):
+        _lora(QWEN3, {"target_parameters": ["mlp.experts.down_proj"]})
+
+
 def test_router_stays_frozen():
     with pytest.raises(ValueError, match=r"lora: the MoE router \(mlp.gate\) stays frozen"):
         _lora(NEXT, {"target_modules": ["q_proj"], "target_parameters": ["mlp.gate.weight"]})
