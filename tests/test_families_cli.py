@@ -8,6 +8,8 @@ from safetensors.torch import load_file
 
 from cli_helpers import REPO, TINY_MODEL, run_cli, run_distributed, write_config
 
+from packtrain.families import FAMILIES as FAMILY_TABLE
+
 pytestmark = pytest.mark.slow
 
 SHAPE = {k: TINY_MODEL[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -35,22 +37,47 @@ def _trains_and_loads(model_type, tmp_path, **sections):
 
     model_cfg, lora = FAMILIES[model_type]
     model_cfg = {k: v for k, v in model_cfg.items() if v is not None}
-    cfg = write_config(tmp_path, model={"config": model_cfg}, lora=lora, train={"max_steps": 2}, **sections)
+    cfg = write_config(tmp_path, model={"config": model_cfg}, lora=lora, train={"max_steps": 2, "eval_every": 2},
+                       **sections)
     proc = run_cli("train", str(cfg))
     assert f"model: {model_type}" in proc.stdout, proc.stdout
     run = tmp_path / "run"
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in steps if m.get("split") != "eval"]
+    steps = [m for m in _metrics(run) if m.get("split") != "eval"]
     assert [m["step"] for m in steps] == [1, 2] and all(m["grad_norm"] > 0 for m in steps)
     adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     if lora.get("target_parameters"):
         assert any("experts" in k for k in adapter), sorted(adapter)
     assert not any(".mlp.gate." in k for k in adapter)
-    base = AutoModelForCausalLM.from_pretrained(run / "base", dtype=torch.float64)
+    # transformers' default grouped_mm experts have no float64 kernel
+    eager = {"experts_implementation": "eager"} if FAMILY_TABLE[model_type].moe else {}
+    base = AutoModelForCausalLM.from_pretrained(run / "base", dtype=torch.float64, **eager)
     model = PeftModel.from_pretrained(base, run / "adapter")
     loaded = {k for k, _ in model.named_parameters() if "lora_" in k}
     assert len(loaded) == len(adapter)
+    evals = [m for m in _metrics(run) if m.get("split") == "eval"]
+    if evals:  # the final packed eval == transformers' forward with the adapter peft loaded, example by example
+        assert evals[-1]["step"] == 2
+        # float64 model, transformers' float32 casts (RMSNorm, chunk rule, logits.float()): see test_parity.py
+        assert evals[-1]["loss"] == pytest.approx(_peft_mean_loss(model.eval(), tmp_path / "eval.jsonl"), rel=5e-6)
     return cfg
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _peft_mean_loss(model, path):
+    from packtrain.data import load_examples
+
+    losses = []
+    with torch.no_grad():
+        for ex in load_examples(path):
+            ids = torch.tensor([list(ex.prefix_ids) + list(ex.item_ids) + list(ex.target_ids)])
+            labels = torch.full_like(ids, -100)
+            start = len(ex.prefix_ids) + len(ex.item_ids)
+            labels[0, start:] = ids[0, start:]
+            losses.append(model(input_ids=ids, labels=labels).loss.item())
+    return sum(losses) / len(losses)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3"])
@@ -85,7 +112,7 @@ def test_vision_language_moe_trains_on_images(tmp_path):
 @pytest.mark.distributed
 def test_moe_trains_and_two_ranks_equal_one_rank(tmp_path):
     """Qwen3.6-35B-A3B's family: experts (LoRA on both stacks) inside each FSDP-sharded decoder layer."""
-    cfg = _trains_and_loads("qwen3_5_moe_text", tmp_path, data={"eval": None})
+    cfg = _trains_and_loads("qwen3_5_moe_text", tmp_path)
     two = run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
     assert "FSDP2 over 2 ranks" in two.stdout
     one, two = (load_file(str(tmp_path / d / "adapter" / "adapter_model.safetensors")) for d in ("run", "two"))
