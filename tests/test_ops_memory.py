@@ -229,7 +229,10 @@ def test_family_parameters_match_transformers(raw):
 
 
 def test_shipped_35b_a3b_config_adapts_the_experts():
-    cfg = load_config(REPO / "configs" / "qwen3.6-35b-a3b.yaml")
+    path = REPO / "configs" / "qwen3.6-35b-a3b.yaml"
+    assert path.read_text().splitlines()[0] == ("# accelerate launch --config_file launch/one_node_8gpu.yaml -m packtrain "
+                                                "train configs/qwen3.6-35b-a3b.yaml")
+    cfg = load_config(path)
     assert cfg.model.config["model_type"] == "qwen3_5_moe_text" and cfg.lora.dropout == 0
     assert cfg.lora.target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
