@@ -68,9 +68,16 @@ def build_base_model(cfg: Config, save_to: Path | None = None) -> nn.Module:
     return model
 
 
-def lora_config(cfg: Config) -> LoraConfig:
+def lora_config(cfg: Config, model: nn.Module) -> LoraConfig:
+    """peft's config for ``lora.*`` on ``model`` (targets checked against it: :func:`_lora_targets`)."""
     lc = cfg.lora
-    return LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules),
+    names = [n for n, _ in model.named_parameters()]
+    for t in lc.target_parameters:  # peft passes over a target parameter that matches nothing
+        if not any(n == t or n.endswith("." + t) for n in names):
+            raise ValueError(f"lora.target_parameters: {t!r} matches no parameter of this "
+                             f"{model.config.model_type} model (routed experts: mlp.experts.gate_up_proj, "
+                             "mlp.experts.down_proj)")
+    return LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=_lora_targets(model, cfg),
                       target_parameters=list(lc.target_parameters) or None,
                       init_lora_weights=lc.init_lora_weights, modules_to_save=lc.modules_to_save, bias=lc.bias,
                       use_rslora=lc.use_rslora)
@@ -120,14 +127,7 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     ``enable_input_require_grads`` marks the frozen embedding's output as requiring grad, so checkpointed layers
     see an input that needs gradients (without it the seed's runs trained with grad_norm exactly 0).
     """
-    config = lora_config(cfg)
-    config.target_modules = _lora_targets(model, cfg)
-    names = [n for n, _ in model.named_parameters()]
-    for t in cfg.lora.target_parameters:  # peft passes over a target parameter that matches nothing
-        if not any(n == t or n.endswith("." + t) for n in names):
-            raise ValueError(f"lora.target_parameters: {t!r} matches no parameter of this "
-                             f"{model.config.model_type} model (routed experts: mlp.experts.gate_up_proj, "
-                             "mlp.experts.down_proj)")
+    config = lora_config(cfg, model)
     try:
         model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as e:

@@ -92,7 +92,7 @@ class Models:
         t = cfg.train
         if t.activation_checkpointing or t.offload:  # what a transformers user turns on
             plain_base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.plain = get_peft_model(plain_base, lora_config(cfg)).to(work.device).train()
+        self.plain = get_peft_model(plain_base, lora_config(cfg, plain_base)).to(work.device).train()
         packed = trainable_by_name(model)
         # peft draws lora_A at random: the plain model starts from packtrain's initial adapter
         self.packtrain_state = Trainable(packed, packed, cfg, len(work.steps))
