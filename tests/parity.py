@@ -37,16 +37,16 @@ def _with_pixels(layout, conts, pixels):
     return layout
 
 
-def packed_run(model, prefix, conts, vision=None, pixels=None):
+def packed_run(model, prefix, conts, vision=None, pixels=None, context_grad="full"):
     model.zero_grad(set_to_none=True)
-    out = PackedLM(model)(_with_pixels(build_pack_layout(prefix, conts, vision), conts, pixels))
+    out = PackedLM(model, context_grad)(_with_pixels(build_pack_layout(prefix, conts, vision), conts, pixels))
     out.loss_sum.backward()
     return out.per_example.tolist(), trainable_grads(model)
 
 
-def standalone_run(model, prefix, conts, vision=None, pixels=None):
+def standalone_run(model, prefix, conts, vision=None, pixels=None, context_grad="full"):
     model.zero_grad(set_to_none=True)
-    lm = PackedLM(model)
+    lm = PackedLM(model, context_grad)
     losses = []
     for i, c in enumerate(conts):
         layout = build_standalone_layout(prefix, c, vision)
@@ -56,9 +56,9 @@ def standalone_run(model, prefix, conts, vision=None, pixels=None):
     return losses, trainable_grads(model)
 
 
-def compare(model, prefix, conts, vision=None, pixels=None) -> Diff:
-    la, ga = packed_run(model, prefix, conts, vision, pixels)
-    lb, gb = standalone_run(model, prefix, conts, vision, pixels)
+def compare(model, prefix, conts, vision=None, pixels=None, context_grad="full") -> Diff:
+    la, ga = packed_run(model, prefix, conts, vision, pixels, context_grad)
+    lb, gb = standalone_run(model, prefix, conts, vision, pixels, context_grad)
     assert ga.keys() == gb.keys() and ga
     for name, g in gb.items():  # a zero gradient would make the comparison vacuous
         assert g.abs().max() > 0, f"zero gradient for {name}"
