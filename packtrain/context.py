@@ -220,6 +220,15 @@ def _continuation_view(layout: PackLayout) -> PackLayout:
                                segment_ids=layout.segment_ids[p:], _cache={})
 
 
+def keep_from(layout: PackLayout, n_layers: int) -> tuple[int, ...]:
+    """kv_only: per decoder layer, the first row whose output can get gradient: P's rows of every layer's output
+    feed only the next layer's input (cut) -- except the last layer's, whose row P-1 feeds the head when a
+    continuation without an item reads its first target off P's last row."""
+    p = layout.context_len
+    last = p - 1 if bool((layout.target_positions < p).any()) else p
+    return (p,) * (n_layers - 1) + (last,)
+
+
 # -- the mode ---------------------------------------------------------------------------------------------------
 class ContextGrad:
     """The chosen mode; :meth:`hidden_states` runs the body of ``lm`` (a PackedLM) on a layout under it."""
@@ -246,9 +255,7 @@ class ContextGrad:
         p = layout.context_len
         layers = text_parts(lm.model)[0].layers
         if layout.packed:
-            n = len(layers)
-            last = p - 1 if bool((layout.target_positions < p).any()) else p
-            layout = dataclasses.replace(layout, context=ContextPlan("kv_only", (p,) * (n - 1) + (last,)))
+            layout = dataclasses.replace(layout, context=ContextPlan("kv_only", keep_from(layout, len(layers))))
         with cut_at_layer_inputs(layers, p):
             return lm.run_body(layout).last_hidden_state, layout.target_positions, None
 

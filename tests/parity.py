@@ -88,11 +88,19 @@ def _gated_norm_same_dtype(self, hidden_states, gate):
     return self.weight * (hidden_states * torch.rsqrt(var + self.variance_epsilon)) * torch.nn.functional.silu(gate)
 
 
+def _recurrent_rule_same_dtype(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, **unused):
+    out, state = torch_ref.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel)
+    return out, state if output_final_state else None
+
+
 @contextlib.contextmanager
 def without_float32_casts(monkeypatch):
-    """Test-only: keep transformers' RMSNorm, gated norm and chunk rule in the input dtype, so a float64 run is
-    float64 throughout and packed-vs-standalone differences come from summation order alone."""
+    """Test-only: keep transformers' RMSNorm, gated norm and delta rules (the chunked one, and the token-by-token one
+    its cache path takes for a one-token input) in the input dtype, so a float64 run is float64 throughout and
+    packed-vs-standalone differences come from summation order alone."""
     monkeypatch.setattr(hf.Qwen3_5RMSNorm, "forward", _rmsnorm_same_dtype)
     monkeypatch.setattr(hf.Qwen3_5RMSNormGated, "forward", _gated_norm_same_dtype)
     monkeypatch.setattr(hf, "torch_chunk_gated_delta_rule", torch_ref.chunk_gated_delta_rule)
+    monkeypatch.setattr(hf, "torch_recurrent_gated_delta_rule", _recurrent_rule_same_dtype)
     yield
