@@ -14,11 +14,13 @@ hook reference: gradients 1.7e-9 (full's GDN gate `a.float()` rounding). Bounds:
 """
 
 import copy
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F_
 from parity import compare, packed_run, rel, standalone_run, trainable_grads, without_float32_casts
+from test_fla_plumbing import fake_fla  # noqa: F401 - the fixture, used by name
 from tiny_models import random_pack, tiny_lora_model
 
 from packtrain import context as context_module
@@ -315,3 +317,23 @@ def test_unknown_mode_is_a_clear_error():
         config_from_dict({"packing": {"context_grad": "partial"}})
     with pytest.raises(ValueError, match="context_grad"):
         PackedLM(tiny_lora_model([L]), "partial")
+
+
+# -- the fla back end's frozen plumbing, on CPU with tests/test_fla_plumbing.py's pure-torch stand-ins ------------
+@pytest.fixture
+def fake_fla_frozen(monkeypatch):
+    monkeypatch.delitem(sys.modules, "packtrain.kernels.fla_frozen", raising=False)
+    yield
+    sys.modules.pop("packtrain.kernels.fla_frozen", None)
+
+
+@pytest.mark.usefixtures("fake_fla")
+@pytest.mark.parametrize("prefix_len", [1, 65])
+def test_fla_frozen_plumbing_equals_torch_back_end(fake_fla_frozen, monkeypatch, prefix_len):
+    with without_float32_casts(monkeypatch):
+        prefix, conts = random_pack(prefix_len, [(0, 1), (3, 2), (70, 5), (10, 1)], seed=prefix_len)
+        ref = packed_run(_model([L, F], seed=5), prefix, conts, context_grad="frozen")
+        fla_model = patch_model(tiny_lora_model([L, F], seed=5), Backend("fla", "batched"))
+        got = packed_run(fla_model, prefix, conts, context_grad="frozen")
+    assert rel(torch.tensor(got[0]), torch.tensor(ref[0])) < 1e-13
+    assert _max_rel(got[1], ref[1]) < 1e-10

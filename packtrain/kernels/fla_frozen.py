@@ -17,7 +17,7 @@ def continuation_delta_rule(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayo
     """Every continuation in one varlen call from P's final state [1, HV, K, V] (expanded per continuation)."""
     n = len(layout.cont_lens)
     cu = layout.cu_seqlens.to(device=q_SHK.device, dtype=torch.long)
-    initial = state.to(torch.float32).expand(n, -1, -1, -1).contiguous()
+    initial = state.expand(n, -1, -1, -1).contiguous()  # float32: transformers keeps what fla returned
     out, _ = chunk_gated_delta_rule(q_SHK[None], k_SHK[None], v_SHV[None], g_SH[None], beta_SH[None],
                                     initial_state=initial, output_final_state=False, use_qk_l2norm_in_kernel=True,
                                     cu_seqlens=cu)
