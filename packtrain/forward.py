@@ -88,5 +88,9 @@ class PackedLM(nn.Module):
         n = layout.num_examples
         counts = layout.target_counts.to(token_loss.dtype)
         per_example = token_loss.new_zeros(n).index_add(0, layout.target_example, token_loss) / counts
-        return LossOutput(loss_sum=per_example.sum(), per_example=per_example.detach(),
-                          target_tokens=layout.target_counts)
+        loss_sum = per_example.sum()
+        if constant is not None and torch.is_grad_enabled() and not loss_sum.requires_grad:
+            # frozen, every target read off P's last row: nothing to learn, but the backward must still run (zero
+            # gradients) so that every rank makes the same FSDP calls and the trainer's step goes on
+            loss_sum = loss_sum + 0.0 * hidden[0, 1:].sum()
+        return LossOutput(loss_sum=loss_sum, per_example=per_example.detach(), target_tokens=layout.target_counts)

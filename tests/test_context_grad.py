@@ -337,3 +337,14 @@ def test_fla_frozen_plumbing_equals_torch_back_end(fake_fla_frozen, monkeypatch,
         got = packed_run(fla_model, prefix, conts, context_grad="frozen")
     assert rel(torch.tensor(got[0]), torch.tensor(ref[0])) < 1e-13
     assert _max_rel(got[1], ref[1]) < 1e-10
+
+
+def test_frozen_pack_with_nothing_to_learn_still_runs_its_backward():
+    """Every target read off P's last row: under frozen no gradient reaches anything, yet the loss can be
+    backpropagated (FSDP needs every rank's backward) and gives zero gradients; the loss is full's."""
+    model = _model([L, F], seed=9)
+    prefix, conts = random_pack(20, [(0, 1), (0, 1)], seed=9)
+    losses, grads = packed_run(model, prefix, conts, context_grad="frozen")
+    full_losses, _ = packed_run(model, prefix, conts, context_grad="full")
+    assert rel(torch.tensor(losses), torch.tensor(full_losses)) < 1e-6  # float32 casts in transformers' P pass
+    assert all(g.abs().max() == 0 for g in grads.values())
