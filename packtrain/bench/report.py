@@ -21,7 +21,8 @@ def speedups(result: dict) -> tuple[dict, dict, dict]:
         if name == "shared_prefix" or "seconds" not in v or "seconds" not in base:
             continue
         speed[name] = v["seconds"] / base["seconds"]
-        of_ratio[name] = speed[name] / ratio
+        if name not in ("kv_only", "frozen"):  # the same positions as shared_prefix: the ratio does not apply
+            of_ratio[name] = speed[name] / ratio
         loss_diff[name] = abs(base["final_loss"] - v["final_loss"]) / abs(v["final_loss"])
     return speed, of_ratio, loss_diff
 
