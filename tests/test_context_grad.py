@@ -348,3 +348,21 @@ def test_frozen_pack_with_nothing_to_learn_still_runs_its_backward():
     full_losses, _ = packed_run(model, prefix, conts, context_grad="full")
     assert rel(torch.tensor(losses), torch.tensor(full_losses)) < 1e-6  # float32 casts in transformers' P pass
     assert all(g.abs().max() == 0 for g in grads.values())
+
+
+@pytest.mark.usefixtures("fake_fla")
+def test_frozen_flex_mask_equals_the_batched_path_forward(fake_fla_frozen, monkeypatch):
+    """FlexAttention has no backward on CPU, so its frozen block mask (continuation queries offset by |P| against
+    [P ; continuations] keys) is checked on the forward, eager, against the batched path."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from packtrain.kernels import fla_frozen
+
+    monkeypatch.setattr(fla_frozen, "_compiled_flex", flex_attention)
+    prefix, conts = random_pack(37, [(0, 2), (5, 3), (70, 4)], seed=10)
+    losses = {}
+    for attention in ("batched", "flex"):
+        model = patch_model(tiny_lora_model([L, F], dtype=torch.float32, seed=10), Backend("torch", attention))
+        with torch.no_grad():
+            losses[attention] = PackedLM(model, "frozen")(build_pack_layout(prefix, conts)).per_example
+    assert rel(losses["flex"], losses["batched"]) < 1e-6
