@@ -251,13 +251,13 @@ class ContextGrad:
         if self.mode == "frozen":
             return self._frozen(lm, layout)
         if self.mode == "full":
-            return lm.run_body(layout).last_hidden_state, layout.target_positions, None
+            return lm.hidden_states(layout), layout.target_positions, None
         p = layout.context_len
         layers = text_parts(lm.model)[0].layers
         if layout.packed:
             layout = dataclasses.replace(layout, context=ContextPlan("kv_only", keep_from(layout, len(layers))))
         with cut_at_layer_inputs(layers, p):
-            return lm.run_body(layout).last_hidden_state, layout.target_positions, None
+            return lm.hidden_states(layout), layout.target_positions, None
 
     def _frozen(self, lm, layout: PackLayout):
         p = layout.context_len

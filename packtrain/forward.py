@@ -51,6 +51,10 @@ class PackedLM(nn.Module):
         self.context = ContextGrad(context_grad)
         self.context.install(model)
 
+    def hidden_states(self, layout: PackLayout) -> torch.Tensor:
+        """The final hidden states [1, T, D] of the layout's buffer (the body's last output)."""
+        return self.run_body(layout).last_hidden_state
+
     def run_body(self, layout: PackLayout, **extra):
         """Embedding (+ vision) + decoder stack on the layout's buffer; ``extra`` goes to the body call."""
         body, is_vlm = model_body(self.model)
