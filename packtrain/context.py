@@ -125,11 +125,13 @@ class _RowSparseLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x_k, weight = ctx.saved_tensors
-        g_k = grad.narrow(-2, ctx.start, ctx.rows - ctx.start)
+        start, kept = ctx.start, ctx.rows - ctx.start
+        g_k = grad.narrow(-2, start, kept)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx_k = g_k @ weight
-            dx = torch.cat([dx_k.new_zeros(dx_k.shape[:-2] + (ctx.start, dx_k.shape[-1])), dx_k], dim=-2)
+        if ctx.needs_input_grad[0]:  # zero on P's rows; the kept rows' product written in place (no cat copy)
+            dx = grad.new_empty(grad.shape[:-1] + (weight.shape[1],))
+            dx.narrow(-2, 0, start).zero_()
+            torch.matmul(g_k, weight, out=dx.narrow(-2, start, kept))
         if ctx.needs_input_grad[1]:
             dw = g_k.reshape(-1, g_k.shape[-1]).T @ x_k.reshape(-1, x_k.shape[-1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
