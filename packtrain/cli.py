@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pid", type=int, action="append", default=[], help="only this process (repeatable); "
                    "without CONFIG: py-spy on any process")
 
-    p = sub.add_parser("bench", help="time shared-prefix vs standalone vs a plain transformers + peft loop on the "
-                       "same examples; table, bench.json and bench.png")
+    p = sub.add_parser("bench", help="time shared-prefix (each packing.context_grad) vs standalone vs a plain "
+                       "transformers + peft loop on the same examples; table, bench.json and bench.png")
     _add_config_args(p, optional=True)
     p.add_argument("--preset", choices=["tiny", "cpu", "gpu"], help="config and data shape (default cpu; with CONFIG: "
                    "only the data shape, repeats and threads)")
@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "H100/H200 bf16 dense datasheet figure)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: 1 for the "
                    "cpu and tiny presets, else torch's choice)")
+    p.add_argument("--variants", metavar="A,B,...", help="which to run (default all: shared_prefix, kv_only, "
+                   "frozen, standalone, plain; kv_only/frozen are shared-prefix packs under packing.context_grad)")
 
     return parser
 

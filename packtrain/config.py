@@ -69,6 +69,10 @@ class PackingConfig:
     token_budget: int = 150_000  # positions per pack: len(P) + sum of continuation lengths
     max_continuations: int = 90
     on_overflow: Literal["error", "skip"] = "error"  # an example whose P + continuation alone exceeds the budget
+    # What the gradient does with the shared prefix P (packtrain/context.py, docs/design.md): full = exact gradient
+    # through P; kv_only = forward unchanged, gradient cut at P's rows of every decoder-layer input; frozen = P under
+    # no_grad, continuations read its K/V, GDN state and conv tail as constants.
+    context_grad: Literal["full", "kv_only", "frozen"] = "full"
 
 
 @dataclass

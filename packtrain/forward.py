@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from packtrain.context import ContextGrad
 from packtrain.layout import PackLayout
 from packtrain.model_patch import LAYOUT_KWARG, model_body, packed_positions, text_parts, unwrap
 
@@ -38,23 +39,31 @@ class PackedLM(nn.Module):
     """Wraps a (peft-wrapped) Qwen3.5 model; ``forward(layout)`` returns a :class:`LossOutput`.
 
     A packed layout runs the patched model (see :mod:`packtrain.model_patch`); a standalone layout runs the
-    model's own unmodified forward on the one sequence. This module is the root FSDP shards, so the root's
-    forward hooks run around the whole computation.
+    model's own unmodified forward on the one sequence. ``context_grad`` (``packing.context_grad``, chosen once
+    here) decides what the gradient does with P in both (:mod:`packtrain.context`). This module is the root FSDP
+    shards, so the root's forward hooks run around the whole computation.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, context_grad: str = "full"):
         super().__init__()
         self.model = model
         text_parts(model)  # fail early on an unsupported model
+        self.context = ContextGrad(context_grad)
+        self.context.install(model)
 
     def hidden_states(self, layout: PackLayout) -> torch.Tensor:
+        """The final hidden states [1, T, D] of the layout's buffer (the body's last output)."""
+        return self.run_body(layout).last_hidden_state
+
+    def run_body(self, layout: PackLayout, **extra):
+        """Embedding (+ vision) + decoder stack on the layout's buffer; ``extra`` goes to the body call."""
         body, is_vlm = model_body(self.model)
-        kwargs = {}
+        kwargs = {"use_cache": False}
         if layout.packed:
             # A dict mask skips transformers' mask builder, which would infer (wrong) sequence boundaries
             # from the shared-prefix position ids; the layout carries the real ones.
-            kwargs = {"position_ids": packed_positions(self.model, layout), LAYOUT_KWARG: layout,
-                      "attention_mask": {"full_attention": None, "linear_attention": None}}
+            kwargs.update({"position_ids": packed_positions(self.model, layout), LAYOUT_KWARG: layout,
+                           "attention_mask": {"full_attention": None, "linear_attention": None}})
         if layout.image_grid_thw is not None:
             if not is_vlm:
                 raise ValueError("examples with images need a vision-language model (model_type qwen3_5 or "
@@ -67,20 +76,26 @@ class PackedLM(nn.Module):
             image_token = unwrap(self.model).config.image_token_id
             kwargs.update(pixel_values=layout.pixel_values, image_grid_thw=layout.image_grid_thw,
                           mm_token_type_ids=(layout.input_ids == image_token).int())
-        out = body(input_ids=layout.input_ids, use_cache=False, **kwargs)
-        return out.last_hidden_state
+        kwargs.update(extra)
+        return body(input_ids=layout.input_ids, **kwargs)
 
     def forward(self, layout: PackLayout) -> LossOutput:
         text_model, lm_head = text_parts(self.model)
         device = text_model.embed_tokens.weight.device
         if layout.input_ids.device != device:
             layout = layout.to(device)
-        hidden = self.hidden_states(layout)
-        h_MD = hidden[0].index_select(0, layout.target_positions)
+        hidden, positions, constant = self.context.hidden_states(self, layout)
+        h_MD = hidden[0].index_select(0, positions)
         logits = lm_head(h_MD)
+        if constant is not None:  # frozen: a target read off P's last row takes its logit from the no_grad pass
+            logits = torch.where(constant[:, None], logits.detach(), logits)
         token_loss = F.cross_entropy(logits.to(_ce_dtype(logits.dtype)), layout.target_ids, reduction="none")
         n = layout.num_examples
         counts = layout.target_counts.to(token_loss.dtype)
         per_example = token_loss.new_zeros(n).index_add(0, layout.target_example, token_loss) / counts
-        return LossOutput(loss_sum=per_example.sum(), per_example=per_example.detach(),
-                          target_tokens=layout.target_counts)
+        loss_sum = per_example.sum()
+        if constant is not None and torch.is_grad_enabled() and not loss_sum.requires_grad:
+            # frozen, every target read off P's last row: nothing to learn, but the backward must still run (zero
+            # gradients) so that every rank makes the same FSDP calls and the trainer's step goes on
+            loss_sum = loss_sum + 0.0 * hidden[0, 1:].sum()
+        return LossOutput(loss_sum=loss_sum, per_example=per_example.detach(), target_tokens=layout.target_counts)

@@ -14,6 +14,8 @@ channels, W conv width, H/HV key/value heads, K/V head dims.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -49,15 +51,30 @@ def packed_conv_torch(mixed_TC, weight_CW, bias_C, layout: PackLayout) -> torch.
     return torch.cat([out_P, _unpad(out_NCL.transpose(1, 2), layout)])
 
 
+def continuation_delta_rule_torch(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayout, state) -> torch.Tensor:
+    """Every continuation as one right-padded batch from P's final state ``state`` [1, HV, K, V]."""
+    padded = [_pad(x, layout) for x in (q_SHK, k_SHK, v_SHV, g_SH, beta_SH)]
+    n = padded[0].shape[0]
+    out_N, _ = torch_ref.chunk_gated_delta_rule(*padded, initial_state=state.expand(n, -1, -1, -1))
+    return _unpad(out_N, layout)
+
+
 def packed_delta_rule_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: PackLayout) -> torch.Tensor:
     p = layout.prefix_len
     out_P, state = torch_ref.chunk_gated_delta_rule(
         q_THK[None, :p], k_THK[None, :p], v_THV[None, :p], g_TH[None, :p], beta_TH[None, :p],
         output_final_state=True)
-    padded = [_pad(x[p:], layout) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH)]
-    n = padded[0].shape[0]
-    out_N, _ = torch_ref.chunk_gated_delta_rule(*padded, initial_state=state.expand(n, -1, -1, -1))
-    return torch.cat([out_P[0], _unpad(out_N, layout)])
+    out_S = continuation_delta_rule_torch(q_THK[p:], k_THK[p:], v_THV[p:], g_TH[p:], beta_TH[p:], layout, state)
+    return torch.cat([out_P[0], out_S])
+
+
+def _tail_layout(layout: PackLayout, width: int) -> PackLayout:
+    """frozen: the layout of the buffer [P's W-1 tail ; continuations], a pack whose prefix is just the tail (each
+    continuation's conv reads exactly those rows of P), so both back ends' packed conv run it unchanged."""
+    key = ("tail_layout", width)
+    if key not in layout._cache:
+        layout._cache[key] = dataclasses.replace(layout, prefix_len=width - 1, _cache={})
+    return layout._cache[key]
 
 
 def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, backend: Backend) -> torch.Tensor:
@@ -69,13 +86,22 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
     # the family's projection split (packtrain.families): pre-conv q|k|v, z, b, a
     mixed_TC, z, b, a = module.packtrain_split(module, x_TD)
     weight_CW = module.conv1d.weight.squeeze(1)
+    W = weight_CW.shape[-1]
+    frozen = layout.prefix_cache  # frozen context: the buffer holds only the continuations; P's tail and state
+    if frozen is not None:  # are constants from P's no_grad pass
+        tail_W1C, state = frozen.gdn(module.layer_idx, W)
+        conv_in, conv_layout = torch.cat([tail_W1C.to(mixed_TC.dtype), mixed_TC]), _tail_layout(layout, W)
+    else:
+        conv_in, conv_layout = mixed_TC, layout
 
     if backend.gdn == "fla":
         from packtrain.kernels import fla_backend
 
-        mixed_TC = fla_backend.packed_conv(mixed_TC, weight_CW, module.conv1d.bias, layout)
+        mixed_TC = fla_backend.packed_conv(conv_in, weight_CW, module.conv1d.bias, conv_layout)
     else:
-        mixed_TC = packed_conv_torch(mixed_TC, weight_CW, module.conv1d.bias, layout)
+        mixed_TC = packed_conv_torch(conv_in, weight_CW, module.conv1d.bias, conv_layout)
+    if frozen is not None:
+        mixed_TC = mixed_TC[W - 1:]
 
     q, k, v = torch.split(mixed_TC, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     q = q.reshape(T, -1, module.head_k_dim)
@@ -85,7 +111,13 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
     # If the model is loaded in fp16, without the .float() here, A might be -inf (as transformers does)
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
 
-    if backend.gdn == "fla":
+    if frozen is not None and backend.gdn == "fla":
+        from packtrain.kernels import fla_frozen
+
+        core = fla_frozen.continuation_delta_rule(q, k, v, g, beta, layout, state)
+    elif frozen is not None:
+        core = continuation_delta_rule_torch(q, k, v, g, beta, layout, state)
+    elif backend.gdn == "fla":
         from packtrain.kernels import fla_backend
 
         core = fla_backend.packed_delta_rule(q, k, v, g, beta, layout)

@@ -50,6 +50,11 @@ class PackLayout:
     unpad_index: torch.Tensor  # [ΣL] index into the flattened [N*L] batch
     image_grid_thw: torch.Tensor | None = None  # [images, 3] in buffer order, None for text-only
     pixel_values: torch.Tensor | None = None  # [patches, dim], filled in by the image loader
+    # |P| in both kinds of layout (``prefix_len`` of a standalone layout is the whole sequence), for
+    # ``packing.context_grad`` (:mod:`packtrain.context`), which also fills in the two fields after it per forward
+    context_len: int = 0
+    context: object | None = None  # the mode's per-pack plan (packtrain.context.ContextPlan), None: full
+    prefix_cache: object | None = None  # frozen: P's cache from a no_grad pass; the buffer then holds only the Ci
     _cache: dict = field(default_factory=dict, repr=False)  # per-pack objects built once (e.g. a BlockMask)
 
     @property
@@ -129,7 +134,9 @@ def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
         t_ids.extend(c.target_ids)
         t_ex.extend([i] * len(c.target_ids))
     grids = [g for c in continuations for g in c.images]
-    return _finish(True, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, len(continuations), grids)
+    layout = _finish(True, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, len(continuations), grids)
+    layout.context_len = p
+    return layout
 
 
 def build_standalone_layout(prefix_ids: Sequence[int], continuation: Continuation,
@@ -139,8 +146,10 @@ def build_standalone_layout(prefix_ids: Sequence[int], continuation: Continuatio
     t_pos = _targets(len(prefix_ids), len(continuation.item_ids), continuation.target_ids, len(prefix_ids) - 1)
     n = len(ids)
     positions, _ = mrope_positions(ids, continuation.images, vision)
-    return _finish(False, n, [], ids, positions, [0] * n, t_pos, list(continuation.target_ids),
-                   [0] * len(continuation.target_ids), 1, list(continuation.images))
+    layout = _finish(False, n, [], ids, positions, [0] * n, t_pos, list(continuation.target_ids),
+                     [0] * len(continuation.target_ids), 1, list(continuation.images))
+    layout.context_len = len(prefix_ids)
+    return layout
 
 
 def _finish(packed, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_examples, grids=()) -> PackLayout:

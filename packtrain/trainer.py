@@ -304,6 +304,7 @@ class Trainer:
         self.log(f"  mode {self.mode}, kernels: {self.backend.describe()}, device {self.dist.device}, "
                  f"world size {self.dist.world_size}, dtype {self.cfg.model.dtype}")
         self.log(f"  {describe_model(self.model)}")
+        self.log(f"  context_grad {self.lm.context.describe()}")
         if self.dist.enabled:
             local = sum(getattr(p, "_local_tensor", p).numel() for p in self.lm.parameters())
             total = sum(p.numel() for p in self.lm.parameters())

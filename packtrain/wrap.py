@@ -53,15 +53,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, offload: bool = False,
-            shard: bool = False, device=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PackedLM:
-    """A LoRA-wrapped model -> the trainable root module. ``offload`` implies checkpointing."""
+            shard: bool = False, device=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+            context_grad: str = "full") -> PackedLM:
+    """A LoRA-wrapped model -> the trainable root module. ``offload`` implies checkpointing; ``context_grad`` is
+    ``packing.context_grad`` (:mod:`packtrain.context`)."""
     patch_model(model, backend)
     if offload:
         pin = device is not None and getattr(device, "type", str(device)) == "cuda"
         offload_decoder_layers(model, ChunkPool(chunk_bytes, pin_memory=pin))
     elif checkpointing:
         checkpoint_decoder_layers(model)
-    lm = PackedLM(model)
+    lm = PackedLM(model, context_grad)
     if device is not None:
         lm = lm.to(device)
     if shard:
@@ -76,10 +78,10 @@ def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, 
 def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool = False
                         ) -> tuple[nn.Module, PackedLM, Backend]:
     """The whole order from a config: LoRA (``lora.*``), the back end (``model.kernels``, chosen for ``device``),
-    patch, checkpointing / offload (``train.*``) and, with ``shard``, FSDP. Returns (peft model, root, back end)."""
+    patch, checkpointing / offload (``train.*``), ``packing.context_grad`` and, with ``shard``, FSDP. Returns (peft model, root, back end)."""
     model = apply_lora(base_model, cfg)
     backend = select_backend(cfg.model.kernels, device)
     t = cfg.train
     lm = prepare(model, backend, checkpointing=t.activation_checkpointing, offload=t.offload, shard=shard,
-                 device=device)
+                 device=device, context_grad=cfg.packing.context_grad)
     return model, lm, backend

@@ -40,16 +40,16 @@ def _with_pixels(layout, conts, pixels):
     return layout
 
 
-def packed_run(model, prefix, conts, vision=None, pixels=None):
+def packed_run(model, prefix, conts, vision=None, pixels=None, context_grad="full"):
     model.zero_grad(set_to_none=True)
-    out = PackedLM(model)(_with_pixels(build_pack_layout(prefix, conts, vision), conts, pixels))
+    out = PackedLM(model, context_grad)(_with_pixels(build_pack_layout(prefix, conts, vision), conts, pixels))
     out.loss_sum.backward()
     return out.per_example.tolist(), trainable_grads(model)
 
 
-def standalone_run(model, prefix, conts, vision=None, pixels=None):
+def standalone_run(model, prefix, conts, vision=None, pixels=None, context_grad="full"):
     model.zero_grad(set_to_none=True)
-    lm = PackedLM(model)
+    lm = PackedLM(model, context_grad)
     losses = []
     for i, c in enumerate(conts):
         layout = build_standalone_layout(prefix, c, vision)
@@ -59,9 +59,9 @@ def standalone_run(model, prefix, conts, vision=None, pixels=None):
     return losses, trainable_grads(model)
 
 
-def compare(model, prefix, conts, vision=None, pixels=None) -> Diff:
-    la, ga = packed_run(model, prefix, conts, vision, pixels)
-    lb, gb = standalone_run(model, prefix, conts, vision, pixels)
+def compare(model, prefix, conts, vision=None, pixels=None, context_grad="full") -> Diff:
+    la, ga = packed_run(model, prefix, conts, vision, pixels, context_grad)
+    lb, gb = standalone_run(model, prefix, conts, vision, pixels, context_grad)
     assert ga.keys() == gb.keys() and ga
     for name, g in gb.items():  # a zero gradient would make the comparison vacuous
         assert g.abs().max() > 0, f"zero gradient for {name}"
@@ -95,13 +95,21 @@ def _gated_norm_same_dtype(self, hidden_states, gate):
     return self.weight * (hidden_states * torch.rsqrt(var + self.variance_epsilon)) * torch.nn.functional.silu(gate)
 
 
+def _recurrent_rule_same_dtype(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, **unused):
+    out, state = torch_ref.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel)
+    return out, state if output_final_state else None
+
+
 @contextlib.contextmanager
 def without_float32_casts(monkeypatch):
-    """Test-only: keep transformers' RMSNorm, gated norm and chunk rule in the input dtype, so a float64 run is
-    float64 throughout and packed-vs-standalone differences come from summation order alone (every family)."""
+    """Test-only: keep transformers' RMSNorm, gated norm and delta rules (the chunked one, and the token-by-token one
+    its cache path takes for a one-token input) in the input dtype, so a float64 run is float64 throughout and
+    packed-vs-standalone differences come from summation order alone (every family)."""
     for module, prefix in ((hf, "Qwen3_5"), (hf_moe, "Qwen3_5Moe"), (hf_next, "Qwen3Next")):
         monkeypatch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", _rmsnorm_same_dtype)
         monkeypatch.setattr(getattr(module, f"{prefix}RMSNormGated"), "forward", _gated_norm_same_dtype)
         monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", torch_ref.chunk_gated_delta_rule)
+        monkeypatch.setattr(module, "torch_recurrent_gated_delta_rule", _recurrent_rule_same_dtype)
     monkeypatch.setattr(hf_qwen3.Qwen3RMSNorm, "forward", _plain_rmsnorm_same_dtype)
     yield

@@ -31,7 +31,7 @@ def _rel(a: float, b: float) -> float:
 def test_tiny_preset_writes_every_variant_and_equal_losses(tmp_path):
     result = _bench(tmp_path, "--preset", "tiny")
     assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
-    assert set(result["variants"]) == {"shared_prefix", "standalone", "plain"}
+    assert set(result["variants"]) == {"shared_prefix", "kv_only", "frozen", "standalone", "plain"}
     for name, v in result["variants"].items():
         assert VARIANT_KEYS <= v.keys() and v["error"] is None, name
         assert len(v["seconds_per_repeat"]) == result["repeats"] == 2
@@ -46,6 +46,12 @@ def test_tiny_preset_writes_every_variant_and_equal_losses(tmp_path):
     assert _rel(shared, result["variants"]["plain"]["final_loss"]) < 1e-5
     assert result["variants"]["shared_prefix"]["step_losses"][0] == pytest.approx(
         result["variants"]["plain"]["step_losses"][0], rel=1e-5)
+    # the context modes: the same first forward (kv_only bitwise, frozen to float32 rounding), another update
+    steps = {name: v["step_losses"][0] for name, v in result["variants"].items()}
+    assert steps["kv_only"] == steps["shared_prefix"]
+    assert _rel(steps["frozen"], steps["shared_prefix"]) < 1e-5
+    for mode in ("kv_only", "frozen"):
+        assert result["variants"][mode]["final_loss"] != result["variants"]["shared_prefix"]["final_loss"], mode
 
 
 def test_config_file_and_its_data(tmp_path):

@@ -12,7 +12,9 @@ way it is what the run adds on top of the loaded models: activations, gradients,
 Model FLOPs of an epoch, per variant, for the positions that variant computes (no recompute): every linear layer's
 forward and input gradient (frozen weights), LoRA forward, input and weight gradients, attention's QK^T and PV
 forward and backward over the causal query-key pairs it computes, and lm_head on the rows it computes (target
-positions for packtrain, every position for the plain loop). Left out: the Gated DeltaNet chunk recurrence and
+positions for packtrain, every position for the plain loop). ``kv_only`` and ``frozen`` are counted as
+``shared_prefix`` (the full-gradient work of the same pack), so their MFU reads as full-equivalent throughput and
+their gain shows as time. Left out: the Gated DeltaNet chunk recurrence and
 conv (about 1.4% of a GDN layer at Qwen3.6-27B's shapes), norms and elementwise work.
 """
 
@@ -135,7 +137,7 @@ def model_flops(text: dict, positions: int, pairs: int, head_rows: int, lora_r: 
 
 def variant_work(variant: str, stats: dict, target_tokens: int) -> tuple[int, int, int]:
     """(positions, attention pairs per layer and head, lm_head rows) the variant computes in one epoch."""
-    if variant == "shared_prefix":
+    if variant in ("shared_prefix", "kv_only", "frozen"):
         return stats["positions_packed"], stats["attention_pairs_packed"], target_tokens
     positions = stats["positions_standalone"]
     head_rows = positions if variant == "plain" else target_tokens

@@ -1,6 +1,9 @@
-"""The three ways to train the same examples, each one epoch-equivalent of the same optimizer steps.
+"""The ways to train the same examples, each one epoch-equivalent of the same optimizer steps.
 
-- ``shared_prefix``: packtrain, one forward per pack (P once, its continuations branched off it).
+- ``shared_prefix``: packtrain, one forward per pack (P once, its continuations branched off it), exact gradient
+  through P (``packing.context_grad=full``).
+- ``kv_only`` / ``frozen``: the same packs under the other ``packing.context_grad`` modes (packtrain/context.py):
+  they train something else (docs/design.md), so their final losses differ; they are here for their cost.
 - ``standalone``: packtrain, one forward per example (``concat(P, C)`` through the model's own forward, target-only
   head).
 - ``plain``: what a user writes without packtrain: transformers' ``model(input_ids=..., labels=...)`` on each whole
@@ -25,13 +28,15 @@ from peft import get_peft_model
 from packtrain.config import Config
 from packtrain.distributed import DistInfo
 from packtrain.evaluate import evaluate, mean_loss
+from packtrain.forward import PackedLM
 from packtrain.model import build_base_model, lora_config
 from packtrain.optim import build_optimizer, build_scheduler
 from packtrain.planner import Plan
 from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
 from packtrain.wrap import prepare_from_config
 
-VARIANTS = ("shared_prefix", "standalone", "plain")
+VARIANTS = ("shared_prefix", "kv_only", "frozen", "standalone", "plain")
+CONTEXT_GRAD = {"shared_prefix": "full", "kv_only": "kv_only", "frozen": "frozen", "standalone": "full"}
 
 
 @dataclass
@@ -89,6 +94,8 @@ class Models:
         plain_base = copy.deepcopy(base)  # before packtrain patches anything
         model, self.lm, self.backend = prepare_from_config(base, cfg, work.device)
         self.lm.train()
+        # one root per context mode over the same (wrapped) model: the variants differ only in that mode
+        self.lms = {mode: PackedLM(model, mode) for mode in set(CONTEXT_GRAD.values())}
         t = cfg.train
         if t.activation_checkpointing or t.offload:  # what a transformers user turns on
             plain_base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -108,12 +115,14 @@ class Models:
             with torch.no_grad():
                 for name, p in self.packtrain_state.params.items():
                     p.copy_(self.plain_state.params[name])
-        rows = evaluate(self.lm, work.plan, work.examples, "shared_prefix", DistInfo(0, 1, 0, work.device))
+        rows = evaluate(self.lms["full"], work.plan, work.examples, "shared_prefix", DistInfo(0, 1, 0, work.device))
         return mean_loss(rows)
 
 
-def packtrain_epoch(models: Models, work: Workload, mode: str, max_steps: int | None = None) -> list[float]:
+def packtrain_epoch(models: Models, work: Workload, variant: str, max_steps: int | None = None) -> list[float]:
     """One epoch as the trainer runs it; returns each step's mean per-example loss."""
+    mode = "standalone" if variant == "standalone" else "shared_prefix"
+    lm = models.lms[CONTEXT_GRAD[variant]]
     state = models.packtrain_state
     optimizer, scheduler = state.reset()
     losses = []
@@ -121,7 +130,7 @@ def packtrain_epoch(models: Models, work: Workload, mode: str, max_steps: int | 
         n = step_examples(work.plan, pack_ids)
         total = 0.0
         for unit in rank_units(work.plan, pack_ids, mode, 0, 1):
-            out = models.lm(unit_layout(unit, work.plan, work.examples, mode).to(work.device))
+            out = lm(unit_layout(unit, work.plan, work.examples, mode).to(work.device))
             (out.loss_sum / n).backward()
             total += out.per_example.sum().item()
         state.update(optimizer, scheduler)

@@ -1,6 +1,7 @@
-"""`packtrain bench [CONFIG] [--preset tiny|cpu|gpu] [--set ...] [--out DIR]`: time one epoch of the same examples
-trained three ways (packtrain shared-prefix, packtrain standalone, a plain transformers + peft loop), interleaved in
-one process; print a table and write DIR/bench.json and DIR/bench.png (:mod:`packtrain.bench`).
+"""`packtrain bench [CONFIG] [--preset tiny|cpu|gpu] [--set ...] [--out DIR] [--variants ...]`: time one epoch of the
+same examples trained five ways (packtrain shared-prefix under each ``packing.context_grad``: full, kv_only, frozen;
+packtrain standalone; a plain transformers + peft loop), interleaved in one process; print a table and write
+DIR/bench.json and DIR/bench.png (:mod:`packtrain.bench`).
 
 Without CONFIG the preset (default ``cpu``) gives the config and the data shape; with CONFIG, its model, LoRA,
 optimizer, packing and steps are used, and its ``data.train`` unless a data-shape option asks for generated data.
@@ -26,6 +27,16 @@ def _shape(args, preset):
         if getattr(args, name) is not None:
             shape = dataclasses.replace(shape, **{name: getattr(args, name)})
     return shape
+
+
+def _variants(args, known) -> list[str]:
+    if args.variants is None:
+        return list(known)
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in chosen if v not in known]
+    if unknown or not chosen:
+        raise ValueError(f"--variants: unknown {', '.join(unknown) or 'empty list'} (known: {', '.join(known)})")
+    return chosen
 
 
 def _generated(args) -> bool:
@@ -108,7 +119,7 @@ def run_bench(args) -> int:
           f"position ratio {stats['position_ratio']:.2f}x; building the models on {device}")
     models = Models(work)
     warmup = preset.warmup if args.warmup is None else args.warmup
-    runs = interleave(models, work, list(VARIANTS), repeats, warmup)
+    runs = interleave(models, work, _variants(args, VARIANTS), repeats, warmup)
     peak = args.peak_tflops or (H100_BF16_DENSE_TFLOPS if device.type == "cuda" else None)
     target_tokens = sum(len(examples[e].target_ids) for pack in plan.packs for e in pack.examples)
     result = {

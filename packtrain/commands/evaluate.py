@@ -33,7 +33,7 @@ def run_eval(args) -> int:
     try:
         model = PeftModel.from_pretrained(build_base_model(cfg), adapter, is_trainable=False)
         backend = select_backend(cfg.model.kernels, info.device)
-        lm = PackedLM(patch_model(model, backend)).to(info.device)
+        lm = PackedLM(patch_model(model, backend), cfg.packing.context_grad).to(info.device)
         rows = evaluate(lm, plan_for(cfg, examples), examples, cfg.packing.mode, info,
                         images=image_loader(cfg, model, examples))
         if info.is_main:
@@ -41,7 +41,7 @@ def run_eval(args) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text("".join(json.dumps(r) + "\n" for r in rows))
             print(f"packtrain eval: {len(rows)} examples of data.{split}, mode {cfg.packing.mode}, "
-                  f"kernels {backend.describe()}: mean loss {mean_loss(rows):.4f} -> {out}")
+                  f"context_grad {cfg.packing.context_grad}, kernels {backend.describe()}: mean loss {mean_loss(rows):.4f} -> {out}")
     finally:
         shutdown()
     return 0

@@ -57,14 +57,23 @@ def run_plan(args) -> int:
     if args.world_size < 1:
         raise ValueError(f"--world-size: must be at least 1, got {args.world_size}")
     est = memory.estimate_for_plan(cfg, plan, examples, args.world_size) if args.memory else None
+    modes = ({m: memory.estimate_for_plan(cfg, plan, examples, args.world_size, m) for m in memory.CONTEXT_GRADS}
+             if args.memory and packing.mode == "shared_prefix" else None)
     if args.json:
         if est is not None:
             stats["memory"] = {"terms": [dataclasses.asdict(t) for t in est.terms],
                                "total_device_bytes": est.total("device"), "total_host_bytes": est.total("host")}
+        if modes is not None:
+            stats["memory"]["context_grad"] = {m: {"total_device_bytes": e.total("device"),
+                                                   "terms": [dataclasses.asdict(t) for t in e.terms]}
+                                               for m, e in modes.items()}
         print(json.dumps(stats))
         return 0
     print(format_table(stats, f"plan for {_shown(cfg.resolve_path(cfg.data.train))}"))
     if est is not None:
         print()
         print(memory.format_table(est))
+    if modes is not None:
+        print()
+        print(memory.format_modes(modes))
     return 0

@@ -11,6 +11,11 @@ plus a 1-byte mask when dropout > 0 (down_proj's input is [T, I]: 2.3 + 1.1 = 3.
 bf16 adapters, 5.7 GiB with float32 ones); logits at every position are [T, V] (144K x 248,320 bf16 = 71.5 GB),
 target-only ones [M, V]. The MLP and adapter terms are checked against autograd's saved tensors on CPU.
 
+``packing.context_grad`` (packtrain/context.py): ``kv_only`` keeps full's forward and checkpoints (its saving is
+backward time), so its estimate is full's; ``frozen`` keeps nothing of P for backward: the checkpointed inputs and
+the recomputed layer span the continuations only, plus P's cache (attention K/V of P in every full-attention layer,
+each GDN layer's float32 state and conv tail), and P's no_grad pass peaks before the continuations run.
+
 Approximate terms (marked ~): what the attention / Gated DeltaNet kernels and the RMSNorms save, the backward
 workspace, and FSDP's gathered weights. They depend on kernels; use ``packtrain smoke`` for the measured peak.
 """
@@ -260,8 +265,11 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
              lora_r: int = 8, lora_targets: list[str] = (), lora_dropout: float = 0.0, optimizer: str = "adamw",
              momentum: float = 0.0, checkpointing: bool = True, offload: bool = False, world_size: int = 1,
              continuations: int | None = None, offload_chunk_bytes: int = OFFLOAD_CHUNK_BYTES,
-             lora_parameters_targets: list[str] = ()) -> MemoryEstimate:
-    T, M, W = positions, targets, world_size
+             lora_parameters_targets: list[str] = (), context_grad: str = "full",
+             prefix: int = 0) -> MemoryEstimate:
+    M, W = targets, world_size
+    # frozen: only the continuations carry a graph (P's positions run once under no_grad)
+    T = positions - prefix if context_grad == "frozen" else positions
     H, V, L = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
     b = DTYPE_BYTES[dtype]
     a = DTYPE_BYTES[adapter_dtype] if adapter_dtype else (4 if b == 2 else b)
@@ -283,6 +291,8 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     states = {"adamw": 2, "sgd": 1 if momentum else 0}[optimizer]
     terms.append(Term("adapters", f"LoRA: {n_lora / 1e6:.1f}M parameters x (weight, grad, {states} optimizer states)"
                       f" x {a} bytes{sharded}", math.ceil(n_lora * a * (2 + states) / W)))
+    if context_grad == "frozen":
+        terms += frozen_prefix_terms(text, prefix, b)
 
     layer_input = T * H * b
     kinds = sorted(set(text["kinds"]))
@@ -312,11 +322,31 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
 
     # the head's output, its float32 copy for the loss, and the log-softmax the loss keeps
     terms.append(Term("logits", f"target-only logits {_shape(M, V)}: {dtype} + 2 float32", M * V * (b + 4 + 4)))
-    terms.append(Term("logits_full", f"not needed: logits at every position {_shape(T, V)} {dtype}", T * V * b,
-                      where="compare"))
+    terms.append(Term("logits_full", f"not needed: logits at every position {_shape(positions, V)} {dtype}",
+                      positions * V * b, where="compare"))
     conts = f", {continuations} continuations" if continuations is not None else ""
-    return MemoryEstimate(terms, f"memory per GPU for the largest pack: {T:,} positions{conts}, {M:,} target "
-                                 f"tokens; world size {W}")
+    mode = "" if context_grad == "full" else f"; context_grad {context_grad}"
+    return MemoryEstimate(terms, f"memory per GPU for the largest pack: {positions:,} positions{conts}, {M:,} target "
+                                 f"tokens; world size {W}{mode}")
+
+
+def frozen_prefix_terms(text: dict, prefix: int, b: int) -> list[Term]:
+    """P's cache, kept until the continuations' backward is done, and P's no_grad pass (shown, not added: it peaks
+    before the continuations' forward starts, with nothing of theirs alive)."""
+    types = text["layer_types"]
+    full, linear = sum(t == FULL for t in types), sum(t != FULL for t in types)
+    kv = 2 * prefix * text["num_key_value_heads"] * text["head_dim"] * b
+    key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
+    conv_dim = 2 * key + text["linear_num_value_heads"] * text["linear_value_head_dim"]
+    state = text["linear_num_value_heads"] * text["linear_key_head_dim"] * text["linear_value_head_dim"] * 4
+    gdn = state + conv_dim * text["linear_conv_kernel_dim"] * b
+    H, I = text["hidden_size"], text["intermediate_size"]
+    return [
+        Term("prefix_cache", f"P's cache: {full} x K/V {_shape(prefix, 2 * text['num_key_value_heads'] * text['head_dim'])}"
+                             f" + {linear} GDN states", full * kv + linear * gdn),
+        Term("prefix_pass", f"not added: P's no_grad pass, one layer at {_shape(prefix, I)}", prefix * (2 * H + 3 * I) * b,
+             where="compare"),
+    ]
 
 
 def largest_unit(plan, examples, mode: str, max_positions: int | None = None) -> tuple[int, tuple[int, ...]]:
@@ -336,16 +366,35 @@ def largest_unit(plan, examples, mode: str, max_positions: int | None = None) ->
     return max(units, key=lambda u: u[0])[1]
 
 
-def estimate_for_plan(cfg, plan, examples, world_size: int) -> MemoryEstimate:
+def estimate_for_plan(cfg, plan, examples, world_size: int, context_grad: str | None = None) -> MemoryEstimate:
+    """The estimate for the largest unit under ``context_grad`` (default: the config's ``packing.context_grad``)."""
     prompt, ids = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
-    positions = len(plan.prompts[prompt]) + sum(examples[e].len_continuation for e in ids)
+    prefix = len(plan.prompts[prompt])
+    positions = prefix + sum(examples[e].len_continuation for e in ids)
     targets = sum(len(examples[e].target_ids) for e in ids)
     return estimate(text_config(config_dict_of(cfg)), positions, targets, dtype=cfg.model.dtype,
                     lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules, lora_dropout=cfg.lora.dropout,
                     lora_parameters_targets=cfg.lora.target_parameters,
                     optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
                     checkpointing=cfg.train.activation_checkpointing, offload=cfg.train.offload,
-                    world_size=world_size, continuations=len(ids))
+                    world_size=world_size, continuations=len(ids),
+                    context_grad=context_grad or cfg.packing.context_grad, prefix=prefix)
+
+
+CONTEXT_GRADS = ("full", "kv_only", "frozen")
+
+
+def format_modes(estimates: dict[str, MemoryEstimate]) -> str:
+    """One line per ``packing.context_grad``: the device total and the terms that change between modes."""
+    def gib(est: MemoryEstimate, key: str) -> float:
+        return next((t.bytes for t in est.terms if t.key == key), 0) / GiB
+
+    lines = ["each packing.context_grad on this pack (GiB on each GPU; kv_only saves backward time, not memory)",
+             f"  {'context_grad':<14}{'total':>8}{'checkpointed':>14}{'layer recompute':>17}{'P cache':>9}"]
+    for mode, est in estimates.items():
+        lines.append(f"  {mode:<14}{est.total('device') / GiB:>8.2f}{gib(est, 'checkpointed_inputs'):>14.2f}"
+                     f"{gib(est, 'layer_peak'):>17.2f}{gib(est, 'prefix_cache'):>9.2f}")
+    return "\n".join(lines)
 
 
 def format_table(est: MemoryEstimate) -> str:

@@ -1,0 +1,70 @@
+"""`plan --memory` under packing.context_grad: each mode's estimate for Qwen3.6-27B at seed 000/003's pack (64K P +
+80 x 1K), P's cache term against the tensors transformers' own cache holds, and the per-mode table."""
+
+import argparse
+import json
+
+import pytest
+import torch
+from cli_helpers import write_config
+from test_ops_memory import QWEN36_27B, SEED_LORA
+from tiny_models import tiny_lora_model, tiny_text_config
+
+from packtrain.commands.plan import run_plan
+from packtrain.ops import memory
+
+GiB = 2**30
+P, N, C = 65_536, 80, 1_024  # the seeds' pack: P of 64K tokens, 80 continuations of 1K
+
+
+def _seed_pack(mode):
+    return memory.estimate(memory.text_config(QWEN36_27B), P + N * C, N * 128, dtype="bfloat16", lora_r=8,
+                           lora_targets=SEED_LORA, lora_dropout=0.05, context_grad=mode, prefix=P, continuations=N)
+
+
+def test_each_mode_at_the_seed_pack():
+    full, kv_only, frozen = (_seed_pack(m) for m in ("full", "kv_only", "frozen"))
+    # full and kv_only checkpoint every layer's whole [P + 80K, 5120] bf16 input (kv_only recomputes P's rows to
+    # build the K/V and GDN state the continuations read); frozen only the continuations'
+    assert full.get("checkpointed_inputs").bytes == 64 * (P + N * C) * 5120 * 2
+    assert kv_only.total() == full.total()
+    assert frozen.get("checkpointed_inputs").bytes == 64 * N * C * 5120 * 2
+    # P's cache: 16 attention layers x K and V [64K, 4 x 256] bf16 = 4 GiB, 48 GDN float32 states [48, 128, 128]
+    # and conv tails [10240, 4] bf16
+    cache = frozen.get("prefix_cache").bytes
+    assert cache == 16 * 2 * P * 4 * 256 * 2 + 48 * (48 * 128 * 128 * 4 + 10240 * 4 * 2)
+    assert cache / GiB == pytest.approx(4.14, abs=0.01)
+    # what frozen saves: P's share of the checkpointed inputs (40 GiB) and of the recomputed layer
+    assert (full.total() - frozen.total()) / GiB == pytest.approx(40 + 27.1 - 4.14 + 0.6, abs=0.5)
+
+
+def test_prefix_cache_term_equals_transformers_cache():
+    """The cache term counts exactly the tensors transformers' cache holds after P (K/V of every attention layer,
+    every GDN layer's recurrent and conv state)."""
+    layer_types = ["linear_attention", "full_attention", "linear_attention"]
+    model = tiny_lora_model(layer_types, dtype=torch.float32)
+    p = 37
+    with torch.no_grad():
+        cache = model(input_ids=torch.arange(p)[None] % 97, use_cache=True).cache
+    held = 0
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            held += layer.recurrent_states[0].numel() * 4 + layer.conv_states[0].numel() * 4
+        else:
+            held += (layer.keys.numel() + layer.values.numel()) * 4
+    text = memory.text_config(tiny_text_config(layer_types).to_dict())
+    (term, _) = memory.frozen_prefix_terms(text, p, 4)
+    assert term.bytes == held
+
+
+def test_plan_memory_prints_every_mode(tmp_path, capsys):
+    cfg = write_config(tmp_path, model={"dtype": "bfloat16"}, train={"activation_checkpointing": True},
+                       packing={"context_grad": "frozen"})
+    run_plan(argparse.Namespace(config=str(cfg), overrides=[], world_size=1, memory=True, json=False))
+    out = capsys.readouterr().out
+    assert "context_grad frozen" in out and "P's cache:" in out  # the configured mode's terms
+    assert [line.split()[0] for line in out.splitlines()[-3:]] == ["full", "kv_only", "frozen"]
+    run_plan(argparse.Namespace(config=str(cfg), overrides=[], world_size=1, memory=True, json=True))
+    modes = json.loads(capsys.readouterr().out)["memory"]["context_grad"]
+    totals = {m: v["total_device_bytes"] for m, v in modes.items()}
+    assert totals["kv_only"] == totals["full"] > totals["frozen"] > 0
