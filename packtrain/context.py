@@ -193,6 +193,10 @@ def install_row_sparse(model: nn.Module) -> None:
             module = layer
             for part in path.split("."):
                 module = getattr(module, part, None)
+            if module is not None and hasattr(module, "experts"):
+                # a mixture of experts runs its routed experts on gathered token subsets, whose rows are not
+                # buffer rows: only its shared expert (every row, in order) takes the row-sparse backward
+                module = getattr(module, "shared_expert", None)
             if module is not None:
                 _row_sparse_forward(module, rows)
 

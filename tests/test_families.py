@@ -76,6 +76,20 @@ def test_as_shipped_equals_transformers(model_type, layer_types, prefix_len, spe
     assert ((packed - reference).abs() / reference.abs()).max() < 5e-6
 
 
+# One case per family: each packing.context_grad packed == the same mode standalone. A mixture of experts runs its
+# routed experts on gathered token subsets: kv_only's row-sparse backward must leave them dense (applied to the
+# whole MoE block it gave gradients 0.66 (qwen3_5_moe) and 1.1 (qwen3_next) apart, and a narrow() error at P 65).
+@pytest.mark.parametrize("mode", ["kv_only", "frozen"])
+@pytest.mark.parametrize("case", [1, 2, 4], ids=[IDS[i] for i in (1, 2, 4)])
+def test_context_grad_modes_per_family(case, mode, monkeypatch):
+    model_type, layer_types, prefix_len, specs = CASES[case]
+    prefix, conts = random_pack(prefix_len, specs, seed=prefix_len)
+    with without_float32_casts(monkeypatch):
+        d = compare(_model(model_type, layer_types), prefix, conts, context_grad=mode)
+    assert d.loss < 1e-13, d
+    assert d.grad < 5e-7, d
+
+
 def test_moe_trains_experts_and_shared_expert_not_router():
     model = tiny_family_model("qwen3_5_moe_text", [L, F])
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
