@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,8 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(device_pref: str = "auto") -> DistInfo:
+def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) -> DistInfo:
+    """``timeout_s`` (``ops.collective_timeout``): how long the rendezvous and each collective may wait."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -37,7 +39,8 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     if use_cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+        timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world, **timeout)
     return DistInfo(rank, world, local_rank, device)
 
 
