@@ -10,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from packtrain.stops import Stalled
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -40,7 +42,12 @@ def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) 
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world, **timeout)
+        try:
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world, **timeout)
+        except dist.DistStoreError as e:  # the rendezvous timed out: a rank never started or cannot connect
+            raise Stalled(f"rank {rank}: the {world} ranks did not meet within ops.collective_timeout="
+                          f"{timeout_s} s at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                          f"({e}); check that every rank started and can reach that address") from None
     return DistInfo(rank, world, local_rank, device)
 
 
