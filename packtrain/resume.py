@@ -5,16 +5,17 @@ resume with a traceback; and a resume with another ``optim.lr``, ``train.seed`` 
 became another run, while config.yaml claimed the new values.
 
 - :func:`choose_checkpoint`: rank 0 verifies checkpoints newest first (digests, then every file read as a resume
-  reads it, see :func:`packtrain.checkpoint.verify_checkpoint`); a damaged one is reported, renamed to
-  ``checkpoints/damaged-step-N`` (kept as evidence, out of the way of the step it will write again) and the next
-  older one is tried. Every rank receives rank 0's choice.
+  reads it, see :func:`packtrain.checkpoint.verify_checkpoint`); a damaged one is reported and the next older one
+  tried. Once a valid one is found, the damaged ones are renamed to ``checkpoints/damaged-step-N`` (evidence, out
+  of the way of the steps the run writes again); with none valid nothing moves and the resume is refused. Every
+  rank receives rank 0's choice.
 - :func:`check_same_run`: the checkpoint stores the resolved config. Keys that change the trajectory
   (:data:`TRAJECTORY`) must be equal, else the resume is refused listing every difference; the others (epochs,
-  max_steps, save_every, eval_every, keep_checkpoints, logging, ops, device, kernels, ...) may change and are
-  reported. ``train.epochs`` / ``train.max_steps`` fix the number of steps a cosine schedule spans, so with
-  ``optim.schedule: cosine`` they may change only if the total number of steps stays the same (the learning rate
-  would jump otherwise); with ``constant`` they extend or shorten the run freely. The plan fingerprint covers the
-  tokens of every P, item and target, so edited data is refused too.
+  max_steps, save_every, eval_every, keep_checkpoints, max_nonfinite_skips, logging, ops, device, kernels, data
+  paths, ...) may change and are reported. ``train.epochs`` / ``train.max_steps`` fix the number of steps a cosine
+  schedule spans, so with ``optim.schedule: cosine`` they may change only if the total number of steps stays the
+  same (the learning rate would jump otherwise); with ``constant`` they extend or shorten the run freely. The plan
+  fingerprint covers the tokens of every P, item and target, so edited data is refused too.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from packtrain.distributed import DistInfo
 from packtrain.rundir import RunDirError
 
 # Dotted prefixes whose values fix the sequence of updates; the longest matching entry of TRAJECTORY / FREE wins.
-TRAJECTORY = ("model", "data.train", "data.format", "data.tokenizer", "data.processor", "packing", "lora", "optim",
-              "train.seed", "train.packs_per_step", "train.max_positions")
+# The training data is compared by its tokens (the plan fingerprint), not by path: data.train, data.format and
+# data.tokenizer may change (a moved file, the same tokenizer elsewhere) as long as every token is the same.
+TRAJECTORY = ("model", "data.processor", "packing", "lora", "optim", "train.seed", "train.packs_per_step",
+              "train.max_positions")
 # Same updates, computed elsewhere or differently: kernels and device change float rounding, not the run.
 FREE = ("model.kernels",)
 
