@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from cli_helpers import REPO, free_port
+from safetensors.torch import load_file
 
 
 def start_cli(*args: str, env: dict | None = None, ranks: int = 1) -> subprocess.Popen:

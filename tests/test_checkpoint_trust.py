@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
+from cli_helpers import run_cli, write_config
 from safetensors.torch import load_file
 
-from cli_helpers import run_cli, write_config
 from packtrain.checkpoint import CheckpointDamaged, checkpoints, file_digest, verify_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -5,9 +5,9 @@ import json
 import re
 
 import pytest
-
 from cli_helpers import run_cli, run_distributed, write_config
 from long_run_helpers import no_packtrain_traceback, nonfinite_files
+
 from packtrain.checkpoint import checkpoints, verify_checkpoint
 from packtrain.finite import INJECT_ENV
 from packtrain.stops import NONFINITE_EXIT

@@ -8,10 +8,10 @@ import signal
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from cli_helpers import run_cli, run_distributed, write_config
 from long_run_helpers import finish, no_packtrain_traceback, rank_pid, start_cli, steps_logged, wait_for
+from safetensors.torch import load_file
+
 from packtrain.checkpoint import checkpoints, verify_checkpoint
 from packtrain.stops import PREEMPTED_EXIT
 

@@ -4,8 +4,8 @@ other keys may change and are reported. The rule table itself is checked key by 
 import json
 
 import pytest
-
 from cli_helpers import run_cli, write_config
+
 from packtrain.resume import compare, is_trajectory
 
 

@@ -11,9 +11,9 @@ import time
 
 import pytest
 import torch
-
 from cli_helpers import run_cli, run_distributed, write_config
 from long_run_helpers import finish, start_cli, steps_logged, wait_for
+
 from packtrain.distributed import DistInfo
 from packtrain.rundir import LOCK, RunDirError, claim
 
