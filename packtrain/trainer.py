@@ -147,7 +147,8 @@ class Trainer:
             self._resume()
         self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.dist.is_main, resume=resume)
         if resume:
-            self.metrics.truncate_after(self.step, warn=self.log)
+            # from step 0 the step-0 evaluation runs again: keep none of the old lines
+            self.metrics.truncate_after(self.step if self.step > 0 else -1, warn=self.log)
         if self.dist.is_main:
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
