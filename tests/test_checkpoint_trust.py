@@ -44,14 +44,27 @@ def test_only_the_newest_three_checkpoints_are_kept(finished):
     assert not any(p.name.startswith((".tmp-", ".old-")) for p in (run / "checkpoints").iterdir())
 
 
-def test_damaged_checkpoints_fall_back_to_the_newest_valid_one(finished, tmp_path):
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_damaged_checkpoints_fall_back_to_the_newest_valid_one_and_no_pickle_runs(finished, tmp_path):
     cfg, run = _copy(finished, tmp_path)
-    weights = run / "checkpoints/step-5/trainable.safetensors"
+    marker = tmp_path / "pwned"
+    sched = run / "checkpoints/step-5/scheduler.pt"
+    sched.write_bytes(pickle.dumps({"last_epoch": _RunsCode(marker)}))
+    state_file = run / "checkpoints/step-5/state.json"
+    state = json.loads(state_file.read_text())
+    state["files"]["scheduler.pt"] = file_digest(sched)  # whoever can write the file can write its digest too
+    state_file.write_text(json.dumps(state))
+    weights = run / "checkpoints/step-4/trainable.safetensors"
     data = bytearray(weights.read_bytes())
     data[-9] ^= 0x01  # one bit of one tensor value: same length, another digest
     weights.write_bytes(bytes(data))
-    optim = run / "checkpoints/step-4/optimizer.pt"
-    optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])  # cut off, as by a full disk
     for leftover in ("checkpoints/.tmp-step-6", "checkpoints/.old-step-2-77", ".tmp-adapter-5"):
         (run / leftover).mkdir()
         (run / leftover / "x").write_text("half-written")
@@ -61,8 +74,9 @@ def test_damaged_checkpoints_fall_back_to_the_newest_valid_one(finished, tmp_pat
 
     proc = run_cli("train", str(cfg), "--resume", "--set", f"output_dir={run}", "--set", "train.save_every=2")
     out = proc.stdout
-    assert "step-5 is damaged" in out and "trainable.safetensors: contents differ from the digest" in out, out
-    assert "step-4 is damaged" in out and "optimizer.pt" in out
+    assert not marker.exists(), "torch.load ran the pickle's code"
+    assert "step-5 is damaged" in out and "scheduler.pt: unreadable" in out, out
+    assert "step-4 is damaged" in out and "trainable.safetensors: contents differ from the digest" in out
     assert "falling back to step-3" in out and "continuing from" in out and "step-3 (step 3" in out
     assert "changed since the checkpoint (allowed)" in out and "train.save_every: 1 -> 2" in out
     assert "metrics.jsonl: line" in out and "is damaged" in out
@@ -77,33 +91,14 @@ def test_damaged_checkpoints_fall_back_to_the_newest_valid_one(finished, tmp_pat
         assert torch.equal(straight[name], resumed[name]), name  # bitwise: step 3's state was restored whole
 
 
-class _RunsCode:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-def test_a_crafted_pickle_is_never_run(finished, tmp_path):
-    cfg, run = _copy(finished, tmp_path)
-    marker = tmp_path / "pwned"
-    sched = run / "checkpoints/step-5/scheduler.pt"
-    sched.write_bytes(pickle.dumps({"last_epoch": _RunsCode(marker)}))
-    state_file = run / "checkpoints/step-5/state.json"
-    state = json.loads(state_file.read_text())
-    state["files"]["scheduler.pt"] = file_digest(sched)  # whoever can write the file can write its digest too
-    state_file.write_text(json.dumps(state))
-    proc = run_cli("train", str(cfg), "--resume", "--set", f"output_dir={run}")
-    assert not marker.exists(), "torch.load ran the pickle's code"
-    assert "step-5 is damaged" in proc.stdout and "scheduler.pt: unreadable" in proc.stdout
-    assert "falling back to step-4" in proc.stdout
-
-
 def test_what_verify_reports(finished, tmp_path):
     _, run = _copy(finished, tmp_path)
     ckpt = run / "checkpoints/step-3"
     assert verify_checkpoint(ckpt)["step"] == 3
+    optim = run / "checkpoints/step-4/optimizer.pt"
+    optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])  # cut off, as by a full disk
+    with pytest.raises(CheckpointDamaged, match="optimizer.pt: contents differ from the digest"):
+        verify_checkpoint(optim.parent)
     (ckpt / "rng-rank-0.pt").unlink()
     with pytest.raises(CheckpointDamaged, match="rng-rank-0.pt: missing"):
         verify_checkpoint(ckpt)

@@ -1,6 +1,6 @@
 """Preemption through the real CLI: SIGTERM / SIGINT (sent by pid once a step is logged, never after a bare sleep)
 end the run at the next step boundary with a checkpoint and exit 75; --resume then gives the uninterrupted run's
-adapter bit for bit. With two ranks, a signal to one rank stops both at the same step."""
+adapter bit for bit. With two ranks, SIGINT to rank 1 alone stops both at the same step (no KeyboardInterrupt)."""
 
 import json
 import os
@@ -66,25 +66,18 @@ def test_sigterm_checkpoints_and_resume_gives_the_uninterrupted_adapter(tmp_path
     _assert_equal(_adapter(tmp_path / "straight"), _adapter(run))
 
 
-def test_sigint_is_a_clean_stop_not_a_keyboard_interrupt(tmp_path):
-    cfg = _config(tmp_path, data={"eval": None})
-    run = tmp_path / "run"
-    code, _, err = _preempt(start_cli("train", str(cfg)), run, signal.SIGINT)
-    _assert_preempted(run, code, err, "SIGINT")
-    assert "KeyboardInterrupt" not in err
-
-
 @pytest.mark.distributed
-def test_sigterm_to_one_rank_stops_both_and_resume_matches(tmp_path):
+def test_sigint_to_one_rank_stops_both_and_resume_matches(tmp_path):
     cfg = _config(tmp_path, data={"eval": None})
     run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'straight'}")
     run = tmp_path / "run"
     proc = start_cli("train", str(cfg), ranks=2)
-    code, _, err = _preempt(proc, run, signal.SIGTERM, pid=lambda: rank_pid(run, 1))
+    code, _, err = _preempt(proc, run, signal.SIGINT, pid=lambda: rank_pid(run, 1))
     assert code != 0  # torchrun's own code: a rank exited non-zero
     assert err.count(f"exitcode  : {PREEMPTED_EXIT}") + err.count(f"exitcode: {PREEMPTED_EXIT}") >= 1, err[-3000:]
     # rank 0 was never signalled: it stopped at the step rank 1 did, and said so once
     step = _assert_preempted(run, PREEMPTED_EXIT, err, "a signal on another rank")
+    assert "KeyboardInterrupt" not in err
     assert (checkpoints(run)[0] / "rng-rank-1.pt").exists() and step >= 1
     run_distributed(2, "train", str(cfg), "--resume")
     _assert_equal(_adapter(tmp_path / "straight"), _adapter(run))

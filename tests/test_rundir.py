@@ -3,6 +3,7 @@ without --resume / --overwrite, --overwrite saying what it removes, and a refusa
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -57,28 +58,7 @@ def test_a_live_holder_or_another_host_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_finished_run_is_kept_unless_resume_or_overwrite(tmp_path):
-    cfg = write_config(tmp_path, train={"max_steps": 2, "save_every": 1})
-    run = tmp_path / "run"
-    run_cli("train", str(cfg))
-    before = {p: p.read_bytes() for p in (run / "adapter" / "adapter_model.safetensors", run / "metrics.jsonl")}
-    again = run_cli("train", str(cfg), check=False)
-    assert again.returncode == 2 and "Traceback" not in again.stderr
-    assert "holds a previous run (adapter/, checkpoints/ (1 checkpoint), metrics.jsonl)" in again.stderr
-    assert "--resume" in again.stderr and "--overwrite" in again.stderr
-    assert {p: p.read_bytes() for p in before} == before and not (run / LOCK).exists()
-
-    both = run_cli("train", str(cfg), "--resume", "--overwrite", check=False)
-    assert both.returncode == 2 and "contradict" in both.stderr
-
-    fresh = run_cli("train", str(cfg), "--overwrite", "--set", "train.max_steps=1")
-    assert "--overwrite: removing adapter/, checkpoints/, metrics.jsonl" in fresh.stdout
-    assert not (run / "checkpoints").exists()  # one step, no checkpoint: the old ones are gone
-    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
-
-
-@pytest.mark.slow
-def test_a_second_run_on_a_busy_directory_is_refused_and_a_killed_ones_lock_is_taken_over(tmp_path):
+def test_a_busy_directory_then_a_previous_run_are_refused_and_overwrite_takes_over(tmp_path):
     cfg = write_config(tmp_path, train={"epochs": 2, "packs_per_step": 1, "save_every": 1}, data={"eval": None})
     run = tmp_path / "run"
     first = start_cli("train", str(cfg))
@@ -93,8 +73,21 @@ def test_a_second_run_on_a_busy_directory_is_refused_and_a_killed_ones_lock_is_t
         first.kill()
         finish(first)
     assert json.loads((run / LOCK).read_text())["pid"] == first.pid  # left behind by the kill
-    resumed = run_cli("train", str(cfg), "--resume")
-    assert f"taking over the stale lock {run / LOCK}: pid {first.pid}" in resumed.stdout
+    before = {p: p.read_bytes() for p in (run / "metrics.jsonl", *sorted((run / "checkpoints").rglob("*.pt")))}
+
+    again = run_cli("train", str(cfg), check=False)  # no --resume: the killed run's work is not thrown away
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert f"taking over the stale lock {run / LOCK}: pid {first.pid}" in again.stdout
+    assert re.search(r"holds a previous run \(checkpoints/ \(\d checkpoints?\), metrics.jsonl\)", again.stderr)
+    assert "--resume" in again.stderr and "--overwrite" in again.stderr
+    assert {p: p.read_bytes() for p in before} == before
+    both = run_cli("train", str(cfg), "--resume", "--overwrite", check=False)
+    assert both.returncode == 2 and "contradict" in both.stderr
+
+    fresh = run_cli("train", str(cfg), "--overwrite", "--set", "train.max_steps=1")
+    assert "--overwrite: removing checkpoints/, metrics.jsonl, config.yaml, base/, hang/" in fresh.stdout
+    assert not (run / "checkpoints").exists()  # one step, no checkpoint: the old ones are gone
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
     assert (run / "adapter").exists() and not (run / LOCK).exists()
 
 
