@@ -63,7 +63,8 @@ def test_a_busy_directory_then_a_previous_run_are_refused_and_overwrite_takes_ov
     run = tmp_path / "run"
     first = start_cli("train", str(cfg))
     try:
-        wait_for(lambda: steps_logged(run) >= 1, first, "the first run's step 1")
+        # step 2 logged: step 1's checkpoint is complete (a save comes before the next step)
+        wait_for(lambda: steps_logged(run) >= 2, first, "the first run's step 2")
         first.send_signal(signal.SIGSTOP)  # frozen mid-run, holding the lock, however slow the second start is
         second = run_cli("train", str(cfg), "--resume", check=False)
         assert second.returncode == 2, second.stderr[-2000:]
