@@ -8,8 +8,8 @@ at the same step, writes the checkpoint with every rank taking part, and exits
 :data:`~packtrain.stops.PREEMPTED_EXIT`. A second signal changes nothing (a scheduler and torchrun may both send
 one); SIGKILL still ends the process at once.
 
-The handlers are installed when the training loop starts: before that there is nothing to save, and the
-defaults end setup at once.
+The handlers are installed when the trainer starts, so a signal at any moment gives exit 75: one during setup
+(model load, resume) stops before the first step without a save (nothing was trained since the last checkpoint).
 """
 
 from __future__ import annotations

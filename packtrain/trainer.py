@@ -104,6 +104,7 @@ class Trainer:
         # before the model build and resume, which already run collectives
         self.ops = RunOps(cfg, self.dist, self.out, log=log)
         self.signals = StopSignals()
+        self.signals.install()  # from here SIGTERM/SIGINT only set a flag, acted on at a step boundary
         try:
             self.ops.start()
             self._setup(cfg, resume)
@@ -175,12 +176,14 @@ class Trainer:
     def _train(self) -> dict:
         cfg, info = self.cfg, self.dist
         self._print_header()
+        self._agree_at_boundary(nonfinite=False)  # a signal during setup stops here, before any work
+        if self.stop_agreed:
+            self._stop_preempted()
         first_eval = last_eval = None
         if self.eval_plan is not None and self.step == 0:
             first_eval = last_eval = self._eval()
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (info.is_main and cfg.logging.progress))
-        self.signals.install()
         checked_gradients = False
         while self.step < self.total_steps:
             record = self._train_step(check_gradients=not checked_gradients)
@@ -304,11 +307,13 @@ class Trainer:
 
     def _stop_preempted(self) -> None:
         """Every rank agreed to stop after this step: a checkpoint with every rank, then exit 75."""
+        stopped = f"stopped by {self.signals.name()} after step {self.step} of {self.total_steps}"
+        if self.step == 0:
+            raise Preempted(f"{stopped}: nothing trained yet, nothing to save; run again", quiet=not self.dist.is_main)
         if self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step}":
             self._save_checkpoint()
-        raise Preempted(f"stopped by {self.signals.name()} after step {self.step} of {self.total_steps}: "
-                        f"checkpoint {self.last_checkpoint} written; continue with `packtrain train CONFIG "
-                        "--resume`", quiet=not self.dist.is_main)
+        raise Preempted(f"{stopped}: checkpoint {self.last_checkpoint} written; continue with `packtrain train "
+                        "CONFIG --resume`", quiet=not self.dist.is_main)
 
     def _eval(self) -> float:
         info = self.dist

@@ -81,3 +81,19 @@ def test_sigint_to_one_rank_stops_both_and_resume_matches(tmp_path):
     assert (checkpoints(run)[0] / "rng-rank-1.pt").exists() and step >= 1
     run_distributed(2, "train", str(cfg), "--resume")
     _assert_equal(_adapter(tmp_path / "straight"), _adapter(run))
+
+
+def test_a_signal_during_setup_is_a_clean_stop_too(tmp_path):
+    cfg = _config(tmp_path, data={"eval": None})
+    run = tmp_path / "run"
+    proc = start_cli("train", str(cfg))
+    # the rank file appears in setup, after the handlers are installed and before the model is built
+    wait_for(lambda: rank_pid(run, 0), proc, "OUTPUT/ops/rank-0.json")
+    os.kill(proc.pid, signal.SIGTERM)
+    code, _, err = finish(proc)
+    assert code == PREEMPTED_EXIT and no_packtrain_traceback(err), err[-3000:]
+    (line,) = [x for x in err.splitlines() if "stopped by SIGTERM after step" in x]
+    if "after step 0 of" in line:  # the usual case: still in setup when the signal came
+        assert "nothing trained yet" in line and not checkpoints(run)
+    else:  # a fast machine finished setup first: a normal preemption
+        assert verify_checkpoint(checkpoints(run)[0])
