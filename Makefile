@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/packtrain train configs/demo.yaml
+	$(BIN)/packtrain train configs/demo.yaml --overwrite  # a second `make demo` starts over
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

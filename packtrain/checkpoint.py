@@ -2,14 +2,21 @@
 
 ``OUTPUT/checkpoints/step-N/``: ``adapter/`` (PEFT format), ``trainable.safetensors`` (the same tensors under
 the model's parameter names), ``optimizer.pt`` (full state keyed by parameter names), ``scheduler.pt``,
-``rng-rank-R.pt`` (one per rank) and ``state.json`` (the step, which fixes the data cursor, and a fingerprint of
-the plan). Everything is gathered to full tensors with every rank taking part and written by rank 0, so a
-checkpoint resumes under any world size. A directory only ever appears complete (written under ``.tmp-step-N``
-and renamed), so the newest ``step-N`` is always safe to resume from.
+``rng-rank-R.pt`` (one per rank) and ``state.json``, written last: the step (which fixes the data cursor), a
+fingerprint of the plan, the resolved config and the sha256 of every other file. Everything is gathered to full
+tensors with every rank taking part and written by rank 0, so a checkpoint resumes under any world size. A
+directory only ever appears complete (written under ``.tmp-step-N`` and renamed).
+
+Why digests and safe loads: a disk that fills up, a copy cut short or a changed byte would otherwise resume
+silently into garbage, and ``torch.load`` of an arbitrary pickle runs code. :func:`verify_checkpoint` checks every
+digest and loads every file the way a resume does (safetensors, JSON, ``torch.load(weights_only=True)``), so a
+damaged checkpoint is found before any rank starts loading (:mod:`packtrain.resume` then falls back to an older
+one).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -25,6 +32,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from packtrain.distributed import DistInfo, barrier
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE = "state.json"
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint that must not be resumed from: a missing, truncated, changed or unreadable file."""
 
 
 def _atomic_dir(final: Path, write) -> Path:
@@ -34,6 +46,11 @@ def _atomic_dir(final: Path, write) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     write(tmp)
+    return _rename_into_place(tmp, final)
+
+
+def _rename_into_place(tmp: Path, final: Path) -> Path:
+    """``tmp`` becomes ``final``; an existing ``final`` is moved aside first and removed only afterwards."""
     if final.exists():
         old = final.parent / f".old-{final.name}-{os.getpid()}"
         final.rename(old)
@@ -141,36 +158,94 @@ def save_checkpoint(output_dir: Path, step: int, lm, peft_model, optimizer, sche
         save_file(trainable, str(tmp / "trainable.safetensors"))
         torch.save(optim, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        files = {rel: file_digest(tmp / rel) for rel in _files(tmp)}
+        (tmp / STATE).write_text(json.dumps({**state, "step": step, "files": files}, indent=2))
+        _rename_into_place(tmp, final)  # the same step again: a resume that fell back past it
     barrier(info)
     return final
 
 
-def load_checkpoint(ckpt: Path, lm, optimizer, scheduler, info: DistInfo) -> dict:
-    """Adapter weights, optimizer, scheduler and this rank's RNG (rank 0's when the world size changed)."""
-    state = read_state(ckpt)
-    trainable = load_file(str(ckpt / "trainable.safetensors")) if info.is_main else None
-    load_trainable_state(lm, trainable, info)
-    optim = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False) if info.is_main else None
-    load_optimizer_state(lm, optimizer, optim, info)
-    scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
-    rng_file = ckpt / f"rng-rank-{info.rank}.pt"
-    set_rng_state(torch.load(rng_file if rng_file.exists() else ckpt / "rng-rank-0.pt", weights_only=False))
-    return state
+def _files(ckpt: Path) -> list[str]:
+    return sorted(str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if f.is_file() and f.name != STATE)
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return max(steps)[1] if steps else None
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _safe_torch_load(path: Path):
+    # weights_only: tensors and plain containers only; a pickle that would run code raises instead
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def read_state(ckpt: Path) -> dict:
-    return json.loads((ckpt / "state.json").read_text())
+    path = Path(ckpt) / STATE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointDamaged(f"{path}: unreadable ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("files"),
+                                                                                               dict):
+        raise CheckpointDamaged(f"{path}: no step or file digests (written by an older packtrain, or damaged)")
+    return state
 
 
+def verify_checkpoint(ckpt: Path) -> dict:
+    """The checkpoint's state after checking every file's digest and reading it as a resume will; raises
+    :class:`CheckpointDamaged` naming the first bad file."""
+    ckpt = Path(ckpt)
+    state = read_state(ckpt)
+    for rel, digest in sorted(state["files"].items()):
+        path = ckpt / rel
+        if not path.is_file():
+            raise CheckpointDamaged(f"{path}: missing")
+        if file_digest(path) != digest:
+            raise CheckpointDamaged(f"{path}: contents differ from the digest in {STATE} (truncated or changed)")
+    for name in ("trainable.safetensors", "optimizer.pt", "scheduler.pt", "rng-rank-0.pt"):
+        if name not in state["files"]:
+            raise CheckpointDamaged(f"{ckpt / name}: not listed in {STATE}")
+    for rel in state["files"]:
+        try:
+            if rel.endswith(".safetensors"):
+                load_file(str(ckpt / rel))
+            elif rel.endswith(".pt"):
+                _safe_torch_load(ckpt / rel)
+            elif rel.endswith(".json"):
+                json.loads((ckpt / rel).read_text())
+        except Exception as e:  # noqa: BLE001 - any failure to read means: do not resume from here
+            raise CheckpointDamaged(f"{ckpt / rel}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    return state
+
+
+def load_checkpoint(ckpt: Path, lm, optimizer, scheduler, info: DistInfo) -> dict:
+    """Adapter weights, optimizer, scheduler and this rank's RNG (rank 0's when the world size changed). The
+    checkpoint has been verified (:func:`verify_checkpoint`) by rank 0 before any rank calls this."""
+    state = read_state(ckpt)
+    trainable = load_file(str(ckpt / "trainable.safetensors")) if info.is_main else None
+    load_trainable_state(lm, trainable, info)
+    optim = _safe_torch_load(ckpt / "optimizer.pt") if info.is_main else None
+    load_optimizer_state(lm, optimizer, optim, info)
+    scheduler.load_state_dict(_safe_torch_load(ckpt / "scheduler.pt"))
+    rng_file = ckpt / f"rng-rank-{info.rank}.pt"
+    set_rng_state(_safe_torch_load(rng_file if rng_file.exists() else ckpt / "rng-rank-0.pt"))
+    return state
+
+
+def checkpoints(output_dir: Path) -> list[Path]:
+    """``checkpoints/step-N`` directories, newest first."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    found = checkpoints(output_dir)
+    return found[0] if found else None

@@ -7,6 +7,8 @@ import importlib
 import os
 import sys
 
+from packtrain.stops import RunStopped
+
 
 def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("config", nargs="?" if optional else None, help="YAML config file")
@@ -27,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a LoRA adapter (single process, or under torchrun / accelerate launch)")
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="remove a previous run's outputs from output_dir first "
+                   "(adapter, checkpoints, metrics; listed as they go)")
 
     p = sub.add_parser("eval", help="per-example losses of an adapter on data.eval (or data.train)")
     _add_config_args(p)
@@ -117,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user errors: config, data, CLI arguments
         print(f"packtrain {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:  # a deliberate stop (packtrain/stops.py): one line, its own exit code
+        if not e.quiet:
+            print(f"packtrain {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before training started (during training it stops at a step boundary)
+        print(f"packtrain {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -122,6 +122,11 @@ class TrainConfig:
     # Exception class names that skip a unit (on every rank, counted) instead of stopping the run, when raised
     # while the unit is prepared, before any collective of the step; e.g. [DataError].
     skippable_errors: list[str] = field(default_factory=list)
+    # Steps whose loss or gradient norm is NaN/inf that are skipped (no update, counted in metrics.jsonl) before
+    # the run stops (exit 4); 0: the first one stops it.
+    max_nonfinite_skips: int = 0
+    # Checkpoints kept after each successful save (the newest N); None: keep all.
+    keep_checkpoints: int | None = 3
 
 
 @dataclass
@@ -138,6 +143,12 @@ class OpsConfig:
     check_nodes: bool = True
     # No completed step for this long: every rank writes its stacks to OUTPUT/hang/rank-N.txt. None: no watchdog.
     hang_timeout: float | None = 1800.0
+    # After the stacks are written, this many more seconds without progress abort the process (exit 124) so a
+    # scheduler can restart it with --resume. None: wait forever.
+    hang_abort: float | None = 600.0
+    # torch.distributed's timeout (seconds) for init_process_group's rendezvous and every collective. Longer than
+    # hang_timeout + hang_abort, so the watchdog's stacks come first.
+    collective_timeout: float = 3600.0
 
 
 @dataclass
@@ -181,6 +192,10 @@ _BOUNDS = [
     ("train.save_every", lambda v: v >= 1, "must be at least 1"),
     ("train.eval_every", lambda v: v is None or v >= 1, "must be at least 1 (or null)"),
     ("ops.hang_timeout", lambda v: v is None or v > 0, "must be positive (or null: no watchdog)"),
+    ("ops.hang_abort", lambda v: v is None or v > 0, "must be positive (or null: never abort)"),
+    ("ops.collective_timeout", lambda v: v > 0, "must be positive"),
+    ("train.max_nonfinite_skips", lambda v: v >= 0, "must be >= 0"),
+    ("train.keep_checkpoints", lambda v: v is None or v >= 1, "must be at least 1 (or null: keep all)"),
 ]
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from packtrain.stops import Stalled
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,8 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(device_pref: str = "auto") -> DistInfo:
+def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) -> DistInfo:
+    """``timeout_s`` (``ops.collective_timeout``): how long the rendezvous and each collective may wait."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -37,7 +41,13 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     if use_cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+        timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        try:
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world, **timeout)
+        except dist.DistStoreError as e:  # the rendezvous timed out: a rank never started or cannot connect
+            raise Stalled(f"rank {rank}: the {world} ranks did not meet within ops.collective_timeout="
+                          f"{timeout_s} s at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                          f"({e}); check that every rank started and can reach that address") from None
     return DistInfo(rank, world, local_rank, device)
 
 

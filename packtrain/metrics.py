@@ -25,18 +25,32 @@ class MetricsLog:
         if enabled and not resume and self.path.exists():
             self.path.unlink()
 
-    def truncate_after(self, step: int) -> None:
-        """On resume: drop lines a killed run wrote after the checkpoint it resumes from."""
+    def truncate_after(self, step: int, warn=print) -> None:
+        """On resume: drop lines a killed run wrote after the checkpoint it resumes from, and lines a kill cut
+        off mid-write (with a warning naming them)."""
         if not (self.enabled and self.path.exists()):
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
+        kept = []
+        for n, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+            rec = _parse(line)
+            if rec is None and line.strip():
+                warn(f"{self.path}: line {n} is damaged (cut off by a kill?); dropped: {line[:80]!r}")
+            elif rec is not None and rec["step"] <= step:
+                kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record, allow_nan=False) + "\n")  # NaN/inf is stopped before it gets here
+
+
+def _parse(line: str) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
 
 
 def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
@@ -49,8 +63,8 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
     if not metrics_path.exists():
         return None
     train, evals = [], []
-    for line in metrics_path.read_text().splitlines():
-        rec = json.loads(line)
+    for line in metrics_path.read_text(errors="replace").splitlines():
+        rec = _parse(line) or {}
         if rec.get("loss") is not None:  # a step whose every unit was skipped has no loss
             (evals if rec.get("split") == "eval" else train).append((rec["step"], rec["loss"]))
     fig, ax = plt.subplots(figsize=(7, 4))

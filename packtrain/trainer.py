@@ -21,6 +21,8 @@ import yaml
 from tqdm.auto import tqdm
 
 from packtrain import checkpoint as ckpt
+from packtrain import finite, rundir
+from packtrain import resume as resuming
 from packtrain.config import Config
 from packtrain.data import load_split, processor_dir
 from packtrain.distributed import DistInfo, all_reduce_max_tensor, all_reduce_sum, barrier, init_distributed
@@ -33,7 +35,9 @@ from packtrain.model_patch import vision_spec
 from packtrain.ops.runtime import RunOps
 from packtrain.optim import build_optimizer, build_scheduler
 from packtrain.planner import Plan, plan_packs, plan_stats
+from packtrain.preemption import StopSignals
 from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
+from packtrain.stops import NonFiniteError, Preempted
 from packtrain.vision import ImageLoader, load_image_processor
 from packtrain.wrap import prepare_from_config
 
@@ -77,29 +81,37 @@ def image_loader(cfg: Config, model, examples) -> ImageLoader | None:
     return ImageLoader(load_image_processor(processor_dir(cfg)), spec)
 
 
-def plan_fingerprint(plan: Plan) -> str:
+def plan_fingerprint(plan: Plan, examples) -> str:
+    """The packs and the tokens in them (each P, item and target; image paths and grids): edited data differs."""
     import hashlib
 
     h = hashlib.sha256()
     for pack in plan.packs:
-        h.update(repr((pack.prompt, pack.examples)).encode())
+        h.update(repr((pack.prompt, pack.examples, plan.prompts[pack.prompt])).encode())
+        for e in pack.examples:
+            ex = examples[e]
+            h.update(repr((ex.item_ids, ex.target_ids, [(r.path, r.grid_thw) for r in ex.images])).encode())
     return h.hexdigest()[:16]
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: bool = False, log=print):
+    def __init__(self, cfg: Config, resume: bool = False, log=print, overwrite: bool = False):
         self.cfg = cfg
         self.log = log
-        self.dist: DistInfo = init_distributed(cfg.train.device)
+        self.dist: DistInfo = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
         self.out = Path(cfg.output_dir)
+        # One run per directory: the lock, and a previous run is only continued (--resume) or removed (--overwrite).
+        self.lock = rundir.claim(self.out, resume, overwrite, self.dist, log)
         # check-nodes (refuses mismatched ranks before step 0), hang watchdog, SIGUSR1 stacks, wandb; it goes
         # before the model build and resume, which already run collectives
         self.ops = RunOps(cfg, self.dist, self.out, log=log)
-        self.ops.start()
+        self.signals = StopSignals()
+        self.signals.install()  # from here SIGTERM/SIGINT only set a flag, acted on at a step boundary
         try:
+            self.ops.start()
             self._setup(cfg, resume)
         except BaseException:
-            self.ops.close()
+            self._close()
             raise
 
     def _setup(self, cfg: Config, resume: bool) -> None:
@@ -131,24 +143,45 @@ class Trainer:
         self.skippable = tuple(_exception_class(name) for name in t.skippable_errors)
         self.step = 0
         self.skipped_total = 0
+        self.nonfinite_skips = 0
+        self.last_checkpoint: Path | None = None
+        self.stop_agreed = False  # a rank was signalled (SIGTERM/SIGINT): every rank stops after this step
+        self.ops.progress("model setup")
         if resume:
             self._resume()
         self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.dist.is_main, resume=resume)
         if resume:
-            self.metrics.truncate_after(self.step)
+            # from step 0 the step-0 evaluation runs again: keep none of the old lines
+            self.metrics.truncate_after(self.step if self.step > 0 else -1, warn=self.log)
         if self.dist.is_main:
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     # -- the run ---------------------------------------------------------------------------------------------
     def train(self) -> dict:
         try:
-            return self._train()
-        finally:
-            self.ops.close()
+            summary = self._train()
+        except Preempted:
+            self._close(keep_signal_handlers=True)  # a second signal while exiting must not kill the exit code
+            raise
+        except BaseException:
+            self._close()
+            raise
+        self._close()
+        return summary
+
+    def _close(self, keep_signal_handlers: bool = False) -> None:
+        self.ops.close()
+        if not keep_signal_handlers:
+            self.signals.restore()
+        if self.lock is not None:
+            self.lock.release()
 
     def _train(self) -> dict:
         cfg, info = self.cfg, self.dist
         self._print_header()
+        self._agree_at_boundary(nonfinite=False)  # a signal during setup stops here, before any work
+        if self.stop_agreed:
+            self._stop_preempted()
         first_eval = last_eval = None
         if self.eval_plan is not None and self.step == 0:
             first_eval = last_eval = self._eval()
@@ -164,6 +197,9 @@ class Trainer:
             bar.set_postfix(loss=loss, lr=f"{record['lr']:.2e}",
                             pos_s=f"{record['positions'] / max(record['seconds'], 1e-9):.0f}")
             bar.update(1)
+            if self.stop_agreed and self.step < self.total_steps:
+                bar.close()
+                self._stop_preempted()
             end_of_epoch = self.step % self.steps_per_epoch == 0
             every = cfg.train.eval_every
             if self.eval_plan is not None and (end_of_epoch or (every and self.step % every == 0)):
@@ -221,16 +257,24 @@ class Trainer:
                 raise ZeroGradientError(CUT_OFF + " (the loss does not require grad at all)")
             # FSDP averages gradients over ranks; the world factor turns that average into the global sum.
             scale = 0.0 if unit.dummy else info.world_size / n_examples
+            if finite.injected_nan(info.rank, self.step + 1):
+                scale = math.nan
             (out.loss_sum * scale).backward()
             if not unit.dummy:
                 totals += torch.tensor([out.per_example.sum().item(), layout.length], dtype=torch.float64,
                                        device=info.device)
         all_reduce_sum(totals, info)
         grad_norm, lr = 0.0, self.scheduler.get_last_lr()[0]
+        loss = float(totals[0]) / n_examples if n_examples else None
         if n_examples > 0:
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        nonfinite = self._agree_at_boundary(n_examples > 0 and not finite.is_finite(loss, grad_norm))
+        if nonfinite:
+            self._skip_nonfinite(loss, grad_norm)
+            loss = grad_norm = None
+        elif n_examples > 0:
             if check_gradients and grad_norm == 0.0:
                 raise ZeroGradientError(CUT_OFF + " (every trainable gradient is zero after the first step)")
             self.optimizer.step()
@@ -239,19 +283,52 @@ class Trainer:
         self.step += 1
         n_skipped = sum(skip)
         self.skipped_total += n_skipped
-        return {"step": self.step, "epoch": epoch, "loss": float(totals[0]) / n_examples if n_examples else None,
-                "lr": lr, "grad_norm": grad_norm, "examples": n_examples, "packs": len(pack_ids),
-                "positions": int(totals[1]), "skipped": n_skipped, "skipped_examples": skipped_examples,
+        return {"step": self.step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "examples": n_examples, "packs": len(pack_ids), "positions": int(totals[1]), "skipped": n_skipped,
+                "skipped_examples": skipped_examples, "nonfinite": nonfinite, "nonfinite_skips": self.nonfinite_skips,
                 "seconds": time.perf_counter() - t0, "peak_memory_bytes": peak_memory_bytes(info.device)}
+
+    def _agree_at_boundary(self, nonfinite: bool) -> bool:
+        """The step's one extra all-reduce: every rank learns whether the step is non-finite on any rank and whether
+        any rank was signalled, before the update. Returns the non-finite verdict; sets ``stop_agreed``."""
+        flags = torch.tensor([int(nonfinite), int(self.signals.requested)], dtype=torch.int64, device=self.dist.device)
+        agreed = all_reduce_max_tensor(flags, self.dist).tolist()
+        self.stop_agreed = self.stop_agreed or bool(agreed[1])
+        return bool(agreed[0])
+
+    def _skip_nonfinite(self, loss: float | None, grad_norm: float) -> None:
+        """No update for a NaN/inf step: skipped while train.max_nonfinite_skips allows, else the run stops."""
+        self.nonfinite_skips += 1
+        step, is_main = self.step + 1, self.dist.is_main
+        if self.nonfinite_skips > self.cfg.train.max_nonfinite_skips:
+            last = str(self.last_checkpoint) if self.last_checkpoint is not None else None
+            raise NonFiniteError(finite.stop_message(step, loss, grad_norm, self.cfg, last, self.nonfinite_skips - 1),
+                                 quiet=not is_main)
+        if is_main:
+            tqdm.write(f"step {step}: {finite.describe(loss, grad_norm)}: skipped without an update "
+                       f"({self.nonfinite_skips} of train.max_nonfinite_skips={self.cfg.train.max_nonfinite_skips})")
+
+    def _stop_preempted(self) -> None:
+        """Every rank agreed to stop after this step: a checkpoint with every rank, then exit 75."""
+        stopped = f"stopped by {self.signals.name()} after step {self.step} of {self.total_steps}"
+        if self.step == 0:
+            raise Preempted(f"{stopped}: nothing trained yet, nothing to save; run again", quiet=not self.dist.is_main)
+        if self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step}":
+            self._save_checkpoint()
+        raise Preempted(f"{stopped}: checkpoint {self.last_checkpoint} written; continue with `packtrain train "
+                        "CONFIG --resume`", quiet=not self.dist.is_main)
 
     def _eval(self) -> float:
         info = self.dist
         bar = tqdm(total=None, desc="eval", unit="unit", leave=False,  # a terminal only: it would litter logs
                    disable=not (info.is_main and self.cfg.logging.progress and sys.stderr.isatty()))
-        rows = evaluate(self.lm, self.eval_plan, self.eval_examples, self.mode, info, progress=bar,
-                        images=self.images)
+        rows = evaluate(self.lm, self.eval_plan, self.eval_examples, self.mode, info, images=self.images,
+                        progress=_Beating(bar, lambda: self.ops.progress(f"eval unit at step {self.step}")))
         bar.close()
         loss = mean_loss(rows)
+        if not finite.is_finite(loss):  # the same on every rank: the rows are gathered everywhere
+            raise NonFiniteError(f"eval at step {self.step}: loss {loss!r}; the model has diverged (see the "
+                                 "train loss in metrics.jsonl); nothing was saved", quiet=not info.is_main)
         record = {"split": "eval", "step": self.step, "loss": loss, "examples": len(rows)}
         self.metrics.write(record)
         self.ops.eval_done(record)
@@ -261,17 +338,23 @@ class Trainer:
 
     # -- saving and resuming --------------------------------------------------------------------------------
     def _state(self) -> dict:
-        return {"epoch": self.step // self.steps_per_epoch, "plan": plan_fingerprint(self.plan),
-                "world_size": self.dist.world_size, "mode": self.mode}
+        return {"epoch": self.step // self.steps_per_epoch, "plan": plan_fingerprint(self.plan, self.train_examples),
+                "world_size": self.dist.world_size, "mode": self.mode, "total_steps": self.total_steps,
+                "nonfinite_skips": self.nonfinite_skips, "config": self.cfg.to_dict()}
 
     def _save_checkpoint(self) -> None:
-        ckpt.save_checkpoint(self.out, self.step, self.lm, self.model, self.optimizer, self.scheduler,
-                             self._state(), self.dist)
+        finite.check_parameters(self.params, self.dist, self.step)
+        self.last_checkpoint = ckpt.save_checkpoint(self.out, self.step, self.lm, self.model, self.optimizer,
+                                                    self.scheduler, self._state(), self.dist)
+        if self.dist.is_main:
+            rundir.prune_checkpoints(self.out, self.cfg.train.keep_checkpoints, self.log)
+        self.ops.progress(f"checkpoint at step {self.step}")
         # Fault injection for resume tests: die like a preempted job (SIGKILL: no cleanup, no final save).
         if os.environ.get("PACKTRAIN_KILL_AFTER_CHECKPOINT") == str(self.step):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _save_final(self) -> None:
+        finite.check_parameters(self.params, self.dist, self.step)
         trainable = ckpt.trainable_state(self.lm, self.dist)
         if self.dist.is_main:
             ckpt.save_adapter(self.model, self.out / "adapter", state_dict=trainable)
@@ -279,15 +362,17 @@ class Trainer:
         barrier(self.dist)
 
     def _resume(self) -> None:
-        latest = ckpt.latest_checkpoint(self.out)
-        if latest is None:
-            self.log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
+        log = self.log if self.dist.is_main else (lambda *a: None)
+        found = resuming.choose_checkpoint(self.out, self.dist, log)
+        if found is None:
+            log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
             return
-        state = ckpt.read_state(latest)
-        if state["plan"] != plan_fingerprint(self.plan):
-            raise ValueError(f"resume: {latest} was written for another plan (data or packing changed)")
+        latest, state = found
+        resuming.check_same_run(state, self.cfg.to_dict(), plan_fingerprint(self.plan, self.train_examples),
+                                self.total_steps, latest, log)
         ckpt.load_checkpoint(latest, self.lm, self.optimizer, self.scheduler, self.dist)
-        self.step = state["step"]
+        self.step, self.nonfinite_skips, self.last_checkpoint = state["step"], state["nonfinite_skips"], latest
+        self.ops.progress(f"resumed from {latest.name}")
         if self.dist.is_main:
             self.log(f"resume: continuing from {latest} (step {self.step}, written with world size "
                      f"{state['world_size']}, now {self.dist.world_size})")
@@ -323,3 +408,13 @@ class Trainer:
         self.log(f"loss plot: {summary['plot']}")
         self.log(f"metrics: {self.out / 'metrics.jsonl'}")
 
+
+class _Beating:
+    """A progress bar that also tells the hang watchdog an evaluation unit finished (a long eval is progress)."""
+
+    def __init__(self, bar, beat):
+        self.bar, self.beat = bar, beat
+
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n)
+        self.beat()

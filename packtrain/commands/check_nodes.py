@@ -12,7 +12,7 @@ from packtrain.ops.nodes import check_nodes
 
 def run_check_nodes(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    info = init_distributed(cfg.train.device)
+    info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     try:
         check_nodes(info)
     finally:

@@ -29,7 +29,7 @@ def run_eval(args) -> int:
     examples = load_split(cfg, split)
     if examples is None:
         raise ValueError("data.eval and data.train are both unset: nothing to evaluate")
-    info = init_distributed(cfg.train.device)
+    info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     try:
         model = PeftModel.from_pretrained(build_base_model(cfg), adapter, is_trainable=False)
         backend = select_backend(cfg.model.kernels, info.device)

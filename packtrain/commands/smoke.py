@@ -57,7 +57,7 @@ def run_smoke(args) -> int:
     examples = load_split(cfg, "train")
     if examples is None:
         raise ValueError("data.train: not set (smoke runs its largest pack)")
-    info = init_distributed(cfg.train.device)
+    info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     plan = plan_for(cfg, examples)
     unit = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
     layout = unit_layout(unit, plan, examples, cfg.packing.mode)

@@ -1,4 +1,4 @@
-"""`packtrain train CONFIG [--set k=v ...] [--resume]`."""
+"""`packtrain train CONFIG [--set k=v ...] [--resume | --overwrite]`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ def run_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     try:
-        Trainer(cfg, resume=args.resume).train()  # closes its ops hooks (watchdog, wandb) itself
+        # closes its ops hooks (watchdog, wandb), signal handlers and the output_dir lock itself
+        Trainer(cfg, resume=args.resume, overwrite=args.overwrite).train()
     finally:
         shutdown()
     return 0

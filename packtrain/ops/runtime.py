@@ -22,6 +22,7 @@ from pathlib import Path
 from packtrain.ops import nodes
 from packtrain.ops.wandb_mirror import WandbMirror, require_wandb
 from packtrain.ops.watchdog import HangWatchdog, write_dump
+from packtrain.stops import STALLED_EXIT
 
 DUMP_SIGNAL = signal.SIGUSR1
 
@@ -62,11 +63,17 @@ class RunOps:
                 self.log(note)
         self._register()
         if self.cfg.ops.hang_timeout is not None:
-            self.watchdog = HangWatchdog(self.cfg.ops.hang_timeout, self._dump, log=_stderr)
+            self.watchdog = HangWatchdog(self.cfg.ops.hang_timeout, self._dump, log=_stderr,
+                                         abort_after=self.cfg.ops.hang_abort, abort=self._abort)
             self.watchdog.start()
         if self.info.is_main and wandb_mode != "off":
             self.wandb = WandbMirror(wandb_mode, self.cfg.logging.wandb_project, self.out,
                                      self.cfg.to_dict())
+
+    def progress(self, label: str) -> None:
+        """Setup milestones, evaluation units and saves: progress the watchdog must see."""
+        if self.watchdog is not None:
+            self.watchdog.beat(label)
 
     def step_done(self, record: dict) -> None:
         self._done(record, f"step {record['step']}")
@@ -112,6 +119,12 @@ class RunOps:
         entry.write_text(json.dumps({"rank": rank, "local_rank": self.info.local_rank, "pid": os.getpid(),
                                      "host": socket.gethostname(), "stacks": str(stacks.resolve()),
                                      "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+
+    def _abort(self, reason: str) -> None:
+        # From the watchdog thread while the main thread is stuck: no cleanup can run, so end the process now.
+        _stderr(f"packtrain: rank {self.info.rank} stalled: {reason}; aborting (exit {STALLED_EXIT}); "
+                f"stacks in {stacks_file(self.out, self.info.rank)}; restart with --resume")
+        os._exit(STALLED_EXIT)
 
     def _dump(self, reason: str) -> Path:
         return write_dump(stacks_file(self.out, self.info.rank), reason, self.info.rank, self.info.local_rank)

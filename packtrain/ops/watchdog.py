@@ -6,7 +6,9 @@ instead of 600-700 W (the NCCL kernel spins while it waits), and py-spy stacks f
 
 - :class:`HangWatchdog`: a thread per training process; when no step completes within ``ops.hang_timeout``
   seconds it appends one dump to ``OUTPUT/hang/rank-N.txt`` (once per silence; a later step re-arms it). Every
-  rank runs its own, so a collective hang leaves one file per rank with no coordination.
+  rank runs its own, so a collective hang leaves one file per rank with no coordination. With ``abort_after``
+  (``ops.hang_abort``), a silence that lasts that much longer after the dump calls ``abort`` (the trainer exits
+  124): a rank waiting forever in a collective for a stopped peer ends, and the launcher ends the rest.
 - A dump: Python stacks of every thread (``sys._current_frames``), native stacks from ``py-spy dump --native``
   where py-spy is installed (it needs ptrace permission: CAP_SYS_PTRACE or ``kernel.yama.ptrace_scope=0``), and
   ``nvidia-smi`` utilisation and board power where it exists.
@@ -94,8 +96,11 @@ def write_dump(path: Path, reason: str, rank: int | None = None, local_rank: int
 class HangWatchdog:
     """Calls ``dump(reason)`` once when ``beat()`` has not been called for ``timeout`` seconds."""
 
-    def __init__(self, timeout: float, dump: Callable[[str], Path], log=print, clock=time.monotonic):
+    def __init__(self, timeout: float, dump: Callable[[str], Path], log=print, clock=time.monotonic,
+                 abort_after: float | None = None, abort: Callable[[str], None] | None = None):
         self.timeout = timeout
+        self.abort_after = abort_after
+        self.abort = abort
         self.dump = dump
         self.log = log
         self.clock = clock
@@ -118,9 +123,14 @@ class HangWatchdog:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        poll = min(self.timeout / 4, 30.0)
+        poll = min(self.timeout / 4, (self.abort_after or self.timeout) / 4, 30.0)
         while not self._stop.wait(poll):
             silent = self.clock() - self._last
+            if (self._fired and self.abort is not None and self.abort_after is not None
+                    and silent >= self.timeout + self.abort_after):
+                self.abort(f"no progress for {silent:.0f} s (ops.hang_timeout={self.timeout:g} + "
+                           f"ops.hang_abort={self.abort_after:g}); last completed: {self._label}")
+                return
             if silent >= self.timeout and not self._fired:
                 self._fired = True
                 reason = (f"no step completed for {silent:.0f} s (ops.hang_timeout={self.timeout:g}); "

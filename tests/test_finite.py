@@ -1,0 +1,74 @@
+"""Finite or stop, through the real CLI: a diverging run exits 4 at its first NaN/inf step without an update and
+without writing NaN anywhere; train.max_nonfinite_skips skips such steps, counted in metrics.jsonl."""
+
+import json
+import re
+
+import pytest
+from cli_helpers import run_cli, run_distributed, write_config
+from long_run_helpers import no_packtrain_traceback, nonfinite_files
+
+from packtrain.checkpoint import checkpoints, verify_checkpoint
+from packtrain.finite import INJECT_ENV
+from packtrain.stops import NONFINITE_EXIT
+
+pytestmark = pytest.mark.slow
+
+
+def _train_lines(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"split"' not in x]
+
+
+def _assert_stopped_cleanly(run, stderr, step):
+    """Exit 4's promise: the message, the last good checkpoint intact, no adapter, nothing non-finite on disk."""
+    assert no_packtrain_traceback(stderr)
+    assert f"step {step}: loss " in stderr and "stopped before the update" in stderr
+    for hint in ("optim.lr", "optim.max_grad_norm", "optim.warmup_steps", "train.max_nonfinite_skips"):
+        assert hint in stderr, hint
+    assert not (run / "adapter").exists()
+    newest = checkpoints(run)[0]
+    assert newest.name == f"step-{step - 1}" and verify_checkpoint(newest)["step"] == step - 1
+    assert f"{newest}, is intact" in stderr
+    assert nonfinite_files(run) == []
+    assert _train_lines(run)[-1]["step"] == step - 1
+
+
+def test_a_diverging_learning_rate_stops_at_the_first_nan_step(tmp_path):
+    # the issue's reproduction: lr=1e20 gave NaN checkpoints, a NaN adapter and exit 0
+    cfg = write_config(tmp_path, train={"epochs": 2, "packs_per_step": 1, "save_every": 1})
+    proc = run_cli("train", str(cfg), "--set", "optim.lr=1e20", check=False)
+    assert proc.returncode == NONFINITE_EXIT, proc.stderr[-3000:]
+    step = int(re.search(r"step (\d+): loss \S+, gradient norm (nan|inf)", proc.stderr).group(1))
+    assert step >= 2
+    _assert_stopped_cleanly(tmp_path / "run", proc.stderr, step)
+
+
+def test_a_nan_step_stops_then_resume_skips_it_and_counts_it(tmp_path):
+    cfg = write_config(tmp_path, train={"epochs": 1, "packs_per_step": 1, "save_every": 1})
+    run = tmp_path / "run"
+    nan_at_3 = {INJECT_ENV: "0:3"}
+    stopped = run_cli("train", str(cfg), env=nan_at_3, check=False)
+    assert stopped.returncode == NONFINITE_EXIT, stopped.stderr[-3000:]
+    _assert_stopped_cleanly(run, stopped.stderr, 3)
+
+    resumed = run_cli("train", str(cfg), "--resume", "--set", "train.max_nonfinite_skips=1", env=nan_at_3)
+    assert "step 3: " in resumed.stdout and "skipped without an update (1 of train.max_nonfinite_skips=1)" in \
+        resumed.stdout
+    lines = _train_lines(run)
+    assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+    assert [x["nonfinite"] for x in lines] == [False, False, True, False, False, False]
+    assert [x["nonfinite_skips"] for x in lines] == [0, 0, 1, 1, 1, 1]
+    assert lines[2]["loss"] is None and lines[2]["grad_norm"] is None
+    assert (run / "adapter").exists() and nonfinite_files(run) == []
+
+
+@pytest.mark.distributed
+def test_a_nan_on_one_rank_stops_both_at_the_same_step(tmp_path):
+    cfg = write_config(tmp_path, train={"epochs": 1, "packs_per_step": 2, "save_every": 1}, data={"eval": None})
+    proc = run_distributed(2, "train", str(cfg), env={INJECT_ENV: "1:2"}, check=False, timeout=180)
+    assert proc.returncode != 0
+    # rank 0 never saw a NaN of its own, yet it stops at rank 1's step: both exit 4 (torchrun lists each rank)
+    assert proc.stderr.count(f"exitcode  : {NONFINITE_EXIT}") + proc.stderr.count(
+        f"exitcode: {NONFINITE_EXIT}") >= 1, proc.stderr[-3000:]
+    assert proc.stderr.count("step 2: loss ") == 1  # one message, from rank 0
+    _assert_stopped_cleanly(tmp_path / "run", proc.stderr, 2)

@@ -1,0 +1,99 @@
+"""Preemption through the real CLI: SIGTERM / SIGINT (sent by pid once a step is logged, never after a bare sleep)
+end the run at the next step boundary with a checkpoint and exit 75; --resume then gives the uninterrupted run's
+adapter bit for bit. With two ranks, SIGINT to rank 1 alone stops both at the same step (no KeyboardInterrupt)."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from cli_helpers import run_cli, run_distributed, write_config
+from long_run_helpers import finish, no_packtrain_traceback, rank_pid, start_cli, steps_logged, wait_for
+from safetensors.torch import load_file
+
+from packtrain.checkpoint import checkpoints, verify_checkpoint
+from packtrain.stops import PREEMPTED_EXIT
+
+pytestmark = pytest.mark.slow
+
+
+def _adapter(run):
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+def _assert_equal(a, b):
+    assert a.keys() == b.keys() and a
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _config(tmp_path, **sections):
+    # 12 steps; dropout and a cosine schedule make the RNG and scheduler state part of what must be restored
+    return write_config(tmp_path, train={"epochs": 2, "packs_per_step": 1, "save_every": 100},
+                        lora={"dropout": 0.1}, optim={"schedule": "cosine", "warmup_steps": 2}, **sections)
+
+
+def _preempt(proc, run, sig, pid=None):
+    wait_for(lambda: steps_logged(run) >= 1 and (pid is None or pid()), proc, "step 1 in metrics.jsonl")
+    os.kill(pid() if pid is not None else proc.pid, sig)
+    return finish(proc)
+
+
+def _assert_preempted(run, code, err, sig_name):
+    assert code == PREEMPTED_EXIT, err[-3000:]
+    assert no_packtrain_traceback(err)
+    lines = [x for x in err.splitlines() if "stopped by" in x]
+    assert len(lines) == 1 and f"stopped by {sig_name} after step" in lines[0], err[-3000:]
+    step = int(lines[0].split("after step ")[1].split()[0])
+    newest = checkpoints(run)[0]
+    assert newest.name == f"step-{step}" and verify_checkpoint(newest)["step"] == step
+    assert "--resume" in lines[0] and not (run / "adapter").exists()
+    logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
+              if '"split"' not in x]
+    assert logged[-1] == step and 1 <= step < 12
+    return step
+
+
+def test_sigterm_checkpoints_and_resume_gives_the_uninterrupted_adapter(tmp_path):
+    cfg = _config(tmp_path)
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'straight'}")
+    run = tmp_path / "run"
+    code, _, err = _preempt(start_cli("train", str(cfg)), run, signal.SIGTERM)
+    _assert_preempted(run, code, err, "SIGTERM")
+    resumed = run_cli("train", str(cfg), "--resume")
+    assert "continuing from" in resumed.stdout
+    _assert_equal(_adapter(tmp_path / "straight"), _adapter(run))
+
+
+@pytest.mark.distributed
+def test_sigint_to_one_rank_stops_both_and_resume_matches(tmp_path):
+    cfg = _config(tmp_path, data={"eval": None})
+    run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'straight'}")
+    run = tmp_path / "run"
+    proc = start_cli("train", str(cfg), ranks=2)
+    code, _, err = _preempt(proc, run, signal.SIGINT, pid=lambda: rank_pid(run, 1))
+    assert code != 0  # torchrun's own code: a rank exited non-zero
+    assert err.count(f"exitcode  : {PREEMPTED_EXIT}") + err.count(f"exitcode: {PREEMPTED_EXIT}") >= 1, err[-3000:]
+    # rank 0 was never signalled: it stopped at the step rank 1 did, and said so once
+    step = _assert_preempted(run, PREEMPTED_EXIT, err, "a signal on another rank")
+    assert "KeyboardInterrupt" not in err
+    assert (checkpoints(run)[0] / "rng-rank-1.pt").exists() and step >= 1
+    run_distributed(2, "train", str(cfg), "--resume")
+    _assert_equal(_adapter(tmp_path / "straight"), _adapter(run))
+
+
+def test_a_signal_during_setup_is_a_clean_stop_too(tmp_path):
+    cfg = _config(tmp_path, data={"eval": None})
+    run = tmp_path / "run"
+    proc = start_cli("train", str(cfg))
+    # the rank file appears in setup, after the handlers are installed and before the model is built
+    wait_for(lambda: rank_pid(run, 0), proc, "OUTPUT/ops/rank-0.json")
+    os.kill(proc.pid, signal.SIGTERM)
+    code, _, err = finish(proc)
+    assert code == PREEMPTED_EXIT and no_packtrain_traceback(err), err[-3000:]
+    (line,) = [x for x in err.splitlines() if "stopped by SIGTERM after step" in x]
+    if "after step 0 of" in line:  # the usual case: still in setup when the signal came
+        assert "nothing trained yet" in line and not checkpoints(run)
+    else:  # a fast machine finished setup first: a normal preemption
+        assert verify_checkpoint(checkpoints(run)[0])

@@ -1,0 +1,102 @@
+"""One run per output directory: the lock (live holder refused, a dead one taken over), a previous run refused
+without --resume / --overwrite, --overwrite saying what it removes, and a refusal that ends both ranks."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from cli_helpers import run_cli, run_distributed, write_config
+from long_run_helpers import finish, start_cli, steps_logged, wait_for
+
+from packtrain.distributed import DistInfo
+from packtrain.rundir import LOCK, RunDirError, claim
+
+ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def _write_lock(out, pid, host=None):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / LOCK).write_text(json.dumps({"pid": pid, "host": host or socket.gethostname(), "started": time.time(),
+                                        "started_utc": "1970-01-01T00:00:00Z"}))
+
+
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: the pid names no process now
+    return proc.pid
+
+
+def test_a_lock_from_a_dead_process_on_this_host_is_taken_over(tmp_path):
+    _write_lock(tmp_path, _dead_pid())
+    said = []
+    lock = claim(tmp_path, resume=False, overwrite=False, info=ONE, log=said.append)
+    assert any("taking over the stale lock" in s for s in said), said
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / LOCK).exists()
+
+
+def test_a_live_holder_or_another_host_is_refused(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        _write_lock(tmp_path, sleeper.pid)
+        with pytest.raises(RunDirError, match=f"in use by another run: pid {sleeper.pid} on"):
+            claim(tmp_path, False, False, ONE, log=print)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    _write_lock(tmp_path, _dead_pid(), host="some-other-node")
+    with pytest.raises(RunDirError, match="cannot see processes on another host"):
+        claim(tmp_path, False, False, ONE, log=print)
+
+
+@pytest.mark.slow
+def test_a_busy_directory_then_a_previous_run_are_refused_and_overwrite_takes_over(tmp_path):
+    cfg = write_config(tmp_path, train={"epochs": 2, "packs_per_step": 1, "save_every": 1}, data={"eval": None})
+    run = tmp_path / "run"
+    first = start_cli("train", str(cfg))
+    try:
+        # step 2 logged: step 1's checkpoint is complete (a save comes before the next step)
+        wait_for(lambda: steps_logged(run) >= 2, first, "the first run's step 2")
+        first.send_signal(signal.SIGSTOP)  # frozen mid-run, holding the lock, however slow the second start is
+        second = run_cli("train", str(cfg), "--resume", check=False)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"in use by another run: pid {first.pid} on {socket.gethostname()}" in second.stderr
+        first.send_signal(signal.SIGKILL)
+    finally:
+        first.kill()
+        finish(first)
+    assert json.loads((run / LOCK).read_text())["pid"] == first.pid  # left behind by the kill
+    before = {p: p.read_bytes() for p in (run / "metrics.jsonl", *sorted((run / "checkpoints").rglob("*.pt")))}
+
+    again = run_cli("train", str(cfg), check=False)  # no --resume: the killed run's work is not thrown away
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert f"taking over the stale lock {run / LOCK}: pid {first.pid}" in again.stdout
+    assert re.search(r"holds a previous run \(checkpoints/ \(\d checkpoints?\), metrics.jsonl\)", again.stderr)
+    assert "--resume" in again.stderr and "--overwrite" in again.stderr
+    assert {p: p.read_bytes() for p in before} == before
+    both = run_cli("train", str(cfg), "--resume", "--overwrite", check=False)
+    assert both.returncode == 2 and "contradict" in both.stderr
+
+    fresh = run_cli("train", str(cfg), "--overwrite", "--set", "train.max_steps=1")
+    assert "--overwrite: removing checkpoints/, metrics.jsonl, config.yaml, base/, hang/" in fresh.stdout
+    assert not (run / "checkpoints").exists()  # one step, no checkpoint: the old ones are gone
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert (run / "adapter").exists() and not (run / LOCK).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_refusal_ends_both_ranks(tmp_path):
+    cfg = write_config(tmp_path, train={"max_steps": 1}, data={"eval": None})
+    run_cli("train", str(cfg))
+    proc = run_distributed(2, "train", str(cfg), check=False, timeout=120)  # a hang would time out here
+    assert proc.returncode != 0
+    assert "holds a previous run" in proc.stderr and "rank 0 refused" in proc.stderr  # rank 1 got the verdict

@@ -1,0 +1,65 @@
+"""Stalls end: the watchdog aborts a process that stays silent ops.hang_abort seconds after its stacks were written
+(a rank waiting forever for a stopped peer), and the rendezvous gives up after ops.collective_timeout."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from cli_helpers import free_port, run_cli, write_config
+from long_run_helpers import finish, rank_pid, start_cli, steps_logged, wait_for
+
+from packtrain.ops.watchdog import HangWatchdog
+from packtrain.stops import STALLED_EXIT
+
+
+def test_abort_follows_the_dump_after_hang_abort_more_seconds():
+    events, aborted = [], threading.Event()
+    t0 = time.monotonic()
+    dog = HangWatchdog(0.2, lambda reason: events.append(("dump", time.monotonic() - t0)) or "path",
+                       log=lambda _: None, abort_after=0.3,
+                       abort=lambda reason: events.append(("abort", time.monotonic() - t0, reason)) or aborted.set())
+    dog.start()
+    try:
+        assert aborted.wait(30), events
+    finally:
+        dog.stop()
+    assert [e[0] for e in events] == ["dump", "abort"]
+    assert events[0][1] >= 0.2 and events[1][1] >= 0.5
+    assert "ops.hang_abort=0.3" in events[1][2] and "last completed: start" in events[1][2]
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_arrives_ends_the_rendezvous(tmp_path):
+    cfg = write_config(tmp_path, train={"max_steps": 1})
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}  # rank 1 is never started
+    t0 = time.monotonic()
+    proc = run_cli("train", str(cfg), "--set", "ops.collective_timeout=3", env=env, check=False)
+    assert proc.returncode == STALLED_EXIT, proc.stderr[-3000:]
+    assert "did not meet within ops.collective_timeout=3.0 s" in proc.stderr and "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 120  # torch's default would wait 30 minutes
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stopped_rank_makes_the_other_abort_after_its_stacks(tmp_path):
+    # generous timeouts: model setup on a loaded machine must not count as a stall
+    cfg = write_config(tmp_path, train={"epochs": 4, "packs_per_step": 2}, data={"eval": None})
+    run = tmp_path / "run"
+    proc = start_cli("train", str(cfg), "--set", "ops.hang_timeout=8", "--set", "ops.hang_abort=4", ranks=2)
+    stopped = None
+    try:
+        stopped = wait_for(lambda: steps_logged(run) >= 1 and rank_pid(run, 1), proc, "step 1 and rank 1's pid")
+        rank0 = rank_pid(run, 0)
+        os.kill(stopped, signal.SIGSTOP)  # rank 0 now waits in a collective for a peer that never comes
+        wait_for(lambda: not os.path.exists(f"/proc/{rank0}"), proc, "rank 0 to abort", timeout=120)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGKILL)  # torchrun would wait 30 s for a stopped rank to take its SIGTERM
+    code, _, err = finish(proc)
+    assert code != 0 and "rank 0 stalled: no progress for" in err and f"aborting (exit {STALLED_EXIT})" in err
+    assert "(ops.hang_timeout=8 + ops.hang_abort=4)" in err  # the timing itself: the in-process test above
+    stacks = (run / "hang" / "rank-0.txt").read_text()
+    assert "no step completed for" in stacks  # the evidence came first
