@@ -61,9 +61,26 @@ def _rename_into_place(tmp: Path, final: Path) -> Path:
     return final
 
 
-def save_adapter(model, path: Path, state_dict: dict | None = None) -> Path:
-    """PEFT ``save_pretrained`` (loadable with ``PeftModel.from_pretrained``), atomically."""
-    return _atomic_dir(Path(path), lambda tmp: model.save_pretrained(tmp, state_dict=state_dict))
+WRAPPER = "_checkpoint_wrapped_module."
+
+
+def write_adapter(peft_model, directory: Path, trainable: dict) -> None:
+    """peft's ``save_pretrained`` with the full trainable tensors (peft names, see :func:`clean_name`).
+
+    peft 0.21 picks the adapter's keys by walking the model's modules, whose names carry activation checkpointing's
+    wrapper; handed unwrapped names it wrote an adapter of 0 tensors. So it gets the tensors under the names it
+    walks, and the wrapper is dropped from the keys it wrote, so the adapter loads into an unwrapped model."""
+    names = {n.replace(WRAPPER, ""): n for n, _ in peft_model.named_parameters()}
+    peft_model.save_pretrained(directory, state_dict={names.get(k, k): v for k, v in trainable.items()})
+    if any(WRAPPER in n for n in names.values()):
+        path = Path(directory) / "adapter_model.safetensors"
+        tensors = load_file(str(path))
+        save_file({k.replace(WRAPPER, ""): v for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def save_adapter(model, path: Path, state_dict: dict) -> Path:
+    """The adapter in PEFT format (loadable with ``PeftModel.from_pretrained``), atomically."""
+    return _atomic_dir(Path(path), lambda tmp: write_adapter(model, tmp, state_dict))
 
 
 def rng_state() -> dict:
@@ -82,7 +99,7 @@ def set_rng_state(state: dict) -> None:
 
 def clean_name(name: str) -> str:
     """A parameter name of the wrapped root -> the name in the peft model (no root prefix, no wrapper)."""
-    name = name.replace("_checkpoint_wrapped_module.", "")
+    name = name.replace(WRAPPER, "")
     return name[len("model."):] if name.startswith("model.") else name
 
 
@@ -154,7 +171,7 @@ def save_checkpoint(output_dir: Path, step: int, lm, peft_model, optimizer, sche
     torch.save(rng_state(), tmp / f"rng-rank-{info.rank}.pt")
     barrier(info)
     if info.is_main:
-        peft_model.save_pretrained(tmp / "adapter", state_dict=trainable)
+        write_adapter(peft_model, tmp / "adapter", trainable)
         save_file(trainable, str(tmp / "trainable.safetensors"))
         torch.save(optim, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")

@@ -37,6 +37,21 @@ def test_shared_prefix_and_standalone_give_the_same_adapter(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
+def test_activation_checkpointing_saves_the_same_adapter(tmp_path):
+    """Checkpointing changes no number, so the adapter is bitwise the plain run's. (peft walks the wrapped modules to
+    pick adapter keys: the final adapter and every checkpoint's adapter were once written with 0 tensors.)"""
+    cfg = write_config(tmp_path, train={"max_steps": 2, "save_every": 1})
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'plain'}")
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'ckpt'}", "--set",
+            "train.activation_checkpointing=true")
+    plain = _adapter(tmp_path / "plain")
+    for adapter_dir in (tmp_path / "ckpt", tmp_path / "ckpt" / "checkpoints" / "step-1"):
+        saved = _adapter(adapter_dir)
+        assert saved.keys() == plain.keys() and len(saved) > 0
+    saved = _adapter(tmp_path / "ckpt")
+    assert all(torch.equal(saved[k], plain[k]) for k in plain)
+
+
 def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path):
     from peft import PeftModel
     from transformers import Qwen3_5ForCausalLM
