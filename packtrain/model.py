@@ -7,6 +7,7 @@ belongs to.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -28,8 +29,11 @@ def model_class_for(model_type: str):
     return classes[model_type]
 
 
-def build_base_model(cfg: Config, save_to: Path | None = None) -> nn.Module:
-    """The base model in ``model.dtype``; from ``model.config`` it is seeded and saved to ``save_to``."""
+def build_base_model(cfg: Config, save_to: Path | None = None, meta: bool = False) -> nn.Module:
+    """The base model in ``model.dtype``; from ``model.config`` it is seeded and saved to ``save_to``.
+
+    ``meta``: a ``model.path`` model is built without weights (parameters on the meta device, buffers computed
+    on the CPU); :func:`packtrain.wrap.prepare_from_config` fills it after wrapping, each rank its own shards."""
     from transformers import AutoConfig
 
     dtype = DTYPES[cfg.model.dtype]
@@ -39,6 +43,8 @@ def build_base_model(cfg: Config, save_to: Path | None = None) -> nn.Module:
             raise ValueError(f"model.path: {path} is not a local transformers model directory (no config.json)")
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         cls = model_class_for(hf_config.model_type)
+        if meta:
+            return empty_model(cls, hf_config, dtype)
         return cls.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
     if cfg.model.config is None:
         raise ValueError("model: set model.path (a local model directory) or model.config (a config dict)")
@@ -59,6 +65,17 @@ def build_base_model(cfg: Config, save_to: Path | None = None) -> nn.Module:
     return model
 
 
+def empty_model(cls, hf_config, dtype: torch.dtype) -> nn.Module:
+    """``cls`` with parameters on the meta device and buffers computed on the CPU, embeddings tied as the config
+    says (``from_pretrained`` ties after loading; ``_from_config`` does not)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = cls._from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    model.tie_weights()
+    return model
+
+
 def lora_config(cfg: Config) -> LoraConfig:
     lc = cfg.lora
     return LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules),
@@ -72,9 +89,51 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     ``enable_input_require_grads`` marks the frozen embedding's output as requiring grad, so checkpointed layers
     see an input that needs gradients (without it the seed's runs trained with grad_norm exactly 0).
     """
+    init = cfg.lora.init_lora_weights
+    if isinstance(init, str) and init.startswith(DATA_DEPENDENT_INITS) and any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"lora.init_lora_weights: {init!r} computes the adapter from the base weights, which "
+                         "model.path loads only after wrapping (sharded); use true, false or 'gaussian'")
+    torch.manual_seed(cfg.model.seed)  # the same adapter on every rank and for every way the base is built
     try:
-        model = get_peft_model(model, lora_config(cfg), autocast_adapter_dtype=True)
+        with adapters_on_cpu(model):
+            model = get_peft_model(model, lora_config(cfg), autocast_adapter_dtype=True)
     except ValueError as e:
         raise ValueError(f"lora: {e}") from None
     model.enable_input_require_grads()
     return model
+
+
+DATA_DEPENDENT_INITS = ("pissa", "corda", "olora", "loftq", "eva", "lora_ga")
+
+
+@contextlib.contextmanager
+def adapters_on_cpu(model: nn.Module):
+    """peft creates each adapter on the CPU, seeded, then moves it to its base layer's device: for a base on the
+    meta device that would throw the values away. So while peft runs, each meta parameter is stood in for by a
+    CPU tensor of its shape that holds one element (a broadcast view), and put back after; peft's trainable
+    copies (``modules_to_save``) of such parameters go back to the meta device too (the loader fills them)."""
+    originals: dict[int, nn.Parameter] = {}
+    stand_ins: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in stand_ins:
+                stand_in = nn.Parameter(torch.empty((), dtype=p.dtype).expand(p.shape), p.requires_grad)
+                stand_ins[id(p)], originals[id(stand_in)] = stand_in, p
+            module._parameters[name] = stand_ins[id(p)]
+    try:
+        yield
+    finally:
+        copies = {id(m) for w in model.modules() if isinstance(getattr(w, "modules_to_save", None), nn.ModuleDict)
+                  for c in w.modules_to_save.values() for m in c.modules()}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is None:
+                    continue
+                if id(p) in originals:
+                    original = originals[id(p)]
+                    original.requires_grad_(p.requires_grad)
+                    module._parameters[name] = original
+                elif id(module) in copies and originals:
+                    module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)

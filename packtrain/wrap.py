@@ -22,6 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from packtrain.config import Config
 from packtrain.forward import PackedLM
 from packtrain.kernels import Backend, select_backend
+from packtrain.loading import SafetensorsCheckpoint, WeightMap, is_meta, materialize, module_names, real_tensors
 from packtrain.model import apply_lora
 from packtrain.model_patch import patch_model, text_parts
 from packtrain.offload import DEFAULT_CHUNK_BYTES, ChunkPool, OffloadedCheckpoint
@@ -53,8 +54,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, offload: bool = False,
-            shard: bool = False, device=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PackedLM:
-    """A LoRA-wrapped model -> the trainable root module. ``offload`` implies checkpointing."""
+            shard: bool = False, device=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, fill=None) -> PackedLM:
+    """A LoRA-wrapped model -> the trainable root module. ``offload`` implies checkpointing.
+
+    ``fill(lm, kept)``: for a model built on the meta device, called last (after ``fully_shard``) to allocate and
+    fill each rank's shards; ``kept`` are the tensors that already had values (see :mod:`packtrain.loading`)."""
     patch_model(model, backend)
     if offload:
         pin = device is not None and getattr(device, "type", str(device)) == "cuda"
@@ -62,7 +66,8 @@ def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, 
     elif checkpointing:
         checkpoint_decoder_layers(model)
     lm = PackedLM(model)
-    if device is not None:
+    kept = real_tensors(lm) if fill is not None else None
+    if device is not None and fill is None:
         lm = lm.to(device)
     if shard:
         from torch.distributed.fsdp import fully_shard
@@ -70,16 +75,28 @@ def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, 
         for layer in decoder_layers(model):
             fully_shard(layer)
         fully_shard(lm)
+    if fill is not None:
+        fill(lm, kept)
     return lm
 
 
 def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool = False
                         ) -> tuple[nn.Module, PackedLM, Backend]:
     """The whole order from a config: LoRA (``lora.*``), the back end (``model.kernels``, chosen for ``device``),
-    patch, checkpointing / offload (``train.*``) and, with ``shard``, FSDP. Returns (peft model, root, back end)."""
+    patch, checkpointing / offload (``train.*``) and, with ``shard``, FSDP. Returns (peft model, root, back end).
+
+    A base built on the meta device (``build_base_model(..., meta=True)``) is filled last from ``model.path``,
+    each rank reading only its shards; the load report is left on the root as ``lm.load_report``."""
+    fill = None
+    if is_meta(base_model):
+        weights = WeightMap(base_model, SafetensorsCheckpoint(cfg.resolve_path(cfg.model.path)))
+        names = module_names(base_model)
+
+        def fill(lm, kept):
+            lm.load_report = materialize(lm, kept, names, weights, device)
     model = apply_lora(base_model, cfg)
     backend = select_backend(cfg.model.kernels, device)
     t = cfg.train
     lm = prepare(model, backend, checkpointing=t.activation_checkpointing, offload=t.offload, shard=shard,
-                 device=device)
+                 device=device, fill=fill)
     return model, lm, backend
