@@ -7,7 +7,6 @@ belongs to.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -106,34 +105,48 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
 DATA_DEPENDENT_INITS = ("pissa", "corda", "olora", "loftq", "eva", "lora_ga")
 
 
-@contextlib.contextmanager
-def adapters_on_cpu(model: nn.Module):
+class adapters_on_cpu:  # noqa: N801 - used as a context manager, like torch.no_grad
     """peft creates each adapter on the CPU, seeded, then moves it to its base layer's device: for a base on the
     meta device that would throw the values away. So while peft runs, each meta parameter is stood in for by a
-    CPU tensor of its shape that holds one element (a broadcast view), and put back after; peft's trainable
-    copies (``modules_to_save``) of such parameters go back to the meta device too (the loader fills them)."""
-    originals: dict[int, nn.Parameter] = {}
-    stand_ins: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is None or not p.is_meta:
-                continue
-            if id(p) not in stand_ins:
-                stand_in = nn.Parameter(torch.empty((), dtype=p.dtype).expand(p.shape), p.requires_grad)
-                stand_ins[id(p)], originals[id(stand_in)] = stand_in, p
-            module._parameters[name] = stand_ins[id(p)]
-    try:
-        yield
-    finally:
-        copies = {id(m) for w in model.modules() if isinstance(getattr(w, "modules_to_save", None), nn.ModuleDict)
-                  for c in w.modules_to_save.values() for m in c.modules()}
-        for module in model.modules():
+    CPU tensor of its shape that holds one element (a broadcast view), and put back after. peft's trainable copies
+    (``modules_to_save``) made of stand-ins go to the meta device (the loader fills them) at exit, or at
+    :meth:`drop_copies`, after which an adapter state dict can be loaded into them."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.originals: dict[int, nn.Parameter] = {}
+        self.copies_dropped = False
+
+    def __enter__(self):
+        stand_ins: dict[int, nn.Parameter] = {}
+        for module in self.model.modules():
             for name, p in module._parameters.items():
-                if p is None:
+                if p is None or not p.is_meta:
                     continue
-                if id(p) in originals:
-                    original = originals[id(p)]
+                if id(p) not in stand_ins:
+                    stand_in = nn.Parameter(torch.empty((), dtype=p.dtype).expand(p.shape), p.requires_grad)
+                    stand_ins[id(p)], self.originals[id(stand_in)] = stand_in, p
+                module._parameters[name] = stand_ins[id(p)]
+        return self
+
+    def drop_copies(self) -> None:
+        if self.copies_dropped or not self.originals:
+            return
+        self.copies_dropped = True
+        for wrapper in self.model.modules():
+            copies = getattr(wrapper, "modules_to_save", None)
+            if not isinstance(copies, nn.ModuleDict):
+                continue
+            for module in [m for c in copies.values() for m in c.modules()]:
+                for name, p in module._parameters.items():
+                    if p is not None and id(p) not in self.originals:
+                        module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+
+    def __exit__(self, *exc) -> None:
+        self.drop_copies()
+        for module in self.model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in self.originals:
+                    original = self.originals[id(p)]
                     original.requires_grad_(p.requires_grad)
                     module._parameters[name] = original
-                elif id(module) in copies and originals:
-                    module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)

@@ -22,7 +22,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from packtrain.config import Config
 from packtrain.forward import PackedLM
 from packtrain.kernels import Backend, select_backend
-from packtrain.loading import SafetensorsCheckpoint, WeightMap, is_meta, materialize, module_names, real_tensors
+from packtrain.loading import (
+    SafetensorsCheckpoint,
+    WeightMap,
+    fix_mmap_threshold,
+    is_meta,
+    materialize,
+    module_names,
+    real_tensors,
+)
 from packtrain.model import apply_lora
 from packtrain.model_patch import patch_model, text_parts
 from packtrain.offload import DEFAULT_CHUNK_BYTES, ChunkPool, OffloadedCheckpoint
@@ -53,6 +61,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(text_model.layers)
 
 
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded on their own, each gathered only while it runs: every decoder layer, and the embedding
+    and the head when they share no weight (a vocabulary-sized matrix each: 5 GB of Qwen3.6-27B's 54 GB together,
+    which as part of the root would stay gathered for the whole forward and backward)."""
+    text_model, lm_head = text_parts(model)
+    embed = text_model.embed_tokens
+    units = decoder_layers(model)
+    if not {id(p) for p in embed.parameters()} & {id(p) for p in lm_head.parameters()}:
+        units += [embed, lm_head]
+    return units
+
+
 def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, offload: bool = False,
             shard: bool = False, device=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, fill=None) -> PackedLM:
     """A LoRA-wrapped model -> the trainable root module. ``offload`` implies checkpointing.
@@ -72,8 +92,8 @@ def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, 
     if shard:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in decoder_layers(model):
-            fully_shard(layer)
+        for unit in fsdp_units(model):
+            fully_shard(unit)
         fully_shard(lm)
     if fill is not None:
         fill(lm, kept)
@@ -89,6 +109,7 @@ def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool 
     each rank reading only its shards; the load report is left on the root as ``lm.load_report``."""
     fill = None
     if is_meta(base_model):
+        fix_mmap_threshold()
         weights = WeightMap(base_model, SafetensorsCheckpoint(cfg.resolve_path(cfg.model.path)))
         names = module_names(base_model)
 
