@@ -85,3 +85,17 @@ def test_not_safetensors_is_refused(tmp_path):
     cfg = _config(path)
     with pytest.raises(ValueError, match="safetensors"):
         prepare_from_config(build_base_model(cfg, meta=True), cfg, CPU)
+
+
+def test_pretokenized_data_with_a_model_directory_without_tokenizer(tmp_path):
+    from packtrain.data import DataError, load_examples
+
+    path = save_checkpoint(tmp_path / "ckpt", text_config(vocab_size=1024), tokenizer=False, mtp=False)
+    assert not (path / "tokenizer.json").exists()
+    data = tmp_path / "train.jsonl"
+    line = {"prefix_ids": [1, 2, 3], "item_ids": [4], "target_ids": [1023]}
+    data.write_text(json.dumps(line) + "\n")
+    assert len(load_examples(data, None, path)) == 1  # the vocabulary comes from the model's config
+    data.write_text(json.dumps({**line, "target_ids": [1024]}) + "\n")
+    with pytest.raises(DataError, match="train.jsonl:1"):
+        load_examples(data, None, path)
