@@ -99,3 +99,12 @@ def test_pretokenized_data_with_a_model_directory_without_tokenizer(tmp_path):
     data.write_text(json.dumps({**line, "target_ids": [1024]}) + "\n")
     with pytest.raises(DataError, match="train.jsonl:1"):
         load_examples(data, None, path)
+
+
+def test_reads_in_row_blocks(tmp_path, monkeypatch):
+    import packtrain.loading
+
+    monkeypatch.setattr(packtrain.loading, "BLOCK_BYTES", 100)  # a few rows per read
+    path = save_checkpoint(tmp_path / "ckpt", text_config(), dtype=torch.bfloat16)
+    meta_lm, ref_lm = _both(_config(path))
+    _assert_same_tensors(meta_lm, ref_lm)
