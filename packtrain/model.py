@@ -105,7 +105,7 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
 DATA_DEPENDENT_INITS = ("pissa", "corda", "olora", "loftq", "eva", "lora_ga")
 
 
-class adapters_on_cpu:  # noqa: N801 - used as a context manager, like torch.no_grad
+class adapters_on_cpu:  # a context manager, named like torch.no_grad
     """peft creates each adapter on the CPU, seeded, then moves it to its base layer's device: for a base on the
     meta device that would throw the values away. So while peft runs, each meta parameter is stood in for by a
     CPU tensor of its shape that holds one element (a broadcast view), and put back after. peft's trainable copies
