@@ -4,8 +4,10 @@ LoRA -> model patch -> activation checkpointing (+ offload) -> FSDP.
 Activation checkpointing goes through torch's own checkpoint per decoder layer (the path FSDP composes with),
 never transformers' gradient checkpointing: its recompute receives the same keyword arguments, so the pack
 layout is rebuilt identically in backward. With ``train.offload`` the checkpointed layer inputs live in host
-memory (:mod:`packtrain.offload`). FSDP2 ``fully_shard`` goes on every decoder layer, then on the root
-:class:`~packtrain.forward.PackedLM`, whose forward runs the whole model (embedding, layers, norm, head).
+memory (:mod:`packtrain.offload`). FSDP2 ``fully_shard`` goes on every decoder layer, the embedding and the head
+(:func:`fsdp_units`), then on the root :class:`~packtrain.forward.PackedLM`, whose forward runs the whole model
+(embedding, layers, norm, head). A ``model.path`` base built on the meta device gets its memory last, each rank
+reading only its shards (:mod:`packtrain.loading`).
 """
 
 from __future__ import annotations

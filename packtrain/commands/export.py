@@ -1,6 +1,6 @@
 """`packtrain export OUTPUT_DIR --merged DIR`: the base checkpoint of a run with its adapter merged in, in the
 base's own layout (:mod:`packtrain.export`). The base is ``model.path`` of OUTPUT_DIR/config.yaml (a relative path
-is taken from the current directory, as ``train`` would from the config's; ``--base`` overrides it), or
+is looked for from the current directory, OUTPUT_DIR and its parent; ``--base`` overrides it), or
 OUTPUT_DIR/base for a run whose base came from ``model.config``. The adapter directory is left as it is."""
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ def _base_dir(output: Path, run: dict, override: str | None) -> Path:
         return output / "base"
     if not model.get("path"):
         raise ValueError(f"{output / 'config.yaml'}: model.path is not set; give the base with --base")
-    return Path(model["path"]).expanduser()
+    path = Path(model["path"]).expanduser()
+    if path.is_absolute():
+        return path
+    # config.yaml keeps model.path as written, relative to the training config's folder, which it does not record
+    candidates = [path, output / path, output.parent / path]
+    return next((c for c in candidates if (c / "config.json").is_file()), path)
 
 
 def run_export(args) -> int:
