@@ -108,3 +108,28 @@ def test_reads_in_row_blocks(tmp_path, monkeypatch):
     path = save_checkpoint(tmp_path / "ckpt", text_config(), dtype=torch.bfloat16)
     meta_lm, ref_lm = _both(_config(path))
     _assert_same_tensors(meta_lm, ref_lm)
+
+
+def test_converted_layout_per_expert_tensors_into_fused_experts(tmp_path):
+    """A MoE checkpoint stores one tensor per expert; transformers' class holds them stacked: the loader runs
+    transformers' own converter on them (no per-family code), and gets what from_pretrained gets."""
+    from transformers import AutoConfig, Qwen3_5MoeForCausalLM
+
+    from packtrain.loading import SafetensorsCheckpoint, WeightMap, materialize, module_names, real_tensors
+    from packtrain.model import empty_model
+
+    config = AutoConfig.for_model(
+        "qwen3_5_moe_text", vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        layer_types=["linear_attention", "full_attention"], num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    torch.manual_seed(0)
+    Qwen3_5MoeForCausalLM(config).save_pretrained(tmp_path / "moe", max_shard_size="20KB")
+    keys = json.loads((tmp_path / "moe" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in keys  # the per-expert layout on disk
+    model = empty_model(Qwen3_5MoeForCausalLM, AutoConfig.from_pretrained(tmp_path / "moe"), torch.float32)
+    weights = WeightMap(model, SafetensorsCheckpoint(tmp_path / "moe"))
+    assert weights.converted
+    materialize(model, real_tensors(model), module_names(model), weights, CPU)
+    ref = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32)
+    _assert_same_tensors(model, ref)
