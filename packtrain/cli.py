@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", metavar="A,B,...", help="which to run (default all: shared_prefix, kv_only, "
                    "frozen, standalone, plain; kv_only/frozen are shared-prefix packs under packing.context_grad)")
 
+    p = sub.add_parser("export", help="merge a run's adapter into its base checkpoint, in the base's layout")
+    p.add_argument("output_dir", metavar="OUTPUT_DIR", help="the output directory of a train run")
+    p.add_argument("--merged", required=True, metavar="DIR", help="write the merged checkpoint here (a new directory)")
+    p.add_argument("--adapter", metavar="DIR", help="adapter to merge (default OUTPUT_DIR/adapter; e.g. a "
+                   "checkpoints/step-N/adapter)")
+    p.add_argument("--base", metavar="DIR", help="base checkpoint (default: model.path of OUTPUT_DIR/config.yaml, "
+                   "or OUTPUT_DIR/base)")
+
     return parser
 
 
@@ -85,6 +93,7 @@ COMMANDS = {
     "pretune-fla": ("packtrain.commands.pretune_fla", "run_pretune_fla"),
     "dump-stacks": ("packtrain.commands.dump_stacks", "run_dump_stacks"),
     "bench": ("packtrain.commands.bench", "run_bench"),
+    "export": ("packtrain.commands.export", "run_export"),
 }
 
 

@@ -379,9 +379,14 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
     if fmt not in FORMATS:
         raise ValueError(f"unknown data format {fmt!r} (known: {', '.join(FORMATS)})")
     if fmt == "pretokenized":
-        if isinstance(tokenizer, (str, Path)):
+        vocab_size = None
+        if isinstance(tokenizer, (str, Path)) and not (Path(tokenizer) / "tokenizer.json").is_file() \
+                and (Path(tokenizer) / "config.json").is_file():
+            vocab_size = _config_vocab_size(Path(tokenizer))  # a model directory without a tokenizer
+        elif isinstance(tokenizer, (str, Path)):
             tokenizer = load_tokenizer(tokenizer)
-        vocab_size = len(tokenizer) if tokenizer is not None else None
+        if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+            vocab_size = len(tokenizer)
         prefixes: dict[tuple[int, ...], tuple[int, ...]] = {}
         examples = [_pretokenized(r, line, path, vocab_size, prefixes) for line, r in records]
     else:
@@ -400,6 +405,12 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
             raise DataError(path, ex.line, "id", f"{ex.id!r} is also the id of line {seen[ex.id]}")
         seen[ex.id] = ex.line
     return examples
+
+
+def _config_vocab_size(model_dir: Path) -> int | None:
+    """The vocabulary of a model directory's config.json (a vision-language config keeps it in text_config)."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    return (raw.get("text_config") or {}).get("vocab_size") or raw.get("vocab_size")
 
 
 def load_split(cfg: Config, split: str, tokenizer=None) -> list[Example] | None:

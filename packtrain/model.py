@@ -34,8 +34,11 @@ def _finish(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def build_base_model(cfg: Config, save_to: Path | None = None) -> nn.Module:
-    """The base model in ``model.dtype``; from ``model.config`` it is seeded and saved to ``save_to``."""
+def build_base_model(cfg: Config, save_to: Path | None = None, meta: bool = False) -> nn.Module:
+    """The base model in ``model.dtype``; from ``model.config`` it is seeded and saved to ``save_to``.
+
+    ``meta``: a ``model.path`` model is built without weights (parameters on the meta device, buffers computed
+    on the CPU); :func:`packtrain.wrap.prepare_from_config` fills it after wrapping, each rank its own shards."""
     from transformers import AutoConfig
 
     dtype = DTYPES[cfg.model.dtype]
@@ -47,6 +50,8 @@ def build_base_model(cfg: Config, save_to: Path | None = None) -> nn.Module:
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         check_built_config(family, hf_config, f"{path / 'config.json'}")
         cls = model_class_for(hf_config.model_type)
+        if meta:
+            return _finish(empty_model(cls, hf_config, dtype), dtype)
         model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
         return _finish(model, dtype)
     if cfg.model.config is None:
@@ -65,6 +70,17 @@ def build_base_model(cfg: Config, save_to: Path | None = None) -> nn.Module:
     model = _finish(cls(hf_config).to(dtype), dtype)
     if save_to is not None:
         model.save_pretrained(save_to)
+    return model
+
+
+def empty_model(cls, hf_config, dtype: torch.dtype) -> nn.Module:
+    """``cls`` with parameters on the meta device and buffers computed on the CPU, embeddings tied as the config
+    says (``from_pretrained`` ties after loading; ``_from_config`` does not)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = cls._from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    model.tie_weights()
     return model
 
 
@@ -127,9 +143,14 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     ``enable_input_require_grads`` marks the frozen embedding's output as requiring grad, so checkpointed layers
     see an input that needs gradients (without it the seed's runs trained with grad_norm exactly 0).
     """
-    config = lora_config(cfg, model)
+    init = cfg.lora.init_lora_weights
+    if isinstance(init, str) and init.startswith(DATA_DEPENDENT_INITS) and any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"lora.init_lora_weights: {init!r} computes the adapter from the base weights, which "
+                         "model.path loads only after wrapping (sharded); use true, false or 'gaussian'")
+    torch.manual_seed(cfg.model.seed)  # the same adapter on every rank and for every way the base is built
     try:
-        model = get_peft_model(model, config, autocast_adapter_dtype=True)
+        with adapters_on_cpu(model):
+            model = get_peft_model(model, lora_config(cfg, model), autocast_adapter_dtype=True)
     except ValueError as e:
         raise ValueError(f"lora: {e}") from None
     router = [n for n, p in model.named_parameters() if p.requires_grad and f".{ROUTER}." in n]
@@ -140,3 +161,53 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
                          "from lora.target_modules / target_parameters / modules_to_save")
     model.enable_input_require_grads()
     return model
+
+
+DATA_DEPENDENT_INITS = ("pissa", "corda", "olora", "loftq", "eva", "lora_ga")
+
+
+class adapters_on_cpu:  # a context manager, named like torch.no_grad
+    """peft creates each adapter on the CPU, seeded, then moves it to its base layer's device: for a base on the
+    meta device that would throw the values away. So while peft runs, each meta parameter is stood in for by a
+    CPU tensor of its shape that holds one element (a broadcast view), and put back after. peft's trainable copies
+    (``modules_to_save``) made of stand-ins go to the meta device (the loader fills them) at exit, or at
+    :meth:`drop_copies`, after which an adapter state dict can be loaded into them."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.originals: dict[int, nn.Parameter] = {}
+        self.copies_dropped = False
+
+    def __enter__(self):
+        stand_ins: dict[int, nn.Parameter] = {}
+        for module in self.model.modules():
+            for name, p in module._parameters.items():
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in stand_ins:
+                    stand_in = nn.Parameter(torch.empty((), dtype=p.dtype).expand(p.shape), p.requires_grad)
+                    stand_ins[id(p)], self.originals[id(stand_in)] = stand_in, p
+                module._parameters[name] = stand_ins[id(p)]
+        return self
+
+    def drop_copies(self) -> None:
+        if self.copies_dropped or not self.originals:
+            return
+        self.copies_dropped = True
+        for wrapper in self.model.modules():
+            copies = getattr(wrapper, "modules_to_save", None)
+            if not isinstance(copies, nn.ModuleDict):
+                continue
+            for module in [m for c in copies.values() for m in c.modules()]:
+                for name, p in module._parameters.items():
+                    if p is not None and id(p) not in self.originals:
+                        module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+
+    def __exit__(self, *exc) -> None:
+        self.drop_copies()
+        for module in self.model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in self.originals:
+                    original = self.originals[id(p)]
+                    original.requires_grad_(p.requires_grad)
+                    module._parameters[name] = original

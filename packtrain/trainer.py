@@ -130,7 +130,7 @@ class Trainer:
 
         self.out.mkdir(parents=True, exist_ok=True)
         base_dir = self.out / "base" if cfg.model.config is not None else None
-        model = build_base_model(cfg, save_to=base_dir if self.dist.is_main else None)
+        model = build_base_model(cfg, save_to=base_dir if self.dist.is_main else None, meta=True)
         self.model, self.lm, self.backend = prepare_from_config(model, cfg, self.dist.device,
                                                                 shard=self.dist.enabled)
         self.images = image_loader(cfg, self.model, self.train_examples + (self.eval_examples or []))
@@ -395,6 +395,9 @@ class Trainer:
             total = sum(p.numel() for p in self.lm.parameters())
             self.log(f"  FSDP2 over {self.dist.world_size} ranks: rank 0 holds {local:,} of {total:,} parameter "
                      "elements")
+        report = getattr(self.lm, "load_report", None)
+        if report is not None:
+            self.log(f"  weights: {report.describe()}")
         self.log(f"  {self.total_steps} steps ({self.steps_per_epoch} per epoch, {self.cfg.train.packs_per_step} "
                  f"packs per step), {trainable:,} trainable parameters, output {self.out}")
 

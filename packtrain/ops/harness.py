@@ -25,7 +25,7 @@ def build_lm(cfg, info):
     from packtrain.model import build_base_model
     from packtrain.wrap import prepare_from_config
 
-    model, lm, backend = prepare_from_config(build_base_model(cfg), cfg, info.device, shard=info.enabled)
+    model, lm, backend = prepare_from_config(build_base_model(cfg, meta=True), cfg, info.device, shard=info.enabled)
     return lm, model, backend
 
 

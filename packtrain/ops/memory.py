@@ -283,10 +283,10 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                       math.ceil(n_params * b / W)))
     if W > 1:
         biggest = max(layer_parameters(text, k) for k in set(text["kinds"]))
-        root = V * H * (1 if text["tie_word_embeddings"] else 2) + H
-        # FSDP2 keeps the root module (embedding, lm_head) gathered from forward to backward.
-        terms.append(Term("gathered", "FSDP gathered: 2 decoder layers + root (embedding, lm_head)",
-                          (2 * biggest + root) * b, approx=True))
+        # Decoder layers, the embedding and the head are FSDP units of their own (packtrain.wrap.fsdp_units):
+        # two layers (one running, one prefetched) and one vocabulary matrix at a time; tied, the root holds it.
+        terms.append(Term("gathered", "FSDP gathered: 2 decoder layers + one vocabulary matrix (embedding or head)",
+                          (2 * biggest + V * H + H) * b, approx=True))
     n_lora = lora_parameters(text, lora_r, targets_list, lora_parameters_targets)
     states = {"adamw": 2, "sgd": 1 if momentum else 0}[optimizer]
     terms.append(Term("adapters", f"LoRA: {n_lora / 1e6:.1f}M parameters x (weight, grad, {states} optimizer states)"
