@@ -239,7 +239,7 @@ class _Walk:
             self.dummy_call(grad=True)
 
 
-def train_walk(lm, layout: PackLayout, spec: WalkSpec, scale: float, pad: Schedule, item_len: int,
+def train_walk(lm, layout: PackLayout, spec: WalkSpec, scale: float, pad: Schedule,
                dummy: bool = False) -> WalkResult:
     """Forward and backward of one walked example (gradients accumulate into the parameters, scaled by
     ``scale``); ``pad`` is the schedule every rank issues in this slot (:func:`packtrain.walk_plan.schedule`)."""
@@ -250,6 +250,7 @@ def train_walk(lm, layout: PackLayout, spec: WalkSpec, scale: float, pad: Schedu
     if spec.horizon is None:
         walk.exact(pad)
     else:
+        item_len = int(layout.target_positions[0]) + 1 - walk.p  # the first target is read at |P| + item - 1
         walk.truncated(pad, item_len)
     return WalkResult(walk.total, walk.n_targets)
 
