@@ -55,7 +55,7 @@ def _padded(per_rank: list[list[Unit]], rank: int, filler: Unit) -> list[Unit]:
     target = max(len(u) for u in per_rank)
     mine = per_rank[rank]
     filler = mine[0] if mine else filler
-    return mine + [Unit(filler.prompt, filler.examples[:1], dummy=True)] * (target - len(mine))
+    return mine + [dataclasses.replace(filler, examples=filler.examples[:1], dummy=True)] * (target - len(mine))
 
 
 def rank_units(plan: Plan, pack_ids: list[int], mode: str, rank: int, world: int) -> list[Unit]:

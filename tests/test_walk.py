@@ -195,6 +195,11 @@ def test_every_rank_gets_the_same_walk_slots():
     walked = [u for mine in units for u in mine if u.walk is not None and not u.dummy]
     assert sorted(examples[u.examples[0]].id for u in walked) == ["b", "c"]
     assert all(u.walk == Schedule(7, 7, 7) for mine in units for u in mine if u.walk is not None)  # c: 53 -> 7
+    # one walk in the step: the other rank runs a dummy walk of the same schedule
+    plan = plan_packs(examples[:2] + examples[3:4], 12, 1, "walk", walk=WalkSpec(8, None))
+    units = [rank_units(plan, [0, 1, 2], "standalone", r, 2) for r in range(2)]
+    assert [[(u.dummy, u.walk) for u in mine if u.walk is not None] for mine in units] == \
+        [[(False, Schedule(4, 4, 4))], [(True, Schedule(4, 4, 4))]]
 
 
 def test_walk_config_problems_are_reported_together():
