@@ -23,6 +23,7 @@ window's graph (chunk + horizon), never the whole example's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -122,6 +123,21 @@ def run_window(lm, win: Window) -> WindowOut:
 
 
 # -- the walk ---------------------------------------------------------------------------------------------------
+def _rng_state(device: torch.device):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def _replay(state, device: torch.device):
+    """Draw the random numbers (LoRA dropout) a chunk drew in its no_grad forward again in its recompute, as
+    torch.utils.checkpoint does, so the recomputed chunk is the one whose caches the later chunks read."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
 @dataclass
 class WalkResult:
     loss: float  # the example's mean target loss
@@ -187,8 +203,10 @@ class _Walk:
         self.total += float(first.loss.detach())
         self.store_kv(first, 0)
         bounds = [{i: (t.detach(), s.detach()) for i, (t, s) in first.gdn.items()}]
+        device, rng = self.lay.input_ids.device, []
         with torch.no_grad():
             for a, e in chunks:
+                rng.append(_rng_state(device))
                 out = self.call(a, e, e, self.kv_before(a, leaf=False), bounds[-1])
                 self.store_kv(out, a)
                 bounds.append(out.gdn)
@@ -200,7 +218,8 @@ class _Walk:
             a, e = chunks[c]
             kv_in = self.kv_before(a, leaf=True)
             gdn_in = {i: (t.clone().requires_grad_(), s.clone().requires_grad_()) for i, (t, s) in bounds[c].items()}
-            out = self.call(a, e, a, kv_in, gdn_in)
+            with _replay(rng[c], device):
+                out = self.call(a, e, a, kv_in, gdn_in)
             self.backward(out, {i: (gk[..., a:e, :], gv[..., a:e, :]) for i, (gk, gv) in g_kv.items()}, g_gdn)
             self.total += float(out.loss.detach())
             for i, (k, v) in kv_in.items():

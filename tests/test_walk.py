@@ -158,6 +158,35 @@ def test_activation_checkpointing_changes_nothing(monkeypatch):
     assert all(torch.equal(ga[k.replace("._checkpoint_wrapped_module", "")], g) for k, g in gb.items())
 
 
+def test_dropout_masks_are_replayed_in_the_reverse_pass(monkeypatch):
+    """With LoRA dropout, horizon all is the gradient of the chunks as they ran forward: a recompute that drew new
+    masks would differentiate other caches than the later chunks read. Reference: the same windows in one graph
+    (caches never detached), from the same seed."""
+    from packtrain.walk import Window
+
+    with without_float32_casts(monkeypatch):
+        model = _model([L, F, L], seed=8)
+        for module in model.modules():  # LoRA dropout (peft holds an Identity for dropout 0)
+            if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict):
+                for name in module.lora_dropout:
+                    module.lora_dropout[name] = torch.nn.Dropout(0.3)
+        prefix, (cont,) = random_pack(5, [(12, 30)], seed=8)
+        torch.manual_seed(1)
+        la, ga = walk_run(model, prefix, cont, WalkSpec(10, None))
+        model.zero_grad(set_to_none=True)
+        lm, layout = PackedLM(model), build_standalone_layout(prefix, cont)
+        torch.manual_seed(1)
+        kv, gdn, total = {}, {}, 0.0
+        for s, e in [(0, 5)] + chunk_bounds(5, layout.length - 1, 10):
+            out = lm(Window(layout, s, e, s, kv, gdn, len(cont.target_ids)))
+            kv = {i: (torch.cat([kv[i][0], k], -2), torch.cat([kv[i][1], v], -2)) if i in kv else (k, v)
+                  for i, (k, v) in out.kv.items()}
+            gdn, total = out.gdn, total + out.loss
+        total.backward()
+        gb = trainable_grads(model)
+    _check(la, ga, float(total), gb, 1e-12, 1e-10)
+
+
 # -- plan and units (no model) ----------------------------------------------------------------------------------
 def ex(id, length, prefix=(1, 2, 3, 4), item=None):
     item = length - 1 if item is None else item
