@@ -67,7 +67,7 @@ class DataConfig:
 class WalkConfig:
     chunk: int = 2048  # positions per chunk of a walked example
     # tokens the gradient flows back before each chunk's start, or `all` (exact); packtrain/walk_plan.py
-    horizon: Union[int, Literal["all"]] = "all"
+    horizon: int | Literal["all"] = "all"
 
 
 @dataclass

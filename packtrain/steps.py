@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from packtrain.layout import Continuation, PackLayout, build_pack_layout, build_standalone_layout
 from packtrain.planner import Plan, epoch_order
-from packtrain.walk_plan import Schedule
 from packtrain.vision import ImageLoader
+from packtrain.walk_plan import Schedule
 
 
 @dataclass(frozen=True)

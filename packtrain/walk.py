@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -166,7 +167,7 @@ class _Walk:
     def store_kv(self, out: WindowOut, start: int) -> None:
         for i, (k, v) in out.kv.items():
             if i not in self.kv_all:
-                shape = lambda t: t.shape[:-2] + (self.end, t.shape[-1])  # noqa: E731
+                shape = lambda t: t.shape[:-2] + (self.end, t.shape[-1])
                 self.kv_all[i] = (k.new_zeros(shape(k)), v.new_zeros(shape(v)))
             n = k.shape[-2]
             self.kv_all[i][0][..., start:start + n, :] = k.detach()
@@ -242,7 +243,7 @@ class _Walk:
         wins = [] if self.dummy else windows(p, item_len, length, spec, self.frozen)
         states: dict[int, GDN] = {0: {}}
         with torch.no_grad():  # losses counted here only where no window computes them: P's under frozen
-            for s, e in zip(points, points[1:]):
+            for s, e in itertools.pairwise(points):
                 loss_from = 0 if (self.frozen and e <= p) else e
                 out = self.call(s, e, loss_from, self.kv_before(s, leaf=False), states[s])
                 self.total += float(out.loss.detach())

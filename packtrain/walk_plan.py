@@ -41,7 +41,7 @@ class Schedule:
     forwards: int
     backwards: int
 
-    def pad(self, other: "Schedule") -> "Schedule":
+    def pad(self, other: Schedule) -> Schedule:
         return Schedule(max(self.chunks, other.chunks), max(self.forwards, other.forwards),
                         max(self.backwards, other.backwards))
 

@@ -15,6 +15,8 @@ differs: chunk boundaries, the loss summed per window); the leaks (a constant ca
 import pytest
 import torch
 import torch.nn.functional as F_
+from parity import rel, standalone_run, trainable_grads, without_float32_casts
+from tiny_models import random_pack, tiny_lora_model
 
 from packtrain import context as context_module
 from packtrain.data import Example
@@ -26,8 +28,6 @@ from packtrain.planner import plan_packs, plan_stats
 from packtrain.steps import rank_units
 from packtrain.walk import train_walk
 from packtrain.walk_plan import Schedule, WalkSpec, chunk_bounds, schedule
-from parity import rel, standalone_run, trainable_grads, without_float32_casts
-from tiny_models import random_pack, tiny_lora_model
 
 L, F = "linear_attention", "full_attention"
 # (P, item, target, chunk, layer types)

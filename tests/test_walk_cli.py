@@ -5,9 +5,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from cli_helpers import run_cli, run_distributed, write_config
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
