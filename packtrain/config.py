@@ -64,11 +64,21 @@ class DataConfig:
 
 
 @dataclass
+class WalkConfig:
+    chunk: int = 2048  # positions per chunk of a walked example
+    # tokens the gradient flows back before each chunk's start, or `all` (exact); packtrain/walk_plan.py
+    horizon: int | Literal["all"] = "all"
+
+
+@dataclass
 class PackingConfig:
     mode: Literal["shared_prefix", "standalone"] = "shared_prefix"
     token_budget: int = 150_000  # positions per pack: len(P) + sum of continuation lengths
     max_continuations: int = 90
-    on_overflow: Literal["error", "skip"] = "error"  # an example whose P + continuation alone exceeds the budget
+    # An example whose P + continuation alone exceeds the budget: error, skip (counted), or walk: trained chunk by
+    # chunk on top of P with gradient horizon walk.horizon (packtrain/walk.py)
+    on_overflow: Literal["error", "skip", "walk"] = "error"
+    walk: WalkConfig = field(default_factory=WalkConfig)
     # What the gradient does with the shared prefix P (packtrain/context.py, docs/design.md): full = exact gradient
     # through P; kv_only = forward unchanged, gradient cut at P's rows of every decoder-layer input; frozen = P under
     # no_grad, continuations read its K/V, GDN state and conv tail as constants.
@@ -171,6 +181,15 @@ class Config:
         path = Path(p).expanduser()
         return path if path.is_absolute() else (Path(self.base_dir) / path)
 
+    def walk_spec(self):
+        """The walk's settings (packtrain.walk_plan.WalkSpec), None unless packing.on_overflow is walk."""
+        from packtrain.walk_plan import WalkSpec
+
+        w = self.packing.walk
+        if self.packing.on_overflow != "walk":
+            return None
+        return WalkSpec(w.chunk, None if w.horizon == "all" else w.horizon)
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("base_dir")
@@ -181,6 +200,8 @@ class Config:
 _BOUNDS = [
     ("packing.token_budget", lambda v: v >= 2, "must be at least 2"),
     ("packing.max_continuations", lambda v: v >= 1, "must be at least 1"),
+    ("packing.walk.chunk", lambda v: v >= 1, "must be at least 1"),
+    ("packing.walk.horizon", lambda v: v == "all" or v >= 0, "must be >= 0 tokens or all"),
     ("lora.r", lambda v: v >= 1, "must be at least 1"),
     ("lora.dropout", lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
     ("optim.lr", lambda v: v > 0, "must be positive"),
@@ -290,6 +311,8 @@ def _validate(cfg: Config) -> list[str]:
         value = _get(cfg, path)
         if value is not None and not ok(value):
             problems.append(f"{path}: {msg}, got {value!r}")
+    if cfg.packing.on_overflow == "walk" and cfg.packing.context_grad == "kv_only":
+        problems.append("packing.on_overflow: walk needs packing.context_grad full or frozen, not kv_only")
     if cfg.model.path is not None and cfg.model.config is not None:
         problems.append("model: give either model.path or model.config, not both")
     if cfg.lora.target_parameters and cfg.lora.dropout > 0:

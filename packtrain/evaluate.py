@@ -10,20 +10,29 @@ from packtrain.forward import PackedLM
 from packtrain.planner import Plan
 from packtrain.steps import rank_units, unit_layout
 from packtrain.vision import ImageLoader
+from packtrain.walk import eval_walk
+from packtrain.walk_plan import WalkSpec
 
 
 @torch.no_grad()
 def evaluate(lm: PackedLM, plan: Plan, examples, mode: str, info: DistInfo, progress=None,
-             images: ImageLoader | None = None) -> list[dict]:
-    """``[{"id", "loss", "target_tokens"}]`` in example order (on every rank), skipped examples left out."""
+             images: ImageLoader | None = None, walk: WalkSpec | None = None) -> list[dict]:
+    """``[{"id", "loss", "target_tokens"}]`` in example order (on every rank), skipped examples left out; walked
+    examples (``walk``: the run's settings) chunk by chunk."""
     was_training = lm.training
     lm.eval()
     results: dict[int, tuple[float, int]] = {}
     units = rank_units(plan, list(range(len(plan.packs))), mode, info.rank, info.world_size)
     for unit in units:
-        out = lm(unit_layout(unit, plan, examples, mode, images).to(info.device))
+        layout = unit_layout(unit, plan, examples, mode, images).to(info.device)
+        if unit.walk is not None:
+            r = eval_walk(lm, layout, walk, unit.walk.chunks, unit.dummy)
+            losses, counts = [r.loss], [r.target_tokens]
+        else:
+            out = lm(layout)
+            losses, counts = out.per_example.tolist(), out.target_tokens.tolist()
         if not unit.dummy:
-            for e, loss, n in zip(unit.examples, out.per_example.tolist(), out.target_tokens.tolist()):
+            for e, loss, n in zip(unit.examples, losses, counts):
                 results[e] = (loss, n)
         if progress is not None:
             progress.update(1)

@@ -18,6 +18,7 @@ from torch import nn
 from packtrain.context import ContextGrad
 from packtrain.layout import PackLayout
 from packtrain.model_patch import LAYOUT_KWARG, model_body, packed_positions, text_parts, unwrap
+from packtrain.walk import Window, run_window
 
 
 @dataclass
@@ -80,6 +81,8 @@ class PackedLM(nn.Module):
         return body(input_ids=layout.input_ids, **kwargs)
 
     def forward(self, layout: PackLayout) -> LossOutput:
+        if isinstance(layout, Window):  # one window of a walked example (packtrain.walk)
+            return run_window(self, layout)
         text_model, lm_head = text_parts(self.model)
         device = text_model.embed_tokens.weight.device
         if layout.input_ids.device != device:

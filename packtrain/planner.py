@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from packtrain.walk_plan import Schedule, WalkSpec, schedule
+
 
 class PlanError(ValueError):
     """Data that cannot be planned, e.g. an example longer than the token budget on its own."""
@@ -33,6 +35,7 @@ class Pack:
     prompt: int  # index into Plan.prompts
     examples: tuple[int, ...]  # indices into the examples, in the order they are laid out after P
     positions: int  # len(P) + sum of the continuation lengths
+    walk: Schedule | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
 
 
 @dataclass
@@ -95,17 +98,22 @@ def plan_packs(
     max_continuations: int,
     on_overflow: str = "error",
     seed: int = 0,
+    walk: WalkSpec | None = None,
+    frozen: bool = False,
 ) -> Plan:
-    """Packs for ``examples`` (anything with prefix_ids, item_ids and target_ids tuples or lists, e.g. Example)."""
+    """Packs for ``examples`` (anything with prefix_ids, item_ids and target_ids tuples or lists, e.g. Example).
+    With ``on_overflow="walk"`` each over-budget example is a pack of its own with its walk ``Schedule``."""
     if not examples:
         raise PlanError("no examples to plan")
+    if on_overflow == "walk" and walk is None:
+        raise ValueError("on_overflow='walk' needs the walk's settings (walk=WalkSpec)")
     packs: list[Pack] = []
     prompts: list[tuple[int, ...]] = []
     skipped: list[int] = []
     groups = _group_by_prompt(examples)
     for prefix in sorted(groups):
         capacity = token_budget - len(prefix)
-        fitting = []
+        fitting, walked = [], []
         for i in groups[prefix]:
             ex = examples[i]
             length = len(ex.item_ids) + len(ex.target_ids)
@@ -113,11 +121,21 @@ def plan_packs(
                 fitting.append((-length, ex.item_ids, ex.target_ids, str(getattr(ex, "id", "")), i))
             elif on_overflow == "skip":
                 skipped.append(i)
+            elif on_overflow == "walk":
+                if getattr(ex, "images", ()):
+                    raise PlanError(f"{_where(ex, i)} is over packing.token_budget={token_budget} and has images: "
+                                    "the walk takes text-only examples")
+                walked.append((str(getattr(ex, "id", "")), i, length))
             else:
                 raise PlanError(f"{_where(ex, i)} needs {len(prefix) + length} positions (P {len(prefix)} + "
                                 f"continuation {length}), over packing.token_budget={token_budget}; raise the "
                                 "budget or set packing.on_overflow=skip")
+        for _, i, length in sorted(walked):
+            sched = schedule(len(prefix), len(examples[i].item_ids), length, walk, frozen)
+            packs.append(Pack(len(prompts), (i,), len(prefix) + length, sched))
         if not fitting:
+            if walked:
+                prompts.append(prefix)
             continue
         fitting.sort()
         order = [key[-1] for key in fitting]
@@ -150,11 +168,21 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
 
     Standalone, each example is its own sequence P + C. Packed, a continuation of length c after P attends to P
     and to itself: c * len(P) + c(c+1)/2 pairs, and P's own pairs are counted once per pack. The median of
-    continuations per pack is the lower median, so an integer like the rest.
+    continuations per pack is the lower median, so an integer like the rest. A walked example computes its own
+    sequence once, chunk by chunk (the same positions and pairs in both columns); it is counted apart from the packs
+    (``walked``, ``walk_chunks``) and not in the per-pack or budget figures.
     """
     per_pack = []
-    positions_standalone = pairs_standalone = pairs_packed = 0
+    positions_standalone = pairs_standalone = pairs_packed = walk_positions = 0
+    walks = [pack for pack in plan.packs if pack.walk is not None]
+    for pack in walks:
+        positions_standalone += pack.positions
+        pairs_standalone += _pairs(pack.positions)
+        pairs_packed += _pairs(pack.positions)
+        walk_positions += pack.positions
     for pack in plan.packs:
+        if pack.walk is not None:
+            continue
         p = len(plan.prompts[pack.prompt])
         pairs_packed += _pairs(p)
         for i in pack.examples:
@@ -166,15 +194,17 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         per_pack.append(len(pack.examples))
     positions_packed = sum(pack.positions for pack in plan.packs)
     return {
-        "examples": sum(per_pack),
+        "examples": sum(per_pack) + len(walks),
         "skipped": len(plan.skipped),
+        "walked": len(walks),
+        "walk_chunks": sum(pack.walk.chunks for pack in walks),
         "prompts": len(plan.prompts),
-        "packs": len(plan.packs),
-        "continuations_min": min(per_pack),
-        "continuations_median": statistics.median_low(per_pack),
-        "continuations_max": max(per_pack),
+        "packs": len(per_pack),
+        "continuations_min": min(per_pack, default=0),
+        "continuations_median": statistics.median_low(per_pack) if per_pack else 0,
+        "continuations_max": max(per_pack, default=0),
         "token_budget": plan.token_budget,
-        "budget_utilisation": positions_packed / (len(plan.packs) * plan.token_budget),
+        "budget_utilisation": (positions_packed - walk_positions) / max(len(per_pack) * plan.token_budget, 1),
         "positions_standalone": positions_standalone,
         "positions_packed": positions_packed,
         "position_ratio": positions_standalone / positions_packed,

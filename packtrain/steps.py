@@ -4,17 +4,21 @@ A step takes ``train.packs_per_step`` packs (global, across ranks) in the epoch'
 packs r, r+world, ... of the step. A *unit* is one forward/backward: a whole pack in shared-prefix mode, one
 example in standalone mode (so both modes see the same examples per update). Every rank runs the same number
 of units per step, padding with dummy units (real inputs, loss scaled by zero): FSDP's collectives deadlock
-when one rank makes fewer calls than another.
+when one rank makes fewer calls than another. A walked example (``packing.on_overflow: walk``) is a unit of its
+own in both modes; each rank runs its packs first, then its walks, and every walk slot is padded to the same
+schedule on every rank (dummy walks and dummy chunks), so all ranks issue the same sequence of calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from packtrain.layout import Continuation, PackLayout, build_pack_layout, build_standalone_layout
 from packtrain.planner import Plan, epoch_order
 from packtrain.vision import ImageLoader
+from packtrain.walk_plan import Schedule
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class Unit:
     prompt: int
     examples: tuple[int, ...]
     dummy: bool = False
+    walk: Schedule | None = None  # a walked example: the schedule every rank issues in its slot
 
 
 def steps_per_epoch(plan: Plan, packs_per_step: int) -> int:
@@ -37,20 +42,36 @@ def _units(plan: Plan, pack_ids: list[int], mode: str) -> list[Unit]:
     units = []
     for i in pack_ids:
         pack = plan.packs[i]
-        if mode == "shared_prefix":
+        if pack.walk is not None:
+            units.append(Unit(pack.prompt, pack.examples, walk=pack.walk))
+        elif mode == "shared_prefix":
             units.append(Unit(pack.prompt, pack.examples))
         else:
             units.extend(Unit(pack.prompt, (e,)) for e in pack.examples)
     return units
 
 
-def rank_units(plan: Plan, pack_ids: list[int], mode: str, rank: int, world: int) -> list[Unit]:
-    per_rank = [_units(plan, pack_ids[r::world], mode) for r in range(world)]
+def _padded(per_rank: list[list[Unit]], rank: int, filler: Unit) -> list[Unit]:
     target = max(len(u) for u in per_rank)
     mine = per_rank[rank]
-    if len(mine) < target:
-        filler = mine[0] if mine else _units(plan, pack_ids[:1], mode)[0]
-        mine = mine + [Unit(filler.prompt, filler.examples[:1], dummy=True)] * (target - len(mine))
+    filler = mine[0] if mine else filler
+    return mine + [dataclasses.replace(filler, examples=filler.examples[:1], dummy=True)] * (target - len(mine))
+
+
+def rank_units(plan: Plan, pack_ids: list[int], mode: str, rank: int, world: int) -> list[Unit]:
+    per_rank = [_units(plan, pack_ids[r::world], mode) for r in range(world)]
+    packs = [[u for u in units if u.walk is None] for units in per_rank]
+    walks = [[u for u in units if u.walk is not None] for units in per_rank]
+    mine = []
+    if any(packs):
+        mine += _padded(packs, rank, next(u for units in packs for u in units))
+    if any(walks):
+        slots = _padded(walks, rank, next(u for units in walks for u in units))
+        for k, unit in enumerate(slots):  # every rank's walk in slot k runs the largest schedule of that slot
+            pad = unit.walk
+            for units in walks:
+                pad = pad.pad(units[k].walk) if k < len(units) else pad
+            mine.append(dataclasses.replace(unit, walk=pad))
     return mine
 
 
@@ -69,7 +90,7 @@ def unit_layout(unit: Unit, plan: Plan, examples, mode: str, images: ImageLoader
         raise ValueError(f"{chosen[0].source}: examples with images need a vision-language model and an image "
                          "processor")
     spec = images.spec if images is not None else None
-    if mode == "shared_prefix":
+    if mode == "shared_prefix" and unit.walk is None:
         layout = build_pack_layout(prefix, conts, spec)
     else:
         (cont,) = conts

@@ -39,6 +39,7 @@ from packtrain.preemption import StopSignals
 from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
 from packtrain.stops import NonFiniteError, Preempted
 from packtrain.vision import ImageLoader, load_image_processor
+from packtrain.walk import train_walk
 from packtrain.wrap import prepare_from_config
 
 
@@ -67,7 +68,8 @@ CUT_OFF = ("the adapters are cut off from the loss: frozen embeddings without en
 
 def plan_for(cfg: Config, examples) -> Plan:
     p = cfg.packing
-    return plan_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed)
+    return plan_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed,
+                      walk=cfg.walk_spec(), frozen=p.context_grad == "frozen")
 
 
 def image_loader(cfg: Config, model, examples) -> ImageLoader | None:
@@ -117,6 +119,7 @@ class Trainer:
     def _setup(self, cfg: Config, resume: bool) -> None:
         check_model(cfg)  # an unsupported model family or layer type is refused before any data is read
         self.mode = cfg.packing.mode
+        self.walk = cfg.walk_spec()
         self.train_examples = load_split(cfg, "train")
         if self.train_examples is None:
             raise ValueError("data.train: not set")
@@ -222,7 +225,7 @@ class Trainer:
             code, layout = OK, None
             try:
                 layout = unit_layout(unit, self.plan, self.train_examples, self.mode, self.images)
-                if cap is not None and layout.length > cap:
+                if cap is not None and unit.walk is None and layout.length > cap:
                     code = SKIP
             except self.skippable:
                 code = SKIP
@@ -252,17 +255,20 @@ class Trainer:
         for unit, layout, skipped in zip(units, layouts, skip):
             if skipped or n_examples == 0:
                 continue
-            out = self.lm(layout.to(info.device))
-            if not out.loss_sum.requires_grad:
-                raise ZeroGradientError(CUT_OFF + " (the loss does not require grad at all)")
             # FSDP averages gradients over ranks; the world factor turns that average into the global sum.
             scale = 0.0 if unit.dummy else info.world_size / n_examples
             if finite.injected_nan(info.rank, self.step + 1):
                 scale = math.nan
-            (out.loss_sum * scale).backward()
+            if unit.walk is not None:  # an over-budget example, chunk by chunk; backward inside (packtrain/walk.py)
+                loss = train_walk(self.lm, layout.to(info.device), self.walk, scale, unit.walk, unit.dummy).loss
+            else:
+                out = self.lm(layout.to(info.device))
+                if not out.loss_sum.requires_grad:
+                    raise ZeroGradientError(CUT_OFF + " (the loss does not require grad at all)")
+                (out.loss_sum * scale).backward()
+                loss = out.per_example.sum().item()
             if not unit.dummy:
-                totals += torch.tensor([out.per_example.sum().item(), layout.length], dtype=torch.float64,
-                                       device=info.device)
+                totals += torch.tensor([loss, layout.length], dtype=torch.float64, device=info.device)
         all_reduce_sum(totals, info)
         grad_norm, lr = 0.0, self.scheduler.get_last_lr()[0]
         loss = float(totals[0]) / n_examples if n_examples else None
@@ -323,7 +329,8 @@ class Trainer:
         bar = tqdm(total=None, desc="eval", unit="unit", leave=False,  # a terminal only: it would litter logs
                    disable=not (info.is_main and self.cfg.logging.progress and sys.stderr.isatty()))
         rows = evaluate(self.lm, self.eval_plan, self.eval_examples, self.mode, info, images=self.images,
-                        progress=_Beating(bar, lambda: self.ops.progress(f"eval unit at step {self.step}")))
+                        progress=_Beating(bar, lambda: self.ops.progress(f"eval unit at step {self.step}")),
+                        walk=self.walk)
         bar.close()
         loss = mean_loss(rows)
         if not finite.is_finite(loss):  # the same on every rank: the rows are gathered everywhere
@@ -390,6 +397,9 @@ class Trainer:
                  f"world size {self.dist.world_size}, dtype {self.cfg.model.dtype}")
         self.log(f"  {describe_model(self.model)}")
         self.log(f"  context_grad {self.lm.context.describe()}")
+        if self.walk is not None:
+            self.log(f"  on_overflow {self.walk.describe()}: {s['walked']} examples over the budget in "
+                     f"{s['walk_chunks']} chunks")
         if self.dist.enabled:
             local = sum(getattr(p, "_local_tensor", p).numel() for p in self.lm.parameters())
             total = sum(p.numel() for p in self.lm.parameters())

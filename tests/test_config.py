@@ -41,7 +41,7 @@ def test_exponent_without_a_dot_is_a_float(tmp_path):
 
 def test_unknown_key():
     assert problems_of({"packing": {"token_budgett": 10}}) == [
-        "packing.token_budgett: unknown key (known: context_grad, max_continuations, mode, on_overflow, token_budget)"
+        "packing.token_budgett: unknown key (known: context_grad, max_continuations, mode, on_overflow, token_budget, walk)"
     ]
 
 
@@ -60,7 +60,7 @@ def test_bool_is_not_an_int():
 
 def test_value_outside_a_literal():
     assert problems_of({"packing": {"on_overflow": "ignore"}}) == [
-        "packing.on_overflow: expected 'error' | 'skip', got 'ignore'"
+        "packing.on_overflow: expected 'error' | 'skip' | 'walk', got 'ignore'"
     ]
 
 
@@ -81,7 +81,7 @@ def test_several_problems_are_listed_together(tmp_path):
         load_config(path)
     assert sorted(e.value.problems) == sorted([
         "packing.max_continuations: expected int, got 'many'",
-        "packing.colour: unknown key (known: context_grad, max_continuations, mode, on_overflow, token_budget)",
+        "packing.colour: unknown key (known: context_grad, max_continuations, mode, on_overflow, token_budget, walk)",
         "packing.token_budget: must be at least 2, got 1",
         "train.epochs: must be at least 1, got 0",
     ])

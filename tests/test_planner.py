@@ -163,6 +163,8 @@ def test_stats_of_a_small_plan():
     assert plan_stats(plan, examples) == {
         "examples": 3,
         "skipped": 0,
+        "walked": 0,
+        "walk_chunks": 0,
         "prompts": 1,
         "packs": 2,
         "continuations_min": 1,

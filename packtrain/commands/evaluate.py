@@ -35,7 +35,7 @@ def run_eval(args) -> int:
         backend = select_backend(cfg.model.kernels, info.device)
         lm = PackedLM(patch_model(model, backend), cfg.packing.context_grad).to(info.device)
         rows = evaluate(lm, plan_for(cfg, examples), examples, cfg.packing.mode, info,
-                        images=image_loader(cfg, model, examples))
+                        images=image_loader(cfg, model, examples), walk=cfg.walk_spec())
         if info.is_main:
             out = Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)

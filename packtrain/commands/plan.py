@@ -37,6 +37,8 @@ def format_table(stats: dict, title: str) -> str:
         f"  prompts    {s['prompts']:,}",
         f"  packs      {s['packs']:,}  (continuations per pack: {per_pack})",
         f"  budget     {s['token_budget']:,} positions per pack, {s['budget_utilisation']:.1%} used",
+        *([f"  walked     {s['walked']:,} examples over the budget, in {s['walk_chunks']:,} chunks"]
+          if s.get("walked") else []),
         "",
         f"  {'':<17}{'standalone':>{width}}{'packed':>{width}}{'ratio':>9}",
     ]
@@ -52,7 +54,8 @@ def run_plan(args) -> int:
         raise ConfigError(["data.train: not set (the training data to plan)"], args.config)
     examples = load_split(cfg, "train")
     packing = cfg.packing
-    plan = plan_packs(examples, packing.token_budget, packing.max_continuations, packing.on_overflow, cfg.train.seed)
+    plan = plan_packs(examples, packing.token_budget, packing.max_continuations, packing.on_overflow, cfg.train.seed,
+                      walk=cfg.walk_spec(), frozen=packing.context_grad == "frozen")
     stats = plan_stats(plan, examples)
     if args.world_size < 1:
         raise ValueError(f"--world-size: must be at least 1, got {args.world_size}")

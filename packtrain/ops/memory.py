@@ -22,6 +22,8 @@ workspace, and FSDP's gathered weights. They depend on kernels; use ``packtrain 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -351,7 +353,9 @@ def frozen_prefix_terms(text: dict, prefix: int, b: int) -> list[Term]:
 
 def largest_unit(plan, examples, mode: str, max_positions: int | None = None) -> tuple[int, tuple[int, ...]]:
     """(prompt, example ids) of what one forward holds at most: the pack with the most positions (shared_prefix),
-    or the longest single example (standalone); units over ``train.max_positions`` are skipped in training."""
+    or the longest single example (standalone); units over ``train.max_positions`` are skipped in training. Walked
+    examples (``packing.on_overflow: walk``) hold one chunk's window at a time, so a plan's packs come first."""
+    plan = dataclasses.replace(plan, packs=[p for p in plan.packs if p.walk is None] or plan.packs)
     if mode == "shared_prefix":
         units = [(p.positions, (p.prompt, p.examples)) for p in plan.packs]
     else:
