@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from packtrain.layout import PackLayout
-from packtrain.model_patch import text_parts
+from packtrain.model_patch import packed_positions, text_parts
 from packtrain.walk_plan import Schedule, WalkSpec, chunk_bounds, cuts, windows
 
 KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention layer -> (keys, values) [1, G, positions, D]
@@ -113,7 +113,8 @@ def run_window(lm, win: Window) -> WindowOut:
     mask = torch.cat([own.new_ones(e - s, s), own], dim=1)[None, None]
     body = dataclasses.replace(lay, input_ids=lay.input_ids[:, s:e], image_grid_thw=None, pixel_values=None,
                                _cache={})
-    hidden = lm.run_body(body, cache=cache, use_cache=True, position_ids=lay.position_ids[..., s:e],
+    positions = packed_positions(lm.model, lay)[..., s:e]  # M-RoPE [4, 1, T] or 1-D [1, T] by family
+    hidden = lm.run_body(body, cache=cache, use_cache=True, position_ids=positions,
                          attention_mask={"full_attention": mask, "linear_attention": None}).last_hidden_state
     pos = lay.target_positions
     chosen = ((pos >= win.loss_from) & (pos < e)).nonzero()[:, 0]

@@ -17,7 +17,7 @@ import torch
 
 from packtrain.kernels import Backend
 from packtrain.model_patch import patch_model
-from parity import compare, hf_losses, without_float32_casts
+from parity import compare, hf_losses, standalone_run, without_float32_casts
 from tiny_models import random_pack, tiny_family_model
 
 L, F = "linear_attention", "full_attention"
@@ -88,6 +88,23 @@ def test_context_grad_modes_per_family(case, mode, monkeypatch):
         d = compare(_model(model_type, layer_types), prefix, conts, context_grad=mode)
     assert d.loss < 1e-13, d
     assert d.grad < 5e-7, d
+
+
+@pytest.mark.parametrize("case", [1, 2, 4], ids=[IDS[i] for i in (1, 2, 4)])
+def test_walk_horizon_all_per_family(case, monkeypatch):
+    """The walk (packing.on_overflow: walk) on each family == the whole example standalone. 1-D RoPE families take
+    row 0 of the positions (given the M-RoPE rows, qwen3 and qwen3_next raised)."""
+    from test_walk import _check, walk_run
+
+    from packtrain.walk_plan import WalkSpec
+
+    model_type, layer_types, _, _ = CASES[case]
+    prefix, (cont,) = random_pack(3, [(20, 30)], seed=3)
+    with without_float32_casts(monkeypatch):
+        model = _model(model_type, layer_types)
+        la, ga = walk_run(model, prefix, cont, WalkSpec(16, None))
+        (lb,), gb = standalone_run(model, prefix, [cont])
+    _check(la, ga, lb, gb, 1e-12, 1e-10)
 
 
 def test_moe_trains_experts_and_shared_expert_not_router():

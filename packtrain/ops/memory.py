@@ -23,7 +23,6 @@ workspace, and FSDP's gathered weights. They depend on kernels; use ``packtrain 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 
