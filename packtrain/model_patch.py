@@ -22,8 +22,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from packtrain.attention import ATTN_NAME, packtrain_attention
 from packtrain.gdn import packed_gdn_forward
 from packtrain.kernels import Backend
+from packtrain.kernels.hf_route import route_unpacked_kernels
 
 LAYOUT_KWARG = "packtrain_pack"
+
+# Every unpacked forward packtrain runs goes through a model this module patches or imports: route transformers'
+# unpacked GDN kernels on CPU to its torch fallbacks once, here (see packtrain/kernels/hf_route.py).
+route_unpacked_kernels()
 
 
 class UnsupportedModelError(ValueError):
