@@ -25,10 +25,11 @@ def tiny_text_config(layer_types, vocab=97, **over) -> Qwen3_5TextConfig:
     return Qwen3_5TextConfig(**kw)
 
 
-def tiny_lora_model(layer_types, dtype=torch.float64, seed=0, targets=ALL_PROJECTIONS):
-    """A random model with random LoRA A *and* B (so adapters change the output and get real gradients)."""
+def tiny_lora_model(layer_types, dtype=torch.float64, seed=0, targets=ALL_PROJECTIONS, **config):
+    """A random model with random LoRA A *and* B (so adapters change the output and get real gradients).
+    ``config``: overrides of :func:`tiny_text_config`."""
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(tiny_text_config(layer_types)).to(dtype)
+    model = Qwen3_5ForCausalLM(tiny_text_config(layer_types, **config)).to(dtype)
     with torch.no_grad():  # larger weights than the default init so every route matters at float64 scale
         for name, p in model.named_parameters():
             if p.dim() == 2:
