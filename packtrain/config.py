@@ -47,8 +47,8 @@ class ModelConfig:
     config: dict | None = None  # or a transformers config dict, randomly initialised from `seed`
     seed: int = 0
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
-    # Kernels for the packed forward: torch (CPU reference, also runs on CUDA) or fla (CUDA: fla + FlexAttention).
-    # `auto` picks fla on CUDA when fla imports, else torch; the choice is always printed.
+    # Kernels for the packed forward: torch (CPU reference, also runs on CUDA) or fla (CUDA: fla + FlexAttention;
+    # CPU only under TRITON_INTERPRET=1). `auto` picks fla on CUDA when fla imports, else torch; always printed.
     kernels: Literal["auto", "torch", "fla"] = "auto"
 
 

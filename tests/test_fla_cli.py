@@ -6,10 +6,9 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from cli_helpers import TINY_MODEL, run_cli, write_config
 from fla_interp import needs_interpreter
+from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, needs_interpreter]
 

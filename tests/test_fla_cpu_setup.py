@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-import packtrain.kernels as kernels
 import packtrain.model_patch  # noqa: F401 (installs the routing)
+from packtrain import kernels
 from packtrain.kernels import Backend, hf_route, interpreter, select_backend, torch_ref
 
 

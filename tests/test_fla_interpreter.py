@@ -2,10 +2,9 @@
 pure-torch reference computed one sequence at a time: the gated delta rule with ``cu_seqlens``, a per-sequence
 ``initial_state`` and its gradient (dh0); the varlen causal conv. Skipped where fla is not installed."""
 
-import pytest
 import torch
-
 from fla_interp import fla_cpu_backend, needs_interpreter
+
 from packtrain.kernels import torch_ref
 
 pytestmark = needs_interpreter

@@ -5,19 +5,19 @@ same check. Skipped where fla is not installed."""
 
 import pytest
 import torch
-
 from fla_interp import fla_cpu_backend, needs_interpreter
-from mutations import MUTATIONS, break_plumbing
+from mutations import MUTATIONS, break_plumbing, long_memory_model
+from parity import packed_run, rel, standalone_run
+from tiny_models import random_pack
+
 from packtrain.kernels import Backend
 from packtrain.model_patch import patch_model
-from parity import packed_run, rel, standalone_run
-from tiny_models import random_pack, tiny_lora_model
 
 pytestmark = needs_interpreter
 
 L, F = "linear_attention", "full_attention"
 # One GDN key head, two value heads: grouped heads kept, half the interpreted programs of the default tiny model.
-SMALL_GDN = dict(linear_num_key_heads=1, linear_num_value_heads=2)
+SMALL_GDN = {"linear_num_key_heads": 1, "linear_num_value_heads": 2}
 # (P length, continuations as (item, target) lengths). fla's chunk is 64 tokens, the conv width 4.
 PACKS = {
     # P of one token (the conv tail is mostly the zero row); one-token continuations; 63/64/65-token ones
@@ -40,13 +40,7 @@ GRAD_BOUND = 5e-5
 
 
 def _model(backend: Backend) -> torch.nn.Module:
-    model = tiny_lora_model([L, F], dtype=torch.float32, seed=3, **SMALL_GDN)
-    with torch.no_grad():  # slow decay (g ~ -0.03 per token, as in trained long-memory heads; the random init
-        # forgets within a token or two), so the state a continuation inherits from P shows in its loss
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.uniform_(-4.0, -3.0)
-    return patch_model(model, backend)
+    return patch_model(long_memory_model([L, F], dtype=torch.float32, seed=3, **SMALL_GDN), backend)
 
 
 def _diffs(run, ref) -> tuple[float, float]:

@@ -20,7 +20,6 @@ from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 from packtrain.layout import PackLayout
 
 
-
 def _conv(x_1TC, weight_CW, bias_C, cu_seqlens=None):
     out = causal_conv1d(x=x_1TC, weight=weight_CW, bias=bias_C, activation="silu", cu_seqlens=cu_seqlens)
     return out[0] if isinstance(out, tuple) else out

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention as _flex_attention
+from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 
 from packtrain.layout import PackLayout, shared_prefix_allowed
 

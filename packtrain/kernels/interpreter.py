@@ -55,7 +55,7 @@ def _loop_variables_as_tensors(base):
 class _GridPatch:
     """The language patches of one running grid (its own scope, then any a device function added)."""
 
-    active: "_GridPatch | None" = None
+    active: _GridPatch | None = None
 
     def __init__(self, patch_lang, fn):
         self.patch_lang = patch_lang
@@ -101,21 +101,22 @@ def _patch_lang_once_per_grid(patch_lang):
 
 def _check_fla_interpreted() -> None:
     """fla imported before TRITON_INTERPRET was set holds compiled kernels that cannot run on CPU."""
+    from fla.ops.common import chunk_delta_h
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    from fla.ops.common import chunk_delta_h
-
-    for obj in vars(chunk_delta_h).values():
+    def kernel(obj):
         while hasattr(obj, "fn") and not isinstance(obj, (InterpretedFunction, JITFunction)):
             obj = obj.fn  # autotuner / heuristics wrappers
-        if isinstance(obj, JITFunction):
-            raise ValueError("fla was imported before TRITON_INTERPRET=1 was set, so its kernels are compiled for a GPU: "
-                             "set TRITON_INTERPRET=1 in the environment before starting the process")
+        return obj
+
+    if any(isinstance(kernel(obj), JITFunction) for obj in vars(chunk_delta_h).values()):
+        raise ValueError("fla was imported before TRITON_INTERPRET=1 was set, so its kernels are compiled for a GPU: "
+                         "set TRITON_INTERPRET=1 in the environment before starting the process")
 
 
 def apply() -> None:
-    """Install both shims (idempotent). Call only with the interpreter on, before the first fla kernel runs."""
+    """Install the shims (idempotent). Call only with the interpreter on, before the first fla kernel runs."""
     global _applied
     if _applied:
         return
