@@ -270,6 +270,8 @@ def _validate(cfg: Config) -> list[str]:
             problems.append(f"{path}: {msg}, got {value!r}")
     if cfg.model.path is not None and cfg.model.config is not None:
         problems.append("model: give either model.path or model.config, not both")
+    if cfg.model.kernels == "fla" and cfg.model.dtype == "float64":  # fla's kernels are float32/bf16 only
+        problems.append("model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)")
     return problems
 
 

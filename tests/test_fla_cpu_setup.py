@@ -49,3 +49,12 @@ def test_transformers_unpacked_gdn_kernels_are_routed():
     out, _ = hf.torch_chunk_gated_delta_rule(q, k, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)
     ref, _ = torch_ref.recurrent_gated_delta_rule(q, k, v, gate, beta)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fla_in_float64_is_a_config_error():
+    from packtrain.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError) as e:  # fla's kernels fail on float64 inputs (an interpreter error deep inside)
+        config_from_dict({"model": {"kernels": "fla", "dtype": "float64"}})
+    assert e.value.problems == ["model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)"]
+    config_from_dict({"model": {"kernels": "fla", "dtype": "float32"}})
