@@ -67,9 +67,9 @@ def attention_batched(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropo
 
 def attention_flex(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout):
     """CUDA: FlexAttention with one BlockMask per pack, built on first use and reused by every layer."""
-    from packtrain.kernels import fla_backend
+    from packtrain.kernels import flex
 
-    return fla_backend.flex_attention(q_1HTD, k_1GTD, v_1GTD, layout, scaling, dropout)
+    return flex.flex_attention(q_1HTD, k_1GTD, v_1GTD, layout, scaling, dropout)
 
 
 _IMPLS = {"dense": attention_dense, "batched": attention_batched, "flex": attention_flex}

@@ -47,8 +47,8 @@ class ModelConfig:
     config: dict | None = None  # or a transformers config dict, randomly initialised from `seed`
     seed: int = 0
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
-    # Kernels for the packed forward: torch (CPU reference, also runs on CUDA) or fla (CUDA: fla + FlexAttention).
-    # `auto` picks fla on CUDA when fla imports, else torch; the choice is always printed.
+    # Kernels for the packed forward: torch (CPU reference, also runs on CUDA) or fla (CUDA: fla + FlexAttention;
+    # CPU only under TRITON_INTERPRET=1). `auto` picks fla on CUDA when fla imports, else torch; always printed.
     kernels: Literal["auto", "torch", "fla"] = "auto"
 
 
@@ -318,6 +318,8 @@ def _validate(cfg: Config) -> list[str]:
     if cfg.lora.target_parameters and cfg.lora.dropout > 0:
         problems.append(f"lora.dropout: must be 0 with lora.target_parameters (peft cannot drop out the input of a "
                         f"targeted parameter), got {cfg.lora.dropout!r}")
+    if cfg.model.kernels == "fla" and cfg.model.dtype == "float64":  # fla's kernels are float32/bf16 only
+        problems.append("model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)")
     return problems
 
 

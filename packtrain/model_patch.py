@@ -25,8 +25,13 @@ from packtrain.attention import ATTN_NAME, packtrain_attention
 from packtrain.families import FULL, LINEAR, UnsupportedModelError, check_layer_types, family_of, resolve
 from packtrain.gdn import packed_gdn_forward
 from packtrain.kernels import Backend
+from packtrain.kernels.hf_route import route_unpacked_kernels
 
 LAYOUT_KWARG = "packtrain_pack"
+
+# Every unpacked forward packtrain runs goes through a model this module patches or imports: route transformers'
+# unpacked GDN kernels on CPU to its torch fallbacks once, here (see packtrain/kernels/hf_route.py).
+route_unpacked_kernels()
 
 
 def _register() -> None:

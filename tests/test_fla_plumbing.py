@@ -1,17 +1,18 @@
 """The fla back end's index plumbing (tailed varlen conv buffer, cu_seqlens, per-continuation initial states),
-checked on CPU: fla itself needs Triton and a GPU, so its two kernels are replaced by pure-torch varlen
-equivalents (a loop over cu_seqlens segments of the torch reference). Everything packtrain does around them runs
-as on the GPU, and must equal the torch back end."""
+checked on CPU in float64 without fla installed: its two kernels are replaced by pure-torch varlen equivalents (a
+loop over cu_seqlens segments of the torch reference); tests/test_fla_interpreter*.py run fla's real kernels.
+Everything packtrain does around them runs as on the GPU, and must equal the torch back end."""
 
 import sys
 import types
 
 import pytest
 import torch
-
-from packtrain.kernels import Backend, torch_ref
 from parity import packed_run, without_float32_casts
 from tiny_models import random_pack, tiny_lora_model
+
+from packtrain import kernels as kernels_pkg
+from packtrain.kernels import Backend, torch_ref
 
 
 def _segments(cu):
@@ -51,8 +52,14 @@ def fake_fla(monkeypatch):
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delitem(sys.modules, "packtrain.kernels.fla_backend", raising=False)
+    # `from packtrain.kernels import fla_backend` reads the package attribute first: where the real back end was
+    # imported earlier in the session (the interpreter tests), it would be used instead of the fake one
+    real = vars(kernels_pkg).pop("fla_backend", None)
     yield
     sys.modules.pop("packtrain.kernels.fla_backend", None)
+    vars(kernels_pkg).pop("fla_backend", None)
+    if real is not None:
+        kernels_pkg.fla_backend = real
 
 
 @pytest.mark.parametrize("prefix_len", [1, 2, 65])

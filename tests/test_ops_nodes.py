@@ -29,9 +29,13 @@ def test_the_report_is_what_this_process_imports(monkeypatch):
     for name in nodes.PACKAGES:
         assert name in f and f"{name} path" in f
     assert f["gpu"] == "none (cpu)" and f["nccl"] == "none"
-    assert f["FLA_CACHE_MODE"] == "disabled" and f["FLA_CONFIG_DIR"] == "unset"
+    assert f["FLA_CACHE_MODE"] == "disabled"
     if importlib.util.find_spec("fla") is None:
-        assert f["fla"] == "not installed" and f["fla path"] == "-"
+        assert f["fla"] == "not installed" and f["fla path"] == "-" and f["FLA_CONFIG_DIR"] == "unset"
+    else:  # fla installed (the `fla` extra make test installs): its own default folder
+        from fla.ops.utils import cache
+
+        assert f["FLA_CONFIG_DIR"] == str(cache.get_fla_config_dir())
 
 
 def test_override_hook_needs_the_rank_in_its_name(monkeypatch):

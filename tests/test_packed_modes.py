@@ -71,8 +71,6 @@ def test_unsupported_model_is_a_clear_error():
 def test_backend_choice_is_explicit():
     assert select_backend("auto", "cpu") == Backend(gdn="torch", attention="batched")
     assert select_backend("torch", "cpu", attention="dense").attention == "dense"
-    with pytest.raises(ValueError, match="CUDA"):
-        select_backend("fla", "cpu")
     with pytest.raises(ValueError, match="unknown"):
         select_backend("triton", "cpu")
 

@@ -25,10 +25,11 @@ def tiny_text_config(layer_types, vocab=97, **over) -> Qwen3_5TextConfig:
     return Qwen3_5TextConfig(**kw)
 
 
-def tiny_lora_model(layer_types, dtype=torch.float64, seed=0, targets=ALL_PROJECTIONS):
-    """A random model with random LoRA A *and* B (so adapters change the output and get real gradients)."""
+def tiny_lora_model(layer_types, dtype=torch.float64, seed=0, targets=ALL_PROJECTIONS, **config):
+    """A random model with random LoRA A *and* B (so adapters change the output and get real gradients).
+    ``config``: overrides of :func:`tiny_text_config`."""
     torch.manual_seed(seed)
-    return _random_lora(Qwen3_5ForCausalLM(tiny_text_config(layer_types)).to(dtype), targets)
+    return _random_lora(Qwen3_5ForCausalLM(tiny_text_config(layer_types, **config)).to(dtype), targets)
 
 
 def _random_lora(model, targets, params=None):

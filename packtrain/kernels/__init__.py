@@ -4,8 +4,10 @@
   one right-padded batch from P's final state; attention runs P causally once and the continuations as one batch
   against [P's keys ; their own] (``batched``), or over the whole buffer with a dense mask (``dense``, a second
   reference built straight from the predicate).
-- ``fla``: CUDA only. fla's ``chunk_gated_delta_rule`` with ``cu_seqlens`` and a per-continuation
-  ``initial_state``, fla's varlen causal conv, and FlexAttention with one BlockMask per pack.
+- ``fla``: fla's ``chunk_gated_delta_rule`` with ``cu_seqlens`` and a per-continuation ``initial_state``, fla's
+  varlen causal conv, and FlexAttention with one BlockMask per pack (CUDA). On CPU only under Triton's interpreter
+  (``TRITON_INTERPRET=1``, :mod:`packtrain.kernels.interpreter`), with the batched torch attention: FlexAttention
+  has no CPU backward. That is how CI runs fla's kernels; it is slow and meant for tests.
 """
 
 from __future__ import annotations
@@ -35,11 +37,18 @@ def select_backend(kernels: str, device: torch.device | str, attention: str | No
     if kernels == "auto":
         kernels = "fla" if device.type == "cuda" and fla_available() else "torch"
     if kernels == "fla":
-        if device.type != "cuda":
-            raise ValueError("model.kernels=fla needs a CUDA device; use model.kernels=torch on CPU")
         if not fla_available():
-            raise ValueError("model.kernels=fla but the `fla` package is not installed (pip install 'packtrain[gpu]')")
-        return Backend(gdn="fla", attention=attention or "flex")
+            raise ValueError("model.kernels=fla but the `fla` package is not installed (pip install 'packtrain[fla]')")
+        if device.type == "cuda":
+            return Backend(gdn="fla", attention=attention or "flex")
+        from packtrain.kernels import interpreter
+
+        if not interpreter.interpreter_on():
+            raise ValueError(f"model.kernels=fla on {device.type}: fla's Triton kernels run off CUDA only under "
+                             "Triton's interpreter (slow, for tests): start with TRITON_INTERPRET=1 in the "
+                             "environment, or use model.kernels=torch")
+        interpreter.apply()
+        return Backend(gdn="fla", attention=attention or "batched")
     if kernels == "torch":
         return Backend(gdn="torch", attention=attention or "batched")
     raise ValueError(f"model.kernels: unknown back end {kernels!r} (auto | torch | fla)")

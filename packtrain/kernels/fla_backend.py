@@ -1,4 +1,5 @@
-"""CUDA back end: fla's Triton kernels and FlexAttention. Imported only when ``model.kernels`` selects it.
+"""fla's Triton kernels for the packed Gated DeltaNet. Imported only when ``model.kernels`` selects fla (CUDA, or
+CPU under Triton's interpreter: packtrain/kernels/interpreter.py).
 
 - Conv-tail replay without an initial-state conv: each continuation is laid out as [P's last W-1 conv inputs ;
   its own tokens] in one varlen buffer, fla's ``causal_conv1d`` runs over it with ``cu_seqlens`` (so segments
@@ -15,11 +16,8 @@ from __future__ import annotations
 import torch
 from fla.modules.causal_conv1d import causal_conv1d
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention as _flex_attention
 
-from packtrain.layout import PackLayout, shared_prefix_allowed
-
-_compiled_flex = torch.compile(_flex_attention, dynamic=True)
+from packtrain.layout import PackLayout
 
 
 def _conv(x_1TC, weight_CW, bias_C, cu_seqlens=None):
@@ -67,24 +65,3 @@ def packed_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: PackLayout) ->
                                       beta_TH[None, p:], initial_state=state.expand(n, -1, -1, -1).contiguous(),
                                       output_final_state=False, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     return torch.cat([out_P[0], out_C[0]]).to(q_THK.dtype)
-
-
-def block_mask(layout: PackLayout, device):
-    if "block_mask" not in layout._cache:
-        seg = layout.segment_ids.to(device)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return shared_prefix_allowed(seg[q_idx], seg[kv_idx], q_idx, kv_idx)
-
-        T = seg.numel()
-        layout._cache["block_mask"] = create_block_mask(mask_mod, 1, None, T, T, device=device,
-                                                        _compile=T > 8192)
-    return layout._cache["block_mask"]
-
-
-def flex_attention(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout):
-    if dropout:
-        raise ValueError("FlexAttention path: attention dropout is not supported (Qwen3.5 uses none)")
-    bm = block_mask(layout, q_1HTD.device)
-    return _compiled_flex(q_1HTD, k_1GTD, v_1GTD, block_mask=bm, scale=scaling,
-                          enable_gqa=k_1GTD.shape[1] != q_1HTD.shape[1])

@@ -1,0 +1,62 @@
+"""The CLI on CPU with fla installed: `TRITON_INTERPRET=1 packtrain train CONFIG --set model.kernels=fla` trains like
+the torch kernels; standalone training and eval run without the interpreter (transformers' own kernels routed to
+torch on CPU). Skipped where fla is not installed."""
+
+import json
+
+import pytest
+import torch
+from cli_helpers import TINY_MODEL, run_cli, write_config
+from fla_interp import needs_interpreter
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.slow, needs_interpreter]
+
+# float32; SGD, so an update is proportional to the gradient and the adapters compare gradients; one GDN layer with
+# one key head and two value heads (fewer interpreted programs).
+MODEL = {"config": {**TINY_MODEL, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+                    "linear_num_key_heads": 1, "linear_num_value_heads": 2}, "dtype": "float32"}
+OPTIM = {"name": "sgd", "lr": 0.5, "warmup_steps": 0}
+TRAIN = {"max_steps": 2, "packs_per_step": 1}
+# Measured here (two runs): losses (eval and train) agree to <= 1.2e-8 relative, gradient norms to <= 2.8e-7,
+# adapters to <= 4.3e-7 of their largest entry (6e-8 absolute). Bounds with ~5-10x headroom, far below what a
+# broken plumbing moves (tests/test_fla_interpreter_model.py: loss >= 5e-2).
+LOSS_REL, GRAD_REL, ADAPTER_REL, ADAPTER_ABS = 1e-7, 2e-6, 4e-6, 5e-7
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _adapter(run_dir):
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def test_train_with_fla_kernels_under_the_interpreter_matches_torch_kernels(tmp_path):
+    cfg = write_config(tmp_path, model=MODEL, optim=OPTIM, train=TRAIN)
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'torch'}", "--set", "model.kernels=torch")
+    proc = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'fla'}", "--set", "model.kernels=fla",
+                   env={"TRITON_INTERPRET": "1"})
+    assert "gated-deltanet=fla, attention=batched" in proc.stdout + proc.stderr
+    ref, got = _metrics(tmp_path / "torch"), _metrics(tmp_path / "fla")
+    assert [m.get("split") for m in got] == [m.get("split") for m in ref] and len(ref) >= 3
+    for a, b in zip(got, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_REL), (a, b)
+        if "grad_norm" in b:
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=GRAD_REL), (a, b)
+    fla_adapter, torch_adapter = _adapter(tmp_path / "fla"), _adapter(tmp_path / "torch")
+    assert fla_adapter.keys() == torch_adapter.keys() and fla_adapter
+    for name in torch_adapter:
+        torch.testing.assert_close(fla_adapter[name], torch_adapter[name], rtol=ADAPTER_REL, atol=ADAPTER_ABS)
+
+
+def test_standalone_train_and_eval_run_without_the_interpreter(tmp_path):
+    """Unpacked forwards on CPU never reach fla's kernels, which fail there uncompiled ("0 active drivers")."""
+    cfg = write_config(tmp_path, model=MODEL, optim=OPTIM, train={"max_steps": 1})
+    no_interpreter = {"TRITON_INTERPRET": "0"}
+    run_cli("train", str(cfg), "--set", "packing.mode=standalone", env=no_interpreter)
+    out = tmp_path / "losses.jsonl"
+    run_cli("eval", str(cfg), "--adapter", str(tmp_path / "run" / "adapter"), "--out", str(out),
+            "--set", "packing.mode=standalone", env=no_interpreter)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and all(r["loss"] > 0 for r in rows)

@@ -1,0 +1,60 @@
+"""Choosing the fla back end on CPU (only under Triton's interpreter), and transformers' unpacked GDN kernels routed
+to its torch fallbacks on CPU (where fla, if installed, cannot run compiled). Runs with or without fla."""
+
+import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+import packtrain.model_patch  # noqa: F401 (installs the routing)
+from packtrain import kernels
+from packtrain.kernels import Backend, hf_route, interpreter, select_backend, torch_ref
+
+
+def test_fla_on_cpu_needs_the_package_and_the_interpreter(monkeypatch):
+    monkeypatch.setattr(kernels, "fla_available", lambda: False)
+    with pytest.raises(ValueError, match=r"fla.*not installed.*packtrain\[fla\]"):
+        select_backend("fla", "cpu")
+    monkeypatch.setattr(kernels, "fla_available", lambda: True)
+    monkeypatch.setattr(interpreter, "interpreter_on", lambda: False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        select_backend("fla", "cpu")
+    assert select_backend("auto", "cpu") == Backend("torch", "batched")  # auto never picks the interpreter
+
+
+def test_router_sends_cpu_tensors_to_the_torch_function_and_others_to_transformers_choice():
+    def reference(x, scale=1.0, **kwargs):
+        return x * scale
+
+    def chosen(*args, **kwargs):  # stands for fla's kernel, which cannot run on CPU tensors
+        raise RuntimeError("0 active drivers")
+
+    chosen.__wrapped__ = reference
+    route = hf_route._router("kernel", chosen)
+    x = torch.ones(3)
+    assert torch.equal(route(x, scale=2.0), 2 * x)
+    with pytest.raises(RuntimeError, match="0 active drivers"):
+        route(torch.ones(3, device="meta"))
+    with pytest.raises(ValueError, match="cu_seqlens"):  # the fallback would silently mix packed sequences
+        route(x, cu_seqlens=torch.tensor([0, 1, 3]))
+    assert route.__wrapped__ is reference
+
+
+def test_transformers_unpacked_gdn_kernels_are_routed():
+    for name in hf_route.KERNEL_NAMES:
+        assert getattr(hf, name).packtrain_routed, name
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 5, 2, 8, generator=g), torch.randn(1, 5, 2, 8, generator=g)
+    v, beta = torch.randn(1, 5, 4, 8, generator=g), torch.rand(1, 5, 4, generator=g)
+    gate = -torch.rand(1, 5, 4, generator=g)
+    out, _ = hf.torch_chunk_gated_delta_rule(q, k, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)
+    ref, _ = torch_ref.recurrent_gated_delta_rule(q, k, v, gate, beta)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fla_in_float64_is_a_config_error():
+    from packtrain.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError) as e:  # fla's kernels fail on float64 inputs (an interpreter error deep inside)
+        config_from_dict({"model": {"kernels": "fla", "dtype": "float64"}})
+    assert e.value.problems == ["model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)"]
+    config_from_dict({"model": {"kernels": "fla", "dtype": "float32"}})
