@@ -67,11 +67,16 @@ def lora_config(cfg: Config) -> LoraConfig:
 
 
 def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
-    """LoRA via peft; adapter weights in float32 (peft's autocast) whatever the base dtype.
+    """LoRA via peft, initialised from ``train.seed``; adapter weights in float32 (peft's autocast) whatever the
+    base dtype.
 
     ``enable_input_require_grads`` marks the frozen embedding's output as requiring grad, so checkpointed layers
     see an input that needs gradients (without it the seed's runs trained with grad_norm exactly 0).
     """
+    # get_peft_model draws lora_A (and lora_B when init_lora_weights is False) from torch's global RNG, which
+    # nothing else seeds when the base comes from model.path: seed it from the config, the same on every rank, so
+    # one config gives one adapter whatever the base's source and the number of ranks (FSDP shards that init).
+    torch.manual_seed(cfg.train.seed)
     try:
         model = get_peft_model(model, lora_config(cfg), autocast_adapter_dtype=True)
     except ValueError as e:
