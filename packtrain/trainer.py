@@ -128,6 +128,7 @@ class Trainer:
         self.skippable = tuple(_exception_class(name) for name in t.skippable_errors)
         self.step = 0
         self.skipped_total = 0
+        self.last_eval_step: int | None = None  # the footer names the step its eval loss is from
         if resume:
             self._resume()
         self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.dist.is_main, resume=resume)
@@ -168,8 +169,11 @@ class Trainer:
             if self.step % cfg.train.save_every == 0 and self.step < self.total_steps:
                 self._save_checkpoint()
         bar.close()
+        if self.eval_plan is not None and self.last_eval_step != self.step:  # max_steps mid-epoch, or eval_every
+            last_eval = self._eval()
         self._save_final()
         summary = {"steps": self.step, "eval_before": first_eval, "eval_after": last_eval,
+                   "eval_after_step": self.last_eval_step,
                    "adapter": str(self.out / "adapter"), "plot": str(self.out / "loss.png")}
         self._print_footer(summary)
         return summary
@@ -249,6 +253,7 @@ class Trainer:
                         images=self.images)
         bar.close()
         loss = mean_loss(rows)
+        self.last_eval_step = self.step
         record = {"split": "eval", "step": self.step, "loss": loss, "examples": len(rows)}
         self.metrics.write(record)
         self.ops.eval_done(record)
@@ -313,7 +318,7 @@ class Trainer:
             return
         if summary["eval_before"] is not None:
             self.log(f"eval loss: {summary['eval_before']:.4f} at step 0 -> {summary['eval_after']:.4f} "
-                     f"at step {self.step}")
+                     f"at step {summary['eval_after_step']}")
         self.log(f"adapter: {summary['adapter']}")
         self.log(f"loss plot: {summary['plot']}")
         self.log(f"metrics: {self.out / 'metrics.jsonl'}")
