@@ -1,12 +1,15 @@
 """Two ranks over gloo with FSDP2 (parameters really sharded) against one rank, through the real CLI."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from cli_helpers import RULEBOOKS, run_cli, run_distributed, write_config, write_model_dir
+from cli_helpers import REPO, RULEBOOKS, free_port, run_cli, run_distributed, write_config, write_model_dir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -123,3 +126,22 @@ def test_checkpoint_from_two_ranks_resumes_on_one(tmp_path):
     resumed = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'moved'}", "--resume")
     assert "written with world size 2, now 1" in resumed.stdout
     _assert_same(_adapter(tmp_path / "one"), _adapter(tmp_path / "moved"))
+
+
+def test_launch_script_runs_the_interpreter_behind_packtrain(tmp_path):
+    """launch/cpu_two_processes.sh called a bare `python`, which need not be the one with torch and packtrain:
+    here `python` on PATH is a stub that fails, and `packtrain` on PATH names this interpreter."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("#!/bin/sh\necho 'a bare python ran' >&2\nexit 97\n")
+    (bin_dir / "packtrain").write_text(f"#!{sys.executable}\nfrom packtrain.cli import main\nraise SystemExit(main())\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    cfg = write_config(tmp_path, train={"max_steps": 1}, data={"eval": None})
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+           "MASTER_PORT": str(free_port())}
+    env.pop("PYTHON", None)
+    proc = subprocess.run(["bash", str(REPO / "launch" / "cpu_two_processes.sh"), str(cfg)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world size 2" in proc.stdout and (tmp_path / "run" / "adapter").is_dir()
