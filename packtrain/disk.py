@@ -75,7 +75,7 @@ def output_errors(out: Path) -> Iterator[None]:
         yield
     except OutputDirError:
         raise
-    except Exception as e:  # noqa: BLE001 - re-raised unchanged unless it is about the disk
+    except Exception as e:  # re-raised unchanged unless it is about the disk
         err = describe(e, out)
         if err is None:
             raise

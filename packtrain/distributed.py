@@ -14,7 +14,7 @@ import torch.distributed as dist
 # Imported before any process group exists: its collectives take ``group=group.WORLD`` as a default argument,
 # so importing it later (peft does) pins the default group in those defaults for good, destroy_process_group
 # cannot free it, and gloo's worker threads live on into interpreter shutdown (see shutdown()).
-import torch.distributed.nn  # noqa: F401, E402
+import torch.distributed.nn
 
 
 @dataclass(frozen=True)
