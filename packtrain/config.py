@@ -205,6 +205,7 @@ _BOUNDS = [
     ("lora.r", lambda v: v >= 1, "must be at least 1"),
     ("lora.dropout", lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
     ("optim.lr", lambda v: v > 0, "must be positive"),
+    ("optim.max_grad_norm", lambda v: v > 0, "must be positive (or null: no clipping)"),
     ("optim.warmup_steps", lambda v: v >= 0, "must be >= 0"),
     ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two numbers in [0, 1)"),
     ("train.epochs", lambda v: v >= 1, "must be at least 1"),

@@ -36,6 +36,9 @@ from packtrain.vision import IMAGE_PAD, ImageRef
 FORMATS = ("text", "chat", "pretokenized")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tokenizer"
 ROLES = ("system", "user", "assistant")
+# A JSON line holding an example that fits a pack of B tokens has fewer than this many bytes per token of B: text
+# averages about 4 bytes per token, JSON-escaped CJK (\\uXXXX) about 9, pre-tokenized ids ("12345, ") up to 8.
+LINE_BYTES_PER_TOKEN = 32
 
 
 class DataError(ValueError):
@@ -93,12 +96,18 @@ def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
 
 
-def _records(path: Path) -> Iterator[tuple[int, dict]]:
-    """(line number, JSON object) for each non-blank line."""
+def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) for each non-blank line; a line over ``max_line_bytes`` is refused before it is
+    read whole, parsed or tokenized (a 100 MB line used to take 333 s and 13 GB to reach its error)."""
     if not path.is_file():
         raise DataError(path, None, None, "file not found")
+    limit = -1 if max_line_bytes is None else max_line_bytes + 1
     with path.open("rb") as f:
-        for line_no, line in enumerate(f, 1):
+        for line_no, line in enumerate(iter(lambda: f.readline(limit), b""), 1):
+            if max_line_bytes is not None and len(line.rstrip(b"\r\n")) > max_line_bytes:
+                raise DataError(path, line_no, None, f"line longer than {max_line_bytes:,} bytes: "
+                                f"{LINE_BYTES_PER_TOKEN} bytes per token of packing.token_budget, more than any "
+                                "example that fits a pack (a missing newline joins lines)")
             if not line.strip():
                 continue
             try:
@@ -128,10 +137,10 @@ def _format_of(record: dict, source: Path, line: int) -> str:
                                         "target_ids (pretokenized)")
 
 
-def detect_format(path: str | Path) -> str:
+def detect_format(path: str | Path, max_line_bytes: int | None = None) -> str:
     """The format of a JSONL file, from the keys of its first example."""
     path = Path(path)
-    for line, record in _records(path):
+    for line, record in _records(path, max_line_bytes):
         return _format_of(record, path, line)
     raise _empty_file(path)
 
@@ -363,30 +372,33 @@ def _tokenize(conversations: list[_Conversation], tokenizer, source: Path, proce
     return examples
 
 
-def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, processor=None) -> list[Example]:
+def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, processor=None,
+                  vocab_size: int | None = None, max_line_bytes: int | None = None) -> list[Example]:
     """Every example of a JSONL file, or a DataError for the first bad one.
 
     ``tokenizer``: a tokenizer, the directory of one, or None. Text and chat need one (None: the bundled one); it is
     loaded only once every line has parsed, so a malformed file fails fast. Pretokenized ids are checked against
-    the vocabulary when a tokenizer is given. ``processor``: the image processor for examples with images (an
-    object, a local directory, or None: the bundled tiny one).
+    the vocabulary: the tokenizer's when one is given, and ``vocab_size`` (the model's embedding rows). ``processor``:
+    the image processor for examples with images (an object, a local directory, or None: the bundled tiny one).
+    ``max_line_bytes``: longer lines are refused unread (see :data:`LINE_BYTES_PER_TOKEN`).
     """
     path = Path(path)
-    records = list(_records(path))
+    records = list(_records(path, max_line_bytes))
     if not records:
         raise _empty_file(path)
     fmt = fmt or _format_of(records[0][1], path, records[0][0])
     if fmt not in FORMATS:
         raise ValueError(f"unknown data format {fmt!r} (known: {', '.join(FORMATS)})")
     if fmt == "pretokenized":
-        vocab_size = None
         if isinstance(tokenizer, (str, Path)) and not (Path(tokenizer) / "tokenizer.json").is_file() \
                 and (Path(tokenizer) / "config.json").is_file():
-            vocab_size = _config_vocab_size(Path(tokenizer))  # a model directory without a tokenizer
+            # a model directory without a tokenizer: its config's vocabulary
+            vocab_size = min(v for v in (vocab_size, _config_vocab_size(Path(tokenizer))) if v is not None)
+            tokenizer = None
         elif isinstance(tokenizer, (str, Path)):
             tokenizer = load_tokenizer(tokenizer)
-        if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
-            vocab_size = len(tokenizer)
+        if tokenizer is not None:
+            vocab_size = min(len(tokenizer), vocab_size or len(tokenizer))
         prefixes: dict[tuple[int, ...], tuple[int, ...]] = {}
         examples = [_pretokenized(r, line, path, vocab_size, prefixes) for line, r in records]
     else:
@@ -424,7 +436,29 @@ def load_split(cfg: Config, split: str, tokenizer=None) -> list[Example] | None:
         return None
     if tokenizer is None:
         tokenizer = cfg.resolve_path(cfg.data.tokenizer or cfg.model.path)
-    return load_examples(path, cfg.data.format, tokenizer, processor_dir(cfg))
+    max_line_bytes = LINE_BYTES_PER_TOKEN * cfg.packing.token_budget
+    fmt = cfg.data.format or (detect_format(path, max_line_bytes) if path.is_file() else None)
+    vocab_size = model_vocab_size(cfg) if fmt == "pretokenized" else None
+    return load_examples(path, fmt, tokenizer, processor_dir(cfg), vocab_size=vocab_size,
+                         max_line_bytes=max_line_bytes)
+
+
+def model_vocab_size(cfg: Config) -> int | None:
+    """Rows of the model's token embedding, from ``model.config`` or ``model.path``'s config.json: a larger id
+    would fail mid-run inside the embedding. None when the model config is unusable (building the model says why)."""
+    from transformers import AutoConfig
+
+    try:
+        if cfg.model.config is not None:
+            raw = dict(cfg.model.config)
+            hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+        elif cfg.model.path is not None and (cfg.resolve_path(cfg.model.path) / "config.json").is_file():
+            hf_config = AutoConfig.from_pretrained(cfg.resolve_path(cfg.model.path), local_files_only=True)
+        else:
+            return None
+    except (KeyError, TypeError, ValueError):
+        return None
+    return hf_config.get_text_config().vocab_size
 
 
 def processor_dir(cfg: Config) -> Path | None:

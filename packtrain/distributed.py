@@ -3,7 +3,9 @@ same variables), and the few collectives the trainer needs. One process without 
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -11,6 +13,10 @@ import torch
 import torch.distributed as dist
 
 from packtrain.stops import Stalled
+# Imported before any process group exists: its collectives take ``group=group.WORLD`` as a default argument,
+# so importing it later (peft does) pins the default group in those defaults for good, destroy_process_group
+# cannot free it, and gloo's worker threads live on into interpreter shutdown (see shutdown()).
+import torch.distributed.nn
 
 
 @dataclass(frozen=True)
@@ -69,5 +75,21 @@ def barrier(info: DistInfo) -> None:
 
 
 def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the process group once every rank is done with it, so that gloo's worker threads are joined
+    before the interpreter exits. Called from the commands' ``finally``.
+
+    Why: a gloo worker releases a finished collective's tensors after the caller's ``wait()`` has returned, and
+    releasing a tensor that has a Python object takes the GIL. When the main thread reached interpreter shutdown
+    first (``check-nodes`` does within microseconds of its last all_gather), the worker was killed inside a C++
+    destructor: "terminate called without an active exception", SIGABRT (3 of 16 runs). The barrier makes every
+    rank finish with the group (its own work holds no Python tensor, and the GIL is free while it waits),
+    ``gc.collect`` drops model cycles that still reference the group, and releasing the last reference runs
+    ProcessGroupGloo's destructor, which joins the worker threads. No barrier while an exception is on its way
+    out: another rank may never reach it.
+    """
+    if not dist.is_initialized():
+        return
+    if sys.exc_info()[0] is None:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()

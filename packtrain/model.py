@@ -138,7 +138,8 @@ def _lora_targets(model: nn.Module, cfg: Config) -> list[str]:
 
 
 def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
-    """LoRA via peft; adapter weights in float32 (peft's autocast) whatever the base dtype.
+    """LoRA via peft, initialised from ``train.seed``; adapter weights in float32 (peft's autocast) whatever the
+    base dtype.
 
     ``enable_input_require_grads`` marks the frozen embedding's output as requiring grad, so checkpointed layers
     see an input that needs gradients (without it the seed's runs trained with grad_norm exactly 0).
@@ -147,7 +148,10 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     if isinstance(init, str) and init.startswith(DATA_DEPENDENT_INITS) and any(p.is_meta for p in model.parameters()):
         raise ValueError(f"lora.init_lora_weights: {init!r} computes the adapter from the base weights, which "
                          "model.path loads only after wrapping (sharded); use true, false or 'gaussian'")
-    torch.manual_seed(cfg.model.seed)  # the same adapter on every rank and for every way the base is built
+    # get_peft_model draws lora_A (and lora_B when init_lora_weights is False) from torch's global RNG, which
+    # nothing else seeds when the base comes from model.path: seed it from the config, the same on every rank, so
+    # one config gives one adapter whatever the base's source and the number of ranks (FSDP shards that init).
+    torch.manual_seed(cfg.train.seed)
     try:
         with adapters_on_cpu(model):
             model = get_peft_model(model, lora_config(cfg, model), autocast_adapter_dtype=True)

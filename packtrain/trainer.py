@@ -150,6 +150,7 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.stop_agreed = False  # a rank was signalled (SIGTERM/SIGINT): every rank stops after this step
         self.ops.progress("model setup")
+        self.last_eval_step: int | None = None  # the footer names the step its eval loss is from
         if resume:
             self._resume()
         self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.dist.is_main, resume=resume)
@@ -210,8 +211,11 @@ class Trainer:
             if self.step % cfg.train.save_every == 0 and self.step < self.total_steps:
                 self._save_checkpoint()
         bar.close()
+        if self.eval_plan is not None and self.last_eval_step != self.step:  # max_steps mid-epoch, or eval_every
+            last_eval = self._eval()
         self._save_final()
         summary = {"steps": self.step, "eval_before": first_eval, "eval_after": last_eval,
+                   "eval_after_step": self.last_eval_step,
                    "adapter": str(self.out / "adapter"), "plot": str(self.out / "loss.png")}
         self._print_footer(summary)
         return summary
@@ -336,6 +340,7 @@ class Trainer:
         if not finite.is_finite(loss):  # the same on every rank: the rows are gathered everywhere
             raise NonFiniteError(f"eval at step {self.step}: loss {loss!r}; the model has diverged (see the "
                                  "train loss in metrics.jsonl); nothing was saved", quiet=not info.is_main)
+        self.last_eval_step = self.step
         record = {"split": "eval", "step": self.step, "loss": loss, "examples": len(rows)}
         self.metrics.write(record)
         self.ops.eval_done(record)
@@ -416,7 +421,7 @@ class Trainer:
             return
         if summary["eval_before"] is not None:
             self.log(f"eval loss: {summary['eval_before']:.4f} at step 0 -> {summary['eval_after']:.4f} "
-                     f"at step {self.step}")
+                     f"at step {summary['eval_after_step']}")
         self.log(f"adapter: {summary['adapter']}")
         self.log(f"loss plot: {summary['plot']}")
         self.log(f"metrics: {self.out / 'metrics.jsonl'}")

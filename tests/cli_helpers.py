@@ -91,3 +91,19 @@ def run_distributed(nproc: int, *args: str, env: dict | None = None, check: bool
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def write_model_dir(path: Path, seed: int = 0) -> Path:
+    """A local model directory as `model.path` expects one: a tiny random Qwen3.5 text model (TINY_MODEL,
+    `save_pretrained`) with the bundled tokenizer beside it."""
+    import torch
+    from transformers import AutoConfig, Qwen3_5ForCausalLM
+
+    from packtrain.data import load_tokenizer
+
+    raw = dict(TINY_MODEL)
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    torch.manual_seed(seed)
+    Qwen3_5ForCausalLM(config).save_pretrained(path)
+    load_tokenizer().save_pretrained(path)
+    return path

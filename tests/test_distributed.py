@@ -1,12 +1,15 @@
 """Two ranks over gloo with FSDP2 (parameters really sharded) against one rank, through the real CLI."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from cli_helpers import RULEBOOKS, run_cli, run_distributed, write_config
+from cli_helpers import REPO, RULEBOOKS, free_port, run_cli, run_distributed, write_config, write_model_dir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -38,8 +41,32 @@ def test_two_ranks_equal_one_rank(tmp_path, mode):
     line = next(x for x in two.stdout.splitlines() if "FSDP2 over 2 ranks" in x)
     held, total = (int(v.replace(",", "")) for v in line.split("holds ")[1].split(" parameter")[0].split(" of "))
     assert held < 0.6 * total, line  # really sharded: each rank holds about half
+    _assert_same_steps(_steps(tmp_path / "one"), _steps(tmp_path / "two"))
     _assert_same(_adapter(tmp_path / "one"), _adapter(tmp_path / "two"))
-    assert [s["examples"] for s in _steps(tmp_path / "one")] == [s["examples"] for s in _steps(tmp_path / "two")]
+
+
+def _assert_same_steps(one, two):
+    """The logged loss and gradient norm per step: a missing world factor in the loss scale halves grad_norm on
+    2 ranks, which AdamW's normalisation hides from the adapter (6.5e-6 after 3 steps)."""
+    assert [s["examples"] for s in one] == [s["examples"] for s in two] and one
+    for a, b in zip(one, two):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-10), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-10), (a, b)
+
+
+def test_model_path_runs_give_one_adapter_on_one_and_two_ranks(tmp_path):
+    """LoRA's initialisation comes from train.seed: peft draws it from torch's global RNG, which nothing seeded
+    when the base came from model.path (the same config twice gave adapters 1.4 apart, relative, and 2 ranks
+    differed from 1 as much)."""
+    base = write_model_dir(tmp_path / "base")
+    cfg = write_config(tmp_path, model={"path": str(base), "config": None}, train={"max_steps": 2},
+                       data={"eval": None})
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'a'}")
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'b'}")
+    _assert_same(_adapter(tmp_path / "a"), _adapter(tmp_path / "b"), exact=True)
+    run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
+    _assert_same(_adapter(tmp_path / "a"), _adapter(tmp_path / "two"))
+    _assert_same_steps(_steps(tmp_path / "a"), _steps(tmp_path / "two"))
 
 
 def test_over_budget_pack_on_one_rank_is_skipped_by_both(tmp_path):
@@ -99,3 +126,22 @@ def test_checkpoint_from_two_ranks_resumes_on_one(tmp_path):
     resumed = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'moved'}", "--resume")
     assert "written with world size 2, now 1" in resumed.stdout
     _assert_same(_adapter(tmp_path / "one"), _adapter(tmp_path / "moved"))
+
+
+def test_launch_script_runs_the_interpreter_behind_packtrain(tmp_path):
+    """launch/cpu_two_processes.sh called a bare `python`, which need not be the one with torch and packtrain:
+    here `python` on PATH is a stub that fails, and `packtrain` on PATH names this interpreter."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("#!/bin/sh\necho 'a bare python ran' >&2\nexit 97\n")
+    (bin_dir / "packtrain").write_text(f"#!{sys.executable}\nfrom packtrain.cli import main\nraise SystemExit(main())\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    cfg = write_config(tmp_path, train={"max_steps": 1}, data={"eval": None})
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+           "MASTER_PORT": str(free_port())}
+    env.pop("PYTHON", None)
+    proc = subprocess.run(["bash", str(REPO / "launch" / "cpu_two_processes.sh"), str(cfg)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world size 2" in proc.stdout and (tmp_path / "run" / "adapter").is_dir()

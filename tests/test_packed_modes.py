@@ -75,12 +75,19 @@ def test_backend_choice_is_explicit():
         select_backend("triton", "cpu")
 
 
-def test_text_stack_of_vision_language_model():
-    """Qwen3_5ForConditionalGeneration (the Qwen3.6 form): text-only packs through its language model."""
+def test_text_stack_of_vision_language_model(monkeypatch):
+    """Qwen3_5ForConditionalGeneration (the Qwen3.6 form): text-only packs through its language model.
+
+    Weights that make the recurrent path matter: text matrices at std 0.2 (as tiny_lora_model), slow GDN decay
+    (A_log = log U(0.02, 0.2), dt_bias = -2). With the default tiny init, starting every continuation from a zero
+    state instead of P's changed the loss by 9e-10 (bound 5e-6: unnoticed); here by 7.3e-2, gradients 2.4.
+    Measured: float64 without the float32 casts loss 3e-16, gradients 6.3e-10; as shipped 3.5e-8 / 3.9e-6,
+    1.3e-8 vs transformers. Bounds: test_parity.py's.
+    """
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from parity import compare, hf_losses
+    from parity import compare, hf_losses, without_float32_casts
     from tiny_models import tiny_text_config
 
     torch.manual_seed(0)
@@ -88,9 +95,19 @@ def test_text_stack_of_vision_language_model():
                         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
                                            out_hidden_size=32, patch_size=4, spatial_merge_size=2,
                                            temporal_patch_size=1))
-    model = get_peft_model(Qwen3_5ForConditionalGeneration(cfg).double(),
-                           LoraConfig(r=4, target_modules=["q_proj", "in_proj_qkv", "gate_proj"],
-                                      init_lora_weights=False, lora_dropout=0.0))
+    base = Qwen3_5ForConditionalGeneration(cfg).double()
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if "visual" in name:
+                continue
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.02, 0.2).log())
+            elif name.endswith("dt_bias"):
+                p.fill_(-2.0)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "in_proj_qkv", "gate_proj"],
+                                            init_lora_weights=False, lora_dropout=0.0))
     patch_model(model, BACKEND)
     assert model.get_base_model().config.vision_config._attn_implementation != "packtrain"  # encoder untouched
     prefix, conts = random_pack(30, [(3, 2), (70, 4)], seed=11)
@@ -98,3 +115,6 @@ def test_text_stack_of_vision_language_model():
     assert d.loss < 5e-6 and d.grad < 1e-4, d  # the float64-as-shipped bounds of test_parity.py
     reference = torch.tensor(hf_losses(model, prefix, conts), dtype=torch.float64)
     assert ((torch.tensor(d.losses_a, dtype=torch.float64) - reference).abs() / reference).max() < 5e-6
+    with without_float32_casts(monkeypatch):
+        d = compare(model, prefix, conts)
+    assert d.loss < 1e-13 and d.grad < 5e-7, d  # float64 throughout: test_parity.py's exact bounds

@@ -128,3 +128,28 @@ def test_bad_config_is_one_clear_error(tmp_path):
     assert "Traceback" not in proc.stderr
     for path in ("optim.lr", "train.bogus", "packing.mode"):
         assert path in proc.stderr, proc.stderr
+
+
+def test_evals_leave_training_alone_and_the_last_step_is_evaluated(tmp_path):
+    """One run with eval data against the same run without: identical adapters, so evaluation ran with dropout
+    off (on, it would draw from the RNG the training dropout masks come from) and handed back train mode (left
+    in eval mode, training would lose its dropout). max_steps ends mid-epoch off the eval_every grid: a final
+    eval runs, and the footer names the step its loss is from. Epoch 2 visits the packs in a new order."""
+    cfg = write_config(tmp_path, lora={"dropout": 0.3},
+                       train={"epochs": 2, "packs_per_step": 1, "eval_every": 4, "max_steps": 9})
+    with_eval = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'eval'}")
+    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'plain'}", "--set", "data.eval=null")
+    a, b = _adapter(tmp_path / "eval"), _adapter(tmp_path / "plain")
+    assert a.keys() == b.keys() and a
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+    records = _metrics(tmp_path / "eval")
+    evals = [m for m in records if m.get("split") == "eval"]
+    assert [m["step"] for m in evals] == [0, 4, 6, 8, 9]  # every 4, the epoch's end (6 packs), the last step
+    assert f"-> {evals[-1]['loss']:.4f} at step 9" in with_eval.stdout
+
+    steps = [m for m in records if m.get("split") != "eval"]
+    packs = [(m["positions"], m["examples"]) for m in steps]  # one pack per step: its size says which
+    assert [m["epoch"] for m in steps] == [0] * 6 + [1] * 3
+    assert packs[6:] != packs[:3] and set(packs[6:]) <= set(packs[:6])  # reshuffled, the same packs

@@ -13,7 +13,8 @@
 Every variant takes the step's packs in the same (epoch 0) order, scales each loss by 1 / (examples in the step),
 clips to ``optim.max_grad_norm`` and steps the same optimizer and schedule, as :class:`packtrain.trainer.Trainer`
 does (one process, no skips). Each run starts from the same initial adapter and a fresh optimizer, and ends with
-an evaluation of the adapter it trained, the same for all three.
+an evaluation of the adapter it trained, each variant through its own forward (packed, standalone, or
+transformers' forward with labels), so that equal final losses compare independent computations.
 """
 
 from __future__ import annotations
@@ -109,14 +110,36 @@ class Models:
         return sum(p.numel() for p in self.packtrain_state.params.values())
 
     def evaluate(self, variant: str, work: Workload) -> float:
-        """Mean per-example loss of the adapter a run left, computed the same way for every variant: the packed
-        forward without gradients (equal to the standalone one, tests/test_parity.py)."""
+        """Mean per-example loss of the adapter a run left, each variant computing it its own way: the packed
+        forward (under the variant's context mode), the standalone forward, or transformers' forward with labels on
+        the plain model, so that equal final losses compare independent computations."""
         if variant == "plain":
-            with torch.no_grad():
-                for name, p in self.packtrain_state.params.items():
-                    p.copy_(self.plain_state.params[name])
-        rows = evaluate(self.lms["full"], work.plan, work.examples, "shared_prefix", DistInfo(0, 1, 0, work.device))
+            return plain_mean_loss(self.plain, work)
+        mode = "standalone" if variant == "standalone" else "shared_prefix"
+        rows = evaluate(self.lms[CONTEXT_GRAD[variant]], work.plan, work.examples, mode,
+                        DistInfo(0, 1, 0, work.device))
         return mean_loss(rows)
+
+
+def _whole_example(ex, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``concat(P, item, target)`` and labels that are -100 outside the target."""
+    input_ids = torch.tensor([ex.prefix_ids + ex.item_ids + ex.target_ids], device=device)
+    labels = input_ids.clone()
+    labels[:, :len(ex.prefix_ids) + len(ex.item_ids)] = -100
+    return input_ids, labels
+
+
+@torch.no_grad()
+def plain_mean_loss(plain: torch.nn.Module, work: Workload) -> float:
+    """transformers' own loss (mean over the target tokens) of every example, averaged; dropout off."""
+    was_training = plain.training
+    plain.eval()
+    losses = []
+    for ex in work.examples:
+        input_ids, labels = _whole_example(ex, work.device)
+        losses.append(plain(input_ids=input_ids, labels=labels, use_cache=False).loss.item())
+    plain.train(was_training)
+    return sum(losses) / len(losses)
 
 
 def packtrain_epoch(models: Models, work: Workload, variant: str, max_steps: int | None = None) -> list[float]:
@@ -147,9 +170,7 @@ def plain_epoch(models: Models, work: Workload, max_steps: int | None = None) ->
         batch = [work.examples[e] for i in pack_ids for e in work.plan.packs[i].examples]
         total = 0.0
         for ex in batch:
-            input_ids = torch.tensor([ex.prefix_ids + ex.item_ids + ex.target_ids], device=work.device)
-            labels = input_ids.clone()
-            labels[:, :len(ex.prefix_ids) + len(ex.item_ids)] = -100
+            input_ids, labels = _whole_example(ex, work.device)
             loss = models.plain(input_ids=input_ids, labels=labels, use_cache=False).loss
             (loss / len(batch)).backward()
             total += loss.item()

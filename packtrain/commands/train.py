@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from packtrain.config import load_config
+from packtrain.disk import check_writable, output_errors
 from packtrain.distributed import shutdown
 
 
@@ -10,9 +13,12 @@ def run_train(args) -> int:
     from packtrain.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    out = Path(cfg.output_dir)
     try:
-        # closes its ops hooks (watchdog, wandb), signal handlers and the output_dir lock itself
-        Trainer(cfg, resume=args.resume, overwrite=args.overwrite).train()
+        # Trainer closes its ops hooks (watchdog, wandb), signal handlers and the output_dir lock itself
+        with output_errors(out):  # a full or read-only output_dir: one line naming the path, not a traceback
+            check_writable(out)
+            Trainer(cfg, resume=args.resume, overwrite=args.overwrite).train()
     finally:
         shutdown()
     return 0

@@ -1,0 +1,82 @@
+"""Writes to ``output_dir`` that fail for the disk's sake (full, read-only, no permission) end in one line naming
+the path and the cause, not a traceback from whichever library was writing.
+
+Where the failures come from: ``OSError`` with errno ENOSPC / EDQUOT (full) or EACCES / EPERM / EROFS (not
+writable) from our own writes; torch.save on a full disk raises ``RuntimeError: [enforce fail at
+inline_container.cc:...] ... unexpected pos`` or ``file write failed`` without an errno; safetensors raises its
+own error whose text carries the OS message. :func:`check_writable` probes the directory before anything is built,
+so a read-only or foreign output_dir fails in a second, not after loading the model.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+FULL = {errno.ENOSPC, errno.EDQUOT}
+NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
+FULL_TEXT = ("No space left on device", "StorageFull", "Disk quota exceeded")
+TORCH_WRITER = "inline_container.cc"  # torch.save's zip writer; on a full disk it loses bytes without an errno
+
+
+class OutputDirError(ValueError):
+    """output_dir cannot be written: full, read-only or not ours."""
+
+
+def check_writable(out: Path) -> None:
+    """Create ``out`` and write, sync and remove a small probe file in it."""
+    out = Path(out)
+    with output_errors(out):
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{os.getpid()}"
+        try:
+            with probe.open("wb") as f:
+                f.write(b"\0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
+
+
+def _free_bytes(out: Path) -> int:
+    folder = out
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def describe(e: BaseException, out: Path) -> OutputDirError | None:
+    """The one-line error for a failed write under ``out``, or None when ``e`` is not about the disk."""
+    out = Path(out)
+    text = str(e)
+    path = getattr(e, "filename", None) or out
+    resume = "; `packtrain train --resume` continues from the last complete checkpoint"
+    if isinstance(e, OSError) and e.errno in NOT_WRITABLE:
+        return OutputDirError(f"output_dir {out}: not writable: {path}: {e.strerror}")
+    full = (isinstance(e, OSError) and e.errno in FULL) or any(t in text for t in FULL_TEXT)
+    if full or (isinstance(e, RuntimeError) and TORCH_WRITER in text and _free_bytes(out) < 2**20):
+        return OutputDirError(f"output_dir {out}: no space left on device writing {path} "
+                              f"({_free_bytes(out):,} bytes free){resume}")
+    if isinstance(e, RuntimeError) and TORCH_WRITER in text:
+        first = text.strip().splitlines()[0] if text.strip() else text
+        return OutputDirError(f"output_dir {out}: a checkpoint write failed ({first}; "
+                              f"{_free_bytes(out):,} bytes free){resume}")
+    return None
+
+
+@contextmanager
+def output_errors(out: Path) -> Iterator[None]:
+    """Re-raise disk failures inside the block as :class:`OutputDirError`; anything else passes through."""
+    try:
+        yield
+    except OutputDirError:
+        raise
+    except Exception as e:  # re-raised unchanged unless it is about the disk
+        err = describe(e, out)
+        if err is None:
+            raise
+        raise err from None
