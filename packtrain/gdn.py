@@ -50,9 +50,15 @@ def packed_conv_torch(mixed_TC, weight_CW, bias_C, layout: PackLayout) -> torch.
     return torch_ref.conv_rows_silu(padded.index_select(0, rows + 1), weight_CW, bias_C, keep)
 
 
+# Continuations run in chunks of 32: each pads only its last chunk, and a continuation of 65-96 tokens costs 96
+# chunk positions instead of 128. Measured on the cpu bench preset (16 continuations of 56-72): the pack 4% faster
+# than with 64, no slower with 16; P keeps 64 (transformers' and fla's chunk).
+CONTINUATION_CHUNK = 32
+
+
 def packed_delta_rule_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: PackLayout) -> torch.Tensor:
     """P from the zero state, then every continuation from P's final state in one varlen call (each padded only
-    to its own multiple of the chunk)."""
+    to its own multiple of the chunk, not to the longest)."""
     p = layout.prefix_len
     out_P, state = torch_ref.chunk_gated_delta_rule(
         q_THK[None, :p], k_THK[None, :p], v_THV[None, :p], g_TH[None, :p], beta_TH[None, :p],
@@ -60,7 +66,8 @@ def packed_delta_rule_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: PackLayo
     n = len(layout.cont_lens)
     out_S, _ = torch_ref.chunk_gated_delta_rule(
         q_THK[None, p:], k_THK[None, p:], v_THV[None, p:], g_TH[None, p:], beta_TH[None, p:],
-        initial_state=state.expand(n, -1, -1, -1), cu_seqlens=layout.cu_seqlens_host)
+        initial_state=state.expand(n, -1, -1, -1), cu_seqlens=layout.cu_seqlens_host,
+        chunk_size=CONTINUATION_CHUNK)
     return torch.cat([out_P[0], out_S[0]])
 
 

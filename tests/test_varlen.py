@@ -28,11 +28,12 @@ def _sequences(lengths, seed=0, H=2, HV=4, K=8, V=6):
     return [x.requires_grad_() for x in (q, k, v, gate, beta, h0)], cu
 
 
+@pytest.mark.parametrize("chunk", [64, 32])  # 64: P's and fla's chunk; 32: the continuations' (gdn.py)
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "-".join(map(str, ls)))
-def test_varlen_chunk_rule_equals_recurrence_per_sequence(lengths):
+def test_varlen_chunk_rule_equals_recurrence_per_sequence(lengths, chunk):
     (q, k, v, gate, beta, h0), cu = _sequences(lengths)
     out, final = torch_ref.chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=h0, output_final_state=True,
-                                                  cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+                                                  cu_seqlens=torch.tensor(cu, dtype=torch.int32), chunk_size=chunk)
     refs, ref_finals = [], []
     for i, (a, b) in enumerate(zip(cu, cu[1:])):
         o, s = torch_ref.recurrent_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], gate[:, a:b], beta[:, a:b],

@@ -48,9 +48,10 @@ def _chunk_terms(q, k, v, g, beta, use_qk_l2norm_in_kernel: bool, chunk_size: in
     decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     ut_system = (k_beta @ k.transpose(-1, -2)) * decay
     intra = (q @ k.transpose(-1, -2)) * decay
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, k_beta * g.exp().unsqueeze(-1), upper=False,
-                                               unitriangular=True)
+    # one triangular solve for both right-hand sides (one factor walk, one backward solve)
+    rhs = torch.cat([v_beta, k_beta * g.exp().unsqueeze(-1)], dim=-1)
+    new_values, k_cumdecay = torch.linalg.solve_triangular(ut_system, rhs, upper=False,
+                                                           unitriangular=True).split([v.shape[-1], K], dim=-1)
     q = q * g.exp().unsqueeze(-1)
     k = k * (g[..., -1:] - g).exp().unsqueeze(-1)
     chunk_decay = g[..., -1].exp()[..., None, None]
