@@ -6,12 +6,15 @@ every continuation to P are exactly those of ``concat(P, Ci)``.
 
 Without a pack layout in the call (a standalone forward), the call goes to transformers' own SDPA attention
 with its own causal mask, so the unpacked model computes exactly what it computes as shipped.
-Shape legend: H query heads, G key/value heads, T buffer, P prefix, N continuations, L longest, D head dim.
+Shape legend: H query heads, G key/value heads, T buffer, P prefix, S continuation tokens, N continuations in a
+bucket, L the bucket's longest, D head dim.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +26,9 @@ ATTN_NAME = "packtrain"
 
 
 def _sdpa(q, k, v, mask, scaling, dropout, is_causal=False):
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: expand keys/values to every query head
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    # enable_gqa: grouped-query attention without materialising the keys/values once per query head
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                          is_causal=is_causal)
+                                          is_causal=is_causal, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def attention_dense(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout):
@@ -35,27 +36,76 @@ def attention_dense(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout
     return _sdpa(q_1HTD, k_1GTD, v_1GTD, dense_mask(layout).to(q_1HTD.device), scaling, dropout)
 
 
-def _continuations(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, scaling, dropout):
-    """The continuations as one right-padded batch against [P's keys ; their own keys] -> [S, H, D]."""
-    def pad(x_1XSD):  # [1, X, S, D] -> [N, X, L, D]
-        x_SXD = x_1XSD[0].transpose(0, 1)
-        x_SXD = torch.cat([x_SXD, x_SXD.new_zeros((1,) + x_SXD.shape[1:])])
-        return x_SXD[layout.pad_index].permute(0, 2, 1, 3)
+# Padding cost of a bucket, in query rows: a call's fixed overhead is worth about this many rows on CPU.
+_CALL_ROWS = 16
 
-    q_N, k_N, v_N = pad(q_1HSD), pad(k_1GSD), pad(v_1GSD)
-    n, L = layout.pad_index.shape
-    p = k_1GPD.shape[2]
-    keys = torch.cat([k_1GPD.expand(n, -1, -1, -1), k_N], dim=2)
-    values = torch.cat([v_1GPD.expand(n, -1, -1, -1), v_N], dim=2)
-    idx = torch.arange(L, device=q_1HSD.device)
-    own = (idx[None, :] <= idx[:, None])[None] & layout.valid[:, None, :]  # [N, L, L], causal and real keys
-    mask = torch.cat([own.new_ones(n, L, p), own], dim=2)[:, None]  # every query sees all of P
-    out_N = _sdpa(q_N, keys, values, mask, scaling, dropout)  # [N, H, L, D]
-    return out_N.permute(0, 2, 1, 3).flatten(0, 1)[layout.unpad_index]  # [S, H, D]
+
+@dataclass
+class _Bucket:
+    index: torch.Tensor  # [n, L] row of each (continuation, position) in the continuation region, S for padding
+    mask: torch.Tensor  # [n, 1, L, P + L] all of P, then causal over the continuation's own real keys
+
+
+def attention_buckets(layout: PackLayout, p: int) -> tuple[list[_Bucket], torch.Tensor]:
+    """Continuations grouped by length into padded batches, and [S] the row of each token in the buckets'
+    concatenated outputs. The grouping minimises the padded attention work (n x L x (P + L) per bucket, plus a
+    call's overhead) over contiguous runs of the continuations sorted by length: equal lengths share one call,
+    one long continuation among short ones gets its own instead of padding all of them to it."""
+    key = ("attention_buckets", p)  # p: the number of P's keys every query sees
+    if key in layout._cache:
+        return layout._cache[key]
+    lens, starts = layout.cont_lens, layout.cu_seqlens_host
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(j):
+            L = lens[order[i]]
+            cost = best[i] + ((j - i) * L + _CALL_ROWS) * (p + L)
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(order)
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    device = layout.input_ids.device
+    buckets, unpad, row = [], [0] * starts[-1], 0
+    for group in reversed(groups):
+        L = lens[group[0]]
+        index = torch.full((len(group), L), starts[-1], dtype=torch.long)
+        for r, i in enumerate(group):
+            index[r, :lens[i]] = torch.arange(starts[i], starts[i + 1])
+            unpad[starts[i]:starts[i + 1]] = range(row + r * L, row + r * L + lens[i])
+        row += len(group) * L
+        valid = index < starts[-1]
+        own = torch.ones(L, L, dtype=torch.bool).tril()[None] & valid[:, None, :]
+        mask = torch.cat([own.new_ones(len(group), L, p), own], dim=2)[:, None]
+        buckets.append(_Bucket(index.to(device), mask.to(device)))
+    layout._cache[key] = buckets, torch.tensor(unpad, dtype=torch.long, device=device)
+    return layout._cache[key]
+
+
+def _continuations(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, scaling, dropout):
+    """The continuations in length buckets (:func:`attention_buckets`), each a right-padded batch against [P's keys ;
+    their own keys] -> [S, H, D]."""
+    def rows(x_1XSD):  # [1, X, S, D] -> [S + 1, X, D]: the continuation region and a zero row for padding
+        x_SXD = x_1XSD[0].transpose(0, 1)
+        return torch.cat([x_SXD, x_SXD.new_zeros((1,) + x_SXD.shape[1:])])
+
+    q_S, k_S, v_S = rows(q_1HSD), rows(k_1GSD), rows(v_1GSD)
+    buckets, unpad = attention_buckets(layout, k_1GPD.shape[2])
+    outs = []
+    for b in buckets:
+        n, L = b.index.shape
+        q_N, k_N, v_N = (x[b.index].permute(0, 2, 1, 3) for x in (q_S, k_S, v_S))  # [n, X, L, D]
+        keys = torch.cat([k_1GPD.expand(n, -1, -1, -1), k_N], dim=2)
+        values = torch.cat([v_1GPD.expand(n, -1, -1, -1), v_N], dim=2)
+        out_N = _sdpa(q_N, keys, values, b.mask, scaling, dropout)  # [n, H, L, D]
+        outs.append(out_N.permute(0, 2, 1, 3).flatten(0, 1))
+    return torch.cat(outs).index_select(0, unpad)  # [S, H, D]
 
 
 def attention_batched(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout, prefix_grad: bool = True):
-    """P causally once; the continuations as one right-padded batch against [P's keys ; their own keys].
+    """P causally once; the continuations in length buckets against [P's keys ; their own keys].
     ``prefix_grad=False`` (kv_only, where P's outputs get no gradient) runs P's own attention under no_grad."""
     p = layout.prefix_len
     with contextlib.nullcontext() if prefix_grad else torch.no_grad():

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-tokens", type=int, metavar="N", help="generated data: tokens in each P")
     p.add_argument("--continuations", type=int, metavar="N", help="generated data: continuations per prompt")
     p.add_argument("--cont-tokens", metavar="N|MIN:MAX", help="generated data: tokens per continuation")
+    p.add_argument("--extra-continuations", action="append", metavar="COUNTxN|COUNTxMIN:MAX",
+                   help="generated data: more continuations per prompt of other lengths (e.g. 1x1000: one long "
+                   "one among the others); repeatable")
     p.add_argument("--peak-tflops", type=float, metavar="X", help="device peak for MFU (CUDA default 989, the "
                    "H100/H200 bf16 dense datasheet figure)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: 1 for the "

@@ -14,13 +14,13 @@ from packtrain.bench.presets import Shape, generate_examples
 from packtrain.kernels import fla_available
 from packtrain.ops import memory
 
-VARIANT_KEYS = {"seconds", "positions_per_s", "target_tokens_per_s", "peak_memory_bytes", "final_loss"}
+VARIANT_KEYS = {"seconds", "cpu_seconds", "positions_per_s", "target_tokens_per_s", "peak_memory_bytes", "final_loss"}
 
 
 def _bench(tmp_path, *args) -> dict:
     out = tmp_path / "bench"
     proc = run_cli("bench", *args, "--out", str(out))
-    assert "x shared" in proc.stdout  # the table
+    assert "x shared" in proc.stdout and "goal (wall)" in proc.stdout  # the table and the goal line
     return json.loads((out / "bench.json").read_text())
 
 
@@ -92,6 +92,20 @@ def test_generated_examples_follow_the_shape():
     assert all(len(ex.prefix_ids) == 7 and 4 <= ex.len_continuation <= 9 and ex.target_ids for ex in examples)
     assert all(0 < t < 50 for ex in examples for t in ex.prefix_ids + ex.item_ids + ex.target_ids)
     assert generate_examples(shape, vocab=50, seed=1) == examples
+
+
+def test_extra_continuations_join_each_prompt():
+    # one long continuation among short ones: 3 of 4-6 tokens and one of exactly 40, per prompt
+    shape = Shape(prompts=2, prefix_tokens=5, continuations=3, cont_tokens=(4, 6), extra=((1, 40, 40),))
+    examples = generate_examples(shape, vocab=50, seed=2)
+    lengths = [ex.len_continuation for ex in examples]
+    assert len(examples) == 8 and lengths[3] == lengths[7] == 40
+    assert all(4 <= n <= 6 for i, n in enumerate(lengths) if i % 4 != 3)
+    # without extras the generated data is what it was before the option existed
+    plain = Shape(prompts=2, prefix_tokens=5, continuations=3, cont_tokens=(4, 6))
+    assert generate_examples(plain, 50, 2)[:3] == examples[:3]
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        generate_examples(Shape(1, 5, 3, (4, 6), extra=((1, 1, 1),)), vocab=50)
 
 
 @pytest.mark.gpu

@@ -40,6 +40,7 @@ from packtrain.ops.harness import PeakMemory, is_out_of_memory
 class Run:
     seconds: float
     peak_memory_bytes: int
+    cpu_seconds: float  # this process's CPU time: on a shared machine, one thread, less moved by others' load
     losses: list[float]  # each step's mean per-example training loss
     final_loss: float | None = None  # the trained adapter's mean per-example loss (Models.evaluate)
 
@@ -79,12 +80,12 @@ def timed_run(fn, device: torch.device) -> Run:
     probe = PeakMemory(device)
     probe.reset()
     before = memory_in_use(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     losses = fn()
     _sync(device)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     peak, _ = probe.read()
-    return Run(seconds, max(peak - before, 0), losses)
+    return Run(seconds, max(peak - before, 0), cpu_seconds, losses)
 
 
 def interleave(models: Models, work: Workload, variants: list[str], repeats: int, warmup: bool,
@@ -115,7 +116,8 @@ def interleave(models: Models, work: Workload, variants: list[str], repeats: int
             if run is not None:
                 run.final_loss = models.evaluate(v, work)
                 results[v].runs.append(run)
-                log(f"  repeat {r + 1}/{repeats} {v:<13} {run.seconds:8.2f} s   final loss {run.final_loss:.7f}")
+                log(f"  repeat {r + 1}/{repeats} {v:<13} {run.seconds:8.2f} s ({run.cpu_seconds:.2f} s CPU)   "
+                    f"final loss {run.final_loss:.7f}")
     return results
 
 
@@ -158,6 +160,7 @@ def summarize(results: dict[str, VariantRuns], stats: dict, target_tokens: int, 
             entry.update({
                 "seconds": seconds,
                 "seconds_per_repeat": [r.seconds for r in vr.runs],
+                "cpu_seconds": statistics.median(r.cpu_seconds for r in vr.runs),
                 "positions_per_s": positions / seconds,
                 "example_positions_per_s": stats["positions_standalone"] / seconds,
                 "target_tokens_per_s": target_tokens / seconds,

@@ -29,12 +29,16 @@ class Shape:
     prefix_tokens: int
     continuations: int  # per prompt
     cont_tokens: tuple[int, int]  # (shortest, longest) continuation, item + target
+    # more continuations per prompt, (count, shortest, longest) each: e.g. one long one among short ones
+    extra: tuple[tuple[int, int, int], ...] = ()
 
     def describe(self) -> str:
-        lo, hi = self.cont_tokens
-        lengths = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        def lengths(lo, hi):
+            return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+        more = "".join(f" + {n} of {lengths(lo, hi)}" for n, lo, hi in self.extra)
         return (f"{self.prompts} prompt(s) of {self.prefix_tokens:,} tokens x {self.continuations} continuations "
-                f"of {lengths} tokens")
+                f"of {lengths(*self.cont_tokens)} tokens{more}")
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,8 @@ def get_preset(name: str) -> Preset:
 
 def generate_examples(shape: Shape, vocab: int, seed: int = 0) -> list[Example]:
     """Random token ids in [1, vocab) for the shape; the same seed gives the same examples."""
-    lo, hi = shape.cont_tokens
-    if shape.prompts < 1 or shape.continuations < 1 or shape.prefix_tokens < 1 or not 2 <= lo <= hi:
+    ranges = [(shape.continuations, *shape.cont_tokens), *shape.extra]
+    if shape.prompts < 1 or shape.prefix_tokens < 1 or not all(n >= 1 and 2 <= lo <= hi for n, lo, hi in ranges):
         raise ValueError(f"bench data shape: need at least 1 prompt, 1 continuation, a prefix of 1 token and "
                          f"continuations of at least 2 tokens (item + target); got {shape}")
     rng = random.Random(seed)
@@ -134,7 +138,8 @@ def generate_examples(shape: Shape, vocab: int, seed: int = 0) -> list[Example]:
     examples = []
     for p in range(shape.prompts):
         prefix = tokens(shape.prefix_tokens)
-        for c in range(shape.continuations):
+        bounds = [(lo, hi) for count, lo, hi in ranges for _ in range(count)]
+        for c, (lo, hi) in enumerate(bounds):
             n = rng.randint(lo, hi)
             item = tokens(n - n // 2)
             examples.append(Example(f"p{p}-c{c}", prefix, item, tokens(n // 2)))

@@ -6,21 +6,24 @@ import json
 from pathlib import Path
 
 MiB = 2**20
+# Shared-prefix speedup over each loop, as a fraction of the position ratio, that a pack should reach (issue 17)
+GOALS = {"plain": 1.0, "standalone": 0.9}
 
 
 def _fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
-def speedups(result: dict) -> tuple[dict, dict, dict]:
-    """(time of each other variant / shared_prefix's, that / the position ratio, final-loss rel. diff vs it)."""
+def speedups(result: dict, clock: str = "seconds") -> tuple[dict, dict, dict]:
+    """(time of each other variant / shared_prefix's, that / the position ratio, final-loss rel. diff vs it);
+    ``clock`` "seconds" (wall) or "cpu_seconds" (this process's CPU time)."""
     variants, ratio = result["variants"], result["position_ratio"]
     base = variants.get("shared_prefix", {})
     speed, of_ratio, loss_diff = {}, {}, {}
     for name, v in variants.items():
         if name == "shared_prefix" or "seconds" not in v or "seconds" not in base:
             continue
-        speed[name] = v["seconds"] / base["seconds"]
+        speed[name] = v[clock] / base[clock]
         if name not in ("kv_only", "frozen"):  # the same positions as shared_prefix: the ratio does not apply
             of_ratio[name] = speed[name] / ratio
         loss_diff[name] = abs(base["final_loss"] - v["final_loss"]) / abs(v["final_loss"])
@@ -53,6 +56,13 @@ def format_table(result: dict) -> str:
             f"  {name:<14}{v['seconds']:>9.2f}{_fmt(speed.get(name, 1.0), '.2f'):>9}x{_fmt(of_ratio.get(name), '.2f'):>10}"
             f"{v['positions_per_s']:>13,.0f}{v['target_tokens_per_s']:>14,.0f}{v['peak_memory_bytes'] / MiB:>10,.0f}"
             f"{v['final_loss']:>13.6f}{mfu:>8}")
+    clocks = [("seconds", "wall")] + ([] if m["cuda"] else [("cpu_seconds", "CPU time")])  # CUDA runs async
+    for clock, label in clocks:
+        _, fraction, _ = speedups(r, clock)
+        goals = [f"{fraction[n]:.2f} of the ratio vs {n} ({'met' if fraction[n] >= bar else 'NOT met'}: >= {bar})"
+                 for n, bar in GOALS.items() if n in fraction]
+        if goals:
+            lines.append(f"  goal ({label}) " + "; ".join(goals))
     lines += [
         "  x shared: the variant's time / shared_prefix's (how much faster shared-prefix is); of ratio: that / the",
         "  position ratio (1.0 = the planner's ideal). peak MiB: what the run adds above the loaded models",

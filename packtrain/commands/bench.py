@@ -26,6 +26,8 @@ def _shape(args, preset):
     for name in ("prompts", "prefix_tokens", "continuations"):
         if getattr(args, name) is not None:
             shape = dataclasses.replace(shape, **{name: getattr(args, name)})
+    if args.extra_continuations:
+        shape = dataclasses.replace(shape, extra=tuple(_extra(spec) for spec in args.extra_continuations))
     return shape
 
 
@@ -39,8 +41,19 @@ def _variants(args, known) -> list[str]:
     return chosen
 
 
+def _extra(spec: str) -> tuple[int, int, int]:
+    """``COUNTxN`` or ``COUNTxMIN:MAX`` -> (count, shortest, longest)."""
+    count, _, lengths = spec.partition("x")
+    lo, _, hi = lengths.partition(":")
+    try:
+        return int(count), int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--extra-continuations: expected COUNTxN or COUNTxMIN:MAX, got {spec!r}") from None
+
+
 def _generated(args) -> bool:
-    return any(getattr(args, n) is not None for n in ("prompts", "prefix_tokens", "continuations", "cont_tokens"))
+    return any(getattr(args, n) is not None for n in ("prompts", "prefix_tokens", "continuations", "cont_tokens",
+                                                      "extra_continuations"))
 
 
 def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
@@ -143,6 +156,7 @@ def run_bench(args) -> int:
         "variants": summarize(runs, stats, target_tokens, text, cfg.lora.r, cfg.lora.target_modules, peak),
     }
     result["speedup"], result["speedup_over_position_ratio"], result["final_loss_rel_diff"] = speedups(result)
+    result["cpu_speedup"], result["cpu_speedup_over_position_ratio"], _ = speedups(result, "cpu_seconds")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(format_table(result))

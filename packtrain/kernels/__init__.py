@@ -1,9 +1,10 @@
 """Kernel back ends for the packed forward, chosen once and reported; nothing falls back silently.
 
-- ``torch``: pure torch (CPU reference; also runs on CUDA). Gated DeltaNet runs P once and all continuations as
-  one right-padded batch from P's final state; attention runs P causally once and the continuations as one batch
-  against [P's keys ; their own] (``batched``), or over the whole buffer with a dense mask (``dense``, a second
-  reference built straight from the predicate).
+- ``torch``: pure torch (CPU reference; also runs on CUDA). Gated DeltaNet runs P once, then all continuations in
+  one varlen call from P's final state (each padded only to its own multiple of the chunk); attention runs P
+  causally once and the continuations in length buckets, each a padded batch against [P's keys ; their own]
+  (``batched``), or over the whole buffer with a dense mask (``dense``, a second reference built straight from
+  the predicate).
 - ``fla``: fla's ``chunk_gated_delta_rule`` with ``cu_seqlens`` and a per-continuation ``initial_state``, fla's
   varlen causal conv, and FlexAttention with one BlockMask per pack (CUDA). On CPU only under Triton's interpreter
   (``TRITON_INTERPRET=1``, :mod:`packtrain.kernels.interpreter`), with the batched torch attention: FlexAttention
