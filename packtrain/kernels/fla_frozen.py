@@ -6,10 +6,11 @@ final Gated DeltaNet state are constants from P's no_grad pass. (The conv reuses
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 from torch.nn.attention.flex_attention import create_block_mask
 
-from packtrain.kernels.fla_backend import _compiled_flex
+from packtrain.kernels.flex import FLEX_BLOCK, _compiled_flex, _mark_block_dims_dynamic, padded_length
 from packtrain.layout import PackLayout, shared_prefix_allowed
 
 
@@ -25,23 +26,36 @@ def continuation_delta_rule(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayo
 
 
 def _block_mask(layout: PackLayout, p: int, device):
-    if "frozen_block_mask" not in layout._cache:
-        seg = layout.segment_ids.to(device)
-        seg_kv = torch.cat([seg.new_zeros(p), seg])
+    """Queries are the continuation rows, keys [P ; continuations]; both padded to whole FlexAttention blocks with
+    segment -1 rows and the block dimensions marked dynamic, as :func:`packtrain.kernels.flex.block_mask` does, so
+    one compilation serves every pack (P's length is a tensor for the same reason)."""
+    key = ("frozen_block_mask", p)
+    if key not in layout._cache:
+        S = layout.segment_ids.numel()
+        Sq, Skv = padded_length(S), padded_length(p + S)
+        seg_C = layout.segment_ids.to(device)
+        seg = F.pad(seg_C, (0, Sq - S), value=-1)
+        seg_kv = F.pad(torch.cat([seg_C.new_zeros(p), seg_C]), (0, Skv - p - S), value=-1)
+        offset = torch.tensor(p, device=device)
 
-        def mask_mod(b, h, q_idx, kv_idx):  # queries are the continuation rows, keys [P ; continuations]
-            return shared_prefix_allowed(seg[q_idx], seg_kv[kv_idx], q_idx + p, kv_idx)
+        def mask_mod(b, h, q_idx, kv_idx):
+            return shared_prefix_allowed(seg[q_idx], seg_kv[kv_idx], q_idx + offset, kv_idx)
 
-        S = seg.numel()
-        layout._cache["frozen_block_mask"] = create_block_mask(mask_mod, 1, None, S, p + S, device=device,
-                                                               _compile=p + S > 8192)
-    return layout._cache["frozen_block_mask"]
+        bm = create_block_mask(mask_mod, 1, None, Sq, Skv, device=device, BLOCK_SIZE=FLEX_BLOCK,
+                               _compile=Skv > 8192)
+        _mark_block_dims_dynamic(bm)
+        layout._cache[key] = bm
+    return layout._cache[key]
 
 
 def flex_attention(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, scaling, dropout):
     if dropout:
         raise ValueError("FlexAttention path: attention dropout is not supported (Qwen3.5 uses none)")
-    bm = _block_mask(layout, k_1GPD.shape[2], q_1HSD.device)
+    S, p = q_1HSD.shape[2], k_1GPD.shape[2]
+    bm = _block_mask(layout, p, q_1HSD.device)
     keys, values = torch.cat([k_1GPD, k_1GSD], dim=2), torch.cat([v_1GPD, v_1GSD], dim=2)
-    return _compiled_flex(q_1HSD, keys, values, block_mask=bm, scale=scaling,
-                          enable_gqa=keys.shape[1] != q_1HSD.shape[1])
+    kv_pad = (0, 0, 0, padded_length(p + S) - p - S)
+    q = F.pad(q_1HSD, (0, 0, 0, padded_length(S) - S))
+    out = _compiled_flex(q, F.pad(keys, kv_pad), F.pad(values, kv_pad), block_mask=bm, scale=scaling,
+                         enable_gqa=keys.shape[1] != q_1HSD.shape[1])
+    return out[:, :, :S]
