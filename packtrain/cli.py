@@ -107,6 +107,9 @@ def _quiet_library_noise(command: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    # fla (the `fla` extra) on a machine without a GPU says so at import; packtrain picks its kernels itself and
+    # prints the choice in the run header
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
 
     def not_fallback(record) -> bool:
         return "falling back to its reference PyTorch implementation" not in record.getMessage()

@@ -109,10 +109,10 @@ def test_conv_over_history_rows_equals_conv_of_each_standalone_sequence(prefix_l
 
 def test_attention_buckets_put_one_long_continuation_alone():
     lay = _pack(50, [300, 4, 5, 4, 6, 5])
-    buckets, unpad = attention.attention_buckets(lay)
+    buckets, unpad = attention.attention_buckets(lay, lay.prefix_len)
     assert [tuple(b.index.shape) for b in buckets] == [(1, 300), (5, 6)]
     lay_equal = _pack(50, [8, 8, 8])
-    assert [tuple(b.index.shape) for b in attention.attention_buckets(lay_equal)[0]] == [(3, 8)]
+    assert [tuple(b.index.shape) for b in attention.attention_buckets(lay_equal, lay_equal.prefix_len)[0]] == [(3, 8)]
 
 
 @pytest.mark.parametrize("lengths", [[300, 4, 5, 4, 6, 5], [1, 64, 65, 30]])
