@@ -83,6 +83,10 @@ class PackingConfig:
     # through P; kv_only = forward unchanged, gradient cut at P's rows of every decoder-layer input; frozen = P under
     # no_grad, continuations read its K/V, GDN state and conv tail as constants.
     context_grad: Literal["full", "kv_only", "frozen"] = "full"
+    # Run each pack's continuations in this many groups against one P graph (packtrain/groups.py): P's forward
+    # once, each group's forward and backward in turn, then one backward through P. The same gradient; peak memory
+    # holds P's graph and one group's instead of every continuation's. 1 = the whole pack in one forward.
+    continuation_groups: int = 1
 
 
 @dataclass
@@ -201,6 +205,7 @@ _BOUNDS = [
     ("packing.token_budget", lambda v: v >= 2, "must be at least 2"),
     ("packing.max_continuations", lambda v: v >= 1, "must be at least 1"),
     ("packing.walk.chunk", lambda v: v >= 1, "must be at least 1"),
+    ("packing.continuation_groups", lambda v: v >= 1, "must be at least 1"),
     ("packing.walk.horizon", lambda v: v == "all" or v >= 0, "must be >= 0 tokens or all"),
     ("lora.r", lambda v: v >= 1, "must be at least 1"),
     ("lora.dropout", lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
@@ -314,6 +319,9 @@ def _validate(cfg: Config) -> list[str]:
             problems.append(f"{path}: {msg}, got {value!r}")
     if cfg.packing.on_overflow == "walk" and cfg.packing.context_grad == "kv_only":
         problems.append("packing.on_overflow: walk needs packing.context_grad full or frozen, not kv_only")
+    if cfg.packing.continuation_groups > 1 and cfg.packing.mode != "shared_prefix":
+        problems.append(f"packing.continuation_groups: groups a pack's continuations, so it needs packing.mode "
+                        f"shared_prefix, got mode {cfg.packing.mode!r} with {cfg.packing.continuation_groups} groups")
     if cfg.model.path is not None and cfg.model.config is not None:
         problems.append("model: give either model.path or model.config, not both")
     if cfg.lora.target_parameters and cfg.lora.dropout > 0:

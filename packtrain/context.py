@@ -271,15 +271,25 @@ class ContextGrad:
                                      pixel_values=None, _cache={})
         with torch.no_grad():  # seed 000's phase 1: P through the model's own forward, keeping only its cache
             first = lm.run_body(prefix, use_cache=True)
-        cache = first.cache
-        rest = _continuation_view(layout)
+        cache, last = first.cache, first.last_hidden_state[:, -1:]
         if layout.packed:
-            rest.prefix_cache = PrefixCache(cache)
-            rest.context = ContextPlan("frozen")
-            second = lm.run_body(rest)
-        else:
-            _differentiable(cache)
-            second = lm.run_body(rest, cache=cache, use_cache=True, position_ids=packed_positions(lm.model, rest))
-        # Targets read off P's last row take it from the no_grad pass; every other target t from row t - P + 1.
-        hidden = torch.cat([first.last_hidden_state[:, -1:], second.last_hidden_state], dim=1)
+            return continuations_on(lm, layout, PrefixCache(cache), last, constant=True)
+        rest = _continuation_view(layout)
+        _differentiable(cache)
+        second = lm.run_body(rest, cache=cache, use_cache=True, position_ids=packed_positions(lm.model, rest))
+        hidden = torch.cat([last, second.last_hidden_state], dim=1)
         return hidden, layout.target_positions - (p - 1), layout.target_positions < p
+
+
+def continuations_on(lm, layout: PackLayout, prefix, last: torch.Tensor, constant: bool):
+    """A pack's continuations alone against P's caches from outside (``prefix``: P's K/V, GDN states and conv
+    tails, as :class:`PrefixCache` gives them) and ``last``, P's final hidden state at its last row [1, 1, D].
+    Returns what :meth:`ContextGrad.hidden_states` returns: targets read off P's last row take ``last``, every
+    other target t row t - P + 1; with ``constant`` those first ones are constants (frozen)."""
+    p = layout.context_len
+    rest = _continuation_view(layout)
+    rest.prefix_cache = prefix
+    rest.context = ContextPlan("frozen")
+    second = lm.run_body(rest)
+    hidden = torch.cat([last.to(second.last_hidden_state.dtype), second.last_hidden_state], dim=1)
+    return hidden, layout.target_positions - (p - 1), (layout.target_positions < p) if constant else None

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from packtrain.context import ContextGrad
+from packtrain.groups import GroupCall, PrefixCall, group_hidden, run_prefix
 from packtrain.layout import PackLayout
 from packtrain.model_patch import LAYOUT_KWARG, model_body, packed_positions, text_parts, unwrap
 from packtrain.walk import Window, run_window
@@ -83,11 +84,17 @@ class PackedLM(nn.Module):
     def forward(self, layout: PackLayout) -> LossOutput:
         if isinstance(layout, Window):  # one window of a walked example (packtrain.walk)
             return run_window(self, layout)
+        if isinstance(layout, PrefixCall):  # P of a pack run in continuation groups (packtrain.groups)
+            return run_prefix(self, layout)
         text_model, lm_head = text_parts(self.model)
-        device = text_model.embed_tokens.weight.device
-        if layout.input_ids.device != device:
-            layout = layout.to(device)
-        hidden, positions, constant = self.context.hidden_states(self, layout)
+        if isinstance(layout, GroupCall):  # one group of that pack's continuations
+            call, layout = layout, layout.layout
+            hidden, positions, constant = group_hidden(self, call)
+        else:
+            device = text_model.embed_tokens.weight.device
+            if layout.input_ids.device != device:
+                layout = layout.to(device)
+            hidden, positions, constant = self.context.hidden_states(self, layout)
         h_MD = hidden[0].index_select(0, positions)
         logits = lm_head(h_MD)
         if constant is not None:  # frozen: a target read off P's last row takes its logit from the no_grad pass

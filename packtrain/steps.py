@@ -15,6 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from packtrain.groups import Groups, group_units
 from packtrain.layout import Continuation, PackLayout, build_pack_layout, build_standalone_layout
 from packtrain.planner import Plan, epoch_order
 from packtrain.vision import ImageLoader
@@ -98,3 +99,10 @@ def unit_layout(unit: Unit, plan: Plan, examples, mode: str, images: ImageLoader
     if refs:
         layout.pixel_values, _ = images.load(refs)
     return layout
+
+
+def unit_groups(unit: Unit, plan: Plan, examples, n_groups: int, images: ImageLoader | None = None) -> Groups:
+    """A pack's continuations in ``n_groups`` groups (``packing.continuation_groups``, :mod:`packtrain.groups`)."""
+    lengths = [len(examples[e].item_ids) + len(examples[e].target_ids) for e in unit.examples]
+    units, weights = group_units(unit, lengths, n_groups)
+    return Groups([unit_layout(u, plan, examples, "shared_prefix", images) for u in units], weights)

@@ -36,7 +36,8 @@ from packtrain.ops.runtime import RunOps
 from packtrain.optim import build_optimizer, build_scheduler
 from packtrain.planner import Plan, plan_packs, plan_stats
 from packtrain.preemption import StopSignals
-from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
+from packtrain.groups import Groups, train_groups
+from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_groups, unit_layout
 from packtrain.stops import NonFiniteError, Preempted
 from packtrain.vision import ImageLoader, load_image_processor
 from packtrain.walk import train_walk
@@ -120,10 +121,15 @@ class Trainer:
         check_model(cfg)  # an unsupported model family or layer type is refused before any data is read
         self.mode = cfg.packing.mode
         self.walk = cfg.walk_spec()
+        self.groups = cfg.packing.continuation_groups
         self.train_examples = load_split(cfg, "train")
         if self.train_examples is None:
             raise ValueError("data.train: not set")
         self.eval_examples = load_split(cfg, "eval")
+        pictured = next((ex for ex in self.train_examples if getattr(ex, "images", ())), None)
+        if self.groups > 1 and pictured is not None:
+            raise ValueError(f"{pictured.source}: has images, and packing.continuation_groups > 1 takes text-only "
+                             f"data (set packing.continuation_groups: 1)")
         self.plan = plan_for(cfg, self.train_examples)
         self.eval_plan = plan_for(cfg, self.eval_examples) if self.eval_examples else None
         self.steps_per_epoch = steps_per_epoch(self.plan, cfg.train.packs_per_step)
@@ -228,7 +234,10 @@ class Trainer:
         for unit in units:
             code, layout = OK, None
             try:
-                layout = unit_layout(unit, self.plan, self.train_examples, self.mode, self.images)
+                if self.groups > 1 and unit.walk is None:
+                    layout = unit_groups(unit, self.plan, self.train_examples, self.groups, self.images)
+                else:
+                    layout = unit_layout(unit, self.plan, self.train_examples, self.mode, self.images)
                 if cap is not None and unit.walk is None and layout.length > cap:
                     code = SKIP
             except self.skippable:
@@ -265,6 +274,8 @@ class Trainer:
                 scale = math.nan
             if unit.walk is not None:  # an over-budget example, chunk by chunk; backward inside (packtrain/walk.py)
                 loss = train_walk(self.lm, layout.to(info.device), self.walk, scale, unit.walk, unit.dummy).loss
+            elif isinstance(layout, Groups):  # the pack's continuations in groups; backward inside (groups.py)
+                loss = train_groups(self.lm, layout.to(info.device), scale)
             else:
                 out = self.lm(layout.to(info.device))
                 if not out.loss_sum.requires_grad:
@@ -405,6 +416,9 @@ class Trainer:
         if self.walk is not None:
             self.log(f"  on_overflow {self.walk.describe()}: {s['walked']} examples over the budget in "
                      f"{s['walk_chunks']} chunks")
+        if self.groups > 1:
+            self.log(f"  continuation_groups {self.groups}: each pack's continuations in {self.groups} groups against "
+                     "one P graph")
         if self.dist.enabled:
             local = sum(getattr(p, "_local_tensor", p).numel() for p in self.lm.parameters())
             total = sum(p.numel() for p in self.lm.parameters())

@@ -107,3 +107,25 @@ def write_model_dir(path: Path, seed: int = 0) -> Path:
     Qwen3_5ForCausalLM(config).save_pretrained(path)
     load_tokenizer().save_pretrained(path)
     return path
+
+
+# SGD without clipping: a trained adapter is a plain function of the summed gradients, so two runs that should
+# compute the same gradients can be compared through their adapters (AdamW's first step would amplify rounding).
+SGD = {"name": "sgd", "lr": 0.5, "warmup_steps": 0, "max_grad_norm": None}
+
+
+def adapter_of(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def train_losses(run_dir: Path) -> list:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r.get("split") != "eval"]
+
+
+def max_rel(a: dict, b: dict) -> float:
+    """The largest over tensors of max|a - b| / max|b|."""
+    assert a.keys() == b.keys() and a
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)

@@ -41,7 +41,7 @@ def test_exponent_without_a_dot_is_a_float(tmp_path):
 
 def test_unknown_key():
     assert problems_of({"packing": {"token_budgett": 10}}) == [
-        "packing.token_budgett: unknown key (known: context_grad, max_continuations, mode, on_overflow, token_budget, walk)"
+        "packing.token_budgett: unknown key (known: context_grad, continuation_groups, max_continuations, mode, on_overflow, token_budget, walk)"
     ]
 
 
@@ -81,7 +81,7 @@ def test_several_problems_are_listed_together(tmp_path):
         load_config(path)
     assert sorted(e.value.problems) == sorted([
         "packing.max_continuations: expected int, got 'many'",
-        "packing.colour: unknown key (known: context_grad, max_continuations, mode, on_overflow, token_budget, walk)",
+        "packing.colour: unknown key (known: context_grad, continuation_groups, max_continuations, mode, on_overflow, token_budget, walk)",
         "packing.token_budget: must be at least 2, got 1",
         "train.epochs: must be at least 1, got 0",
     ])

@@ -5,29 +5,12 @@ import json
 
 import pytest
 import torch
-from cli_helpers import run_cli, run_distributed, write_config
-from safetensors.torch import load_file
+from cli_helpers import SGD, adapter_of, max_rel, run_cli, run_distributed, train_losses, write_config
 
 pytestmark = pytest.mark.slow
 
 # Budget 80: the five shortest examples pack (two or three per P), the other ten walk in chunks of 16.
 WALK = {"token_budget": 80, "on_overflow": "walk", "walk": {"chunk": 16, "horizon": "all"}}
-# SGD without clipping and every example in each step: the adapter is a plain function of the summed gradient.
-SGD = {"name": "sgd", "lr": 0.5, "warmup_steps": 0, "max_grad_norm": None}
-
-
-def _adapter(run_dir):
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
-
-
-def _losses(run_dir):
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if r.get("split") != "eval"]
-
-
-def _max_rel(a, b):
-    assert a.keys() == b.keys() and a
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)
 
 
 def test_walked_examples_train_their_standalone_update(tmp_path):
@@ -39,11 +22,11 @@ def test_walked_examples_train_their_standalone_update(tmp_path):
     run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'standalone'}", "--set", "packing.mode=standalone",
             "--set", "packing.token_budget=1000")
     run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'h0'}", "--set", "packing.walk.horizon=0")
-    reference = _adapter(tmp_path / "standalone")
+    reference = adapter_of(tmp_path / "standalone")
     # float64 except transformers' float32 casts (RMSNorm, gated norm, GDN kernel): measured 1.7e-8
-    assert _max_rel(_adapter(tmp_path / "walk"), reference) < 1e-6
-    assert _max_rel(_adapter(tmp_path / "h0"), reference) > 1e-2  # the check can tell a truncated gradient
-    for a, b in zip(_losses(tmp_path / "walk"), _losses(tmp_path / "standalone")):
+    assert max_rel(adapter_of(tmp_path / "walk"), reference) < 1e-6
+    assert max_rel(adapter_of(tmp_path / "h0"), reference) > 1e-2  # the check can tell a truncated gradient
+    for a, b in zip(train_losses(tmp_path / "walk"), train_losses(tmp_path / "standalone")):
         assert abs(a - b) < 1e-7 * abs(b)
 
 
@@ -60,7 +43,7 @@ def test_two_ranks_equal_one_rank_with_walks(tmp_path):
     cfg = write_config(tmp_path, packing=WALK, data={"eval": None}, train={"max_steps": 3, "packs_per_step": 3})
     run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'one'}")
     run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
-    one, two = _adapter(tmp_path / "one"), _adapter(tmp_path / "two")
+    one, two = adapter_of(tmp_path / "one"), adapter_of(tmp_path / "two")
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-10, atol=1e-13)
-    assert _losses(tmp_path / "one") == pytest.approx(_losses(tmp_path / "two"), rel=1e-12)
+    assert train_losses(tmp_path / "one") == pytest.approx(train_losses(tmp_path / "two"), rel=1e-12)

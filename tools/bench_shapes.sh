@@ -7,6 +7,7 @@
 set -euo pipefail
 out=${1:-runs/bench-shapes}
 py=${2:-python}
+variants=${VARIANTS:-shared_prefix,standalone,plain}  # the goal's three; VARIANTS=... to add kv_only,frozen
 mkdir -p "$out"
 : >"$out/tables.txt"
 
@@ -14,7 +15,7 @@ run() {  # NAME ARGS...
     local name=$1
     shift
     echo "== $name: packtrain bench $*" | tee -a "$out/tables.txt"
-    OMP_NUM_THREADS=1 "$py" -m packtrain bench "$@" --out "$out/$name" | tee -a "$out/tables.txt"
+    OMP_NUM_THREADS=1 "$py" -m packtrain bench "$@" --variants "$variants" --out "$out/$name" | tee -a "$out/tables.txt"
 }
 
 # the cpu preset: P 2,048 + 16 continuations of 56-72 (position ratio 11.0)

@@ -4,10 +4,16 @@ Runs are interleaved: every repeat runs each variant once (the order rotated per
 first or after the same neighbour), and a variant's time is the median over repeats. Each run is a whole
 epoch-equivalent from the same initial adapter; the evaluation of what it trained is not timed.
 
-Peak memory of a run: CPU: the peak resident set during the run above the resident set just before it, after
-freeing what the previous run left (gc, then glibc's ``malloc_trim``), with the kernel's peak counter reset in
-between (``/proc/self/clear_refs``). CUDA: peak allocated during the run above what was allocated before it. Either
-way it is what the run adds on top of the loaded models: activations, gradients, optimizer state, logits.
+Peak memory is measured in a pass of its own before the timed repeats: one untimed run of every variant. CPU: the
+peak resident set during the run above the resident set just before it, after freeing what the previous run left
+(gc, then glibc's ``malloc_trim``), with the kernel's peak counter reset in between (``/proc/self/clear_refs``).
+CUDA: peak allocated during the run above what was allocated before it. Either way it is what the run adds on top
+of the loaded models: activations, gradients, optimizer state, logits.
+
+The timed repeats run on a warm allocator, as every step of a training run after its first does: handing the heap
+back to the kernel before a run makes the run fault its memory in again page by page, and that cost is not spread
+evenly. On the cpu preset it added 0.25-0.3 s (about 200,000 page faults) to a one-pack epoch of 1.5 s and the same
+once to a standalone epoch of 17 s, whose sixteen examples reuse one example's memory.
 
 Model FLOPs of an epoch, per variant, for the positions that variant computes (no recompute): every linear layer's
 forward and input gradient (frozen weights), LoRA forward, input and weight gradients, attention's QK^T and PV
@@ -49,6 +55,7 @@ class Run:
 class VariantRuns:
     runs: list[Run] = field(default_factory=list)
     error: str | None = None
+    peak_memory_bytes: int = 0  # from the memory pass
 
 
 def _sync(device: torch.device) -> None:
@@ -74,8 +81,13 @@ def memory_in_use(device: torch.device) -> int:
     return int(m.group(1)) * 1024
 
 
-def timed_run(fn, device: torch.device) -> Run:
-    _release(device)
+def timed_run(fn, device: torch.device, release: bool = False) -> Run:
+    """One run of ``fn``: its time and the peak memory it added. ``release``: hand freed memory back first (the
+    memory pass); otherwise only collect garbage (the timed repeats, on a warm allocator)."""
+    if release:
+        _release(device)
+    else:
+        gc.collect()
     _sync(device)
     probe = PeakMemory(device)
     probe.reset()
@@ -107,6 +119,11 @@ def interleave(models: Models, work: Workload, variants: list[str], repeats: int
             t0 = time.perf_counter()
             attempt(v, partial(run_variant, v, models, work, max_steps=1))
             log(f"  warm-up {v}: one step, {time.perf_counter() - t0:.1f} s (not timed)")
+    for v in variants:  # the memory pass: each variant once from released memory, not timed
+        run = attempt(v, partial(timed_run, partial(run_variant, v, models, work), work.device, release=True))
+        if run is not None:
+            results[v].peak_memory_bytes = run.peak_memory_bytes
+            log(f"  memory {v:<13} {run.peak_memory_bytes / 2**20:8,.0f} MiB above the models (not timed)")
     for r in range(repeats):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
         for v in order:
@@ -164,7 +181,7 @@ def summarize(results: dict[str, VariantRuns], stats: dict, target_tokens: int, 
                 "positions_per_s": positions / seconds,
                 "example_positions_per_s": stats["positions_standalone"] / seconds,
                 "target_tokens_per_s": target_tokens / seconds,
-                "peak_memory_bytes": max(r.peak_memory_bytes for r in vr.runs),
+                "peak_memory_bytes": vr.peak_memory_bytes,
                 "final_loss": vr.runs[-1].final_loss,
                 "step_losses": vr.runs[-1].losses,
                 "model_flops_per_s": flops_per_s,

@@ -41,7 +41,8 @@ def format_table(result: dict) -> str:
         (f"  plan      {plan['examples']} examples -> {plan['packs']} pack(s), {r['steps_per_epoch']} step(s) per epoch; "
          f"positions {plan['positions_standalone']:,} standalone vs {plan['positions_packed']:,} packed: position "
          f"ratio {r['position_ratio']:.2f}x"),
-        f"  timing    median of {r['repeats']} interleaved repeats of one epoch each; {load}",
+        (f"  timing    median of {r['repeats']} interleaved repeats of one epoch each, after an untimed memory pass; "
+         f"{load}"),
         "",
         (f"  {'variant':<14}{'s/epoch':>9}{'x shared':>10}{'of ratio':>10}{'positions/s':>13}{'target tok/s':>14}"
          f"{'peak MiB':>10}{'final loss':>13}{'MFU':>8}"),
@@ -66,7 +67,8 @@ def format_table(result: dict) -> str:
     lines += [
         "  x shared: the variant's time / shared_prefix's (how much faster shared-prefix is); of ratio: that / the",
         "  position ratio (1.0 = the planner's ideal). peak MiB: what the run adds above the loaded models",
-        f"  ({'CUDA allocated' if m['cuda'] else 'resident set'}). final loss: the trained adapter's mean loss.",
+        (f"  ({'CUDA allocated' if m['cuda'] else 'resident set'}, in the memory pass). final loss: the trained "
+         "adapter's mean loss."),
     ]
     if {"kv_only", "frozen"} & set(r["variants"]):
         lines.append("  kv_only, frozen: the shared-prefix packs under packing.context_grad (below 1.00x: faster than the "

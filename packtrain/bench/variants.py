@@ -30,10 +30,11 @@ from packtrain.config import Config
 from packtrain.distributed import DistInfo
 from packtrain.evaluate import evaluate, mean_loss
 from packtrain.forward import PackedLM
+from packtrain.groups import train_groups
 from packtrain.model import build_base_model, lora_config
 from packtrain.optim import build_optimizer, build_scheduler
 from packtrain.planner import Plan
-from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_layout
+from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_groups, unit_layout
 from packtrain.wrap import prepare_from_config
 
 VARIANTS = ("shared_prefix", "kv_only", "frozen", "standalone", "plain")
@@ -146,6 +147,7 @@ def packtrain_epoch(models: Models, work: Workload, variant: str, max_steps: int
     """One epoch as the trainer runs it; returns each step's mean per-example loss."""
     mode = "standalone" if variant == "standalone" else "shared_prefix"
     lm = models.lms[CONTEXT_GRAD[variant]]
+    groups = work.cfg.packing.continuation_groups
     state = models.packtrain_state
     optimizer, scheduler = state.reset()
     losses = []
@@ -153,6 +155,10 @@ def packtrain_epoch(models: Models, work: Workload, variant: str, max_steps: int
         n = step_examples(work.plan, pack_ids)
         total = 0.0
         for unit in rank_units(work.plan, pack_ids, mode, 0, 1):
+            if mode == "shared_prefix" and groups > 1:  # packing.continuation_groups, as the trainer runs it
+                layouts = unit_groups(unit, work.plan, work.examples, groups).to(work.device)
+                total += train_groups(lm, layouts, 1 / n)
+                continue
             out = lm(unit_layout(unit, work.plan, work.examples, mode).to(work.device))
             (out.loss_sum / n).backward()
             total += out.per_example.sum().item()
