@@ -5,6 +5,9 @@ three, resident set above the loaded models). One torch thread. Runs against an 
 
     python tools/profile_pack.py --prefix-tokens 2048 --continuations 16 --cont-tokens 56:72
     python tools/profile_pack.py --prefix-tokens 2048 --continuations 15 --cont-tokens 40:60 --extra 1x1000
+    python tools/profile_pack.py --prefix-tokens 2048 --continuations 8 --cont-tokens 500:1000 --groups 4
+
+``--groups G`` runs the pack as the trainer does with ``packing.continuation_groups: G`` (packtrain/groups.py).
 
 The profiler adds overhead and the machine's load scales every row, so read the shares, not the seconds.
 """
@@ -43,6 +46,7 @@ def main() -> None:
     ap.add_argument("--continuations", type=int, default=16)
     ap.add_argument("--cont-tokens", default="56:72")
     ap.add_argument("--extra", action="append", default=[], metavar="COUNTxLEN[:LEN]")
+    ap.add_argument("--groups", type=int, default=1, help="packing.continuation_groups (default 1: one forward)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     lo, _, hi = args.cont_tokens.partition(":")
@@ -61,27 +65,42 @@ def main() -> None:
     work = Workload.of(cfg, examples, plan, torch.device("cpu"))
     models = Models(work)
     (unit,) = rank_units(plan, work.steps[0], "shared_prefix", 0, 1)
-    layout = unit_layout(unit, plan, examples, "shared_prefix")
-    models.lm(layout).loss_sum.backward()  # warm-up (and the layout's cached indices)
+    if args.groups > 1:
+        from packtrain.groups import train_groups
+        from packtrain.steps import unit_groups
+
+        groups = unit_groups(unit, plan, examples, args.groups)
+
+        def step():
+            train_groups(models.lm, groups, 1.0)
+    else:
+        layout = unit_layout(unit, plan, examples, "shared_prefix")
+
+        def step():
+            models.lm(layout).loss_sum.backward()
+
+    step()  # warm-up (and the layout's cached indices)
     seconds, peaks = [], []
     for _ in range(3):
         _release(work.device)
         probe = PeakMemory(work.device)
         probe.reset()
         before, c0 = memory_in_use(work.device), time.process_time()
-        models.lm(layout).loss_sum.backward()
+        step()
         seconds.append(time.process_time() - c0)
         peaks.append(probe.read()[0] - before)
-    print(f"pack forward + backward: {statistics.median(seconds):.3f} s CPU (median of 3), peak memory "
+    print(f"pack forward + backward ({args.groups} group{'s' * (args.groups > 1)}): "
+          f"{statistics.median(seconds):.3f} s CPU (median of 3), peak memory "
           f"{max(peaks) / 2**20:,.0f} MiB above the models")
     with profile() as prof:
-        models.lm(layout).loss_sum.backward()
+        step()
     totals: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         kind = next((label for label, names in KINDS if event.key in names), "elementwise, copies, indexing")
         totals[kind] += event.self_cpu_time_total / 1e6
     whole = sum(totals.values())
-    print(f"pack: {shape.describe()}; {layout.length:,} positions; one forward + backward, self CPU time by kind")
+    positions = len(examples[0].prefix_ids) + sum(len(e.item_ids) + len(e.target_ids) for e in examples)
+    print(f"pack: {shape.describe()}; {positions:,} positions; one forward + backward, self CPU time by kind")
     print("| kind of op | s | share |\n| --- | --- | --- |")
     for label, _ in KINDS + [("elementwise, copies, indexing", ())]:
         print(f"| {label} | {totals[label]:.2f} | {100 * totals[label] / whole:.0f}% |")
