@@ -10,6 +10,7 @@ from cli_helpers import write_config
 from test_ops_memory import QWEN36_27B, SEED_LORA
 from tiny_models import tiny_lora_model, tiny_text_config
 
+import packtrain.model_patch  # noqa: F401 - routes transformers' CPU kernels, as every packtrain process does
 from packtrain.commands.plan import run_plan
 from packtrain.ops import memory
 
@@ -68,3 +69,19 @@ def test_plan_memory_prints_every_mode(tmp_path, capsys):
     modes = json.loads(capsys.readouterr().out)["memory"]["context_grad"]
     totals = {m: v["total_device_bytes"] for m, v in modes.items()}
     assert totals["kv_only"] == totals["full"] > totals["frozen"] > 0
+
+
+def test_continuation_groups_at_the_seed_pack():
+    """packing.continuation_groups: 8 groups of 10 x 1K hold P's and one group's checkpointed inputs, the larger
+    recompute (P's), and the gradients of P's outputs (the size of frozen's cache)."""
+    full, frozen = _seed_pack("full"), _seed_pack("frozen")
+    group = 10 * C
+    grouped = memory.estimate(memory.text_config(QWEN36_27B), P + N * C, N * 128, dtype="bfloat16", lora_r=8,
+                              lora_targets=SEED_LORA, lora_dropout=0.05, prefix=P, continuations=N,
+                              group_positions=group)
+    assert grouped.get("checkpointed_inputs").bytes == 64 * (P + group) * 5120 * 2
+    assert grouped.get("prefix_grads").bytes == frozen.get("prefix_cache").bytes
+    recompute_P = memory.estimate(memory.text_config(QWEN36_27B), P, 0, dtype="bfloat16", lora_r=8,
+                                  lora_targets=SEED_LORA, lora_dropout=0.05).get("layer_peak").bytes
+    assert grouped.get("layer_peak").bytes == recompute_P
+    assert grouped.total() < 0.7 * full.total()

@@ -143,3 +143,23 @@ def test_groups_hold_less_of_the_continuations_graph():
     whole = _peak_saved_bytes(lambda: lm(build_pack_layout(prefix, conts)).loss_sum.backward())
     four = _peak_saved_bytes(lambda: train_groups(lm, grouped(prefix, conts, 4), 1.0))
     assert four < 0.4 * whole, (four, whole)
+
+
+def test_one_update_in_groups_is_the_one_forward_update(monkeypatch):
+    """`packtrain smoke`'s update (ops.harness.one_update) on a pack in groups == on the pack, with SGD."""
+    from packtrain.ops.harness import one_update
+
+    prefix_len, specs, layer_types = CASES[0]
+    prefix, conts = random_pack(prefix_len, specs, seed=0)
+    with without_float32_casts(monkeypatch):
+        after = []
+        for unit in (build_pack_layout(prefix, conts), grouped(prefix, conts, 3)):
+            model = patch_model(tiny_lora_model(layer_types, seed=0), BACKEND)
+            params = [p for p in model.parameters() if p.requires_grad]
+            one_update(PackedLM(model, "full"), unit, torch.optim.SGD(params, lr=0.5))
+            after.append(trainable_values(model))
+    assert max(rel(after[1][n], after[0][n]) for n in after[0]) < 1e-12
+
+
+def trainable_values(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

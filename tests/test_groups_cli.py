@@ -8,10 +8,14 @@ from cli_helpers import SGD, adapter_of, max_rel, run_cli, run_distributed, trai
 pytestmark = pytest.mark.slow
 
 
-def test_groups_train_the_one_forwardadapter_of(tmp_path):
+@pytest.mark.parametrize("memory", ["", "train.activation_checkpointing=true", "train.offload=true"])
+def test_groups_train_the_one_forward_adapter(tmp_path, memory):
+    """Also with checkpointed layers (P's graph recomputes in its backward, after every group's) and offloaded
+    layer inputs (the host pool holds P's and one group's at once)."""
     cfg = write_config(tmp_path, optim=SGD, data={"eval": None}, train={"epochs": 2})
+    extra = ["--set", memory] if memory else []
     grouped = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'groups'}",
-                      "--set", "packing.continuation_groups=3")
+                      "--set", "packing.continuation_groups=3", *extra)
     assert "continuation_groups 3: each pack's continuations in 3 groups against one P graph" in grouped.stdout
     run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'one'}")
     # float64 except transformers' float32 casts (RMSNorm, gated norm, GDN kernel) in P's own forward: measured

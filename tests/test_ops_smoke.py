@@ -78,3 +78,9 @@ def test_cpu_allocator_failure_counts_as_out_of_memory():
     assert harness.is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: "
                                                  "can't allocate memory: you tried to allocate 100 bytes"))
     assert not harness.is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_smoke_runs_the_pack_in_continuation_groups(tmp_path):
+    cfg = write_config(tmp_path, packing={"continuation_groups": 3})
+    first = run_cli("smoke", str(cfg)).stdout.splitlines()[0]
+    assert "continuations in 3 groups," in first, first

@@ -173,7 +173,7 @@ def test_bad_config_lists_every_problem(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.splitlines() == [
         f"packtrain plan: error: invalid config in {config}:",
-        "  - packing.max_continuation: unknown key (known: context_grad, max_continuations, mode, on_overflow, token_budget, walk)",
+        "  - packing.max_continuation: unknown key (known: context_grad, continuation_groups, max_continuations, mode, on_overflow, token_budget, walk)",
         "  - train.seed: expected int, got 'x'",
         "  - packing.token_budget: must be at least 2, got 1",
     ]

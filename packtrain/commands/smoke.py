@@ -50,7 +50,7 @@ def run_smoke(args) -> int:
     from packtrain.data import load_split
     from packtrain.ops.harness import PeakMemory, build_lm, is_out_of_memory, largest_unit, one_update, run_phase
     from packtrain.optim import build_optimizer, build_scheduler
-    from packtrain.steps import unit_layout
+    from packtrain.steps import unit_groups, unit_layout
     from packtrain.trainer import plan_for
 
     cfg = load_config(args.config, args.overrides)
@@ -60,7 +60,11 @@ def run_smoke(args) -> int:
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     plan = plan_for(cfg, examples)
     unit = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
-    layout = unit_layout(unit, plan, examples, cfg.packing.mode)
+    groups = cfg.packing.continuation_groups if cfg.packing.mode == "shared_prefix" else 1
+    if groups > 1:  # as the trainer runs it (packtrain/groups.py)
+        layout = unit_groups(unit, plan, examples, groups)
+    else:
+        layout = unit_layout(unit, plan, examples, cfg.packing.mode)
     out = Path(cfg.output_dir) / "smoke"
     probe = PeakMemory(info.device)
     phases = []
@@ -82,7 +86,8 @@ def run_smoke(args) -> int:
 
     targets = sum(len(examples[e].target_ids) for e in unit.examples)
     title = (f"smoke: the largest {'pack' if cfg.packing.mode == 'shared_prefix' else 'example'}, "
-             f"{layout.length:,} positions ({len(unit.examples)} continuations, {targets:,} target tokens), "
+             f"{layout.length:,} positions ({len(unit.examples)} continuations"
+             f"{f' in {groups} groups' if groups > 1 else ''}, {targets:,} target tokens), "
              f"device {info.device}, {cfg.model.dtype}")
     try:
         run_phase(phases, probe, "load model", load)

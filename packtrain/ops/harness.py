@@ -40,13 +40,22 @@ def unit_layout_shortened(unit: Unit, plan: Plan, examples, mode: str, prompt_to
     return unit_layout(unit, plan, examples, mode)
 
 
-def one_update(lm, layout: PackLayout, optimizer) -> float:
-    """Forward, backward and optimizer step on one unit, the loss averaged over its examples as the trainer does."""
-    out = lm(layout)
-    (out.loss_sum / out.num_examples).backward()
+def one_update(lm, layout, optimizer) -> float:
+    """Forward, backward and optimizer step on one unit (a :class:`PackLayout`, or a pack in continuation groups,
+    :class:`packtrain.groups.Groups`), the loss averaged over its examples as the trainer does."""
+    from packtrain.groups import Groups, train_groups
+
+    if isinstance(layout, Groups):
+        n = sum(lay.num_examples for lay, w in zip(layout.layouts, layout.weights) if w)
+        loss = train_groups(lm, layout, 1 / n)
+    else:
+        out = lm(layout)
+        n = out.num_examples
+        (out.loss_sum / n).backward()
+        loss = float(out.loss_sum.detach())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(out.loss_sum.detach()) / out.num_examples
+    return loss / n
 
 
 def is_out_of_memory(e: BaseException) -> bool:

@@ -267,10 +267,17 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
              momentum: float = 0.0, checkpointing: bool = True, offload: bool = False, world_size: int = 1,
              continuations: int | None = None, offload_chunk_bytes: int = OFFLOAD_CHUNK_BYTES,
              lora_parameters_targets: list[str] = (), context_grad: str = "full",
-             prefix: int = 0) -> MemoryEstimate:
+             prefix: int = 0, group_positions: int | None = None) -> MemoryEstimate:
+    """``group_positions``: with ``packing.continuation_groups`` > 1, the continuation positions of the pack's
+    largest group (packtrain/groups.py): the graph alive is P's and that group's, a layer's recompute the larger of
+    P's and the group's, plus the gradients of P's K/V, states and tails the groups sum."""
     M, W = targets, world_size
     # frozen: only the continuations carry a graph (P's positions run once under no_grad)
     T = positions - prefix if context_grad == "frozen" else positions
+    T_layer = T
+    if group_positions is not None:
+        T = group_positions + (0 if context_grad == "frozen" else prefix)
+        T_layer = group_positions if context_grad == "frozen" else max(prefix, group_positions)
     H, V, L = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
     b = DTYPE_BYTES[dtype]
     a = DTYPE_BYTES[adapter_dtype] if adapter_dtype else (4 if b == 2 else b)
@@ -294,10 +301,14 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                       f" x {a} bytes{sharded}", math.ceil(n_lora * a * (2 + states) / W)))
     if context_grad == "frozen":
         terms += frozen_prefix_terms(text, prefix, b)
+    elif group_positions is not None:
+        cache = frozen_prefix_terms(text, prefix, b)[0]
+        terms.append(Term("prefix_grads", "gradients of P's outputs the groups sum: " + cache.label.split(": ", 1)[1],
+                          cache.bytes))
 
     layer_input = T * H * b
     kinds = sorted(set(text["kinds"]))
-    per_kind = {k: layer_recompute(text, k, T, b, a, lora_r, targets_list, lora_dropout,
+    per_kind = {k: layer_recompute(text, k, T_layer, b, a, lora_r, targets_list, lora_dropout,
                                    target_parameters=lora_parameters_targets) for k in kinds}
     kind = max(kinds, key=lambda k: sum(t.bytes for t in per_kind[k]))
     if offload:
@@ -311,7 +322,10 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                           L * layer_input))
         terms.append(Term("residual", f"gradient of the hidden states: {_shape(T, H)}", layer_input))
     else:
-        saved = sum(sum(t.bytes for t in per_kind[k] if t.key != "workspace") for k in text["kinds"])
+        graph = per_kind if T == T_layer else {
+            k: layer_recompute(text, k, T, b, a, lora_r, targets_list, lora_dropout,
+                               target_parameters=lora_parameters_targets) for k in kinds}
+        saved = sum(sum(t.bytes for t in graph[k] if t.key != "workspace") for k in text["kinds"])
         terms.append(Term("all_layers", f"saved activations of all {L} layers (no checkpointing)", saved,
                           approx=True))
     parts = per_kind[kind]
@@ -327,6 +341,8 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                       positions * V * b, where="compare"))
     conts = f", {continuations} continuations" if continuations is not None else ""
     mode = "" if context_grad == "full" else f"; context_grad {context_grad}"
+    if group_positions is not None:
+        mode += f"; continuations in groups (the largest {group_positions:,} positions)"
     return MemoryEstimate(terms, f"memory per GPU for the largest pack: {positions:,} positions{conts}, {M:,} target "
                                  f"tokens; world size {W}{mode}")
 
@@ -375,13 +391,20 @@ def estimate_for_plan(cfg, plan, examples, world_size: int, context_grad: str | 
     prefix = len(plan.prompts[prompt])
     positions = prefix + sum(examples[e].len_continuation for e in ids)
     targets = sum(len(examples[e].target_ids) for e in ids)
+    group_positions = None
+    if cfg.packing.continuation_groups > 1 and cfg.packing.mode == "shared_prefix":
+        from packtrain.groups import split
+
+        lengths = [examples[e].len_continuation for e in ids]
+        group_positions = max(sum(lengths[i] for i in run) for run in split(lengths, cfg.packing.continuation_groups))
     return estimate(text_config(config_dict_of(cfg)), positions, targets, dtype=cfg.model.dtype,
                     lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules, lora_dropout=cfg.lora.dropout,
                     lora_parameters_targets=cfg.lora.target_parameters,
                     optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
                     checkpointing=cfg.train.activation_checkpointing, offload=cfg.train.offload,
                     world_size=world_size, continuations=len(ids),
-                    context_grad=context_grad or cfg.packing.context_grad, prefix=prefix)
+                    context_grad=context_grad or cfg.packing.context_grad, prefix=prefix,
+                    group_positions=group_positions)
 
 
 CONTEXT_GRADS = ("full", "kv_only", "frozen")
