@@ -119,7 +119,8 @@ class _SplitAttention(torch.autograd.Function):
             lse_B[:, b.index[real]] = l_N.transpose(0, 1)[:, real]
         lse_A = lse_A.reshape(H, S)
         lse = torch.logaddexp(lse_A, lse_B)
-        out = out_A.reshape(H, S, D) * (lse_A - lse).exp()[..., None] + out_B * (lse_B - lse).exp()[..., None]
+        out = (out_A.reshape(H, S, D) * (lse_A - lse).exp()[..., None]
+               + out_B * (lse_B - lse).exp()[..., None]).to(q_HSD.dtype)  # merged in the log-sum-exp's float32
         ctx.save_for_backward(q_HSD, k_GSD, v_GSD, k_GPD, v_GPD, out, lse)
         ctx.layout, ctx.scale = layout, scale
         return out
@@ -143,7 +144,7 @@ class _SplitAttention(torch.autograd.Function):
 
         dq_A, dk_P, dv_P = _FLASH_BACKWARD(fold(d_out), fold(q_HSD), k_GPD[None], v_GPD[None], fold(out),
                                            lse.reshape(1, G, -1), 0.0, False, scale=ctx.scale)
-        dq = dq_A.reshape(H, S, D).clone()
+        dq = dq_A.reshape(H, S, D).to(lse.dtype)  # both parts summed in float32 (bf16 inputs), then cast
         dk, dv = torch.zeros_like(k_GSD), torch.zeros_like(v_GSD)
         for b in attention_buckets(ctx.layout, 0)[0]:
             q_N, k_N, v_N = _SplitAttention._bucket(q_HSD, k_GSD, v_GSD, b.index)
@@ -156,7 +157,7 @@ class _SplitAttention(torch.autograd.Function):
             dq[:, cols] += dq_N.transpose(0, 1)[:, real]
             dk[:, cols] += dk_N.view(n, G, -1, L, D).sum(2).transpose(0, 1)[:, real]
             dv[:, cols] += dv_N.view(n, G, -1, L, D).sum(2).transpose(0, 1)[:, real]
-        return dq, dk, dv, dk_P[0], dv_P[0], None, None
+        return dq.to(q_HSD.dtype), dk, dv, dk_P[0], dv_P[0], None, None
 
 
 def _continuations(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, scaling, dropout):
