@@ -52,10 +52,17 @@ def packed_conv_torch(mixed_TC, weight_CW, bias_C, layout: PackLayout) -> torch.
     return torch_ref.conv_rows_silu(padded.index_select(0, rows + 1), weight_CW, bias_C, keep)
 
 
-# Continuations run in chunks of 32: each pads only its last chunk, and a continuation of 65-96 tokens costs 96
-# chunk positions instead of 128. Measured on the cpu bench preset (16 continuations of 56-72): the pack 4% faster
-# than with 64, no slower with 16; P keeps 64 (transformers' and fla's chunk).
-CONTINUATION_CHUNK = 32
+# Continuations run in chunks of 16 rows, or 32 when one of them is longer than 256 tokens: each pads only its
+# last chunk, and smaller chunks cost less intra-chunk work but more steps of the scan, which a long continuation
+# pays for. Forward + backward of the varlen rule alone, chunks of 16 vs 32 (`python tools/bench_chunk_rule.py
+# --varlen`, the bench cpu model's GDN shape, one thread): 24 of 48 tokens 35.1 vs 48.4 ms, 16 of 56-72 37.4 vs
+# 42.0, 12 of 100-230 83.1 vs 89.4; 8 of 500-1,000 237.1 vs 228.0, 15 of 40-60 + 1 of 1,000 73.7 vs 69.0. P keeps
+# 64 (transformers' and fla's chunk).
+SHORT_CHUNK, LONG_CHUNK, LONG_CONTINUATION = 16, 32, 256
+
+
+def continuation_chunk(cont_lens) -> int:
+    return LONG_CHUNK if max(cont_lens) > LONG_CONTINUATION else SHORT_CHUNK
 
 
 def continuation_delta_rule_torch(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayout, state) -> torch.Tensor:
@@ -64,7 +71,7 @@ def continuation_delta_rule_torch(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: Pa
     n = len(layout.cont_lens)
     out_S, _ = torch_ref.chunk_gated_delta_rule(
         q_SHK[None], k_SHK[None], v_SHV[None], g_SH[None], beta_SH[None], initial_state=state.expand(n, -1, -1, -1),
-        cu_seqlens=layout.cu_seqlens_host, chunk_size=CONTINUATION_CHUNK)
+        cu_seqlens=layout.cu_seqlens_host, chunk_size=continuation_chunk(layout.cont_lens))
     return out_S[0]
 
 

@@ -9,6 +9,11 @@
   to both. Which layer is which comes from the text config's ``layer_types``; a kind the family's row does not
   list is refused.
 
+- Dense MLPs: with a back end's ``mlp_rows`` (CPU), a packed forward runs each decoder layer's dense MLP in
+  blocks of that many rows (token by token the same computation; the blocks' activations stay in the cache). The
+  decoder layer's forward marks whether its call carries a pack layout, so unpacked forwards, and routed-expert
+  blocks, are never split.
+
 Works on peft-wrapped models (LoRA layers are injected in place) and under activation checkpointing (the
 recompute receives the same layout through the same kwargs).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import types
 
+import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -82,6 +88,30 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     return packed_gdn_forward(self, hidden_states, layout, self.packtrain_backend)
 
 
+def _layer_forward(self, *args, **kwargs):
+    # the mark is set again when activation checkpointing recomputes the layer (same kwargs), so the recompute
+    # splits the MLP as the forward did
+    self.mlp.packtrain_rows = self.packtrain_backend.mlp_rows if kwargs.get(LAYOUT_KWARG) is not None else None
+    return self._packtrain_original_forward(*args, **kwargs)
+
+
+def _mlp_forward(self, x):
+    rows = self.packtrain_rows
+    if not rows or x.shape[-2] <= rows:
+        return self._packtrain_original_forward(x)
+    return torch.cat([self._packtrain_original_forward(block) for block in x.split(rows, dim=-2)], dim=-2)
+
+
+def _is_dense_mlp(module: nn.Module) -> bool:
+    return hasattr(module, "down_proj") and not hasattr(module, "experts")
+
+
+def _patch_forward(module: nn.Module, forward) -> None:
+    if not hasattr(module, "_packtrain_original_forward"):
+        module._packtrain_original_forward = module.forward
+        module.forward = types.MethodType(forward, module)
+
+
 def patch_model(model: nn.Module, backend: Backend) -> nn.Module:
     """Patch in place (idempotent; a second call only changes the back end). Returns the model."""
     family = family_of(model)
@@ -91,11 +121,14 @@ def patch_model(model: nn.Module, backend: Backend) -> nn.Module:
     _register()
     text_model.config._attn_implementation = ATTN_NAME
     for layer, kind in zip(text_model.layers, layer_types):
+        if _is_dense_mlp(getattr(layer, "mlp", None)):
+            _patch_forward(layer.mlp, _mlp_forward)
+            _patch_forward(layer, _layer_forward)
+            layer.mlp.packtrain_rows = None
+            layer.packtrain_backend = backend
         if kind == LINEAR:
             gdn = layer.linear_attn
-            if not hasattr(gdn, "_packtrain_original_forward"):
-                gdn._packtrain_original_forward = gdn.forward
-                gdn.forward = types.MethodType(_gdn_forward, gdn)
+            _patch_forward(gdn, _gdn_forward)
             gdn.packtrain_split = family.gdn.split
             gdn.packtrain_backend = backend
         elif kind == FULL:

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from packtrain.forward import PackedLM
-from packtrain.kernels import Backend, select_backend
+from packtrain.kernels import CPU_MLP_ROWS, Backend, select_backend
 from packtrain.layout import build_pack_layout
 from packtrain.model_patch import UnsupportedModelError, patch_model
 from packtrain.wrap import checkpoint_decoder_layers
@@ -69,7 +69,8 @@ def test_unsupported_model_is_a_clear_error():
 
 
 def test_backend_choice_is_explicit():
-    assert select_backend("auto", "cpu") == Backend(gdn="torch", attention="batched")
+    assert select_backend("auto", "cpu") == Backend(gdn="torch", attention="batched", mlp_rows=CPU_MLP_ROWS)
+    assert select_backend("torch", "cuda").mlp_rows is None  # MLP blocks are a CPU cache measure
     assert select_backend("torch", "cpu", attention="dense").attention == "dense"
     with pytest.raises(ValueError, match="unknown"):
         select_backend("triton", "cpu")
@@ -118,3 +119,41 @@ def test_text_stack_of_vision_language_model(monkeypatch):
     with without_float32_casts(monkeypatch):
         d = compare(model, prefix, conts)
     assert d.loss < 1e-13 and d.grad < 5e-7, d  # float64 throughout: test_parity.py's exact bounds
+
+
+def test_mlp_blocks_split_packed_forwards_only_and_survive_checkpointing():
+    """With ``mlp_rows`` a packed forward runs each dense MLP in blocks of that many rows, an unpacked forward in
+    one piece; activation checkpointing's recompute splits as the forward did (same losses and gradients as
+    without checkpointing, bit for bit), and the blocks give the unblocked pack's results (float64, 1e-13)."""
+    prefix, conts = random_pack(65, [(0, 1), (70, 5), (10, 2)], seed=7)
+    blocks = Backend(gdn="torch", attention="batched", mlp_rows=16)
+
+    def model(backend, checkpointing=False):
+        m = patch_model(tiny_lora_model([L, F, L], seed=3), backend)
+        return checkpoint_decoder_layers(m) if checkpointing else m
+
+    def mlp_rows_seen(m, run):
+        seen = []
+        for layer in m.base_model.model.model.layers:
+            mlp = getattr(layer, "_checkpoint_wrapped_module", layer).mlp
+            inner = mlp._packtrain_original_forward
+            mlp._packtrain_original_forward = lambda x, inner=inner: (seen.append(x.shape[-2]), inner(x))[1]
+        return run(m, prefix, conts), seen
+
+    (lb, gb), seen = mlp_rows_seen(model(blocks), packed_run)
+    rows = 65 + sum(i + t for i, t in [(0, 1), (70, 5), (10, 2)])
+    assert max(seen) == 16 and sum(seen) == 3 * rows  # every layer's MLP in blocks of at most 16 rows
+    _, seen_alone = mlp_rows_seen(model(blocks), standalone_run)
+    assert sorted(seen_alone) == sorted(65 + i + t for i, t in [(0, 1), (70, 5), (10, 2)] for _ in range(3))
+    (lc, gc), seen_ckpt = mlp_rows_seen(model(blocks, checkpointing=True), packed_run)
+    assert max(seen_ckpt) == 16 and sum(seen_ckpt) == 2 * 3 * rows  # forward and recompute both in blocks
+    assert lc == lb
+    gc = {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in gc.items()}
+    assert gc.keys() == gb.keys()
+    for n, g in gb.items():
+        assert torch.equal(g, gc[n]), n
+    la, ga = packed_run(model(BACKEND), prefix, conts)
+    assert torch.allclose(torch.tensor(la), torch.tensor(lb), rtol=1e-13, atol=0)
+    for n, g in ga.items():
+        assert (g - gb[n]).abs().max() <= 1e-13 * g.abs().max(), n
+

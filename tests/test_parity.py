@@ -14,6 +14,9 @@ margin. Reproduce with the loop in `compare` over CASES.
   (also vs transformers' forward), gradients 3.9e-5. Bounds 5e-6 and 1e-4.
 - float32: losses 2.9e-7 (3.8e-7 vs transformers), gradients 5.8e-5. Bounds 3e-6 and 2e-4.
 A leak is orders of magnitude above all of these (tests/test_leaks.py shows the check failing).
+
+The packed model runs its MLPs in blocks of 16 rows (the CPU back end's ``mlp_rows``, here small enough that every
+pack is split), the standalone and transformers references in one piece.
 """
 
 import pytest
@@ -36,13 +39,14 @@ CASES = [
     (64, [(63, 2), (65, 6), (3, 1)], [L, F, L, F]),
     (65, [(0, 1), (3, 1), (70, 5), (130, 20), (10, 1)], [L, F, L, L, F]),
     (130, [(i % 9, 1 + i % 4) for i in range(14)], [L, L, F, L]),  # many continuations
+    (7, [(200, 80), (3, 2)], [L, F]),  # a continuation over 256 tokens: the GDN continuations in chunks of 32
 ]
 IDS = [f"P{c[0]}-n{len(c[1])}" for c in CASES]
 
 
 def _model(layer_types, dtype, seed=0):
     model = tiny_lora_model(layer_types, dtype=dtype, seed=seed)
-    return patch_model(model, Backend(gdn="torch", attention="batched"))
+    return patch_model(model, Backend(gdn="torch", attention="batched", mlp_rows=16))
 
 
 @pytest.mark.parametrize("prefix_len,specs,layer_types", CASES, ids=IDS)

@@ -28,7 +28,7 @@ def _sequences(lengths, seed=0, H=2, HV=4, K=8, V=6):
     return [x.requires_grad_() for x in (q, k, v, gate, beta, h0)], cu
 
 
-@pytest.mark.parametrize("chunk", [64, 32])  # 64: P's and fla's chunk; 32: the continuations' (gdn.py)
+@pytest.mark.parametrize("chunk", [64, 32, 16])  # 64: P's and fla's chunk; 16: the continuations' (gdn.py)
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "-".join(map(str, ls)))
 def test_varlen_chunk_rule_equals_recurrence_per_sequence(lengths, chunk):
     (q, k, v, gate, beta, h0), cu = _sequences(lengths)
