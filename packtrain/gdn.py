@@ -59,6 +59,7 @@ def packed_conv_torch(mixed_TC, weight_CW, bias_C, layout: PackLayout) -> torch.
 # 42.0, 12 of 100-230 83.1 vs 89.4; 8 of 500-1,000 237.1 vs 228.0, 15 of 40-60 + 1 of 1,000 73.7 vs 69.0. P keeps
 # 64 (transformers' and fla's chunk).
 SHORT_CHUNK, LONG_CHUNK, LONG_CONTINUATION = 16, 32, 256
+PREFIX_CHUNK = 32
 
 
 def continuation_chunk(cont_lens) -> int:
@@ -81,7 +82,7 @@ def packed_delta_rule_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: PackLayo
     p = layout.prefix_len
     out_P, state = torch_ref.chunk_gated_delta_rule(
         q_THK[None, :p], k_THK[None, :p], v_THV[None, :p], g_TH[None, :p], beta_TH[None, :p],
-        output_final_state=True)
+        output_final_state=True, chunk_size=PREFIX_CHUNK)
     out_S = continuation_delta_rule_torch(q_THK[p:], k_THK[p:], v_THV[p:], g_TH[p:], beta_TH[p:], layout, state)
     return torch.cat([out_P[0], out_S])
 

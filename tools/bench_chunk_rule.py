@@ -1,6 +1,7 @@
 """packtrain's torch chunk rule vs transformers' torch fallback on the same input: forward + backward, CPU time of
 this process (one thread), median of interleaved repeats. The default shape is the bench cpu preset's GDN layer
-(2 key heads, 4 value heads, head dims 64) over a P of 2,048 tokens.
+(2 key heads, 4 value heads, head dims 64) over a P of 2,048 tokens; packtrain's rule in chunks of 64 (the
+default, transformers' and fla's) and of 32 (what a pack's P runs in on the torch back end, packtrain/gdn.py).
 
     python tools/bench_chunk_rule.py [--tokens 2048] [--repeats 7]
     python tools/bench_chunk_rule.py --varlen   # the continuations' chunk size (packtrain/gdn.py)
@@ -12,6 +13,7 @@ initial state (as in a pack), forward + backward, for continuation chunks of 8, 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -80,6 +82,7 @@ def main() -> None:
     if args.varlen:
         return varlen_chunks(args.repeats)
     rules = {"packtrain torch_ref": torch_ref.chunk_gated_delta_rule,
+             "packtrain, chunks of 32": functools.partial(torch_ref.chunk_gated_delta_rule, chunk_size=32),
              "transformers fallback": getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)}
     times = {name: [] for name in rules}
     for r in range(args.repeats + 1):

@@ -12,7 +12,7 @@
 
 On CPU a pack's dense MLPs run in blocks of ``mlp_rows`` buffer rows (:func:`packtrain.model_patch.patch_model`):
 row by row the MLP is the same computation, and a block's [rows, intermediate] activations stay in the cache
-(docs/performance.md, "MLP blocks": the bench model's MLP forward + backward 1.29x slower per row over 3,119
+(docs/performance.md, "MLP blocks": the bench model's MLP forward + backward about 1.3x slower per row over 3,119
 rows in one piece than in blocks).
 """
 
