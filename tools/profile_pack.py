@@ -92,11 +92,13 @@ def main() -> None:
     print(f"pack forward + backward ({args.groups} group{'s' * (args.groups > 1)}): "
           f"{statistics.median(seconds):.3f} s CPU (median of 3), peak memory "
           f"{max(peaks) / 2**20:,.0f} MiB above the models")
-    with profile() as prof:
+    with profile(record_shapes=True) as prof:
         step()
     totals: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
+    for event in prof.key_averages(group_by_input_shape=True):
         kind = next((label for label, names in KINDS if event.key in names), "elementwise, copies, indexing")
+        if event.key == "aten::bmm" and event.input_shapes and event.input_shapes[0][:1] == [1]:
+            kind = KINDS[0][0]  # a batch of one: a linear layer on a block of rows (the CPU MLP blocks)
         totals[kind] += event.self_cpu_time_total / 1e6
     whole = sum(totals.values())
     positions = len(examples[0].prefix_ids) + sum(len(e.item_ids) + len(e.target_ids) for e in examples)
