@@ -93,18 +93,26 @@ def _pack(prefix_len, lengths, seed=0):
 
 @pytest.mark.parametrize("prefix_len", [2, 9])  # shorter and longer than the conv's W-1 = 3 history rows
 def test_conv_over_history_rows_equals_conv_of_each_standalone_sequence(prefix_len):
+    """Outputs, and the gradients of the input, the weight and the bias, against F.conv1d on each standalone
+    sequence under autograd."""
     lay = _pack(prefix_len, [1, 7, 2, 12])
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(lay.length, 5, generator=g, dtype=torch.float64)
-    w = torch.randn(5, 4, generator=g, dtype=torch.float64)
-    b = torch.randn(5, generator=g, dtype=torch.float64)
+    x = torch.randn(lay.length, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
     out = gdn.packed_conv_torch(x, w, b, lay)
     p, cu = lay.prefix_len, lay.cu_seqlens_host
     ref = [torch_ref.causal_conv_silu(x[:p].T[None], w, b)[0].T]
     for a, e in zip(cu, cu[1:]):
         alone = torch.cat([x[:p], x[p + a:p + e]])
         ref.append(F.silu(F.conv1d(alone.T[None], w[:, None], b, padding=3, groups=5)[0, :, :alone.shape[0]]).T[p:])
-    torch.testing.assert_close(out, torch.cat(ref), rtol=1e-13, atol=1e-14)
+    ref = torch.cat(ref)
+    torch.testing.assert_close(out, ref, rtol=1e-13, atol=1e-14)
+    up = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (x, w, b), up)
+    for got, want in zip(grads, torch.autograd.grad(ref, (x, w, b), up)):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14)
 
 
 def test_attention_buckets_put_one_long_continuation_alone():
