@@ -1,7 +1,9 @@
 """Shared-prefix attention, registered with transformers as the attention implementation ``packtrain``.
 
 The predicate (``layout.shared_prefix_allowed``): P is causal within P; continuation i sees all of P and its own
-earlier tokens, nothing of any other continuation. Positions are the standalone ones, so RoPE distances from
+earlier tokens, nothing of any other continuation. On CPU the continuations' attention runs as two parts merged by
+their log-sum-exps (:class:`_SplitAttention`): all continuation queries against P's keys in one call without a
+mask, and each length bucket causally against its own keys. Positions are the standalone ones, so RoPE distances from
 every continuation to P are exactly those of ``concat(P, Ci)``.
 
 Without a pack layout in the call (a standalone forward), the call goes to transformers' own SDPA attention
@@ -84,9 +86,87 @@ def attention_buckets(layout: PackLayout, p: int) -> tuple[list[_Bucket], torch.
     return layout._cache[key]
 
 
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _bucket_rows(x_XSD: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[X, S, ...] -> [n, X, L, ...]: a bucket's rows, zero where ``index`` is S (padding)."""
+    pad = x_XSD.new_zeros(x_XSD.shape[:1] + (1,) + x_XSD.shape[2:])
+    return torch.cat([x_XSD, pad], dim=1)[:, index].transpose(0, 1)
+
+
+class _SplitAttention(torch.autograd.Function):
+    """The continuations' attention in two parts merged by their log-sum-exps (CPU, no dropout) -> [H, S, D]:
+    A. every continuation query against P's keys in one call and no mask (every query sees all of P), the query
+       heads of each key/value head stacked along the sequence (grouped-query attention, P's keys not repeated);
+    B. each length bucket (:func:`attention_buckets`) causally against its own keys (a bucket's right padding comes
+       after every real key, so the causal rule alone keeps it out of real rows; no mask).
+    out = (e^lse_A out_A + e^lse_B out_B) / (e^lse_A + e^lse_B). The backward runs each part's flash-attention
+    backward with the merged output and log-sum-exp, which gives each part exactly its share of the whole softmax's
+    gradient (the identity ring attention relies on). Nothing of P is copied per continuation."""
+
+    @staticmethod
+    def forward(ctx, q_HSD, k_GSD, v_GSD, k_GPD, v_GPD, layout, scale):
+        H, S, D = q_HSD.shape
+        G = k_GPD.shape[0]
+        out_A, lse_A = _FLASH(q_HSD.reshape(1, G, -1, D), k_GPD[None], v_GPD[None], 0.0, False, scale=scale)
+        out_B, lse_B = out_A.new_empty(H, S, D), lse_A.new_empty(H, S)
+        for b in attention_buckets(layout, 0)[0]:
+            o_N, l_N = _FLASH(*_SplitAttention._bucket(q_HSD, k_GSD, v_GSD, b.index), 0.0, True, scale=scale)
+            real = b.index < S
+            out_B[:, b.index[real]] = o_N.transpose(0, 1)[:, real]
+            lse_B[:, b.index[real]] = l_N.transpose(0, 1)[:, real]
+        lse_A = lse_A.reshape(H, S)
+        lse = torch.logaddexp(lse_A, lse_B)
+        out = (out_A.reshape(H, S, D) * (lse_A - lse).exp()[..., None]
+               + out_B * (lse_B - lse).exp()[..., None]).to(q_HSD.dtype)  # merged in the log-sum-exp's float32
+        ctx.save_for_backward(q_HSD, k_GSD, v_GSD, k_GPD, v_GPD, out, lse)
+        ctx.layout, ctx.scale = layout, scale
+        return out
+
+    @staticmethod
+    def _bucket(q_HSD, k_GSD, v_GSD, index):
+        """A bucket's queries [n, H, L, D] and its own keys and values repeated to the query heads."""
+        r = q_HSD.shape[0] // k_GSD.shape[0]
+        return (_bucket_rows(q_HSD, index), _bucket_rows(k_GSD, index).repeat_interleave(r, dim=1),
+                _bucket_rows(v_GSD, index).repeat_interleave(r, dim=1))
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q_HSD, k_GSD, v_GSD, k_GPD, v_GPD, out, lse = ctx.saved_tensors
+        H, S, D = q_HSD.shape
+        G = k_GPD.shape[0]
+        d_out = d_out.contiguous()
+
+        def fold(x):  # [H, S, D] -> [1, G, r * S, D], as forward stacked the query heads
+            return x.reshape(1, G, -1, D)
+
+        dq_A, dk_P, dv_P = _FLASH_BACKWARD(fold(d_out), fold(q_HSD), k_GPD[None], v_GPD[None], fold(out),
+                                           lse.reshape(1, G, -1), 0.0, False, scale=ctx.scale)
+        dq = dq_A.reshape(H, S, D).to(lse.dtype)  # both parts summed in float32 (bf16 inputs), then cast
+        dk, dv = torch.zeros_like(k_GSD), torch.zeros_like(v_GSD)
+        for b in attention_buckets(ctx.layout, 0)[0]:
+            q_N, k_N, v_N = _SplitAttention._bucket(q_HSD, k_GSD, v_GSD, b.index)
+            dq_N, dk_N, dv_N = _FLASH_BACKWARD(_bucket_rows(d_out, b.index), q_N, k_N, v_N,
+                                               _bucket_rows(out, b.index), _bucket_rows(lse, b.index), 0.0, True,
+                                               scale=ctx.scale)
+            n, _, L, _ = dk_N.shape
+            real = b.index < S
+            cols = b.index[real]
+            dq[:, cols] += dq_N.transpose(0, 1)[:, real]
+            dk[:, cols] += dk_N.view(n, G, -1, L, D).sum(2).transpose(0, 1)[:, real]
+            dv[:, cols] += dv_N.view(n, G, -1, L, D).sum(2).transpose(0, 1)[:, real]
+        return dq.to(q_HSD.dtype), dk, dv, dk_P[0], dv_P[0], None, None
+
+
 def _continuations(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, scaling, dropout):
     """The continuations in length buckets (:func:`attention_buckets`), each a right-padded batch against [P's keys ;
     their own keys] -> [S, H, D]."""
+    if not dropout and _FLASH is not None and q_1HSD.device.type == "cpu":
+        parts = (x[0].contiguous() for x in (q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD))
+        return _SplitAttention.apply(*parts, layout, scaling).transpose(0, 1)
+
     def rows(x_1XSD):  # [1, X, S, D] -> [S + 1, X, D]: the continuation region and a zero row for padding
         x_SXD = x_1XSD[0].transpose(0, 1)
         return torch.cat([x_SXD, x_SXD.new_zeros((1,) + x_SXD.shape[1:])])

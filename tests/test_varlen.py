@@ -123,8 +123,13 @@ def test_attention_buckets_put_one_long_continuation_alone():
     assert [tuple(b.index.shape) for b in attention.attention_buckets(lay_equal, lay_equal.prefix_len)[0]] == [(3, 8)]
 
 
+@pytest.mark.parametrize("path", ["split", "padded"])
 @pytest.mark.parametrize("lengths", [[300, 4, 5, 4, 6, 5], [1, 64, 65, 30]])
-def test_bucketed_attention_equals_dense_mask(lengths):
+def test_bucketed_attention_equals_dense_mask(lengths, path, monkeypatch):
+    """Both CPU paths: P's keys and each bucket's own keys merged by log-sum-exp (split), and the padded buckets
+    against [P ; own keys] with a mask (padded, taken where the flash op is missing or with attention dropout)."""
+    if path == "padded":
+        monkeypatch.setattr(attention, "_FLASH", None)
     lay = _pack(40, lengths)
     g = torch.Generator().manual_seed(4)
     T = lay.length
