@@ -8,6 +8,9 @@ position ratio, then self CPU time per operator under the torch profiler, the pa
     python tools/compare_ops.py --prefix-tokens 1024 --continuations 12 --cont-tokens 100:230 --shapes
 
 ``--shapes`` adds, for the largest operators, their calls grouped by input shape (matmul throughput per shape).
+``--no-profile`` prints the timings only. ``--padded-attention`` also times the pack with the CPU attention's padded
+path (the continuations' buckets against [P's keys ; their own keys] with a mask, what runs with attention dropout)
+instead of the split one, interleaved.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import profile
 
+from packtrain import attention
 from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.variants import Models, Workload, _whole_example
 from packtrain.config import config_from_dict
@@ -35,6 +39,8 @@ def main() -> None:
     ap.add_argument("--cont-tokens", default="56:72")
     ap.add_argument("--rows", type=int, default=25, help="operators to print")
     ap.add_argument("--shapes", action="store_true", help="the largest operators by input shape")
+    ap.add_argument("--no-profile", action="store_true", help="the timings only")
+    ap.add_argument("--padded-attention", action="store_true", help="also time the pack on the padded attention path")
     args = ap.parse_args()
     torch.set_num_threads(1)
     lo, _, hi = args.cont_tokens.partition(":")
@@ -63,13 +69,21 @@ def main() -> None:
             input_ids, labels = _whole_example(ex, work.device)
             models.plain(input_ids=input_ids, labels=labels, use_cache=False).loss.backward()
 
+    def pack_padded():
+        split, attention._FLASH = attention._FLASH, None
+        try:
+            pack()
+        finally:
+            attention._FLASH = split
+
     runs = {"pack": pack, "standalone": standalone, "plain": plain}
+    timed = {**runs, "pack_padded": pack_padded} if args.padded_attention else runs
     ratio = sum(len(ex.prefix_ids) + ex.len_continuation for ex in examples) / layout.length
-    for fn in runs.values():  # warm-up
+    for fn in timed.values():  # warm-up
         fn()
     seconds = defaultdict(list)
     for _ in range(3):
-        for name, fn in runs.items():
+        for name, fn in timed.items():
             c0 = time.process_time()
             fn()
             seconds[name].append(time.process_time() - c0)
@@ -78,6 +92,10 @@ def main() -> None:
           + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))
     print(f"pack's speedup / position ratio: vs standalone {med['standalone'] / med['pack'] / ratio:.3f}, "
           f"vs plain {med['plain'] / med['pack'] / ratio:.3f}")
+    if args.padded_attention:
+        print(f"pack with the split attention / with the padded one: {med['pack'] / med['pack_padded']:.3f}")
+    if args.no_profile:
+        return
     profiles = {}
     for name, fn in runs.items():
         with profile(record_shapes=args.shapes) as prof:
