@@ -161,8 +161,9 @@ class _SplitAttention(torch.autograd.Function):
 
 
 def _continuations(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, scaling, dropout):
-    """The continuations in length buckets (:func:`attention_buckets`), each a right-padded batch against [P's keys ;
-    their own keys] -> [S, H, D]."""
+    """The continuations' attention -> [S, H, D]. CPU without attention dropout: :class:`_SplitAttention`.
+    Otherwise (dropout: one softmax over P's and their own keys must be dropped as a whole) the length buckets
+    (:func:`attention_buckets`), each a right-padded batch against [P's keys ; their own keys] with a mask."""
     if not dropout and _FLASH is not None and q_1HSD.device.type == "cpu":
         parts = (x[0].contiguous() for x in (q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD))
         return _SplitAttention.apply(*parts, layout, scaling).transpose(0, 1)
