@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +111,7 @@ class _SplitAttention(torch.autograd.Function):
     def forward(ctx, q_HSD, k_GSD, v_GSD, k_GPD, v_GPD, layout, scale):
         H, S, D = q_HSD.shape
         G = k_GPD.shape[0]
-        out_A, lse_A = _FLASH(q_HSD.reshape(1, G, -1, D), k_GPD[None], v_GPD[None], 0.0, False, scale=scale)
+        out_A, lse_A = _FLASH(_SplitAttention._fold(q_HSD, G), k_GPD[None], v_GPD[None], 0.0, False, scale=scale)
         out_B, lse_B = out_A.new_empty(H, S, D), lse_A.new_empty(H, S)
         for b in attention_buckets(layout, 0)[0]:
             o_N, l_N = _FLASH(*_SplitAttention._bucket(q_HSD, k_GSD, v_GSD, b.index), 0.0, True, scale=scale)
@@ -126,6 +127,11 @@ class _SplitAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    def _fold(x_HSD, G):
+        """[H, S, ...] -> [1, G, r * S, ...]: the query heads of each key/value head stacked along the sequence."""
+        return x_HSD.reshape((1, G, -1) + x_HSD.shape[2:])
+
+    @staticmethod
     def _bucket(q_HSD, k_GSD, v_GSD, index):
         """A bucket's queries [n, H, L, D] and its own keys and values repeated to the query heads."""
         r = q_HSD.shape[0] // k_GSD.shape[0]
@@ -138,12 +144,9 @@ class _SplitAttention(torch.autograd.Function):
         H, S, D = q_HSD.shape
         G = k_GPD.shape[0]
         d_out = d_out.contiguous()
-
-        def fold(x):  # [H, S, D] -> [1, G, r * S, D], as forward stacked the query heads
-            return x.reshape(1, G, -1, D)
-
+        fold = partial(_SplitAttention._fold, G=G)
         dq_A, dk_P, dv_P = _FLASH_BACKWARD(fold(d_out), fold(q_HSD), k_GPD[None], v_GPD[None], fold(out),
-                                           lse.reshape(1, G, -1), 0.0, False, scale=ctx.scale)
+                                           fold(lse), 0.0, False, scale=ctx.scale)
         dq = dq_A.reshape(H, S, D).to(lse.dtype)  # both parts summed in float32 (bf16 inputs), then cast
         dk, dv = torch.zeros_like(k_GSD), torch.zeros_like(v_GSD)
         for b in attention_buckets(ctx.layout, 0)[0]:
