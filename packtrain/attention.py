@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -91,76 +90,79 @@ _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 _FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-def _bucket_rows(x_XSD: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """[X, S, ...] -> [n, X, L, ...]: a bucket's rows, zero where ``index`` is S (padding)."""
-    pad = x_XSD.new_zeros(x_XSD.shape[:1] + (1,) + x_XSD.shape[2:])
-    return torch.cat([x_XSD, pad], dim=1)[:, index].transpose(0, 1)
+def _padded(x_S: torch.Tensor) -> torch.Tensor:
+    """[S, ...] -> [S + 1, ...]: a zero row at S, where every bucket's padding points."""
+    return torch.cat([x_S, x_S.new_zeros((1,) + x_S.shape[1:])])
 
 
 class _SplitAttention(torch.autograd.Function):
-    """The continuations' attention in two parts merged by their log-sum-exps (CPU, no dropout) -> [H, S, D]:
-    A. every continuation query against P's keys in one call and no mask (every query sees all of P), the query
-       heads of each key/value head stacked along the sequence (grouped-query attention, P's keys not repeated);
+    """The continuations' attention in two parts merged by their log-sum-exps (CPU, no dropout), [S, H, D] rows in
+    and out (the flash kernels take and give the heads as strided views of rows, so nothing is transposed):
+    A. every continuation query against P's keys in one call and no mask (every query sees all of P);
     B. each length bucket (:func:`attention_buckets`) causally against its own keys (a bucket's right padding comes
-       after every real key, so the causal rule alone keeps it out of real rows; no mask).
+       after every real key, so the causal rule alone keeps it out of real rows; no mask). The rows are padded once
+       per call and every bucket gathers its [n, L] rows from them; the buckets' outputs come back to the
+       continuations' order through one gather (the buckets partition the rows).
     out = (e^lse_A out_A + e^lse_B out_B) / (e^lse_A + e^lse_B). The backward runs each part's flash-attention
     backward with the merged output and log-sum-exp, which gives each part exactly its share of the whole softmax's
-    gradient (the identity ring attention relies on). Nothing of P is copied per continuation."""
+    gradient (the identity ring attention relies on). Keys and values are repeated to the query heads (the kernel
+    has no grouped-query form), P's once per call, not per continuation."""
 
     @staticmethod
-    def forward(ctx, q_HSD, k_GSD, v_GSD, k_GPD, v_GPD, layout, scale):
-        H, S, D = q_HSD.shape
-        G = k_GPD.shape[0]
-        out_A, lse_A = _FLASH(_SplitAttention._fold(q_HSD, G), k_GPD[None], v_GPD[None], 0.0, False, scale=scale)
-        out_B, lse_B = out_A.new_empty(H, S, D), lse_A.new_empty(H, S)
-        for b in attention_buckets(layout, 0)[0]:
-            o_N, l_N = _FLASH(*_SplitAttention._bucket(q_HSD, k_GSD, v_GSD, b.index), 0.0, True, scale=scale)
-            real = b.index < S
-            out_B[:, b.index[real]] = o_N.transpose(0, 1)[:, real]
-            lse_B[:, b.index[real]] = l_N.transpose(0, 1)[:, real]
-        lse_A = lse_A.reshape(H, S)
-        lse = torch.logaddexp(lse_A, lse_B)
-        out = (out_A.reshape(H, S, D) * (lse_A - lse).exp()[..., None]
-               + out_B * (lse_B - lse).exp()[..., None]).to(q_HSD.dtype)  # merged in the log-sum-exp's float32
-        ctx.save_for_backward(q_HSD, k_GSD, v_GSD, k_GPD, v_GPD, out, lse)
+    def forward(ctx, q_SHD, k_SGD, v_SGD, k_PGD, v_PGD, layout, scale):
+        r = q_SHD.shape[1] // k_SGD.shape[1]
+        heads = _SplitAttention._heads
+        out_A, lse_A = _FLASH(heads(q_SHD[None]), heads(k_PGD[None], r), heads(v_PGD[None], r), 0.0, False,
+                              scale=scale)
+        buckets, unpad = attention_buckets(layout, 0)
+        rows = [_padded(x) for x in (q_SHD, k_SGD.repeat_interleave(r, dim=1), v_SGD.repeat_interleave(r, dim=1))]
+        parts = [_FLASH(*(heads(x[b.index]) for x in rows), 0.0, True, scale=scale) for b in buckets]
+        out_B, lse_B = (_SplitAttention._unbucket([p[i] for p in parts], unpad) for i in (0, 1))
+        lse_A = _SplitAttention._rows(lse_A)
+        lse = torch.logaddexp(lse_A, lse_B)  # [S, H]
+        out = (_SplitAttention._rows(out_A) * (lse_A - lse).exp()[..., None]
+               + out_B * (lse_B - lse).exp()[..., None]).to(q_SHD.dtype)  # merged in the log-sum-exp's float32
+        ctx.save_for_backward(q_SHD, k_SGD, v_SGD, k_PGD, v_PGD, out, lse)
         ctx.layout, ctx.scale = layout, scale
         return out
 
     @staticmethod
-    def _fold(x_HSD, G):
-        """[H, S, ...] -> [1, G, r * S, ...]: the query heads of each key/value head stacked along the sequence."""
-        return x_HSD.reshape((1, G, -1) + x_HSD.shape[2:])
+    def _heads(x_BLXD, r=1):
+        """[B, L, X, ...] rows -> the kernel's [B, X * r, L, ...], a strided view unless the heads are repeated."""
+        return (x_BLXD.repeat_interleave(r, dim=2) if r > 1 else x_BLXD).transpose(1, 2)
 
     @staticmethod
-    def _bucket(q_HSD, k_GSD, v_GSD, index):
-        """A bucket's queries [n, H, L, D] and its own keys and values repeated to the query heads."""
-        r = q_HSD.shape[0] // k_GSD.shape[0]
-        return (_bucket_rows(q_HSD, index), _bucket_rows(k_GSD, index).repeat_interleave(r, dim=1),
-                _bucket_rows(v_GSD, index).repeat_interleave(r, dim=1))
+    def _rows(x_BHL):
+        """The kernel's [B, H, L, ...] (rows in memory) -> [B * L, H, ...]."""
+        return x_BHL.transpose(1, 2).flatten(0, 1)
+
+    @staticmethod
+    def _unbucket(per_bucket, unpad):
+        """The buckets' [n, H, L, ...] results -> [S, H, ...] in the continuations' order."""
+        return torch.cat([_SplitAttention._rows(x) for x in per_bucket]).index_select(0, unpad)
 
     @staticmethod
     def backward(ctx, d_out):
-        q_HSD, k_GSD, v_GSD, k_GPD, v_GPD, out, lse = ctx.saved_tensors
-        H, S, D = q_HSD.shape
-        G = k_GPD.shape[0]
-        d_out = d_out.contiguous()
-        fold = partial(_SplitAttention._fold, G=G)
-        dq_A, dk_P, dv_P = _FLASH_BACKWARD(fold(d_out), fold(q_HSD), k_GPD[None], v_GPD[None], fold(out),
-                                           fold(lse), 0.0, False, scale=ctx.scale)
-        dq = dq_A.reshape(H, S, D).to(lse.dtype)  # both parts summed in float32 (bf16 inputs), then cast
-        dk, dv = torch.zeros_like(k_GSD), torch.zeros_like(v_GSD)
-        for b in attention_buckets(ctx.layout, 0)[0]:
-            q_N, k_N, v_N = _SplitAttention._bucket(q_HSD, k_GSD, v_GSD, b.index)
-            dq_N, dk_N, dv_N = _FLASH_BACKWARD(_bucket_rows(d_out, b.index), q_N, k_N, v_N,
-                                               _bucket_rows(out, b.index), _bucket_rows(lse, b.index), 0.0, True,
-                                               scale=ctx.scale)
-            n, _, L, _ = dk_N.shape
-            real = b.index < S
-            cols = b.index[real]
-            dq[:, cols] += dq_N.transpose(0, 1)[:, real]
-            dk[:, cols] += dk_N.view(n, G, -1, L, D).sum(2).transpose(0, 1)[:, real]
-            dv[:, cols] += dv_N.view(n, G, -1, L, D).sum(2).transpose(0, 1)[:, real]
-        return dq.to(q_HSD.dtype), dk, dv, dk_P[0], dv_P[0], None, None
+        q_SHD, k_SGD, v_SGD, k_PGD, v_PGD, out, lse = ctx.saved_tensors
+        _, H, D = q_SHD.shape
+        G = k_PGD.shape[1]
+        r = H // G
+        heads, rows_of, unbucket = _SplitAttention._heads, _SplitAttention._rows, _SplitAttention._unbucket
+        whole = (heads(d_out[None]), heads(q_SHD[None]), heads(k_PGD[None], r), heads(v_PGD[None], r),
+                 heads(out[None]), heads(lse[None]))
+        dq_A, dk_P, dv_P = _FLASH_BACKWARD(*whole, 0.0, False, scale=ctx.scale)
+        buckets, unpad = attention_buckets(ctx.layout, 0)
+        rows = [_padded(x) for x in (d_out, q_SHD, k_SGD.repeat_interleave(r, dim=1),
+                                     v_SGD.repeat_interleave(r, dim=1), out, lse)]
+        parts = [_FLASH_BACKWARD(*(heads(x[b.index]) for x in rows), 0.0, True, scale=ctx.scale)[:3]
+                 for b in buckets]
+        dq_B, dk_B, dv_B = (unbucket([p[i] for p in parts], unpad) for i in range(3))
+        dq = (rows_of(dq_A).to(lse.dtype) + dq_B).to(q_SHD.dtype)  # both parts summed in float32 (bf16 inputs)
+
+        def per_group(d_XHD):  # the repeated heads' gradients summed back to their key/value head
+            return d_XHD.reshape(d_XHD.shape[0], G, r, D).sum(2)
+
+        return (dq, per_group(dk_B), per_group(dv_B), per_group(rows_of(dk_P)), per_group(rows_of(dv_P)), None, None)
 
 
 def _continuations(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, scaling, dropout):
@@ -168,8 +170,9 @@ def _continuations(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, s
     Otherwise (dropout: one softmax over P's and their own keys must be dropped as a whole) the length buckets
     (:func:`attention_buckets`), each a right-padded batch against [P's keys ; their own keys] with a mask."""
     if not dropout and _FLASH is not None and q_1HSD.device.type == "cpu":
-        parts = (x[0].contiguous() for x in (q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD))
-        return _SplitAttention.apply(*parts, layout, scaling).transpose(0, 1)
+        # [S, X, D] rows; no copy when the heads are views of rows, as transformers' projections give them
+        parts = (x[0].transpose(0, 1).contiguous() for x in (q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD))
+        return _SplitAttention.apply(*parts, layout, scaling)
 
     def rows(x_1XSD):  # [1, X, S, D] -> [S + 1, X, D]: the continuation region and a zero row for padding
         x_SXD = x_1XSD[0].transpose(0, 1)
@@ -179,7 +182,7 @@ def _continuations(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, s
     buckets, unpad = attention_buckets(layout, k_1GPD.shape[2])
     outs = []
     for b in buckets:
-        n, L = b.index.shape
+        n = b.index.shape[0]
         q_N, k_N, v_N = (x[b.index].permute(0, 2, 1, 3) for x in (q_S, k_S, v_S))  # [n, X, L, D]
         keys = torch.cat([k_1GPD.expand(n, -1, -1, -1), k_N], dim=2)
         values = torch.cat([v_1GPD.expand(n, -1, -1, -1), v_N], dim=2)

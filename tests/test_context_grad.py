@@ -240,9 +240,9 @@ def test_frozen_keeps_nothing_of_p_for_backward():
     full = [s for s in _saved_rows(model, prefix, conts, "full") if max(s, default=0) >= 130]
     frozen = [s for s in _saved_rows(model, prefix, conts, "frozen") if max(s, default=0) >= 130]
     assert len(full) > 20
-    # the one attention layer's constant keys and values of P [G, P, D], once (attention.py's split attention reads
-    # them in place; the padded-bucket path it replaced saved [N, H, P + L, D] copies)
-    assert frozen == [(2, 130, 16), (2, 130, 16)], frozen
+    # the one attention layer's constant keys and values of P as rows [P, G, D], once (attention.py's split attention
+    # reads them in place; the padded-bucket path it replaced saved [N, H, P + L, D] copies)
+    assert frozen == [(130, 2, 16), (130, 2, 16)], frozen
 
 
 # -- leaks: each mode's packed-vs-standalone check fails on a broken variant ---------------------------------------
