@@ -215,16 +215,46 @@ def conv_with_history_silu(x_BCT: torch.Tensor, history_BCW1: torch.Tensor, weig
     return F.silu(_depthwise_valid(x, weight_CW, bias_C)).to(x_BCT.dtype)
 
 
+class _ConvRowsSilu(torch.autograd.Function):
+    """:func:`conv_rows_silu` with its backward written out: autograd's would zero-fill one input-sized gradient per
+    tap (the backward of each shifted slice) and sum them; here the taps accumulate into one buffer in place, and
+    each weight column is one product and sum over the rows. The forward is the same arithmetic as before."""
+
+    @staticmethod
+    def forward(ctx, x_RC, weight_CW, bias_C, keep):
+        W = weight_CW.shape[-1]
+        x = x_RC.to(weight_CW.dtype)
+        T = x.shape[0] - (W - 1)
+        out = x[0:T] * weight_CW[:, 0]
+        for w in range(1, W):
+            out = out + x[w:w + T] * weight_CW[:, w]
+        pre = out.index_select(0, keep)
+        if bias_C is not None:
+            pre = pre + bias_C
+        ctx.save_for_backward(x, weight_CW, pre, keep)
+        ctx.has_bias, ctx.x_dtype = bias_C is not None, x_RC.dtype
+        return F.silu(pre).to(x_RC.dtype)
+
+    @staticmethod
+    def backward(ctx, d_y):
+        x, weight_CW, pre, keep = ctx.saved_tensors
+        W = weight_CW.shape[-1]
+        T = x.shape[0] - (W - 1)
+        d_pre = torch.ops.aten.silu_backward(d_y.to(pre.dtype), pre)
+        d_out = d_pre.new_zeros(T, x.shape[1])  # the outputs keep drops (straddling two segments) get none
+        d_out[keep] = d_pre
+        d_x = torch.empty_like(x)
+        torch.mul(d_out, weight_CW[:, 0], out=d_x[0:T])
+        d_x[T:].zero_()
+        for w in range(1, W):
+            d_x[w:w + T].addcmul_(d_out, weight_CW[:, w])
+        d_weight = torch.stack([(d_out * x[w:w + T]).sum(0) for w in range(W)], dim=1)
+        return d_x.to(ctx.x_dtype), d_weight, d_pre.sum(0) if ctx.has_bias else None, None
+
+
 def conv_rows_silu(x_RC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None,
                    keep: torch.Tensor) -> torch.Tensor:
     """Depthwise conv over rows laid out with their history (rows r..r+W-1 make output r), the outputs ``keep``
     selects, then SiLU; the [time, channel] layout throughout, so no transposes. Same products and sums, in the
     same order, as :func:`causal_conv_silu`."""
-    W = weight_CW.shape[-1]
-    x = x_RC.to(weight_CW.dtype)
-    T = x.shape[0] - (W - 1)
-    out = x[0:T] * weight_CW[:, 0]
-    for w in range(1, W):
-        out = out + x[w:w + T] * weight_CW[:, w]
-    out = out.index_select(0, keep)
-    return F.silu(out if bias_C is None else out + bias_C).to(x_RC.dtype)
+    return _ConvRowsSilu.apply(x_RC, weight_CW, bias_C, keep)
