@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -29,6 +30,7 @@ from packtrain.loading import (
     WeightMap,
     fix_mmap_threshold,
     is_meta,
+    keep_heap_between_steps,
     materialize,
     module_names,
     real_tensors,
@@ -111,7 +113,8 @@ def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool 
     (peft model, root, back end).
 
     A base built on the meta device (``build_base_model(..., meta=True)``) is filled last from ``model.path``,
-    each rank reading only its shards; the load report is left on the root as ``lm.load_report``."""
+    each rank reading only its shards; the load report is left on the root as ``lm.load_report``. On the CPU the
+    process's heap is then kept between steps (:func:`packtrain.loading.keep_heap_between_steps`)."""
     fill = None
     if is_meta(base_model):
         fix_mmap_threshold()
@@ -125,4 +128,6 @@ def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool 
     t = cfg.train
     lm = prepare(model, backend, checkpointing=t.activation_checkpointing, offload=t.offload, shard=shard,
                  device=device, context_grad=cfg.packing.context_grad, fill=fill)
+    if torch.device(device).type == "cpu":  # activations are host memory: keep them between steps
+        keep_heap_between_steps()
     return model, lm, backend
