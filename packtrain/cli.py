@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.png (default runs/bench)")
     p.add_argument("--repeats", type=int, help="timed epochs per variant (the median is reported)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="one untimed step of each variant first (default: on for the gpu preset)")
+                   help="one untimed step of each variant before the timed repeats (default: on; CUDA: before the "
+                        "memory pass, for compilation; CPU: after it, to grow the heap it released)")
     p.add_argument("--prompts", type=int, help="generated data: number of prompts")
     p.add_argument("--prefix-tokens", type=int, metavar="N", help="generated data: tokens in each P")
     p.add_argument("--continuations", type=int, metavar="N", help="generated data: continuations per prompt")

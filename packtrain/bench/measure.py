@@ -13,7 +13,11 @@ of the loaded models: activations, gradients, optimizer state, logits.
 The timed repeats run on a warm allocator, as every step of a training run after its first does: handing the heap
 back to the kernel before a run makes the run fault its memory in again page by page, and that cost is not spread
 evenly. On the cpu preset it added 0.25-0.3 s (about 200,000 page faults) to a one-pack epoch of 1.5 s and the same
-once to a standalone epoch of 17 s, whose sixteen examples reuse one example's memory.
+once to a standalone epoch of 17 s, whose sixteen examples reuse one example's memory. So on the CPU the warm-up
+(one untimed step of every variant, the cpu and tiny presets' default) runs after the memory pass, which released
+the heap before each of its runs, and the heap is kept from then on (``loading.keep_heap_between_steps``, as in
+training). Without it the first timed repeat's first variant grew the heap from the last memory run's size to its
+own: 4.90 s against 4.36 and 4.19 for the next two pack epochs on P 1,024 + 24 of 100-230.
 
 Model FLOPs of an epoch, per variant, for the positions that variant computes (no recompute): every linear layer's
 forward and input gradient (frozen weights), LoRA forward, input and weight gradients, attention's QK^T and PV
@@ -114,16 +118,24 @@ def interleave(models: Models, work: Workload, variants: list[str], repeats: int
             log(f"  {v}: {results[v].error}; left out of the remaining repeats")
             _release(work.device)
 
-    if warmup:
+    def warm_up():
         for v in variants:
             t0 = time.perf_counter()
             attempt(v, partial(run_variant, v, models, work, max_steps=1))
             log(f"  warm-up {v}: one step, {time.perf_counter() - t0:.1f} s (not timed)")
+
+    # The warm-up: on CUDA before the memory pass (compilation and autotuning stay out of it); on the CPU after it,
+    # whose releases hand the heap back: otherwise the first timed run grows the heap again page by page, as
+    # only a training run's first step does
+    if warmup and work.device.type != "cpu":
+        warm_up()
     for v in variants:  # the memory pass: each variant once from released memory, not timed
         run = attempt(v, partial(timed_run, partial(run_variant, v, models, work), work.device, release=True))
         if run is not None:
             results[v].peak_memory_bytes = run.peak_memory_bytes
             log(f"  memory {v:<13} {run.peak_memory_bytes / 2**20:8,.0f} MiB above the models (not timed)")
+    if warmup and work.device.type == "cpu":
+        warm_up()
     for r in range(repeats):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
         for v in order:

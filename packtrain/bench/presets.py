@@ -47,7 +47,7 @@ class Preset:
     config: dict  # a packtrain config tree (model, packing, lora, optim, train); data comes from `shape`
     shape: Shape
     repeats: int
-    warmup: bool  # one untimed step of every variant first (Triton autotuning, FlexAttention compile)
+    warmup: bool  # one untimed step of every variant (CUDA: Triton autotuning, FlexAttention compile; CPU: the heap)
     # torch CPU threads (None: torch's choice). The CPU presets use one: on a 2-core machine that others share, a
     # 2-thread OpenMP team waits on whichever thread is descheduled, and epochs ran 10-30x slower, erratically.
     threads: int | None = None
@@ -109,9 +109,9 @@ H100_SOURCE = "H100/H200 SXM bf16 dense datasheet figure"
 
 PRESETS = {
     "tiny": Preset("tiny", _config(TINY_MODEL, "float32", "torch", 1024), Shape(2, 96, 6, (8, 16)), repeats=2,
-                   warmup=False, threads=1),
+                   warmup=True, threads=1),
     "cpu": Preset("cpu", _config(CPU_MODEL, "float32", "torch", 8192), Shape(1, 2048, 16, (56, 72)),
-                  repeats=3, warmup=False, threads=1),
+                  repeats=3, warmup=True, threads=1),
     "gpu": Preset("gpu", _config(GPU_MODEL, "bfloat16", "fla", 65536, checkpointing=True, device="cuda"),
                   Shape(1, 32768, 16, (768, 1280)), repeats=3, warmup=True),
 }
