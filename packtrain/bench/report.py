@@ -41,8 +41,8 @@ def format_table(result: dict) -> str:
         (f"  plan      {plan['examples']} examples -> {plan['packs']} pack(s), {r['steps_per_epoch']} step(s) per epoch; "
          f"positions {plan['positions_standalone']:,} standalone vs {plan['positions_packed']:,} packed: position "
          f"ratio {r['position_ratio']:.2f}x"),
-        (f"  timing    median of {r['repeats']} interleaved repeats of one epoch each, after an untimed memory pass; "
-         f"{load}"),
+        (f"  timing    median of {r['repeats']} interleaved repeats of one epoch each, after an untimed memory pass"
+         f"{' and a warm-up step of each variant' if r.get('warmup') else ''}; {load}"),
         "",
         (f"  {'variant':<14}{'s/epoch':>9}{'x shared':>10}{'of ratio':>10}{'positions/s':>13}{'target tok/s':>14}"
          f"{'peak MiB':>10}{'final loss':>13}{'MFU':>8}"),
