@@ -110,7 +110,7 @@ def keep_heap_between_steps() -> bool:
     and keep the heap between steps. Otherwise a step's large activations are mapped fresh and faulted in page by
     page, every step (all of them above 128 KiB after :func:`fix_mmap_threshold`; above the last size freed
     without it), and the heap is handed back whenever its free top outgrows the trim threshold. A pack's
-    activations are several times one example's, so this cost fell on packs: 10-20% of a pack's CPU time on
+    activations are several times one example's, so this cost fell on packs: 5-20% of a pack's CPU time on
     P 1,024 + 24 of 100-230 (docs/performance.md). Resident memory then stays at the step's peak between steps,
     which the next step reaches again anyway. Set after loading, so loading keeps its own threshold."""
     return _mallopt((M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, TRIM_THRESHOLD_MAX))

@@ -2,7 +2,7 @@
 # tools/bench_shapes.sh [OUT_DIR] [PYTHON]: every shape docs/performance.md records, one after another, each
 # `packtrain bench` run timing shared-prefix vs standalone vs the plain loop interleaved in one process (median of
 # three repeats, one torch thread). Run it on a quiet machine: each table prints the load average at its start and
-# end. About 35 minutes on 2 idle cores. Results: OUT_DIR/<shape>/bench.json and bench.png, and the tables in
+# end. About 45 minutes on 2 idle cores. Results: OUT_DIR/<shape>/bench.json and bench.png, and the tables in
 # OUT_DIR/tables.txt.
 set -euo pipefail
 out=${1:-runs/bench-shapes}
@@ -27,6 +27,8 @@ run 100-230 --preset cpu --prompts 2 --continuations 24 --cont-tokens 100:230
 # the same two with P 1,024: more continuation positions than P's (the pack's costlier kind of position)
 run short-equal-p1k --preset cpu --prefix-tokens 1024 --continuations 24 --cont-tokens 48
 run 100-230-p1k --preset cpu --prompts 2 --prefix-tokens 1024 --continuations 24 --cont-tokens 100:230
+# and on P 512: three continuation positions for every one of P's
+run 100-230-p512 --preset cpu --prefix-tokens 512 --continuations 24 --cont-tokens 100:230
 # long continuations of very different lengths: P 2,048 + 8 of 500-1,000
 run 500-1000 --preset cpu --prefix-tokens 2048 --continuations 8 --cont-tokens 500:1000 \
     --set packing.token_budget=16384
