@@ -170,7 +170,7 @@ def _continuations(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, s
     Otherwise (dropout: one softmax over P's and their own keys must be dropped as a whole) the length buckets
     (:func:`attention_buckets`), each a right-padded batch against [P's keys ; their own keys] with a mask."""
     if not dropout and _FLASH is not None and q_1HSD.device.type == "cpu":
-        # [S, X, D] rows; no copy when the heads are views of rows, as transformers' projections give them
+        # [S, X, D] rows: a view for v (the projection's rows); q and k come from RoPE as [H, T, D] and are copied
         parts = (x[0].transpose(0, 1).contiguous() for x in (q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD))
         return _SplitAttention.apply(*parts, layout, scaling)
 
