@@ -174,11 +174,8 @@ def _continuations(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, s
         parts = (x[0].transpose(0, 1).contiguous() for x in (q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD))
         return _SplitAttention.apply(*parts, layout, scaling)
 
-    def rows(x_1XSD):  # [1, X, S, D] -> [S + 1, X, D]: the continuation region and a zero row for padding
-        x_SXD = x_1XSD[0].transpose(0, 1)
-        return torch.cat([x_SXD, x_SXD.new_zeros((1,) + x_SXD.shape[1:])])
-
-    q_S, k_S, v_S = rows(q_1HSD), rows(k_1GSD), rows(v_1GSD)
+    # [1, X, S, D] -> [S + 1, X, D]: the continuation region's rows and a zero row for padding
+    q_S, k_S, v_S = (_padded(x[0].transpose(0, 1)) for x in (q_1HSD, k_1GSD, v_1GSD))
     buckets, unpad = attention_buckets(layout, k_1GPD.shape[2])
     outs = []
     for b in buckets:
