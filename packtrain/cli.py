@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-from packtrain.stops import RunStopped
+from packtrain.exits import RunStopped
 
 
 def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user errors: config, data, CLI arguments
         print(f"packtrain {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except RunStopped as e:  # a deliberate stop (packtrain/stops.py): one line, its own exit code
+    except RunStopped as e:  # a deliberate stop (packtrain/exits.py): one line, its own exit code
         if not e.quiet:
             print(f"packtrain {args.command}: {e}", file=sys.stderr)
         return e.exit_code

@@ -66,7 +66,7 @@ class DataConfig:
 @dataclass
 class WalkConfig:
     chunk: int = 2048  # positions per chunk of a walked example
-    # tokens the gradient flows back before each chunk's start, or `all` (exact); packtrain/walk_plan.py
+    # tokens the gradient flows back before each chunk's start, or `all` (exact); packtrain/data/walk_schedule.py
     horizon: int | Literal["all"] = "all"
 
 
@@ -76,14 +76,14 @@ class PackingConfig:
     token_budget: int = 150_000  # positions per pack: len(P) + sum of continuation lengths
     max_continuations: int = 90
     # An example whose P + continuation alone exceeds the budget: error, skip (counted), or walk: trained chunk by
-    # chunk on top of P with gradient horizon walk.horizon (packtrain/walk.py)
+    # chunk on top of P with gradient horizon walk.horizon (packtrain/packed/walk.py)
     on_overflow: Literal["error", "skip", "walk"] = "error"
     walk: WalkConfig = field(default_factory=WalkConfig)
-    # What the gradient does with the shared prefix P (packtrain/context.py, docs/design.md): full = exact gradient
+    # What the gradient does with the shared prefix P (packtrain/packed/context.py, docs/design.md): full = exact gradient
     # through P; kv_only = forward unchanged, gradient cut at P's rows of every decoder-layer input; frozen = P under
     # no_grad, continuations read its K/V, GDN state and conv tail as constants.
     context_grad: Literal["full", "kv_only", "frozen"] = "full"
-    # Run each pack's continuations in this many groups against one P graph (packtrain/groups.py): P's forward
+    # Run each pack's continuations in this many groups against one P graph (packtrain/packed/groups.py): P's forward
     # once, each group's forward and backward in turn, then one backward through P. The same gradient; peak memory
     # holds P's graph and one group's instead of every continuation's. 1 = the whole pack in one forward.
     continuation_groups: int = 1
@@ -186,8 +186,8 @@ class Config:
         return path if path.is_absolute() else (Path(self.base_dir) / path)
 
     def walk_spec(self):
-        """The walk's settings (packtrain.walk_plan.WalkSpec), None unless packing.on_overflow is walk."""
-        from packtrain.walk_plan import WalkSpec
+        """The walk's settings (packtrain.data.walk_schedule.WalkSpec), None unless packing.on_overflow is walk."""
+        from packtrain.data.walk_schedule import WalkSpec
 
         w = self.packing.walk
         if self.packing.on_overflow != "walk":

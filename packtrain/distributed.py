@@ -12,11 +12,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from packtrain.stops import Stalled
 # Imported before any process group exists: its collectives take ``group=group.WORLD`` as a default argument,
 # so importing it later (peft does) pins the default group in those defaults for good, destroy_process_group
 # cannot free it, and gloo's worker threads live on into interpreter shutdown (see shutdown()).
 import torch.distributed.nn
+
+from packtrain.exits import Stalled
 
 
 @dataclass(frozen=True)

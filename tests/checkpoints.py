@@ -12,9 +12,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
 from cli_helpers import REPO, TINY_MODEL
+from safetensors.torch import save_file
 
 BUNDLED_TOKENIZER = REPO / "packtrain" / "assets" / "tokenizer"
 VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
@@ -29,7 +28,7 @@ def hf_model(config: dict, seed: int = 0, scale: float | None = 0.2):
     """A random transformers model from a packtrain-style config dict (``model_type`` included)."""
     from transformers import AutoConfig
 
-    from packtrain.model import model_class_for
+    from packtrain.models.build import model_class_for
 
     raw = dict(config)
     model_type = raw.pop("model_type")

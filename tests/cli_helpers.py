@@ -99,7 +99,7 @@ def write_model_dir(path: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoConfig, Qwen3_5ForCausalLM
 
-    from packtrain.data import load_tokenizer
+    from packtrain.data.examples import load_tokenizer
 
     raw = dict(TINY_MODEL)
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)

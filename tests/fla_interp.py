@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packtrain.kernels import fla_available
-from packtrain.kernels.interpreter import interpreter_on
+from packtrain.packed.kernels import fla_available
+from packtrain.packed.kernels.interpreter import interpreter_on
 
 
 def _skip_reason() -> str | None:
@@ -25,6 +25,6 @@ needs_interpreter = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REAS
 
 
 def fla_cpu_backend():
-    from packtrain.kernels import select_backend
+    from packtrain.packed.kernels import select_backend
 
     return select_backend("fla", "cpu")  # applies the interpreter shims

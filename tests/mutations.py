@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from tiny_models import tiny_lora_model
 
-from packtrain.kernels import torch_ref
-from packtrain.layout import PackLayout
+from packtrain.packed.kernels import torch_ref
+from packtrain.packed.layout import PackLayout
 
 MUTATIONS = ["zero initial state", "no conv tail", "tail off by one"]
 
@@ -27,7 +27,7 @@ def break_plumbing(name: str, monkeypatch) -> None:
     if name == "zero initial state":
         monkeypatch.setattr(torch_ref, "chunk_gated_delta_rule", _zero_initial_state(torch_ref.chunk_gated_delta_rule))
         try:
-            from packtrain.kernels import fla_backend
+            from packtrain.packed.kernels import fla_backend
         except ImportError:  # no fla here: only the torch back end can run
             return
         monkeypatch.setattr(fla_backend, "chunk_gated_delta_rule", _zero_initial_state(fla_backend.chunk_gated_delta_rule))

@@ -11,9 +11,9 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
-from packtrain.forward import PackedLM
-from packtrain.kernels import torch_ref
-from packtrain.layout import build_pack_layout, build_standalone_layout
+from packtrain.packed.kernels import torch_ref
+from packtrain.packed.layout import build_pack_layout, build_standalone_layout
+from packtrain.packed.lm import PackedLM
 
 
 @dataclass

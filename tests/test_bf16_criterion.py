@@ -8,8 +8,8 @@ from mutations import GPU_SPECS, MUTATIONS, bf16_criterion_holds, break_plumbing
 from parity import compare
 from tiny_models import random_pack
 
-from packtrain.kernels import Backend
-from packtrain.model_patch import patch_model
+from packtrain.packed.kernels import Backend
+from packtrain.packed.patch import patch_model
 
 L, F = "linear_attention", "full_attention"
 

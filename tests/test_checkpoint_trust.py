@@ -11,7 +11,7 @@ import torch
 from cli_helpers import run_cli, write_config
 from safetensors.torch import load_file
 
-from packtrain.checkpoint import CheckpointDamaged, checkpoints, file_digest, verify_checkpoint
+from packtrain.rundir.checkpoint import CheckpointDamaged, checkpoints, file_digest, verify_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""packing.context_grad (packtrain/context.py): full | kv_only | frozen.
+"""packing.context_grad (packtrain/packed/context.py): full | kv_only | frozen.
 
 Each mode packed equals the same mode standalone (per-example losses, every LoRA gradient); frozen equals
 transformers' own cache path (losses, logits and, with torch's mutation-on-saved-tensors mode, gradients); kv_only
@@ -23,13 +23,13 @@ from parity import compare, packed_run, rel, standalone_run, trainable_grads, wi
 from test_fla_plumbing import fake_fla  # noqa: F401 - the fixture, used by name
 from tiny_models import random_pack, tiny_lora_model
 
-from packtrain import context as context_module
-from packtrain.forward import PackedLM
-from packtrain.kernels import Backend
-from packtrain.layout import build_pack_layout
-from packtrain.model_patch import patch_model, text_parts, unwrap
-from packtrain.offload import ChunkPool
-from packtrain.wrap import checkpoint_decoder_layers, offload_decoder_layers
+from packtrain.models.offload import ChunkPool
+from packtrain.models.wrap import checkpoint_decoder_layers, offload_decoder_layers
+from packtrain.packed import context as context_module
+from packtrain.packed.kernels import Backend
+from packtrain.packed.layout import build_pack_layout
+from packtrain.packed.lm import PackedLM
+from packtrain.packed.patch import patch_model, text_parts, unwrap
 
 L, F = "linear_attention", "full_attention"
 MODES = ["full", "kv_only", "frozen"]
@@ -288,7 +288,7 @@ def test_frozen_state_not_carried_is_caught(monkeypatch):
 
 
 def test_frozen_continuations_seeing_each_other_is_caught(monkeypatch):
-    from packtrain import attention
+    from packtrain.packed import attention
 
     monkeypatch.setattr(attention, "shared_prefix_allowed", lambda sq, skv, q, kv: kv <= q)
     d = _diff(monkeypatch, "frozen", attention="dense")
@@ -300,7 +300,7 @@ def test_frozen_continuations_seeing_each_other_is_caught(monkeypatch):
 def test_vlm_each_mode_packed_equals_standalone(mode, monkeypatch):
     from test_vlm import tiny_vlm, vlm_pack
 
-    from packtrain.model_patch import vision_spec
+    from packtrain.packed.patch import vision_spec
 
     with without_float32_casts(monkeypatch):
         model = tiny_vlm(1)
@@ -322,9 +322,9 @@ def test_unknown_mode_is_a_clear_error():
 # -- the fla back end's frozen plumbing, on CPU with tests/test_fla_plumbing.py's pure-torch stand-ins ------------
 @pytest.fixture
 def fake_fla_frozen(monkeypatch):
-    monkeypatch.delitem(sys.modules, "packtrain.kernels.fla_frozen", raising=False)
+    monkeypatch.delitem(sys.modules, "packtrain.packed.kernels.fla_frozen", raising=False)
     yield
-    sys.modules.pop("packtrain.kernels.fla_frozen", None)
+    sys.modules.pop("packtrain.packed.kernels.fla_frozen", None)
 
 
 @pytest.mark.usefixtures("fake_fla")
@@ -356,7 +356,7 @@ def test_frozen_flex_mask_equals_the_batched_path_forward(fake_fla_frozen, monke
     [P ; continuations] keys) is checked on the forward, eager, against the batched path."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from packtrain.kernels import fla_frozen
+    from packtrain.packed.kernels import fla_frozen
 
     monkeypatch.setattr(fla_frozen, "_compiled_flex", flex_attention)
     prefix, conts = random_pack(37, [(0, 2), (5, 3), (70, 4)], seed=10)

@@ -10,7 +10,7 @@ from cli_helpers import write_config
 from test_ops_memory import QWEN36_27B, SEED_LORA
 from tiny_models import tiny_lora_model, tiny_text_config
 
-import packtrain.model_patch  # noqa: F401 - routes transformers' CPU kernels, as every packtrain process does
+import packtrain.packed.patch  # noqa: F401 - routes transformers' CPU kernels, as every packtrain process does
 from packtrain.commands.plan import run_plan
 from packtrain.ops import memory
 

@@ -7,9 +7,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from cli_helpers import REPO, RULEBOOKS, free_port, run_cli, run_distributed, write_config, write_model_dir
+from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -71,9 +70,9 @@ def test_model_path_runs_give_one_adapter_on_one_and_two_ranks(tmp_path):
 
 def test_over_budget_pack_on_one_rank_is_skipped_by_both(tmp_path):
     from packtrain.config import load_config
-    from packtrain.data import load_split
-    from packtrain.steps import step_packs
-    from packtrain.trainer import plan_for
+    from packtrain.data.examples import load_split
+    from packtrain.run.steps import step_packs
+    from packtrain.run.trainer import plan_for
 
     cfg_path = write_config(tmp_path, train={"epochs": 1, "packs_per_step": 4}, data={"eval": None})
     with (tmp_path / "train.jsonl").open("a") as f:  # one clearly longest example makes one largest pack

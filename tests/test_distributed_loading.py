@@ -8,10 +8,9 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from checkpoints import checkpoint_bytes, save_checkpoint, text_config
 from cli_helpers import REPO, free_port, run_cli, run_distributed, write_config
+from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -20,8 +19,8 @@ LOAD_ONLY = """
 import sys, torch
 from packtrain.config import load_config
 from packtrain.distributed import init_distributed, shutdown
-from packtrain.model import build_base_model
-from packtrain.wrap import prepare_from_config
+from packtrain.models.build import build_base_model
+from packtrain.models.wrap import prepare_from_config
 cfg = load_config(sys.argv[1])
 info = init_distributed("cpu")
 _, lm, _ = prepare_from_config(build_base_model(cfg, meta=True), cfg, info.device, shard=info.enabled)

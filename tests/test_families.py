@@ -1,4 +1,4 @@
-"""Every model family (packtrain.families) trains exactly: packed == standalone (losses and every trainable
+"""Every model family (packtrain.packed.families) trains exactly: packed == standalone (losses and every trainable
 gradient: attention, GDN, dense and shared-expert MLPs, routed experts) and == transformers' own forward.
 
 Tolerances: the bounds of tests/test_parity.py, which hold here with margin. Measured worst case over CASES
@@ -14,11 +14,11 @@ split: losses 0.12).
 
 import pytest
 import torch
-
-from packtrain.kernels import Backend
-from packtrain.model_patch import patch_model
 from parity import compare, hf_losses, standalone_run, without_float32_casts
 from tiny_models import random_pack, tiny_family_model
+
+from packtrain.packed.kernels import Backend
+from packtrain.packed.patch import patch_model
 
 L, F = "linear_attention", "full_attention"
 BACKEND = Backend(gdn="torch", attention="batched")
@@ -96,7 +96,7 @@ def test_walk_horizon_all_per_family(case, monkeypatch):
     row 0 of the positions (given the M-RoPE rows, qwen3 and qwen3_next raised)."""
     from test_walk import _check, walk_run
 
-    from packtrain.walk_plan import WalkSpec
+    from packtrain.data.walk_schedule import WalkSpec
 
     model_type, layer_types, _, _ = CASES[case]
     prefix, (cont,) = random_pack(3, [(20, 30)], seed=3)
@@ -138,8 +138,8 @@ QWEN3 = {"model_type": "qwen3", "vocab_size": 97, "hidden_size": 16, "intermedia
     ({"vocab_size": 97}, "model.config.model_type: missing"),
 ])
 def test_unsupported_models_are_refused_naming_what(model, expected):
-    from packtrain.families import UnsupportedModelError, check_model
-    from packtrain.model import build_base_model
+    from packtrain.models.build import build_base_model
+    from packtrain.packed.families import UnsupportedModelError, check_model
 
     with pytest.raises(UnsupportedModelError) as e:
         cfg = _cfg(model)
@@ -152,7 +152,7 @@ def test_model_directory_of_an_unsupported_type_is_refused(tmp_path):
     import json
 
     from packtrain.config import config_from_dict
-    from packtrain.families import check_model
+    from packtrain.packed.families import check_model
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen4_exp"}))
     with pytest.raises(ValueError, match=r"config.json.model_type: 'qwen4_exp' is not a model family"):
@@ -173,7 +173,7 @@ NEXT = {"model_type": "qwen3_next", "vocab_size": 97, "hidden_size": 16, "interm
 
 
 def _lora(model, lora):
-    from packtrain.model import apply_lora, build_base_model
+    from packtrain.models.build import apply_lora, build_base_model
 
     cfg = _cfg(model, {"dropout": 0.0, **lora})
     peft_model = apply_lora(build_base_model(cfg), cfg)
@@ -205,8 +205,8 @@ def test_peft_renaming_of_mlp_names_is_refused_or_left_out_of_the_default():
 
 
 def test_memory_plan_refuses_an_unsupported_model_in_one_line():
-    from packtrain.families import UnsupportedModelError
     from packtrain.ops import memory
+    from packtrain.packed.families import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=r"^model.config.model_type: 'qwen4_exp' is not a model family"):
         memory.text_config({"model_type": "qwen4_exp"})

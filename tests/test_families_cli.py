@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
+from cli_helpers import REPO, TINY_MODEL, run_cli, run_distributed, write_config
 from safetensors.torch import load_file
 
-from cli_helpers import REPO, TINY_MODEL, run_cli, run_distributed, write_config
-
-from packtrain.families import FAMILIES as FAMILY_TABLE
+from packtrain.packed.families import FAMILIES as FAMILY_TABLE
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +66,7 @@ def _metrics(run):
 
 
 def _peft_mean_loss(model, path):
-    from packtrain.data import load_examples
+    from packtrain.data.examples import load_examples
 
     losses = []
     with torch.no_grad():

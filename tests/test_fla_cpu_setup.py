@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-import packtrain.model_patch  # noqa: F401 (installs the routing)
-from packtrain import kernels
-from packtrain.kernels import Backend, hf_route, interpreter, select_backend, torch_ref
+import packtrain.packed.patch  # noqa: F401 (installs the routing)
+from packtrain.packed import kernels
+from packtrain.packed.kernels import Backend, hf_route, interpreter, select_backend, torch_ref
 
 
 def test_fla_on_cpu_needs_the_package_and_the_interpreter(monkeypatch):

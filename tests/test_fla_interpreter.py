@@ -5,7 +5,7 @@ pure-torch reference computed one sequence at a time: the gated delta rule with 
 import torch
 from fla_interp import fla_cpu_backend, needs_interpreter
 
-from packtrain.kernels import torch_ref
+from packtrain.packed.kernels import torch_ref
 
 pytestmark = needs_interpreter
 

@@ -10,8 +10,8 @@ from mutations import MUTATIONS, break_plumbing, long_memory_model
 from parity import packed_run, rel, standalone_run
 from tiny_models import random_pack
 
-from packtrain.kernels import Backend
-from packtrain.model_patch import patch_model
+from packtrain.packed.kernels import Backend
+from packtrain.packed.patch import patch_model
 
 pytestmark = needs_interpreter
 

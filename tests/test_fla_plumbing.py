@@ -11,8 +11,8 @@ import torch
 from parity import packed_run, without_float32_casts
 from tiny_models import random_pack, tiny_lora_model
 
-from packtrain import kernels as kernels_pkg
-from packtrain.kernels import Backend, torch_ref
+from packtrain.packed import kernels as kernels_pkg
+from packtrain.packed.kernels import Backend, torch_ref
 
 
 def _segments(cu):
@@ -51,12 +51,12 @@ def fake_fla(monkeypatch):
     modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = fake_chunk_gated_delta_rule
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, "packtrain.kernels.fla_backend", raising=False)
-    # `from packtrain.kernels import fla_backend` reads the package attribute first: where the real back end was
+    monkeypatch.delitem(sys.modules, "packtrain.packed.kernels.fla_backend", raising=False)
+    # `from packtrain.packed.kernels import fla_backend` reads the package attribute first: where the real back end was
     # imported earlier in the session (the interpreter tests), it would be used instead of the fake one
     real = vars(kernels_pkg).pop("fla_backend", None)
     yield
-    sys.modules.pop("packtrain.kernels.fla_backend", None)
+    sys.modules.pop("packtrain.packed.kernels.fla_backend", None)
     vars(kernels_pkg).pop("fla_backend", None)
     if real is not None:
         kernels_pkg.fla_backend = real
@@ -64,7 +64,7 @@ def fake_fla(monkeypatch):
 
 @pytest.mark.parametrize("prefix_len", [1, 2, 65])
 def test_fla_plumbing_equals_torch_back_end(fake_fla, monkeypatch, prefix_len):
-    from packtrain.model_patch import patch_model
+    from packtrain.packed.patch import patch_model
 
     with without_float32_casts(monkeypatch):
         prefix, conts = random_pack(prefix_len, [(0, 1), (3, 2), (70, 5), (10, 1)], seed=prefix_len)

@@ -7,9 +7,9 @@ guards on the inputs' shapes. tests/test_gpu.py counts them with inductor on CUD
 import torch
 from tiny_models import random_pack
 
-from packtrain.attention import attention_dense
-from packtrain.kernels import flex
-from packtrain.layout import build_pack_layout
+from packtrain.packed.attention import attention_dense
+from packtrain.packed.kernels import flex
+from packtrain.packed.layout import build_pack_layout
 
 # Total pack lengths from one block to several, on and off the 128-token grid, shortest first (a first pack of one
 # block is what used to pin the compilation to one block).

@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from packtrain.kernels import Backend, fla_available
-from packtrain.model_patch import patch_model
+from packtrain.packed.kernels import Backend, fla_available
+from packtrain.packed.patch import patch_model
 
 HAVE_GPU = torch.cuda.is_available() and fla_available()
 if HAVE_GPU:  # read when Triton compiles a kernel, so before any runs: tl.dot without a precision is ieee
@@ -83,7 +83,7 @@ def test_fp32_vlm_fla_flex_equals_torch_reference():
     """Vision-language packs on the GPU back end against the torch reference (tests/test_vlm.py's fixture)."""
     from test_vlm import tiny_vlm, vlm_pack
 
-    from packtrain.model_patch import vision_spec
+    from packtrain.packed.patch import vision_spec
 
     prefix, conts, pixels = vlm_pack(seed=0)
     results = []
@@ -99,9 +99,9 @@ def test_flex_compiles_at_most_twice_over_many_pack_lengths():
     from test_flex_compile import PACKS
     from torch._dynamo.utils import counters
 
-    from packtrain.attention import attention_dense
-    from packtrain.kernels import flex
-    from packtrain.layout import build_pack_layout
+    from packtrain.packed.attention import attention_dense
+    from packtrain.packed.kernels import flex
+    from packtrain.packed.layout import build_pack_layout
 
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]

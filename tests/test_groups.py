@@ -1,4 +1,4 @@
-"""packing.continuation_groups (packtrain/groups.py): a pack's continuations in groups against one P graph train
+"""packing.continuation_groups (packtrain/packed/groups.py): a pack's continuations in groups against one P graph train
 exactly what the whole pack trains, under every packing.context_grad mode and on every family, and hold less of
 the continuations' graph at once.
 
@@ -15,11 +15,11 @@ import torch
 from parity import rel, standalone_run, trainable_grads, without_float32_casts
 from tiny_models import random_pack, tiny_family_model, tiny_lora_model
 
-from packtrain.forward import PackedLM
-from packtrain.groups import Groups, PrefixOut, split, train_groups
-from packtrain.kernels import Backend
-from packtrain.layout import build_pack_layout
-from packtrain.model_patch import patch_model
+from packtrain.packed.groups import Groups, PrefixOut, split, train_groups
+from packtrain.packed.kernels import Backend
+from packtrain.packed.layout import build_pack_layout
+from packtrain.packed.lm import PackedLM
+from packtrain.packed.patch import patch_model
 
 L, F = "linear_attention", "full_attention"
 BACKEND = Backend(gdn="torch", attention="batched")
@@ -147,7 +147,7 @@ def test_groups_hold_less_of_the_continuations_graph():
 
 def test_one_update_in_groups_is_the_one_forward_update(monkeypatch):
     """`packtrain smoke`'s update (ops.harness.one_update) on a pack in groups == on the pack, with SGD."""
-    from packtrain.ops.harness import one_update
+    from packtrain.run.harness import one_update
 
     prefix_len, specs, layer_types = CASES[0]
     prefix, conts = random_pack(prefix_len, specs, seed=0)

@@ -1,4 +1,4 @@
-"""CPU training keeps glibc's heap between steps (packtrain.loading.keep_heap_between_steps, set by
+"""CPU training keeps glibc's heap between steps (packtrain.models.loading.keep_heap_between_steps, set by
 prepare_from_config on the CPU): a step's large activations are served from memory the last step used, not mapped
 and faulted in anew. Measured in a fresh process, as minor page faults around repeated 20 MiB allocations."""
 
@@ -10,7 +10,7 @@ import pytest
 
 SCRIPT = """
 import json, resource, sys, torch
-from packtrain.loading import fix_mmap_threshold
+from packtrain.models.loading import fix_mmap_threshold
 
 
 def faults():  # five steps, each writing a fresh 20 MiB tensor and freeing it
@@ -26,8 +26,8 @@ loading = faults()
 if sys.argv[1] == "prepare":
     from packtrain.bench.presets import get_preset
     from packtrain.config import config_from_dict
-    from packtrain.model import build_base_model
-    from packtrain.wrap import prepare_from_config
+    from packtrain.models.build import build_base_model
+    from packtrain.models.wrap import prepare_from_config
 
     cfg = config_from_dict(get_preset("tiny").config, source="test")
     prepare_from_config(build_base_model(cfg), cfg, torch.device(sys.argv[2]))

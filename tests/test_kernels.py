@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from packtrain.kernels import torch_ref
+from packtrain.packed.kernels import torch_ref
 
 
 def _inputs(B, T, H, HV, K, V, dtype, seed=0):

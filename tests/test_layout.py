@@ -2,7 +2,7 @@
 
 import torch
 
-from packtrain.layout import Continuation, build_pack_layout, build_standalone_layout, dense_mask
+from packtrain.packed.layout import Continuation, build_pack_layout, build_standalone_layout, dense_mask
 
 
 def test_pack_layout_table():

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-
-from packtrain import attention, gdn, layout
-from packtrain.kernels import Backend
-from packtrain.model_patch import patch_model
 from parity import compare, without_float32_casts
 from tiny_models import random_pack, tiny_lora_model
+
+from packtrain.packed import attention, gdn, layout
+from packtrain.packed.kernels import Backend
+from packtrain.packed.patch import patch_model
 
 L, F = "linear_attention", "full_attention"
 SPECS = [(3, 2), (70, 4), (10, 3)]

@@ -1,15 +1,15 @@
-"""Loading ``model.path`` on the meta device and filling it from the checkpoint (packtrain.loading), against
+"""Loading ``model.path`` on the meta device and filling it from the checkpoint (packtrain.models.loading), against
 transformers' own ``from_pretrained`` on the same directory, for the layouts released checkpoints use."""
 
 import json
 
 import pytest
 import torch
-
 from checkpoints import relayout_as_vlm_text, save_checkpoint, text_config, vlm_config
+
 from packtrain.config import config_from_dict
-from packtrain.model import build_base_model
-from packtrain.wrap import prepare_from_config
+from packtrain.models.build import build_base_model
+from packtrain.models.wrap import prepare_from_config
 
 CPU = torch.device("cpu")
 
@@ -88,7 +88,7 @@ def test_not_safetensors_is_refused(tmp_path):
 
 
 def test_pretokenized_data_with_a_model_directory_without_tokenizer(tmp_path):
-    from packtrain.data import DataError, load_examples
+    from packtrain.data.examples import DataError, load_examples
 
     path = save_checkpoint(tmp_path / "ckpt", text_config(vocab_size=1024), tokenizer=False, mtp=False)
     assert not (path / "tokenizer.json").exists()
@@ -102,9 +102,9 @@ def test_pretokenized_data_with_a_model_directory_without_tokenizer(tmp_path):
 
 
 def test_reads_in_row_blocks(tmp_path, monkeypatch):
-    import packtrain.loading
+    import packtrain.models.loading
 
-    monkeypatch.setattr(packtrain.loading, "BLOCK_BYTES", 100)  # a few rows per read
+    monkeypatch.setattr(packtrain.models.loading, "BLOCK_BYTES", 100)  # a few rows per read
     path = save_checkpoint(tmp_path / "ckpt", text_config(), dtype=torch.bfloat16)
     meta_lm, ref_lm = _both(_config(path))
     _assert_same_tensors(meta_lm, ref_lm)
@@ -115,8 +115,8 @@ def test_converted_layout_per_expert_tensors_into_fused_experts(tmp_path):
     transformers' own converter on them (no per-family code), and gets what from_pretrained gets."""
     from transformers import AutoConfig, Qwen3_5MoeForCausalLM
 
-    from packtrain.loading import SafetensorsCheckpoint, WeightMap, materialize, module_names, real_tensors
-    from packtrain.model import empty_model
+    from packtrain.models.build import empty_model
+    from packtrain.models.loading import SafetensorsCheckpoint, WeightMap, materialize, module_names, real_tensors
 
     config = AutoConfig.for_model(
         "qwen3_5_moe_text", vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

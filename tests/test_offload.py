@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-
-from packtrain.kernels import Backend
-from packtrain.layout import build_pack_layout
-from packtrain.offload import ChunkPool
-from packtrain.wrap import prepare
 from tiny_models import random_pack, tiny_lora_model
+
+from packtrain.models.offload import ChunkPool
+from packtrain.models.wrap import prepare
+from packtrain.packed.kernels import Backend
+from packtrain.packed.layout import build_pack_layout
 
 L, F = "linear_attention", "full_attention"
 BACKEND = Backend(gdn="torch", attention="batched")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from cli_helpers import run_cli, write_config
 
-from packtrain.kernels import fla_available
 from packtrain.ops import fla_tune
+from packtrain.packed.kernels import fla_available
 
 
 def _triton_config(bt, warps, stages=2):

@@ -60,7 +60,7 @@ def test_seed_down_proj_adapter_costs_3_4_gib_per_recomputed_layer():
 def test_parameters_match_transformers_for_the_shipped_configs(name, billions):
     from transformers import AutoConfig
 
-    from packtrain.model import model_class_for
+    from packtrain.models.build import model_class_for
 
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
     raw = dict(cfg.model.config)
@@ -94,13 +94,13 @@ def test_text_defaults_are_transformers_defaults():
 
 
 def test_offload_chunk_matches_the_offload_module():
-    offload = pytest.importorskip("packtrain.offload")
+    offload = pytest.importorskip("packtrain.models.offload")
     assert memory.OFFLOAD_CHUNK_BYTES == offload.DEFAULT_CHUNK_BYTES
 
 
 @pytest.mark.parametrize("targets", [["gate_proj"], ["q_proj", "gate_proj", "up_proj", "down_proj"]])
 def test_lora_parameters_match_peft(targets):
-    from packtrain.model import apply_lora, build_base_model
+    from packtrain.models.build import apply_lora, build_base_model
 
     cfg = config_from_dict({"model": {"config": TINY_MODEL}, "lora": {"r": 4, "target_modules": targets}})
     model = apply_lora(build_base_model(cfg), cfg)
@@ -110,7 +110,7 @@ def test_lora_parameters_match_peft(targets):
 
 def _saved_bytes_of_mlp(dtype, targets, dropout, T):
     """Bytes of the activations autograd saves in one MLP forward (parameters excluded, each storage once)."""
-    from packtrain.model import apply_lora, build_base_model
+    from packtrain.models.build import apply_lora, build_base_model
 
     cfg = config_from_dict({"model": {"config": TINY_MODEL, "dtype": dtype},
                             "lora": {"r": 4, "dropout": dropout, "target_modules": targets}})
@@ -184,7 +184,7 @@ def test_model_path_config_json_is_read(tmp_path):
     assert memory.text_config(memory.config_dict_of(cfg))["hidden_size"] == 5120
 
 
-# -- other families (packtrain.families) -----------------------------------------------------------------------------
+# -- other families (packtrain.packed.families) -----------------------------------------------------------------------------
 
 def test_family_defaults_are_transformers_defaults():
     from transformers import AutoConfig
@@ -214,8 +214,8 @@ QWEN3_TINY = {"model_type": "qwen3", "vocab_size": 97, "hidden_size": 32, "inter
 def test_family_parameters_match_transformers(raw):
     from transformers import AutoConfig
 
-    from packtrain.families import FAMILIES
-    from packtrain.model import model_class_for
+    from packtrain.models.build import model_class_for
+    from packtrain.packed.families import FAMILIES
 
     family = FAMILIES[raw["model_type"]]
     kw = {k: v for k, v in raw.items() if k != "model_type"}
@@ -244,7 +244,7 @@ def test_shipped_35b_a3b_config_adapts_the_experts():
                  "target_parameters": ["experts.down_proj"]}),
 ], ids=["qwen3_5_moe_text", "qwen3_next"])
 def test_expert_lora_parameters_match_peft(raw, lora):
-    from packtrain.model import apply_lora, build_base_model
+    from packtrain.models.build import apply_lora, build_base_model
 
     cfg = config_from_dict({"model": {"config": raw}, "lora": {"r": 4, "dropout": 0.0, **lora}})
     model = apply_lora(build_base_model(cfg), cfg)

@@ -16,8 +16,8 @@ from cli_helpers import REPO, run_cli
 
 from packtrain.config import config_from_dict
 from packtrain.distributed import DistInfo
-from packtrain.metrics import MetricsLog
 from packtrain.ops.runtime import RunOps, rank_file, stacks_file
+from packtrain.run.metrics import MetricsLog
 
 ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

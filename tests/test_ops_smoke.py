@@ -8,9 +8,9 @@ from cli_helpers import run_cli, write_config
 
 from packtrain.commands import smoke
 from packtrain.config import load_config
-from packtrain.data import load_split
+from packtrain.data.examples import load_split
 from packtrain.ops import harness
-from packtrain.trainer import plan_for
+from packtrain.run.trainer import plan_for
 
 PHASES = ["load model", "update 1", "update 2 (with optimizer state)", "save checkpoint"]
 

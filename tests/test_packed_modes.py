@@ -2,15 +2,15 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from packtrain.forward import PackedLM
-from packtrain.kernels import CPU_MLP_ROWS, Backend, select_backend
-from packtrain.layout import build_pack_layout
-from packtrain.model_patch import UnsupportedModelError, patch_model
-from packtrain.wrap import checkpoint_decoder_layers
 from parity import packed_run, standalone_run
 from tiny_models import random_pack, tiny_lora_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from packtrain.models.wrap import checkpoint_decoder_layers
+from packtrain.packed.kernels import CPU_MLP_ROWS, Backend, select_backend
+from packtrain.packed.layout import build_pack_layout
+from packtrain.packed.lm import PackedLM
+from packtrain.packed.patch import UnsupportedModelError, patch_model
 
 L, F = "linear_attention", "full_attention"
 BACKEND = Backend(gdn="torch", attention="batched")
@@ -85,11 +85,10 @@ def test_text_stack_of_vision_language_model(monkeypatch):
     Measured: float64 without the float32 casts loss 3e-16, gradients 6.3e-10; as shipped 3.5e-8 / 3.9e-6,
     1.3e-8 vs transformers. Bounds: test_parity.py's.
     """
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
     from parity import compare, hf_losses, without_float32_casts
+    from peft import LoraConfig, get_peft_model
     from tiny_models import tiny_text_config
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(0)
     cfg = Qwen3_5Config(text_config=tiny_text_config([L, F, L]).to_dict(),

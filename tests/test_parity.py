@@ -21,11 +21,11 @@ pack is split), the standalone and transformers references in one piece.
 
 import pytest
 import torch
-
-from packtrain.kernels import Backend
-from packtrain.model_patch import patch_model
 from parity import compare, hf_losses, without_float32_casts
 from tiny_models import random_pack, tiny_lora_model
+
+from packtrain.packed.kernels import Backend
+from packtrain.packed.patch import patch_model
 
 L, F = "linear_attention", "full_attention"
 

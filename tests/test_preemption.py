@@ -17,8 +17,8 @@ from cli_helpers import run_cli, run_distributed, write_config
 from long_run_helpers import finish, no_packtrain_traceback, rank_pid, start_cli, steps_logged, wait_for
 from safetensors.torch import load_file
 
-from packtrain.checkpoint import checkpoints, verify_checkpoint
-from packtrain.stops import PREEMPTED_EXIT
+from packtrain.exits import PREEMPTED_EXIT
+from packtrain.rundir.checkpoint import checkpoints, verify_checkpoint
 
 pytestmark = pytest.mark.slow
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # start_cli's

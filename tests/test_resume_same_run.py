@@ -6,7 +6,7 @@ import json
 import pytest
 from cli_helpers import run_cli, write_config
 
-from packtrain.resume import compare, is_trajectory
+from packtrain.rundir.resume import compare, is_trajectory
 
 
 @pytest.mark.parametrize("key,trajectory", [

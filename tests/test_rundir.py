@@ -16,7 +16,7 @@ from cli_helpers import run_cli, run_distributed, write_config
 from long_run_helpers import finish, start_cli, steps_logged, wait_for
 
 from packtrain.distributed import DistInfo
-from packtrain.rundir import LOCK, RunDirError, claim
+from packtrain.rundir.directory import LOCK, RunDirError, claim
 
 ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

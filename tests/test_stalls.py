@@ -10,8 +10,8 @@ import pytest
 from cli_helpers import free_port, run_cli, write_config
 from long_run_helpers import finish, rank_pid, start_cli, steps_logged, wait_for
 
+from packtrain.exits import STALLED_EXIT
 from packtrain.ops.watchdog import HangWatchdog
-from packtrain.stops import STALLED_EXIT
 
 
 def test_abort_follows_the_dump_after_hang_abort_more_seconds():

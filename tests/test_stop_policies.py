@@ -6,8 +6,8 @@ import os
 import signal
 
 from packtrain.config import config_from_dict
-from packtrain.finite import is_finite, stop_message
-from packtrain.preemption import StopSignals
+from packtrain.run.finite import is_finite, stop_message
+from packtrain.run.signals import StopSignals
 
 
 def test_a_signal_is_recorded_not_acted_on_and_handlers_are_restored():

@@ -4,9 +4,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from cli_helpers import run_cli, write_config
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +55,7 @@ def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path):
     from peft import PeftModel
     from transformers import Qwen3_5ForCausalLM
 
-    from packtrain.data import load_examples
+    from packtrain.data.examples import load_examples
 
     cfg = write_config(tmp_path, train={"max_steps": 3, "save_every": 2})
     run_cli("train", str(cfg))

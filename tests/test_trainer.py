@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from cli_helpers import write_config
 from peft import get_peft_model_state_dict
 
-from cli_helpers import write_config
 from packtrain.config import load_config
-from packtrain.forward import PackedLM
-from packtrain.trainer import Trainer, ZeroGradientError
+from packtrain.packed.lm import PackedLM
+from packtrain.run.trainer import Trainer, ZeroGradientError
 
 
 def _trainer(tmp_path, *overrides, name="cfg.yaml"):

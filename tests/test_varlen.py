@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from packtrain import attention, gdn
-from packtrain.kernels import torch_ref
-from packtrain.layout import Continuation, build_pack_layout
+from packtrain.packed import attention, gdn
+from packtrain.packed.kernels import torch_ref
+from packtrain.packed.layout import Continuation, build_pack_layout
 
 LENGTHS = [[1], [64], [65], [1, 64, 65, 3, 130, 64, 2]]
 

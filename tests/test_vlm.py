@@ -15,16 +15,20 @@ Tolerances, measured over seeds 0-7 of these fixtures (reproduce: loop `compare`
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
-                          Qwen3_5MoeForConditionalGeneration)
-
-from packtrain.kernels import Backend
-from packtrain.layout import Continuation, build_pack_layout
-from packtrain.model_patch import patch_model, vision_spec
-from packtrain.vision import VisionSpec, mrope_positions
 from parity import compare, packed_run, without_float32_casts
+from peft import LoraConfig, get_peft_model
 from tiny_models import EXPERTS, FAMILY_CONFIGS, tiny_text_config
+from transformers import (
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
+)
+
+from packtrain.data.images import VisionSpec, mrope_positions
+from packtrain.packed.kernels import Backend
+from packtrain.packed.layout import Continuation, build_pack_layout
+from packtrain.packed.patch import patch_model, vision_spec
 
 L, F = "linear_attention", "full_attention"
 IMAGE, START, END = 90, 91, 92
@@ -136,7 +140,7 @@ def test_vlm_as_shipped_equals_standalone_and_transformers(seed, moe):
 
 def test_continuation_never_sees_another_continuations_image(monkeypatch):
     """Changing C1's image changes C1's loss and nothing else; the same check fails with a leaky mask."""
-    from packtrain import layout as layout_module
+    from packtrain.packed import layout as layout_module
 
     model = tiny_vlm(seed=1)
     spec = vision_spec(model)

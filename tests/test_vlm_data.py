@@ -4,12 +4,12 @@ import json
 import shutil
 
 import pytest
+from cli_helpers import REPO, run_cli
 from PIL import Image
 
-from cli_helpers import REPO, run_cli
-from packtrain.data import DataError, load_examples
-from packtrain.planner import plan_packs
-from packtrain.vision import BUNDLED_PROCESSOR, load_image_processor
+from packtrain.data.examples import DataError, load_examples
+from packtrain.data.images import BUNDLED_PROCESSOR, load_image_processor
+from packtrain.data.planner import plan_packs
 
 VLM = str(BUNDLED_PROCESSOR)
 IMAGE_PAD = 816  # <|image_pad|> in the bundled VLM tokenizer

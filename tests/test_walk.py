@@ -1,4 +1,4 @@
-"""The walk (packing.on_overflow: walk; packtrain/walk.py, packtrain/walk_plan.py), float64.
+"""The walk (packing.on_overflow: walk; packtrain/packed/walk.py, packtrain/data/walk_schedule.py), float64.
 
 horizon all equals the model's own forward and backward on concat(P, C) (losses and every LoRA gradient); a finite
 horizon H (0 included) equals an independent reference written on transformers' own cache path: per segment, the
@@ -18,16 +18,16 @@ import torch.nn.functional as F_
 from parity import rel, standalone_run, trainable_grads, without_float32_casts
 from tiny_models import random_pack, tiny_lora_model
 
-from packtrain import context as context_module
-from packtrain.data import Example
-from packtrain.forward import PackedLM
-from packtrain.kernels import Backend
-from packtrain.layout import build_standalone_layout
-from packtrain.model_patch import patch_model, text_parts
-from packtrain.planner import plan_packs, plan_stats
-from packtrain.steps import rank_units
-from packtrain.walk import train_walk
-from packtrain.walk_plan import Schedule, WalkSpec, chunk_bounds, schedule
+from packtrain.data.examples import Example
+from packtrain.data.planner import plan_packs, plan_stats
+from packtrain.data.walk_schedule import Schedule, WalkSpec, chunk_bounds, schedule
+from packtrain.packed import context as context_module
+from packtrain.packed.kernels import Backend
+from packtrain.packed.layout import build_standalone_layout
+from packtrain.packed.lm import PackedLM
+from packtrain.packed.patch import patch_model, text_parts
+from packtrain.packed.walk import train_walk
+from packtrain.run.steps import rank_units
 
 L, F = "linear_attention", "full_attention"
 # (P, item, target, chunk, layer types)
@@ -146,7 +146,7 @@ def test_frozen_context_walks_on_constants_of_p(horizon, monkeypatch):
 
 
 def test_activation_checkpointing_changes_nothing(monkeypatch):
-    from packtrain.wrap import checkpoint_decoder_layers
+    from packtrain.models.wrap import checkpoint_decoder_layers
 
     with without_float32_casts(monkeypatch):
         model = _model([L, F, L], seed=7)
@@ -162,7 +162,7 @@ def test_dropout_masks_are_replayed_in_the_reverse_pass(monkeypatch):
     """With LoRA dropout, horizon all is the gradient of the chunks as they ran forward: a recompute that drew new
     masks would differentiate other caches than the later chunks read. Reference: the same windows in one graph
     (caches never detached), from the same seed."""
-    from packtrain.walk import Window
+    from packtrain.packed.walk import Window
 
     with without_float32_casts(monkeypatch):
         model = _model([L, F, L], seed=8)

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from packtrain.layout import Continuation
+from packtrain.packed.layout import Continuation
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
@@ -56,7 +56,7 @@ def random_pack(prefix_len, cont_specs, vocab=97, seed=0):
     return prefix, conts
 
 
-# Other families (packtrain.families): tiny configs with shapes unlike the Qwen3.5 ones above, and the LoRA each
+# Other families (packtrain.packed.families): tiny configs with shapes unlike the Qwen3.5 ones above, and the LoRA each
 # trains (routed experts through peft's parameter targeting).
 GDN_SEPARATE = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
 ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -76,7 +76,7 @@ FAMILY_CONFIGS = {
 }
 FAMILY_LORA = {
     "qwen3_5_moe_text": (ATTENTION_MLP + GDN_SEPARATE, EXPERTS),
-    # peft 0.21 reads MLP names on qwen3_next as its experts (packtrain.model._renamed_by_peft): attention, GDN, experts
+    # peft 0.21 reads MLP names on qwen3_next as its experts (packtrain.models.build._renamed_by_peft): attention, GDN, experts
     "qwen3_next": (ATTENTION_MLP[:4] + ["in_proj_qkvz", "in_proj_ba", "out_proj"], EXPERTS),
     "qwen3": (ATTENTION_MLP, []),
 }
@@ -86,8 +86,8 @@ def tiny_family_model(model_type, layer_types, dtype=torch.float64, seed=0, **ov
     """A random model of ``model_type`` with random LoRA A and B on every projection (and the routed experts)."""
     from transformers import AutoConfig
 
-    from packtrain.families import FAMILIES
-    from packtrain.model import model_class_for
+    from packtrain.models.build import model_class_for
+    from packtrain.packed.families import FAMILIES
 
     kw = dict(vocab_size=97, num_hidden_layers=len(layer_types), layer_types=list(layer_types),
               tie_word_embeddings=False)

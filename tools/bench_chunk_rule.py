@@ -1,10 +1,10 @@
 """packtrain's torch chunk rule vs transformers' torch fallback on the same input: forward + backward, CPU time of
 this process (one thread), median of interleaved repeats. The default shape is the bench cpu preset's GDN layer
 (2 key heads, 4 value heads, head dims 64) over a P of 2,048 tokens; packtrain's rule in chunks of 64 (the
-default, transformers' and fla's) and of 32 (what a pack's P runs in on the torch back end, packtrain/gdn.py).
+default, transformers' and fla's) and of 32 (what a pack's P runs in on the torch back end, packtrain/packed/gdn.py).
 
     python tools/bench_chunk_rule.py [--tokens 2048] [--repeats 7]
-    python tools/bench_chunk_rule.py --varlen   # the continuations' chunk size (packtrain/gdn.py)
+    python tools/bench_chunk_rule.py --varlen   # the continuations' chunk size (packtrain/packed/gdn.py)
 
 ``--varlen``: packtrain's varlen rule over the continuations of a few pack shapes, every one from one shared
 initial state (as in a pack), forward + backward, for continuation chunks of 8, 16, 24 and 32 rows.
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-from packtrain.kernels import torch_ref
+from packtrain.packed.kernels import torch_ref
 
 
 def inputs(T: int, H: int, HV: int, K: int, seed: int = 0):

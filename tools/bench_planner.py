@@ -16,8 +16,8 @@ import platform
 import random
 import time
 
-from packtrain.data import Example
-from packtrain.planner import epoch_order, plan_packs, plan_stats
+from packtrain.data.examples import Example
+from packtrain.data.planner import epoch_order, plan_packs, plan_stats
 
 
 def generate(n_examples: int, n_prompts: int, seed: int) -> list[Example]:

@@ -27,12 +27,12 @@ def child(length: int, horizon: str, chunk: int) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from packtrain.forward import PackedLM
-    from packtrain.kernels import Backend
-    from packtrain.layout import Continuation, build_standalone_layout
-    from packtrain.model_patch import patch_model
-    from packtrain.walk import train_walk
-    from packtrain.walk_plan import WalkSpec, schedule
+    from packtrain.data.walk_schedule import WalkSpec, schedule
+    from packtrain.packed.kernels import Backend
+    from packtrain.packed.layout import Continuation, build_standalone_layout
+    from packtrain.packed.lm import PackedLM
+    from packtrain.packed.patch import patch_model
+    from packtrain.packed.walk import train_walk
 
     torch.manual_seed(0)
     cfg = Qwen3_5TextConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -23,13 +23,13 @@ from collections import defaultdict
 import torch
 from torch.profiler import profile
 
-from packtrain import attention
 from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.variants import Models, Workload, _whole_example
 from packtrain.config import config_from_dict
 from packtrain.ops import memory
-from packtrain.steps import rank_units, unit_layout
-from packtrain.trainer import plan_for
+from packtrain.packed import attention
+from packtrain.run.steps import rank_units, unit_layout
+from packtrain.run.trainer import plan_for
 
 
 def main() -> None:

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from packtrain.bench.presets import generate_examples, get_preset
 from packtrain.config import config_from_dict
-from packtrain.forward import PackedLM
-from packtrain.layout import Continuation, build_pack_layout
-from packtrain.model import build_base_model
-from packtrain.wrap import prepare_from_config
+from packtrain.models.build import build_base_model
+from packtrain.models.wrap import prepare_from_config
+from packtrain.packed.layout import Continuation, build_pack_layout
+from packtrain.packed.lm import PackedLM
 
 MODES = ("full", "kv_only", "frozen")
 GROUPS = {  # operator -> what it mostly is in this model

@@ -14,10 +14,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from packtrain.kernels import Backend  # noqa: E402
-from packtrain.model_patch import patch_model  # noqa: E402
 from parity import packed_run, rel, standalone_run  # noqa: E402
 from tiny_models import random_pack, tiny_text_config  # noqa: E402
+
+from packtrain.packed.kernels import Backend  # noqa: E402
+from packtrain.packed.patch import patch_model  # noqa: E402
 
 
 def build(backend, dtype):

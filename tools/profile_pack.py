@@ -7,7 +7,7 @@ three, resident set above the loaded models). One torch thread. Runs against an 
     python tools/profile_pack.py --prefix-tokens 2048 --continuations 15 --cont-tokens 40:60 --extra 1x1000
     python tools/profile_pack.py --prefix-tokens 2048 --continuations 8 --cont-tokens 500:1000 --groups 4
 
-``--groups G`` runs the pack as the trainer does with ``packing.continuation_groups: G`` (packtrain/groups.py).
+``--groups G`` runs the pack as the trainer does with ``packing.continuation_groups: G`` (packtrain/packed/groups.py).
 
 The profiler adds overhead and the machine's load scales every row, so read the shares, not the seconds.
 """
@@ -22,14 +22,14 @@ from collections import defaultdict
 import torch
 from torch.profiler import profile
 
-from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.measure import _release, memory_in_use
+from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.variants import Models, Workload
 from packtrain.config import config_from_dict
 from packtrain.ops import memory
-from packtrain.ops.harness import PeakMemory
-from packtrain.steps import rank_units, unit_layout
-from packtrain.trainer import plan_for
+from packtrain.run.harness import PeakMemory
+from packtrain.run.steps import rank_units, unit_layout
+from packtrain.run.trainer import plan_for
 
 KINDS = [  # (label, op names); the first match wins, the rest is "elementwise, copies, indexing"
     ("linear layers and LoRA (mm)", ("aten::mm", "aten::addmm")),
@@ -66,8 +66,8 @@ def main() -> None:
     models = Models(work)
     (unit,) = rank_units(plan, work.steps[0], "shared_prefix", 0, 1)
     if args.groups > 1:
-        from packtrain.groups import train_groups
-        from packtrain.steps import unit_groups
+        from packtrain.packed.groups import train_groups
+        from packtrain.run.steps import unit_groups
 
         groups = unit_groups(unit, plan, examples, args.groups)
 

@@ -44,8 +44,8 @@ LOAD_ONLY = """
 import sys
 from packtrain.config import load_config
 from packtrain.distributed import init_distributed, shutdown
-from packtrain.model import build_base_model
-from packtrain.wrap import prepare_from_config
+from packtrain.models.build import build_base_model
+from packtrain.models.wrap import prepare_from_config
 cfg = load_config(sys.argv[1])
 info = init_distributed("cpu")
 _, lm, _ = prepare_from_config(build_base_model(cfg, meta=True), cfg, info.device, shard=info.enabled)
@@ -59,7 +59,7 @@ def write_checkpoint(path: Path, shard_bytes: int = 2 * GiB) -> int:
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from packtrain.model import empty_model, model_class_for
+    from packtrain.models.build import empty_model, model_class_for
 
     raw = dict(TEXT)
     model_type = raw.pop("model_type")

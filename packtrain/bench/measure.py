@@ -43,7 +43,7 @@ import torch
 
 from packtrain.bench.variants import Models, Workload, run_variant
 from packtrain.ops import memory
-from packtrain.ops.harness import PeakMemory, is_out_of_memory
+from packtrain.run.harness import PeakMemory, is_out_of_memory
 
 
 @dataclass

@@ -17,7 +17,7 @@ import copy
 import random
 from dataclasses import dataclass, replace
 
-from packtrain.data import Example
+from packtrain.data.examples import Example
 
 L, F = "linear_attention", "full_attention"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "in_proj_qkv", "in_proj_z", "out_proj"]

@@ -2,7 +2,7 @@
 
 - ``shared_prefix``: packtrain, one forward per pack (P once, its continuations branched off it), exact gradient
   through P (``packing.context_grad=full``).
-- ``kv_only`` / ``frozen``: the same packs under the other ``packing.context_grad`` modes (packtrain/context.py):
+- ``kv_only`` / ``frozen``: the same packs under the other ``packing.context_grad`` modes (packtrain/packed/context.py):
   they train something else (docs/design.md), so their final losses differ; they are here for their cost.
 - ``standalone``: packtrain, one forward per example (``concat(P, C)`` through the model's own forward, target-only
   head).
@@ -11,7 +11,7 @@
   examples (loss / examples in the step). Its model is a copy of the same base, never patched.
 
 Every variant takes the step's packs in the same (epoch 0) order, scales each loss by 1 / (examples in the step),
-clips to ``optim.max_grad_norm`` and steps the same optimizer and schedule, as :class:`packtrain.trainer.Trainer`
+clips to ``optim.max_grad_norm`` and steps the same optimizer and schedule, as :class:`packtrain.run.trainer.Trainer`
 does (one process, no skips). Each run starts from the same initial adapter and a fresh optimizer, and ends with
 an evaluation of the adapter it trained, each variant through its own forward (packed, standalone, or
 transformers' forward with labels), so that equal final losses compare independent computations.
@@ -27,15 +27,15 @@ import torch
 from peft import get_peft_model
 
 from packtrain.config import Config
+from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
-from packtrain.evaluate import evaluate, mean_loss
-from packtrain.forward import PackedLM
-from packtrain.groups import train_groups
-from packtrain.model import build_base_model, lora_config
-from packtrain.optim import build_optimizer, build_scheduler
-from packtrain.planner import Plan
-from packtrain.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_groups, unit_layout
-from packtrain.wrap import prepare_from_config
+from packtrain.models.build import build_base_model, lora_config
+from packtrain.models.wrap import prepare_from_config
+from packtrain.packed.groups import train_groups
+from packtrain.packed.lm import PackedLM
+from packtrain.run.evaluate import evaluate, mean_loss
+from packtrain.run.optim import build_optimizer, build_scheduler
+from packtrain.run.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_groups, unit_layout
 
 VARIANTS = ("shared_prefix", "kv_only", "frozen", "standalone", "plain")
 CONTEXT_GRAD = {"shared_prefix": "full", "kv_only": "kv_only", "frozen": "frozen", "standalone": "full"}

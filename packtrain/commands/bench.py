@@ -92,7 +92,7 @@ def _config_and_data(args, preset):
     """(config, text config dict, examples, what the data is, the generated shape or None)."""
     from packtrain.bench.presets import generate_examples
     from packtrain.config import apply_overrides, config_from_dict, load_config
-    from packtrain.data import load_split
+    from packtrain.data.examples import load_split
     from packtrain.ops import memory
 
     if args.config is not None:
@@ -114,9 +114,9 @@ def run_bench(args) -> int:
     from packtrain.bench.presets import H100_BF16_DENSE_TFLOPS, H100_SOURCE, get_preset
     from packtrain.bench.report import format_table, plot, speedups, write_json
     from packtrain.bench.variants import VARIANTS, Models, Workload
+    from packtrain.data.planner import plan_stats
     from packtrain.distributed import init_distributed
-    from packtrain.planner import plan_stats
-    from packtrain.trainer import plan_for
+    from packtrain.run.trainer import plan_for
 
     load_before = os.getloadavg()[0]
     preset = get_preset(args.preset or "cpu")

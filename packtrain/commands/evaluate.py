@@ -13,13 +13,13 @@ from packtrain.distributed import init_distributed, shutdown
 def run_eval(args) -> int:
     from peft import PeftModel
 
-    from packtrain.data import load_split
-    from packtrain.evaluate import evaluate, mean_loss
-    from packtrain.forward import PackedLM
-    from packtrain.kernels import select_backend
-    from packtrain.model import build_base_model
-    from packtrain.model_patch import patch_model
-    from packtrain.trainer import image_loader, plan_for
+    from packtrain.data.examples import load_split
+    from packtrain.models.build import build_base_model
+    from packtrain.packed.kernels import select_backend
+    from packtrain.packed.lm import PackedLM
+    from packtrain.packed.patch import patch_model
+    from packtrain.run.evaluate import evaluate, mean_loss
+    from packtrain.run.trainer import image_loader, plan_for
 
     cfg = load_config(args.config, args.overrides)
     adapter = Path(args.adapter)

@@ -1,5 +1,5 @@
 """`packtrain export OUTPUT_DIR --merged DIR`: the base checkpoint of a run with its adapter merged in, in the
-base's own layout (:mod:`packtrain.export`). The base is ``model.path`` of OUTPUT_DIR/config.yaml (a relative path
+base's own layout (:mod:`packtrain.models.export`). The base is ``model.path`` of OUTPUT_DIR/config.yaml (a relative path
 is looked for from the current directory, OUTPUT_DIR and its parent; ``--base`` overrides it), or
 OUTPUT_DIR/base for a run whose base came from ``model.config``. The adapter directory is left as it is."""
 
@@ -27,9 +27,9 @@ def _base_dir(output: Path, run: dict, override: str | None) -> Path:
 
 
 def run_export(args) -> int:
-    from packtrain.data import BUNDLED_TOKENIZER
-    from packtrain.export import export_merged
-    from packtrain.vision import BUNDLED_PROCESSOR
+    from packtrain.data.examples import BUNDLED_TOKENIZER
+    from packtrain.data.images import BUNDLED_PROCESSOR
+    from packtrain.models.export import export_merged
 
     output = Path(args.output_dir)
     run_config = output / "config.yaml"

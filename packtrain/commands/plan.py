@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 from packtrain.config import ConfigError, load_config
-from packtrain.data import load_split
+from packtrain.data.examples import load_split
+from packtrain.data.planner import plan_packs, plan_stats
 from packtrain.ops import memory
-from packtrain.planner import plan_packs, plan_stats
 
 
 def _shown(path: Path) -> Path:

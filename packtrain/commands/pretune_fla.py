@@ -22,7 +22,7 @@ from packtrain.ops import fla_tune
 def _require_gpu_and_fla() -> None:
     import torch
 
-    from packtrain.kernels import fla_available
+    from packtrain.packed.kernels import fla_available
 
     if not torch.cuda.is_available() or not fla_available():
         raise ValueError("pretune-fla needs a CUDA GPU and the fla package (pip install 'packtrain[gpu]'): "
@@ -49,10 +49,10 @@ def run_pretune_fla(args) -> int:
     import torch
     import triton
 
-    from packtrain.data import load_split
-    from packtrain.ops.harness import build_lm, largest_unit, one_update, unit_layout_shortened
-    from packtrain.optim import build_optimizer
-    from packtrain.trainer import plan_for
+    from packtrain.data.examples import load_split
+    from packtrain.run.harness import build_lm, largest_unit, one_update, unit_layout_shortened
+    from packtrain.run.optim import build_optimizer
+    from packtrain.run.trainer import plan_for
 
     cfg = load_config(args.config, args.overrides)
     examples = load_split(cfg, "train")

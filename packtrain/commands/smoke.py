@@ -46,12 +46,12 @@ def format_table(title: str, phases, cuda: bool, since_start: bool, ranks: list[
 
 
 def run_smoke(args) -> int:
-    from packtrain import checkpoint as ckpt
-    from packtrain.data import load_split
-    from packtrain.ops.harness import PeakMemory, build_lm, is_out_of_memory, largest_unit, one_update, run_phase
-    from packtrain.optim import build_optimizer, build_scheduler
-    from packtrain.steps import unit_groups, unit_layout
-    from packtrain.trainer import plan_for
+    from packtrain.data.examples import load_split
+    from packtrain.run.harness import PeakMemory, build_lm, is_out_of_memory, largest_unit, one_update, run_phase
+    from packtrain.run.optim import build_optimizer, build_scheduler
+    from packtrain.run.steps import unit_groups, unit_layout
+    from packtrain.run.trainer import plan_for
+    from packtrain.rundir import checkpoint as ckpt
 
     cfg = load_config(args.config, args.overrides)
     examples = load_split(cfg, "train")
@@ -61,7 +61,7 @@ def run_smoke(args) -> int:
     plan = plan_for(cfg, examples)
     unit = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
     groups = cfg.packing.continuation_groups if cfg.packing.mode == "shared_prefix" else 1
-    if groups > 1:  # as the trainer runs it (packtrain/groups.py)
+    if groups > 1:  # as the trainer runs it (packtrain/packed/groups.py)
         layout = unit_groups(unit, plan, examples, groups)
     else:
         layout = unit_layout(unit, plan, examples, cfg.packing.mode)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from packtrain.config import load_config
-from packtrain.disk import check_writable, output_errors
 from packtrain.distributed import shutdown
+from packtrain.rundir.disk import check_writable, output_errors
 
 
 def run_train(args) -> int:
-    from packtrain.trainer import Trainer
+    from packtrain.run.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     out = Path(cfg.output_dir)

@@ -11,7 +11,7 @@ plus a 1-byte mask when dropout > 0 (down_proj's input is [T, I]: 2.3 + 1.1 = 3.
 bf16 adapters, 5.7 GiB with float32 ones); logits at every position are [T, V] (144K x 248,320 bf16 = 71.5 GB),
 target-only ones [M, V]. The MLP and adapter terms are checked against autograd's saved tensors on CPU.
 
-``packing.context_grad`` (packtrain/context.py): ``kv_only`` keeps full's forward and checkpoints (its saving is
+``packing.context_grad`` (packtrain/packed/context.py): ``kv_only`` keeps full's forward and checkpoints (its saving is
 backward time), so its estimate is full's; ``frozen`` keeps nothing of P for backward: the checkpointed inputs and
 the recomputed layer span the continuations only, plus P's cache (attention K/V of P in every full-attention layer,
 each GDN layer's float32 state and conv tail), and P's no_grad pass peaks before the continuations run.
@@ -26,11 +26,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from packtrain.families import FAMILIES, check_config_dict, config_dict
+from packtrain.packed.families import FAMILIES, check_config_dict, config_dict
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-OFFLOAD_CHUNK_BYTES = 64 * 2**20  # packtrain.offload.DEFAULT_CHUNK_BYTES (tested equal)
+OFFLOAD_CHUNK_BYTES = 64 * 2**20  # packtrain.models.offload.DEFAULT_CHUNK_BYTES (tested equal)
 
 # Each family's text-config defaults for the fields used here (tested equal to transformers').
 _GDN = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
@@ -269,7 +269,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
              lora_parameters_targets: list[str] = (), context_grad: str = "full",
              prefix: int = 0, group_positions: int | None = None) -> MemoryEstimate:
     """``group_positions``: with ``packing.continuation_groups`` > 1, the continuation positions of the pack's
-    largest group (packtrain/groups.py): the graph alive is P's and that group's, a layer's recompute the larger of
+    largest group (packtrain/packed/groups.py): the graph alive is P's and that group's, a layer's recompute the larger of
     P's and the group's, plus the gradients of P's K/V, states and tails the groups sum."""
     M, W = targets, world_size
     # frozen: only the continuations carry a graph (P's positions run once under no_grad)
@@ -291,7 +291,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                       math.ceil(n_params * b / W)))
     if W > 1:
         biggest = max(layer_parameters(text, k) for k in set(text["kinds"]))
-        # Decoder layers, the embedding and the head are FSDP units of their own (packtrain.wrap.fsdp_units):
+        # Decoder layers, the embedding and the head are FSDP units of their own (packtrain.models.wrap.fsdp_units):
         # two layers (one running, one prefetched) and one vocabulary matrix at a time; tied, the root holds it.
         terms.append(Term("gathered", "FSDP gathered: 2 decoder layers + one vocabulary matrix (embedding or head)",
                           (2 * biggest + V * H + H) * b, approx=True))
@@ -393,7 +393,7 @@ def estimate_for_plan(cfg, plan, examples, world_size: int, context_grad: str | 
     targets = sum(len(examples[e].target_ids) for e in ids)
     group_positions = None
     if cfg.packing.continuation_groups > 1 and cfg.packing.mode == "shared_prefix":
-        from packtrain.groups import split
+        from packtrain.packed.groups import split
 
         lengths = [examples[e].len_continuation for e in ids]
         group_positions = max(sum(lengths[i] for i in run) for run in split(lengths, cfg.packing.continuation_groups))

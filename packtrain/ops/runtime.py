@@ -19,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from packtrain.exits import STALLED_EXIT
 from packtrain.ops import nodes
 from packtrain.ops.wandb_mirror import WandbMirror, require_wandb
 from packtrain.ops.watchdog import HangWatchdog, write_dump
-from packtrain.stops import STALLED_EXIT
 
 DUMP_SIGNAL = signal.SIGUSR1
 

@@ -1,0 +1,1 @@
+"""Building, loading, wrapping and exporting models."""

@@ -1,0 +1,133 @@
+"""The one place that wraps a model for training, always in this order:
+LoRA -> model patch -> activation checkpointing (+ offload) -> FSDP.
+
+Activation checkpointing goes through torch's own checkpoint per decoder layer (the path FSDP composes with),
+never transformers' gradient checkpointing: its recompute receives the same keyword arguments, so the pack
+layout is rebuilt identically in backward. With ``train.offload`` the checkpointed layer inputs live in host
+memory (:mod:`packtrain.models.offload`). FSDP2 ``fully_shard`` goes on every decoder layer, the embedding and the head
+(:func:`fsdp_units`), then on the root :class:`~packtrain.packed.lm.PackedLM`, whose forward runs the whole model
+(embedding, layers, norm, head). A ``model.path`` base built on the meta device gets its memory last, each rank
+reading only its shards (:mod:`packtrain.models.loading`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+
+from packtrain.config import Config
+from packtrain.models.build import apply_lora
+from packtrain.models.loading import (
+    SafetensorsCheckpoint,
+    WeightMap,
+    fix_mmap_threshold,
+    is_meta,
+    keep_heap_between_steps,
+    materialize,
+    module_names,
+    real_tensors,
+)
+from packtrain.models.offload import DEFAULT_CHUNK_BYTES, ChunkPool, OffloadedCheckpoint
+from packtrain.packed.kernels import Backend, select_backend
+from packtrain.packed.lm import PackedLM
+from packtrain.packed.patch import patch_model, text_parts
+
+
+def checkpoint_decoder_layers(model: nn.Module) -> nn.Module:
+    """Checkpoint every decoder layer of the text stack (non-reentrant: frozen inputs still give adapter grads)."""
+    text_model, _ = text_parts(model)
+    layer_type = type(text_model.layers[0])
+    apply_activation_checkpointing(
+        text_model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, layer_type),
+    )
+    return model
+
+
+def offload_decoder_layers(model: nn.Module, pool: ChunkPool) -> nn.Module:
+    """Checkpoint every decoder layer and keep its input in ``pool`` until backward needs it."""
+    text_model, _ = text_parts(model)
+    for i, layer in enumerate(text_model.layers):
+        text_model.layers[i] = OffloadedCheckpoint(layer, pool)
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    text_model, _ = text_parts(model)
+    return list(text_model.layers)
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded on their own, each gathered only while it runs: every decoder layer, and the embedding
+    and the head when they share no weight (a vocabulary-sized matrix each: 5 GB of Qwen3.6-27B's 54 GB together,
+    which as part of the root would stay gathered for the whole forward and backward)."""
+    text_model, lm_head = text_parts(model)
+    embed = text_model.embed_tokens
+    units = decoder_layers(model)
+    if not {id(p) for p in embed.parameters()} & {id(p) for p in lm_head.parameters()}:
+        units += [embed, lm_head]
+    return units
+
+
+def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, offload: bool = False,
+            shard: bool = False, device=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+            context_grad: str = "full", fill=None) -> PackedLM:
+    """A LoRA-wrapped model -> the trainable root module. ``offload`` implies checkpointing; ``context_grad`` is
+    ``packing.context_grad`` (:mod:`packtrain.packed.context`).
+
+    ``fill(lm, kept)``: for a model built on the meta device, called last (after ``fully_shard``) to allocate and
+    fill each rank's shards; ``kept`` are the tensors that already had values (see :mod:`packtrain.models.loading`)."""
+    patch_model(model, backend)
+    if offload:
+        pin = device is not None and getattr(device, "type", str(device)) == "cuda"
+        offload_decoder_layers(model, ChunkPool(chunk_bytes, pin_memory=pin))
+    elif checkpointing:
+        checkpoint_decoder_layers(model)
+    lm = PackedLM(model, context_grad)
+    kept = real_tensors(lm) if fill is not None else None
+    if device is not None and fill is None:
+        lm = lm.to(device)
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in fsdp_units(model):
+            fully_shard(unit)
+        fully_shard(lm)
+    if fill is not None:
+        fill(lm, kept)
+    return lm
+
+
+def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool = False
+                        ) -> tuple[nn.Module, PackedLM, Backend]:
+    """The whole order from a config: LoRA (``lora.*``), the back end (``model.kernels``, chosen for ``device``),
+    patch, checkpointing / offload (``train.*``), ``packing.context_grad`` and, with ``shard``, FSDP. Returns
+    (peft model, root, back end).
+
+    A base built on the meta device (``build_base_model(..., meta=True)``) is filled last from ``model.path``,
+    each rank reading only its shards; the load report is left on the root as ``lm.load_report``. On the CPU the
+    process's heap is then kept between steps (:func:`packtrain.models.loading.keep_heap_between_steps`)."""
+    fill = None
+    if is_meta(base_model):
+        fix_mmap_threshold()
+        weights = WeightMap(base_model, SafetensorsCheckpoint(cfg.resolve_path(cfg.model.path)))
+        names = module_names(base_model)
+
+        def fill(lm, kept):
+            lm.load_report = materialize(lm, kept, names, weights, device)
+    model = apply_lora(base_model, cfg)
+    backend = select_backend(cfg.model.kernels, device)
+    t = cfg.train
+    lm = prepare(model, backend, checkpointing=t.activation_checkpointing, offload=t.offload, shard=shard,
+                 device=device, context_grad=cfg.packing.context_grad, fill=fill)
+    if torch.device(device).type == "cpu":  # activations are host memory: keep them between steps
+        keep_heap_between_steps()
+    return model, lm, backend

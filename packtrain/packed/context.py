@@ -1,0 +1,295 @@
+"""``packing.context_grad``: what the gradient does with the shared prefix P. Chosen once at setup
+(:class:`ContextGrad`, printed in the run header) and applied to every forward by :class:`packtrain.packed.lm.PackedLM`.
+
+- ``full``: the exact gradient through P; every continuation's gradient sums into P's activations.
+- ``kv_only`` (seed 003): the forward is unchanged (bitwise). In backward the gradient on P's rows of every
+  decoder-layer input is cut (detached): the residual stream, the embedding output (layer 0's input) included.
+  Within a layer, weights still learn from P's rows through what the continuations read of P in that layer:
+  attention K/V (k_proj, v_proj, k_norm) and the Gated DeltaNet inputs that build P's final state and conv tail
+  (in_proj_qkv, in_proj_a, in_proj_b, conv1d, A_log, dt_bias). The model keeps learning how to read P and stops
+  learning how to represent it. (A continuation with no item reads its first target off P's last row: that row's
+  final hidden state is not a decoder-layer input, so the last layer still learns from it, as the definition says.)
+- ``frozen`` (seed 000): P runs once under no_grad through the model's own forward with its cache; the
+  continuations read P's attention K/V, final GDN state and conv tail from that cache as constants. Nothing of P is
+  kept for backward; the gradient flows only through continuation positions (a target read off P's last row counts
+  in the loss and carries no gradient, as in seed 000's recipe where that logit comes from the no_grad pass).
+
+Standalone mode runs each mode's reference semantics on ``concat(P, C)`` with the model's own forward: kv_only as
+the same cut in hooks on the decoder layers; frozen as transformers' cache path (P under no_grad with
+``use_cache=True``, then C against that cache, made differentiable by :func:`_differentiable`). Packed mode runs the
+same semantics on a pack, and skips work where an upstream gradient is exactly zero on P's rows (kv_only):
+- P's causal self-attention runs under no_grad (its output's gradient is zero; the continuations' reads of P's
+  K/V still carry gradient), in the torch back end's batched attention;
+- the MLP, q_proj (queries and output gate), o_proj, in_proj_z and out_proj compute their backward on the
+  continuation rows only (:class:`_RowSparseLinear`: the same full-row forward, dW = dY[C]^T X[C], dX[C] = dY[C] W).
+  In the last layer the kept rows start one earlier when a target is read off P's last row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from packtrain.packed.layout import PackLayout
+from packtrain.packed.patch import LAYOUT_KWARG, packed_positions, text_parts
+
+MODES = ("full", "kv_only", "frozen")
+_DESCRIBE = {
+    "full": "full (exact gradient through P)",
+    "kv_only": "kv_only (forward unchanged; gradient cut at P's rows of every decoder-layer input)",
+    "frozen": "frozen (P under no_grad once per pack; continuations read its K/V, GDN state and conv tail as "
+              "constants)",
+}
+# Modules whose P rows get exactly zero upstream gradient under kv_only (their outputs feed only P's own rows).
+ROW_SPARSE_MODULES = ("mlp", "self_attn.q_proj", "self_attn.o_proj", "linear_attn.in_proj_z", "linear_attn.out_proj")
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """What a packed forward's kernels need to know of the mode (set on the layout per forward)."""
+    mode: str
+    keep_from: tuple[int, ...] = ()  # kv_only: per decoder layer, the first buffer row whose output may get gradient
+
+
+class PrefixCache:
+    """P's per-layer constants from the no_grad pass (a transformers cache), as the packed kernels read them."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """P's keys and values [1, G, P, D] (after k_norm and RoPE, as attention reads them)."""
+        layer = self.cache.layers[layer_idx]
+        return layer.keys, layer.values
+
+    def gdn(self, layer_idx: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P's last W-1 pre-conv inputs [W-1, C], zero rows where P is shorter; P's final state [1, HV, K, V])."""
+        layer = self.cache.layers[layer_idx]
+        conv = layer.conv_states[0][0]  # [C, W]: the last W inputs, zero-padded on the left
+        return conv[:, conv.shape[-1] - (width - 1):].T, layer.recurrent_states[0]
+
+
+# -- kv_only: the cut -------------------------------------------------------------------------------------------
+class _CutRows(torch.autograd.Function):
+    """Identity in forward; in backward the gradient of rows [:start] (dim -2) is zero."""
+
+    @staticmethod
+    def forward(ctx, x, start):
+        ctx.start = start
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        kept = grad.narrow(-2, ctx.start, grad.shape[-2] - ctx.start)
+        zeros = grad.new_zeros(grad.shape[:-2] + (ctx.start, grad.shape[-1]))
+        return torch.cat([zeros, kept], dim=-2), None
+
+
+def cut_rows(x: torch.Tensor, start: int) -> torch.Tensor:
+    return _CutRows.apply(x, start)
+
+
+@contextlib.contextmanager
+def cut_at_layer_inputs(layers, start: int):
+    """Cut the gradient of rows [:start] of every decoder layer's input. The hooks sit on the modules of the layer
+    list (outside any checkpoint wrapper), so a recompute never sees them."""
+    def hook(module, args):
+        return (cut_rows(args[0], start),) + tuple(args[1:])
+
+    handles = [layer.register_forward_pre_hook(hook) for layer in layers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# -- kv_only: row-sparse backward -------------------------------------------------------------------------------
+class _RowSparseLinear(torch.autograd.Function):
+    """``F.linear`` over all rows in forward (bitwise the dense call); backward only over rows [start:] (dim -2),
+    valid because the upstream gradient on rows [:start] is exactly zero there."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, start):
+        ctx.start, ctx.has_bias, ctx.rows = start, bias is not None, x.shape[-2]
+        ctx.save_for_backward(x.narrow(-2, start, x.shape[-2] - start), weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_k, weight = ctx.saved_tensors
+        start, kept = ctx.start, ctx.rows - ctx.start
+        g_k = grad.narrow(-2, start, kept)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # zero on P's rows; the kept rows' product written in place (no cat copy)
+            dx = grad.new_empty(grad.shape[:-1] + (weight.shape[1],))
+            dx.narrow(-2, 0, start).zero_()
+            torch.matmul(g_k, weight, out=dx.narrow(-2, start, kept))
+        if ctx.needs_input_grad[1]:
+            dw = g_k.reshape(-1, g_k.shape[-1]).T @ x_k.reshape(-1, x_k.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g_k.reshape(-1, g_k.shape[-1]).sum(0)
+        return dx, dw, db, None
+
+
+class _RowSparse(TorchFunctionMode):
+    """Every ``F.linear`` inside (base layers and LoRA A/B alike) becomes :class:`_RowSparseLinear`."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        self.start = start
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return _RowSparseLinear.apply(x, weight, bias, self.start)
+        return func(*args, **kwargs)
+
+
+class _LayerRows:
+    """The kept-row start of the decoder layer running now (None: dense), set from the pack layout the layer
+    receives, so a checkpoint's recompute sets it again from the same arguments."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.start: int | None = None
+
+    def pre_hook(self, module, args, kwargs):
+        plan = getattr(kwargs.get(LAYOUT_KWARG), "context", None)
+        self.start = plan.keep_from[self.index] if plan is not None and plan.mode == "kv_only" else None
+
+
+def _row_sparse_forward(module: nn.Module, rows: _LayerRows) -> None:
+    original = module.forward
+
+    def forward(*args, **kwargs):
+        if rows.start is None or not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        with _RowSparse(rows.start):
+            return original(*args, **kwargs)
+
+    module.forward = forward
+
+
+def install_row_sparse(model: nn.Module) -> None:
+    """Idempotent; dormant unless a packed kv_only layout is running (then see the module docstring)."""
+    text_model, _ = text_parts(model)
+    for i, layer in enumerate(text_model.layers):
+        layer = getattr(layer, "_checkpoint_wrapped_module", layer)
+        if hasattr(layer, "_packtrain_rows"):
+            continue
+        layer._packtrain_rows = rows = _LayerRows(i)
+        layer.register_forward_pre_hook(rows.pre_hook, with_kwargs=True)
+        for path in ROW_SPARSE_MODULES:
+            module = layer
+            for part in path.split("."):
+                module = getattr(module, part, None)
+            if module is not None and hasattr(module, "experts"):
+                # a mixture of experts runs its routed experts on gathered token subsets, whose rows are not
+                # buffer rows: only its shared expert (every row, in order) takes the row-sparse backward
+                module = getattr(module, "shared_expert", None)
+            if module is not None:
+                _row_sparse_forward(module, rows)
+
+
+# -- frozen: transformers' cache path, differentiable ---------------------------------------------------------
+def _assign_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs):
+    self.recurrent_states[state_idx] = recurrent_states
+    self.is_recurrent_states_initialized[state_idx] = True
+    return recurrent_states
+
+
+def _differentiable(cache) -> None:
+    """transformers updates a linear-attention cache layer in place (``copy_``), which breaks backward through
+    the continuation (the chunk rule saved the state it overwrites; FACTS.md). Make its updates assignments:
+    ``record_past`` does it for the conv state (and avoids the in-place single-token conv kernel), and the recurrent
+    state's update is replaced on this cache instance. Attention layers already concatenate."""
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            layer.record_past = True
+            layer.update_recurrent_state = types.MethodType(_assign_recurrent_state, layer)
+
+
+def _continuation_view(layout: PackLayout) -> PackLayout:
+    """The layout without P's rows: the buffer holds only the continuations (positions and ids as before)."""
+    p = layout.context_len
+    return dataclasses.replace(layout, input_ids=layout.input_ids[:, p:], position_ids=layout.position_ids[..., p:],
+                               segment_ids=layout.segment_ids[p:], _cache={})
+
+
+def keep_from(layout: PackLayout, n_layers: int) -> tuple[int, ...]:
+    """kv_only: per decoder layer, the first row whose output can get gradient: P's rows of every layer's output
+    feed only the next layer's input (cut) -- except the last layer's, whose row P-1 feeds the head when a
+    continuation without an item reads its first target off P's last row."""
+    p = layout.context_len
+    last = p - 1 if bool((layout.target_positions < p).any()) else p
+    return (p,) * (n_layers - 1) + (last,)
+
+
+# -- the mode ---------------------------------------------------------------------------------------------------
+class ContextGrad:
+    """The chosen mode; :meth:`hidden_states` runs the body of ``lm`` (a PackedLM) on a layout under it."""
+
+    def __init__(self, mode: str):
+        if mode not in MODES:
+            raise ValueError(f"packing.context_grad: unknown mode {mode!r} ({' | '.join(MODES)})")
+        self.mode = mode
+
+    def describe(self) -> str:
+        return _DESCRIBE[self.mode]
+
+    def install(self, model: nn.Module) -> None:
+        if self.mode == "kv_only":
+            install_row_sparse(model)
+
+    def hidden_states(self, lm, layout: PackLayout):
+        """(final hidden states [1, T', D], the target positions into them, rows of the targets whose logits are
+        constants (frozen: read off P's last row) or None)."""
+        if self.mode == "frozen":
+            return self._frozen(lm, layout)
+        if self.mode == "full":
+            return lm.hidden_states(layout), layout.target_positions, None
+        p = layout.context_len
+        layers = text_parts(lm.model)[0].layers
+        if layout.packed:
+            layout = dataclasses.replace(layout, context=ContextPlan("kv_only", keep_from(layout, len(layers))))
+        with cut_at_layer_inputs(layers, p):
+            return lm.hidden_states(layout), layout.target_positions, None
+
+    def _frozen(self, lm, layout: PackLayout):
+        p = layout.context_len
+        prefix = dataclasses.replace(layout, packed=False, input_ids=layout.input_ids[:, :p], image_grid_thw=None,
+                                     pixel_values=None, _cache={})
+        with torch.no_grad():  # seed 000's phase 1: P through the model's own forward, keeping only its cache
+            first = lm.run_body(prefix, use_cache=True)
+        cache, last = first.cache, first.last_hidden_state[:, -1:]
+        if layout.packed:
+            return continuations_on(lm, layout, PrefixCache(cache), last, constant=True)
+        rest = _continuation_view(layout)
+        _differentiable(cache)
+        second = lm.run_body(rest, cache=cache, use_cache=True, position_ids=packed_positions(lm.model, rest))
+        hidden = torch.cat([last, second.last_hidden_state], dim=1)
+        return hidden, layout.target_positions - (p - 1), layout.target_positions < p
+
+
+def continuations_on(lm, layout: PackLayout, prefix, last: torch.Tensor, constant: bool):
+    """A pack's continuations alone against P's caches from outside (``prefix``: P's K/V, GDN states and conv
+    tails, as :class:`PrefixCache` gives them) and ``last``, P's final hidden state at its last row [1, 1, D].
+    Returns what :meth:`ContextGrad.hidden_states` returns: targets read off P's last row take ``last``, every
+    other target t row t - P + 1; with ``constant`` those first ones are constants (frozen)."""
+    p = layout.context_len
+    rest = _continuation_view(layout)
+    rest.prefix_cache = prefix
+    rest.context = ContextPlan("frozen")
+    second = lm.run_body(rest)
+    hidden = torch.cat([last.to(second.last_hidden_state.dtype), second.last_hidden_state], dim=1)
+    return hidden, layout.target_positions - (p - 1), (layout.target_positions < p) if constant else None

@@ -1,0 +1,147 @@
+"""Gated DeltaNet on a packed buffer: every continuation starts from P's state, never another continuation's.
+
+Two routes carry history across a boundary and both are cut and re-wired here:
+- the recurrent state: P runs from the zero state; every continuation starts from P's final state
+  (``initial_state``, broadcast), so the gradients of all continuations sum into P through it;
+- the causal conv (width W): each continuation sees P's last W-1 *pre-conv* inputs (``in_proj_qkv`` outputs,
+  LoRA included) as its history, and never another continuation's (conv-tail replay).
+
+This replaces ``Qwen3_5GatedDeltaNet.forward`` only when a pack layout is passed; otherwise the module's own
+forward runs unchanged. It calls the module's children through their own ``__call__`` (LoRA, FSDP hooks).
+Shape legend: T buffer, P prefix length, S = T - P continuation tokens, N continuations, C conv channels,
+W conv width, H/HV key/value heads, K/V head dims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from packtrain.packed.kernels import Backend, torch_ref
+from packtrain.packed.layout import PackLayout
+
+
+def conv_rows(layout: PackLayout, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index the conv reads the buffer through: (rows [T + (N+1)(W-1)], keep [T]).
+
+    ``rows`` lays every segment out after its own history: W-1 zero rows then P, and for each continuation P's
+    last W-1 rows then the continuation (buffer indices, -1 for a zero row). A conv over that sequence computes
+    every token from exactly its standalone inputs; ``keep`` picks the outputs of real tokens (the W-1 outputs
+    that straddle two segments are never read). No padding to the longest continuation.
+    """
+    key = ("conv_rows", width)
+    if key not in layout._cache:
+        p, h = layout.prefix_len, width - 1
+        tail = layout.conv_tail_index(width).tolist()
+        rows, keep = [-1] * h + list(range(p)), list(range(p))
+        for start, end in zip(layout.cu_seqlens_host, layout.cu_seqlens_host[1:]):
+            keep.extend(range(len(rows), len(rows) + end - start))  # output r reads rows r..r+h
+            rows.extend(tail + list(range(p + start, p + end)))
+        device = layout.input_ids.device
+        layout._cache[key] = (torch.tensor(rows, dtype=torch.long, device=device),
+                              torch.tensor(keep, dtype=torch.long, device=device))
+    return layout._cache[key]
+
+
+def packed_conv_torch(mixed_TC, weight_CW, bias_C, layout: PackLayout) -> torch.Tensor:
+    rows, keep = conv_rows(layout, weight_CW.shape[-1])
+    padded = torch.cat([mixed_TC.new_zeros(1, mixed_TC.shape[1]), mixed_TC])
+    return torch_ref.conv_rows_silu(padded.index_select(0, rows + 1), weight_CW, bias_C, keep)
+
+
+# Continuations run in chunks of 16 rows, or 32 when one of them is longer than 256 tokens: each pads only its
+# last chunk, and smaller chunks cost less intra-chunk work but more steps of the scan, which a long continuation
+# pays for. Forward + backward of the varlen rule alone, chunks of 16 vs 32 (`python tools/bench_chunk_rule.py
+# --varlen`, the bench cpu model's GDN shape, one thread): 24 of 48 tokens 35.1 vs 48.4 ms, 16 of 56-72 37.4 vs
+# 42.0, 12 of 100-230 83.1 vs 89.4; 8 of 500-1,000 237.1 vs 228.0, 15 of 40-60 + 1 of 1,000 73.7 vs 69.0.
+SHORT_CHUNK, LONG_CHUNK, LONG_CONTINUATION = 16, 32, 256
+# P in chunks of 32 (transformers' and fla's rule take 64): `python tools/bench_chunk_rule.py` (2,048 tokens) and
+# `--tokens 1024`, forward + backward, 65.9 vs 71.9 ms and 32.5 vs 35.2 ms (chunks of 32 vs 64).
+PREFIX_CHUNK = 32
+
+
+def continuation_chunk(cont_lens) -> int:
+    return LONG_CHUNK if max(cont_lens) > LONG_CONTINUATION else SHORT_CHUNK
+
+
+def continuation_delta_rule_torch(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayout, state) -> torch.Tensor:
+    """Every continuation from P's final state ``state`` [1, HV, K, V] in one varlen call (each padded only to its
+    own multiple of the chunk, not to the longest)."""
+    n = len(layout.cont_lens)
+    out_S, _ = torch_ref.chunk_gated_delta_rule(
+        q_SHK[None], k_SHK[None], v_SHV[None], g_SH[None], beta_SH[None], initial_state=state.expand(n, -1, -1, -1),
+        cu_seqlens=layout.cu_seqlens_host, chunk_size=continuation_chunk(layout.cont_lens))
+    return out_S[0]
+
+
+def packed_delta_rule_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: PackLayout) -> torch.Tensor:
+    """P from the zero state, then every continuation from P's final state in one varlen call (each padded only
+    to its own multiple of the chunk, not to the longest)."""
+    p = layout.prefix_len
+    out_P, state = torch_ref.chunk_gated_delta_rule(
+        q_THK[None, :p], k_THK[None, :p], v_THV[None, :p], g_TH[None, :p], beta_TH[None, :p],
+        output_final_state=True, chunk_size=PREFIX_CHUNK)
+    out_S = continuation_delta_rule_torch(q_THK[p:], k_THK[p:], v_THV[p:], g_TH[p:], beta_TH[p:], layout, state)
+    return torch.cat([out_P[0], out_S])
+
+
+def _tail_layout(layout: PackLayout, width: int) -> PackLayout:
+    """frozen: the layout of the buffer [P's W-1 tail ; continuations], a pack whose prefix is just the tail (each
+    continuation's conv reads exactly those rows of P), so both back ends' packed conv run it unchanged."""
+    key = ("tail_layout", width)
+    if key not in layout._cache:
+        layout._cache[key] = dataclasses.replace(layout, prefix_len=width - 1, _cache={})
+    return layout._cache[key]
+
+
+def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, backend: Backend) -> torch.Tensor:
+    """Same computation as ``Qwen3_5GatedDeltaNet.forward`` / ``Qwen3NextGatedDeltaNet.forward`` (no cache, no
+    padding mask) on a pack."""
+    assert hidden_states.shape[0] == 1, "a pack is batch 1"
+    x_TD = hidden_states[0]
+    T = x_TD.shape[0]
+    # the family's projection split (packtrain.packed.families): pre-conv q|k|v, z, b, a
+    mixed_TC, z, b, a = module.packtrain_split(module, x_TD)
+    weight_CW = module.conv1d.weight.squeeze(1)
+    W = weight_CW.shape[-1]
+    frozen = layout.prefix_cache  # frozen context: the buffer holds only the continuations; P's tail and state
+    if frozen is not None:  # are constants from P's no_grad pass
+        tail_W1C, state = frozen.gdn(module.layer_idx, W)
+        conv_in, conv_layout = torch.cat([tail_W1C.to(mixed_TC.dtype), mixed_TC]), _tail_layout(layout, W)
+    else:
+        conv_in, conv_layout = mixed_TC, layout
+
+    if backend.gdn == "fla":
+        from packtrain.packed.kernels import fla_backend
+
+        mixed_TC = fla_backend.packed_conv(conv_in, weight_CW, module.conv1d.bias, conv_layout)
+    else:
+        mixed_TC = packed_conv_torch(conv_in, weight_CW, module.conv1d.bias, conv_layout)
+    if frozen is not None:
+        mixed_TC = mixed_TC[W - 1:]
+
+    q, k, v = torch.split(mixed_TC, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q = q.reshape(T, -1, module.head_k_dim)
+    k = k.reshape(T, -1, module.head_k_dim)
+    v = v.reshape(T, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    # If the model is loaded in fp16, without the .float() here, A might be -inf (as transformers does)
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+
+    if frozen is not None and backend.gdn == "fla":
+        from packtrain.packed.kernels import fla_frozen
+
+        core = fla_frozen.continuation_delta_rule(q, k, v, g, beta, layout, state)
+    elif frozen is not None:
+        core = continuation_delta_rule_torch(q, k, v, g, beta, layout, state)
+    elif backend.gdn == "fla":
+        from packtrain.packed.kernels import fla_backend
+
+        core = fla_backend.packed_delta_rule(q, k, v, g, beta, layout)
+    else:
+        core = packed_delta_rule_torch(q, k, v, g, beta, layout)
+
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(1, T, -1))

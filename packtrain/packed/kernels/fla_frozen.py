@@ -1,0 +1,61 @@
+"""CUDA back end for ``packing.context_grad=frozen``: the buffer holds only the continuations, P's attention K/V and
+final Gated DeltaNet state are constants from P's no_grad pass. (The conv reuses :func:`fla_backend.packed_conv` on
+[P's tail ; continuations], see :func:`packtrain.packed.gdn._tail_layout`.) Imported only when ``model.kernels`` is fla.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+from torch.nn.attention.flex_attention import create_block_mask
+
+from packtrain.packed.kernels.flex import FLEX_BLOCK, _compiled_flex, _mark_block_dims_dynamic, padded_length
+from packtrain.packed.layout import PackLayout, shared_prefix_allowed
+
+
+def continuation_delta_rule(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayout, state) -> torch.Tensor:
+    """Every continuation in one varlen call from P's final state [1, HV, K, V] (expanded per continuation)."""
+    n = len(layout.cont_lens)
+    cu = layout.cu_seqlens.to(device=q_SHK.device, dtype=torch.long)
+    initial = state.expand(n, -1, -1, -1).contiguous()  # float32: transformers keeps what fla returned
+    out, _ = chunk_gated_delta_rule(q_SHK[None], k_SHK[None], v_SHV[None], g_SH[None], beta_SH[None],
+                                    initial_state=initial, output_final_state=False, use_qk_l2norm_in_kernel=True,
+                                    cu_seqlens=cu)
+    return out[0].to(q_SHK.dtype)
+
+
+def _block_mask(layout: PackLayout, p: int, device):
+    """Queries are the continuation rows, keys [P ; continuations]; both padded to whole FlexAttention blocks with
+    segment -1 rows and the block dimensions marked dynamic, as :func:`packtrain.packed.kernels.flex.block_mask` does, so
+    one compilation serves every pack (P's length is a tensor for the same reason)."""
+    key = ("frozen_block_mask", p)
+    if key not in layout._cache:
+        S = layout.segment_ids.numel()
+        Sq, Skv = padded_length(S), padded_length(p + S)
+        seg_C = layout.segment_ids.to(device)
+        seg = F.pad(seg_C, (0, Sq - S), value=-1)
+        seg_kv = F.pad(torch.cat([seg_C.new_zeros(p), seg_C]), (0, Skv - p - S), value=-1)
+        offset = torch.tensor(p, device=device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return shared_prefix_allowed(seg[q_idx], seg_kv[kv_idx], q_idx + offset, kv_idx)
+
+        bm = create_block_mask(mask_mod, 1, None, Sq, Skv, device=device, BLOCK_SIZE=FLEX_BLOCK,
+                               _compile=Skv > 8192)
+        _mark_block_dims_dynamic(bm)
+        layout._cache[key] = bm
+    return layout._cache[key]
+
+
+def flex_attention(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, scaling, dropout):
+    if dropout:
+        raise ValueError("FlexAttention path: attention dropout is not supported (Qwen3.5 uses none)")
+    S, p = q_1HSD.shape[2], k_1GPD.shape[2]
+    bm = _block_mask(layout, p, q_1HSD.device)
+    keys, values = torch.cat([k_1GPD, k_1GSD], dim=2), torch.cat([v_1GPD, v_1GSD], dim=2)
+    kv_pad = (0, 0, 0, padded_length(p + S) - p - S)
+    q = F.pad(q_1HSD, (0, 0, 0, padded_length(S) - S))
+    out = _compiled_flex(q, F.pad(keys, kv_pad), F.pad(values, kv_pad), block_mask=bm, scale=scaling,
+                         enable_gqa=keys.shape[1] != q_1HSD.shape[1])
+    return out[:, :, :S]

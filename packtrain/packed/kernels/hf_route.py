@@ -1,0 +1,62 @@
+"""Unpacked forwards (standalone examples, eval, a plain transformers loop) on CPU take transformers' pure-torch
+kernels, even where fla is importable.
+
+Why: transformers picks the Gated DeltaNet kernels when its modeling module is imported (hub kernels, then the
+``fla`` / ``causal_conv1d`` packages, then its torch fallback; ``use_kernel_func_from_hub_with_fallback``). With
+fla installed on a CPU machine (the ``fla`` extra, for the interpreter tests) it calls fla's Triton kernels on CPU
+tensors and fails with "0 active drivers". So each of those module-level names is replaced, once, by a router:
+CPU tensors go to the torch function transformers wrapped (``__wrapped__``), everything else to transformers'
+own choice, unchanged. Packed forwards never reach these names (:mod:`packtrain.packed.gdn` runs the pack).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+# transformers modules whose GDN layers look these names up at call time (the families packtrain runs)
+MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+           "transformers.models.qwen3_next.modeling_qwen3_next")
+KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                "causal_conv1d_update")
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    for x in list(args) + list(kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            return x
+    return None
+
+
+def _router(name: str, chosen):
+    reference = chosen.__wrapped__
+
+    @functools.wraps(chosen)
+    def route(*args, **kwargs):
+        x = _first_tensor(args, kwargs)
+        if x is None or x.device.type != "cpu":
+            return chosen(*args, **kwargs)
+        # transformers' torch fallbacks cannot keep packed sequences apart; its wrapper refuses them, so must we
+        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+            raise ValueError(f"{name}: the torch fallback on CPU cannot take cu_seqlens / seq_idx (packed sequences)")
+        return reference(*args, **kwargs)
+
+    route.__wrapped__ = reference  # as transformers' wrapper: the torch function under it
+    route.packtrain_routed = True
+    return route
+
+
+def route_unpacked_kernels() -> None:
+    """Install the CPU routers in every module of :data:`MODULES` this transformers has (idempotent)."""
+    for module_name in MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # an older transformers without this family
+            continue
+        for name in KERNEL_NAMES:
+            chosen = getattr(module, name, None)
+            if chosen is None or getattr(chosen, "packtrain_routed", False) or not hasattr(chosen, "__wrapped__"):
+                continue
+            setattr(module, name, _router(name, chosen))

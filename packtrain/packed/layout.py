@@ -1,0 +1,202 @@
+"""The layout of one pack in one buffer: ``[P, C1, ..., Cn]`` (batch 1).
+
+Every continuation Ci keeps the positions it has in its standalone example ``concat(P, Ci)``: P takes
+0..|P|-1 and every Ci starts again at |P|. Positions are carried in the M-RoPE form the model takes
+(``[4, 1, T]``: row 0 the text position, rows 1-3 temporal/height/width; text tokens have the same value on
+every axis) so image tokens can later get their own coordinates without changing the layout.
+
+Shape legend: T buffer length, N continuations, L longest continuation, M target tokens, W conv kernel.
+
+A standalone layout is the same structure for one example alone (``packed=False``): the whole sequence is one
+causal segment and the model runs unmodified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from packtrain.data.images import VisionSpec, mrope_positions
+
+
+@dataclass
+class Continuation:
+    item_ids: Sequence[int]
+    target_ids: Sequence[int]
+    images: Sequence[Sequence[int]] = ()  # (T, H, W) patch grid of each image in the item, in order
+
+    def __len__(self) -> int:
+        return len(self.item_ids) + len(self.target_ids)
+
+
+@dataclass
+class PackLayout:
+    packed: bool
+    prefix_len: int  # |P| (for a standalone layout: the whole sequence length)
+    cont_lens: list[int]  # host copy of continuation lengths (empty for standalone)
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [4, 1, T]
+    segment_ids: torch.Tensor  # [T]: 0 on P, i (1-based) on continuation i
+    cu_seqlens: torch.Tensor  # [N+1] int32, continuation boundaries relative to the end of P
+    target_positions: torch.Tensor  # [M] buffer index of the token *before* each target token
+    target_ids: torch.Tensor  # [M]
+    target_example: torch.Tensor  # [M] which example (0-based) each target token belongs to
+    target_counts: torch.Tensor  # [N_examples] target tokens per example
+    # Right-padded batch view of the continuation region, for kernels that run continuations as a batch:
+    pad_index: torch.Tensor  # [N, L] index into the continuation region, or ΣL (a zero row) for padding
+    valid: torch.Tensor  # [N, L] bool
+    unpad_index: torch.Tensor  # [ΣL] index into the flattened [N*L] batch
+    image_grid_thw: torch.Tensor | None = None  # [images, 3] in buffer order, None for text-only
+    pixel_values: torch.Tensor | None = None  # [patches, dim], filled in by the image loader
+    # |P| in both kinds of layout (``prefix_len`` of a standalone layout is the whole sequence), for
+    # ``packing.context_grad`` (:mod:`packtrain.packed.context`), which also fills in the two fields after it per forward
+    context_len: int = 0
+    context: object | None = None  # the mode's per-pack plan (packtrain.packed.context.ContextPlan), None: full
+    prefix_cache: object | None = None  # frozen: P's cache from a no_grad pass; the buffer then holds only the Ci
+    _cache: dict = field(default_factory=dict, repr=False)  # per-pack objects built once (e.g. a BlockMask)
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.target_counts.numel())
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def cu_seqlens_host(self) -> list[int]:
+        out = [0]
+        for n in self.cont_lens:
+            out.append(out[-1] + n)
+        return out
+
+    def conv_tail_index(self, width: int) -> torch.Tensor:
+        """[W-1] buffer indices of P's last W-1 tokens, the conv history every continuation starts from; -1 where
+        P is shorter than W-1 (a zero row: the zero history P itself starts from)."""
+        key = ("conv_tail", width)
+        if key not in self._cache:
+            p = self.prefix_len
+            idx = [max(i, -1) for i in range(p - (width - 1), p)]
+            self._cache[key] = torch.tensor(idx, dtype=torch.long, device=self.input_ids.device)
+        return self._cache[key]
+
+    def to(self, device: torch.device | str) -> "PackLayout":
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()
+                 if k != "_cache"}
+        return PackLayout(**moved)
+
+
+def _targets(offset: int, item_len: int, target_ids: Sequence[int], prefix_last: int) -> list[int]:
+    # The hidden state at position j predicts token j+1: a target token at buffer index t is read off t-1.
+    # A continuation's first token is predicted from P's last token, which in a pack is not the buffer slot
+    # before it (that is the previous continuation's last token).
+    start = offset + item_len
+    out = list(range(start - 1, start - 1 + len(target_ids)))
+    if item_len == 0:
+        out[0] = prefix_last
+    return out
+
+
+def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continuation],
+                      vision: VisionSpec | None = None) -> PackLayout:
+    """Lay out P once followed by every continuation, each keeping its standalone positions."""
+    p = len(prefix_ids)
+    if p == 0:
+        raise ValueError("a pack needs a non-empty prefix P")
+    if not continuations:
+        raise ValueError("a pack needs at least one continuation")
+    if vision is not None and vision.image_token_id in prefix_ids:
+        raise ValueError("P must be text-only: image tokens in the shared prefix are not supported")
+    ids = list(prefix_ids)
+    positions = [list(range(p)) for _ in range(3)]
+    segments = [0] * p
+    t_pos: list[int] = []
+    t_ids: list[int] = []
+    t_ex: list[int] = []
+    lens = []
+    for i, c in enumerate(continuations):
+        if len(c.target_ids) == 0:
+            raise ValueError(f"continuation {i} has an empty target")
+        offset = len(ids)
+        n = len(c)
+        lens.append(n)
+        ids.extend(c.item_ids)
+        ids.extend(c.target_ids)
+        # local origin at zero, then |P| on all three axes = the coordinates of concat(P, Ci)
+        coords, _ = mrope_positions(list(c.item_ids) + list(c.target_ids), c.images, vision, start=p)
+        for axis, values in zip(positions, coords):
+            axis.extend(values)
+        segments.extend([i + 1] * n)
+        pos = _targets(offset, len(c.item_ids), c.target_ids, p - 1)
+        t_pos.extend(pos)
+        t_ids.extend(c.target_ids)
+        t_ex.extend([i] * len(c.target_ids))
+    grids = [g for c in continuations for g in c.images]
+    layout = _finish(True, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, len(continuations), grids)
+    layout.context_len = p
+    return layout
+
+
+def build_standalone_layout(prefix_ids: Sequence[int], continuation: Continuation,
+                            vision: VisionSpec | None = None) -> PackLayout:
+    """One example alone: ``concat(P, C)`` as a single causal sequence from position 0."""
+    ids = list(prefix_ids) + list(continuation.item_ids) + list(continuation.target_ids)
+    t_pos = _targets(len(prefix_ids), len(continuation.item_ids), continuation.target_ids, len(prefix_ids) - 1)
+    n = len(ids)
+    positions, _ = mrope_positions(ids, continuation.images, vision)
+    layout = _finish(False, n, [], ids, positions, [0] * n, t_pos, list(continuation.target_ids),
+                     [0] * len(continuation.target_ids), 1, list(continuation.images))
+    layout.context_len = len(prefix_ids)
+    return layout
+
+
+def _finish(packed, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_examples, grids=()) -> PackLayout:
+    thw = torch.tensor(positions, dtype=torch.long)  # [3, T]: temporal, height, width
+    n = len(lens)
+    longest = max(lens, default=0)
+    total = sum(lens)
+    pad_index = torch.full((n, longest), total, dtype=torch.long)
+    valid = torch.zeros((n, longest), dtype=torch.bool)
+    unpad = []
+    start = 0
+    for i, length in enumerate(lens):
+        pad_index[i, :length] = torch.arange(start, start + length)
+        valid[i, :length] = True
+        unpad.extend(range(i * longest, i * longest + length))
+        start += length
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    ex = torch.tensor(t_ex, dtype=torch.long)
+    return PackLayout(
+        packed=packed,
+        prefix_len=p,
+        cont_lens=list(lens),
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        # row 0 is the "text position" transformers' mask builder would read (it never sees a pack); 1-3 M-RoPE
+        position_ids=torch.cat([thw[:1], thw])[:, None, :].clone(),
+        segment_ids=torch.tensor(segments, dtype=torch.long),
+        cu_seqlens=cu,
+        target_positions=torch.tensor(t_pos, dtype=torch.long),
+        target_ids=torch.tensor(t_ids, dtype=torch.long),
+        target_example=ex,
+        target_counts=torch.bincount(ex, minlength=n_examples),
+        pad_index=pad_index,
+        valid=valid,
+        unpad_index=torch.tensor(unpad, dtype=torch.long),
+        image_grid_thw=torch.tensor([list(g) for g in grids], dtype=torch.long) if grids else None,
+    )
+
+
+def shared_prefix_allowed(seg_q: torch.Tensor, seg_kv: torch.Tensor, q_idx: torch.Tensor,
+                          kv_idx: torch.Tensor) -> torch.Tensor:
+    """The shared-prefix predicate: causal, and a key is visible if it is in P or in the query's own segment."""
+    return (kv_idx <= q_idx) & ((seg_kv == 0) | (seg_kv == seg_q))
+
+
+def dense_mask(layout: PackLayout) -> torch.Tensor:
+    """[1, 1, T, T] boolean mask (True = attend) built from :func:`shared_prefix_allowed`."""
+    seg = layout.segment_ids
+    idx = torch.arange(seg.numel(), device=seg.device)
+    allowed = shared_prefix_allowed(seg[:, None], seg[None, :], idx[:, None], idx[None, :])
+    return allowed[None, None]

@@ -1,0 +1,141 @@
+"""The one place that teaches a transformers model of a supported family (:mod:`packtrain.packed.families`) to run a pack.
+
+- Full-attention layers: transformers' registration point. ``packtrain_attention`` is registered as the
+  attention implementation ``packtrain`` (with SDPA's mask builder) and set on the text config; calls that carry
+  a pack layout get the shared-prefix predicate, every other call goes to SDPA unchanged.
+- Gated DeltaNet layers have no registration point, so each GDN instance (Qwen3.5/3.6, Qwen3-Next) gets a forward
+  that runs :func:`packtrain.packed.gdn.packed_gdn_forward` when a pack layout is passed and its original forward
+  otherwise, with its family's projection split. The decoder layer passes its ``**kwargs`` (and so the layout)
+  to both. Which layer is which comes from the text config's ``layer_types``; a kind the family's row does not
+  list is refused.
+
+- Dense MLPs: with a back end's ``mlp_rows`` (CPU), a packed forward runs each decoder layer's dense MLP in
+  blocks of that many rows (token by token the same computation; the blocks' activations stay in the cache). The
+  decoder layer's forward marks whether its call carries a pack layout, so unpacked forwards, and routed-expert
+  blocks, are never split.
+
+Works on peft-wrapped models (LoRA layers are injected in place) and under activation checkpointing (the
+recompute receives the same layout through the same kwargs).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from packtrain.packed.attention import ATTN_NAME, packtrain_attention
+from packtrain.packed.families import FULL, LINEAR, UnsupportedModelError, check_layer_types, family_of, resolve
+from packtrain.packed.gdn import packed_gdn_forward
+from packtrain.packed.kernels import Backend
+from packtrain.packed.kernels.hf_route import route_unpacked_kernels
+
+LAYOUT_KWARG = "packtrain_pack"
+
+# Every unpacked forward packtrain runs goes through a model this module patches or imports: route transformers'
+# unpacked GDN kernels on CPU to its torch fallbacks once, here (see packtrain/packed/kernels/hf_route.py).
+route_unpacked_kernels()
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTN_NAME, packtrain_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def text_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(text decoder stack, lm_head), where the model's row in :mod:`packtrain.packed.families` says they are."""
+    family = family_of(model)
+    base = unwrap(model)
+    return resolve(base, family.stack), resolve(base, family.head)
+
+
+def model_body(model: nn.Module) -> tuple[nn.Module, bool]:
+    """(the module that runs embedding + (vision) + decoder stack, whether it is a vision-language model)."""
+    family = family_of(model)
+    return resolve(unwrap(model), family.body), family.vision
+
+
+def packed_positions(model: nn.Module, layout):
+    """The position ids a pack passes to the model: M-RoPE ``[4, 1, T]`` or row 0 (``[1, T]``) for 1-D RoPE."""
+    return layout.position_ids if family_of(model).positions == "mrope" else layout.position_ids[0]
+
+
+def vision_spec(model: nn.Module):
+    """The image token id and spatial merge size of a vision-language model, None for a text model."""
+    from packtrain.data.images import VisionSpec
+
+    if not family_of(model).vision:
+        return None
+    base = unwrap(model)
+    return VisionSpec(base.config.image_token_id, base.config.vision_config.spatial_merge_size)
+
+
+def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    layout = kwargs.pop(LAYOUT_KWARG, None)
+    if layout is None:
+        return self._packtrain_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    if cache is not None:
+        raise ValueError("a packed forward cannot use a cache")
+    return packed_gdn_forward(self, hidden_states, layout, self.packtrain_backend)
+
+
+def _layer_forward(self, *args, **kwargs):
+    # the mark is set again when activation checkpointing recomputes the layer (same kwargs), so the recompute
+    # splits the MLP as the forward did
+    self.mlp.packtrain_rows = self.packtrain_backend.mlp_rows if kwargs.get(LAYOUT_KWARG) is not None else None
+    return self._packtrain_original_forward(*args, **kwargs)
+
+
+def _mlp_forward(self, x):
+    rows = self.packtrain_rows
+    if not rows or x.shape[-2] <= rows:
+        return self._packtrain_original_forward(x)
+    return torch.cat([self._packtrain_original_forward(block) for block in x.split(rows, dim=-2)], dim=-2)
+
+
+def _is_dense_mlp(module: nn.Module) -> bool:
+    return hasattr(module, "down_proj") and not hasattr(module, "experts")
+
+
+def _patch_forward(module: nn.Module, forward) -> None:
+    if not hasattr(module, "_packtrain_original_forward"):
+        module._packtrain_original_forward = module.forward
+        module.forward = types.MethodType(forward, module)
+
+
+def patch_model(model: nn.Module, backend: Backend) -> nn.Module:
+    """Patch in place (idempotent; a second call only changes the back end). Returns the model."""
+    family = family_of(model)
+    text_model, _ = text_parts(model)
+    layer_types = text_model.config.layer_types
+    check_layer_types(family, layer_types, f"{family.model_type} layer_types")
+    _register()
+    text_model.config._attn_implementation = ATTN_NAME
+    for layer, kind in zip(text_model.layers, layer_types):
+        if _is_dense_mlp(getattr(layer, "mlp", None)):
+            _patch_forward(layer.mlp, _mlp_forward)
+            _patch_forward(layer, _layer_forward)
+            layer.mlp.packtrain_rows = None
+            layer.packtrain_backend = backend
+        if kind == LINEAR:
+            gdn = layer.linear_attn
+            _patch_forward(gdn, _gdn_forward)
+            gdn.packtrain_split = family.gdn.split
+            gdn.packtrain_backend = backend
+        elif kind == FULL:
+            layer.self_attn.packtrain_backend = backend
+    text_model.packtrain_backend = backend
+    return model
+
+
+__all__ = ["LAYOUT_KWARG", "UnsupportedModelError", "model_body", "packed_positions", "patch_model", "text_parts",
+           "unwrap", "vision_spec"]

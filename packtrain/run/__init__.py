@@ -1,0 +1,1 @@
+"""The training run: trainer, steps, the unit runner, eval, optimizer, metrics, stop policies."""

@@ -1,0 +1,1 @@
+"""The run directory: lock, checkpoints, resume, disk errors."""

@@ -1,0 +1,268 @@
+"""Adapters and checkpoints on disk, always written under a temporary name and renamed into place.
+
+``OUTPUT/checkpoints/step-N/``: ``adapter/`` (PEFT format), ``trainable.safetensors`` (the same tensors under
+the model's parameter names), ``optimizer.pt`` (full state keyed by parameter names), ``scheduler.pt``,
+``rng-rank-R.pt`` (one per rank) and ``state.json``, written last: the step (which fixes the data cursor), a
+fingerprint of the plan, the resolved config and the sha256 of every other file. Everything is gathered to full
+tensors with every rank taking part and written by rank 0, so a checkpoint resumes under any world size. A
+directory only ever appears complete (written under ``.tmp-step-N`` and renamed).
+
+Why digests and safe loads: a disk that fills up, a copy cut short or a changed byte would otherwise resume
+silently into garbage, and ``torch.load`` of an arbitrary pickle runs code. :func:`verify_checkpoint` checks every
+digest and loads every file the way a resume does (safetensors, JSON, ``torch.load(weights_only=True)``), so a
+damaged checkpoint is found before any rank starts loading (:mod:`packtrain.rundir.resume` then falls back to an older
+one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from packtrain.distributed import DistInfo, barrier
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE = "state.json"
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint that must not be resumed from: a missing, truncated, changed or unreadable file."""
+
+
+def _atomic_dir(final: Path, write) -> Path:
+    """Write a directory with ``write(tmp_path)`` and rename it to ``final`` (replacing an older one)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    write(tmp)
+    return _rename_into_place(tmp, final)
+
+
+def _rename_into_place(tmp: Path, final: Path) -> Path:
+    """``tmp`` becomes ``final``; an existing ``final`` is moved aside first and removed only afterwards."""
+    if final.exists():
+        old = final.parent / f".old-{final.name}-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    return final
+
+
+WRAPPER = "_checkpoint_wrapped_module."
+
+
+def write_adapter(peft_model, directory: Path, trainable: dict) -> None:
+    """peft's ``save_pretrained`` with the full trainable tensors (peft names, see :func:`clean_name`).
+
+    peft 0.21 picks the adapter's keys by walking the model's modules, whose names carry activation checkpointing's
+    wrapper; handed unwrapped names it wrote an adapter of 0 tensors. So it gets the tensors under the names it
+    walks, and the wrapper is dropped from the keys it wrote, so the adapter loads into an unwrapped model."""
+    names = {n.replace(WRAPPER, ""): n for n, _ in peft_model.named_parameters()}
+    peft_model.save_pretrained(directory, state_dict={names.get(k, k): v for k, v in trainable.items()})
+    if any(WRAPPER in n for n in names.values()):
+        path = Path(directory) / "adapter_model.safetensors"
+        tensors = load_file(str(path))
+        save_file({k.replace(WRAPPER, ""): v for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def save_adapter(model, path: Path, state_dict: dict) -> Path:
+    """The adapter in PEFT format (loadable with ``PeftModel.from_pretrained``), atomically."""
+    return _atomic_dir(Path(path), lambda tmp: write_adapter(model, tmp, state_dict))
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def clean_name(name: str) -> str:
+    """A parameter name of the wrapped root -> the name in the peft model (no root prefix, no wrapper)."""
+    name = name.replace(WRAPPER, "")
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def trainable_state(lm, info: DistInfo) -> dict | None:
+    """Full trainable tensors (peft names) on rank 0, None elsewhere. Every rank must call it: under FSDP each
+    tensor is all-gathered, in the same order everywhere."""
+    out = {}
+    for name, p in lm.named_parameters():
+        if not p.requires_grad:
+            continue
+        t = p.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        if info.is_main:
+            out[clean_name(name)] = t.cpu().clone()
+    return out if info.is_main else None
+
+
+def load_trainable_state(lm, state: dict | None, info: DistInfo) -> None:
+    """Inverse of :func:`trainable_state`: rank 0's full tensors broadcast and sharded like each parameter."""
+    for name, p in lm.named_parameters():
+        if not p.requires_grad:
+            continue
+        if info.is_main:
+            full = state[clean_name(name)].to(device=info.device, dtype=p.dtype)
+        else:
+            full = torch.empty(p.shape, dtype=p.dtype, device=info.device)
+        if info.enabled:
+            dist.broadcast(full, src=0)
+        with torch.no_grad():
+            if isinstance(p, DTensor):
+                p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
+            else:
+                p.copy_(full)
+
+
+def _state_dict_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def optimizer_state(lm, optimizer) -> dict:
+    """Full optimizer state keyed by parameter names (world-size independent); complete on rank 0."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(lm, optimizer, options=_state_dict_options(cpu_offload=True))
+
+
+def load_optimizer_state(lm, optimizer, state: dict | None, info: DistInfo) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(lm, optimizer, optim_state_dict=state if state is not None else {},
+                             options=_state_dict_options(broadcast_from_rank0=info.enabled))
+
+
+def save_checkpoint(output_dir: Path, step: int, lm, peft_model, optimizer, scheduler, state: dict,
+                    info: DistInfo) -> Path | None:
+    """Every rank takes part (gathers, its own RNG file); rank 0 writes the rest and renames the directory."""
+    final = Path(output_dir) / "checkpoints" / f"step-{step}"
+    tmp = final.parent / f".tmp-{final.name}"
+    if info.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    trainable = trainable_state(lm, info)
+    optim = optimizer_state(lm, optimizer)
+    barrier(info)
+    torch.save(rng_state(), tmp / f"rng-rank-{info.rank}.pt")
+    barrier(info)
+    if info.is_main:
+        write_adapter(peft_model, tmp / "adapter", trainable)
+        save_file(trainable, str(tmp / "trainable.safetensors"))
+        torch.save(optim, tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        files = {rel: file_digest(tmp / rel) for rel in _files(tmp)}
+        (tmp / STATE).write_text(json.dumps({**state, "step": step, "files": files}, indent=2))
+        _rename_into_place(tmp, final)  # the same step again: a resume that fell back past it
+    barrier(info)
+    return final
+
+
+def _files(ckpt: Path) -> list[str]:
+    return sorted(str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if f.is_file() and f.name != STATE)
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _safe_torch_load(path: Path):
+    # weights_only: tensors and plain containers only; a pickle that would run code raises instead
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_state(ckpt: Path) -> dict:
+    path = Path(ckpt) / STATE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointDamaged(f"{path}: unreadable ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("files"),
+                                                                                               dict):
+        raise CheckpointDamaged(f"{path}: no step or file digests (written by an older packtrain, or damaged)")
+    return state
+
+
+def verify_checkpoint(ckpt: Path) -> dict:
+    """The checkpoint's state after checking every file's digest and reading it as a resume will; raises
+    :class:`CheckpointDamaged` naming the first bad file."""
+    ckpt = Path(ckpt)
+    state = read_state(ckpt)
+    for rel, digest in sorted(state["files"].items()):
+        path = ckpt / rel
+        if not path.is_file():
+            raise CheckpointDamaged(f"{path}: missing")
+        if file_digest(path) != digest:
+            raise CheckpointDamaged(f"{path}: contents differ from the digest in {STATE} (truncated or changed)")
+    for name in ("trainable.safetensors", "optimizer.pt", "scheduler.pt", "rng-rank-0.pt"):
+        if name not in state["files"]:
+            raise CheckpointDamaged(f"{ckpt / name}: not listed in {STATE}")
+    for rel in state["files"]:
+        try:
+            if rel.endswith(".safetensors"):
+                load_file(str(ckpt / rel))
+            elif rel.endswith(".pt"):
+                _safe_torch_load(ckpt / rel)
+            elif rel.endswith(".json"):
+                json.loads((ckpt / rel).read_text())
+        except Exception as e:  # noqa: BLE001 - any failure to read means: do not resume from here
+            raise CheckpointDamaged(f"{ckpt / rel}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    return state
+
+
+def load_checkpoint(ckpt: Path, lm, optimizer, scheduler, info: DistInfo) -> dict:
+    """Adapter weights, optimizer, scheduler and this rank's RNG (rank 0's when the world size changed). The
+    checkpoint has been verified (:func:`verify_checkpoint`) by rank 0 before any rank calls this."""
+    state = read_state(ckpt)
+    trainable = load_file(str(ckpt / "trainable.safetensors")) if info.is_main else None
+    load_trainable_state(lm, trainable, info)
+    optim = _safe_torch_load(ckpt / "optimizer.pt") if info.is_main else None
+    load_optimizer_state(lm, optimizer, optim, info)
+    scheduler.load_state_dict(_safe_torch_load(ckpt / "scheduler.pt"))
+    rng_file = ckpt / f"rng-rank-{info.rank}.pt"
+    set_rng_state(_safe_torch_load(rng_file if rng_file.exists() else ckpt / "rng-rank-0.pt"))
+    return state
+
+
+def checkpoints(output_dir: Path) -> list[Path]:
+    """``checkpoints/step-N`` directories, newest first."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    found = checkpoints(output_dir)
+    return found[0] if found else None

@@ -1,0 +1,189 @@
+"""One run per output directory: the lock, what a new run may find there, temporaries, and checkpoint retention.
+
+Why: re-running a finished config without ``--resume`` silently replaced its adapter and metrics (and a later
+``--resume`` jumped to the old run's checkpoints), and two runs on one ``output_dir`` both wrote. Now:
+
+- ``OUTPUT/packtrain.lock`` (JSON: pid, host, start time) is created exclusively by rank 0 and removed when the run
+  ends. A lock whose process is gone from this host (a SIGKILL, a hang abort) is taken over, and the log says so;
+  a live holder, or one on another host, refuses the run naming it.
+- A directory holding a previous run's ``adapter/``, ``checkpoints/step-N`` or ``metrics.jsonl`` is refused unless
+  ``--resume`` (continue it) or ``--overwrite`` (remove :data:`OUTPUTS` first, listed in the log).
+- Leftover temporaries of interrupted writes (``.tmp-*``, ``.old-*``) are removed once the lock is held.
+- After each successful save, checkpoints beyond the newest ``train.keep_checkpoints`` are removed.
+
+Rank 0 decides; every rank gets the verdict by one broadcast, so a refusal ends every rank with the same message
+instead of leaving the others waiting in the next collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from packtrain.distributed import DistInfo
+from packtrain.rundir.checkpoint import checkpoints
+
+LOCK = "packtrain.lock"
+# What `--overwrite` removes: everything `train` writes into OUTPUT (nothing else there is touched).
+OUTPUTS = ("adapter", "checkpoints", "metrics.jsonl", "loss.png", "config.yaml", "base", "hang", "ops",
+           "wandb-run-id")
+
+
+class RunDirError(ValueError):
+    pass
+
+
+def previous_outputs(out: Path) -> list[str]:
+    """A previous run's results in ``out``: what a new run would replace."""
+    found = []
+    if (out / "adapter").exists():
+        found.append("adapter/")
+    n = len(checkpoints(out))
+    if n:
+        found.append(f"checkpoints/ ({n} checkpoint{'s' if n > 1 else ''})")
+    if (out / "metrics.jsonl").exists():
+        found.append("metrics.jsonl")
+    return found
+
+
+def _policy(out: Path, resume: bool, overwrite: bool, log) -> None:
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite contradict each other: choose one")
+    found = previous_outputs(out)
+    if not found or resume:
+        return
+    if not overwrite:
+        raise RunDirError(f"{out} holds a previous run ({', '.join(found)}): continue it with --resume, start over "
+                          "with --overwrite (removes it), or choose another output_dir")
+    removed = [name for name in OUTPUTS if (out / name).exists()]
+    log(f"--overwrite: removing {', '.join(n + '/' * (out / n).is_dir() for n in removed)} from {out}")
+    for name in removed:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def clean_temporaries(out: Path, log) -> None:
+    """Half-written directories and files of a run that died mid-write (never a complete ``step-N``)."""
+    for folder in (out, out / "checkpoints"):
+        if not folder.is_dir():
+            continue
+        for path in folder.iterdir():
+            if path.name.startswith((".tmp-", ".old-")):
+                log(f"removing {path} (left by an interrupted write)")
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def prune_checkpoints(out: Path, keep: int | None, log) -> None:
+    if keep is None:
+        return
+    for old in checkpoints(out)[keep:]:
+        shutil.rmtree(old)
+
+
+# -- the lock ---------------------------------------------------------------------------------------------------
+def _process_start(pid: int) -> float | None:
+    """Start time (epoch seconds) of a live process from /proc, None where unknown; None for a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+    if fields[0] == "Z":
+        return -1.0
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def holder_alive(holder: dict) -> bool:
+    """Whether the lock's process may still run: certain only on this host."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid():
+        return not isinstance(pid, int)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    started = _process_start(pid)
+    if started is not None and started < 0:
+        return False  # a zombie: it has exited
+    # a pid the system reused after the holder died: the process started after the lock was written
+    return not (started is not None and started > float(holder.get("started", 0)) + 2.0)
+
+
+class RunLock:
+    def __init__(self, path: Path):
+        self.path = path
+
+    @classmethod
+    def acquire(cls, out: Path, log) -> RunLock:
+        path = out / LOCK
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+              "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                cls._take_over_if_stale(path, log)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(me) + "\n")
+            return cls(path)
+        raise RunDirError(f"{path}: another run took the lock at the same moment")
+
+    @staticmethod
+    def _take_over_if_stale(path: Path, log) -> None:
+        try:
+            holder = json.loads(path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError):
+            raise RunDirError(f"{path}: unreadable lock file; if no run uses this directory, delete it") from None
+        who = (f"pid {holder.get('pid')} on {holder.get('host')} (started {holder.get('started_utc', '?')})"
+               if isinstance(holder, dict) else "?")
+        if not isinstance(holder, dict) or holder_alive(holder):
+            other_host = isinstance(holder, dict) and holder.get("host") != socket.gethostname()
+            hint = (" packtrain cannot see processes on another host: if that run is gone, delete the lock file"
+                    if other_host else "")
+            raise RunDirError(f"{path.parent} is in use by another run: {who} holds {path}.{hint}")
+        log(f"taking over the stale lock {path}: {who} is no longer running")
+        path.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        try:
+            if json.loads(self.path.read_text()).get("pid") == os.getpid():
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
+
+
+def claim(out: Path, resume: bool, overwrite: bool, info: DistInfo, log) -> RunLock | None:
+    """Rank 0 takes the lock and applies the policy; every rank gets the verdict (one broadcast). Returns the lock
+    on rank 0, None elsewhere; raises :class:`RunDirError` on every rank when refused."""
+    lock, refusal = None, None
+    if info.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            lock = RunLock.acquire(out, log)
+            _policy(out, resume, overwrite, log)
+            clean_temporaries(out, log)
+        except (RunDirError, OSError) as e:
+            refusal = str(e)
+            if lock is not None:
+                lock.release()
+    if info.enabled:
+        verdict = [refusal]
+        dist.broadcast_object_list(verdict, src=0)
+        refusal = verdict[0]
+    if refusal is not None:
+        raise RunDirError(refusal if info.is_main else f"rank 0 refused {out}: {refusal}")
+    return lock

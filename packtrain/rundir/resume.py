@@ -1,0 +1,123 @@
+"""``train --resume``: which checkpoint to continue from, and whether it belongs to the same run.
+
+Why: the newest checkpoint can be damaged (a disk that filled up, a copy cut short) and used to block every
+resume with a traceback; and a resume with another ``optim.lr``, ``train.seed`` or edited system prompts silently
+became another run, while config.yaml claimed the new values.
+
+- :func:`choose_checkpoint`: rank 0 verifies checkpoints newest first (digests, then every file read as a resume
+  reads it, see :func:`packtrain.rundir.checkpoint.verify_checkpoint`); a damaged one is reported and the next older one
+  tried. Once a valid one is found, the damaged ones are renamed to ``checkpoints/damaged-step-N`` (evidence, out
+  of the way of the steps the run writes again); with none valid nothing moves and the resume is refused. Every
+  rank receives rank 0's choice.
+- :func:`check_same_run`: the checkpoint stores the resolved config. Keys that change the trajectory
+  (:data:`TRAJECTORY`) must be equal, else the resume is refused listing every difference; the others (epochs,
+  max_steps, save_every, eval_every, keep_checkpoints, max_nonfinite_skips, logging, ops, device, kernels, data
+  paths, ...) may change and are reported. ``train.epochs`` / ``train.max_steps`` fix the number of steps a cosine
+  schedule spans, so with ``optim.schedule: cosine`` they may change only if the total number of steps stays the
+  same (the learning rate would jump otherwise); with ``constant`` they extend or shorten the run freely. The plan
+  fingerprint covers the tokens of every P, item and target, so edited data is refused too.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from packtrain.distributed import DistInfo
+from packtrain.rundir.checkpoint import CheckpointDamaged, checkpoints, verify_checkpoint
+from packtrain.rundir.directory import RunDirError
+
+# Dotted prefixes whose values fix the sequence of updates; the longest matching entry of TRAJECTORY / FREE wins.
+# The training data is compared by its tokens (the plan fingerprint), not by path: data.train, data.format and
+# data.tokenizer may change (a moved file, the same tokenizer elsewhere) as long as every token is the same.
+TRAJECTORY = ("model", "data.processor", "packing", "lora", "optim", "train.seed", "train.packs_per_step",
+              "train.max_positions")
+# Same updates, computed elsewhere or differently: kernels and device change float rounding, not the run.
+FREE = ("model.kernels",)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k != "config":  # model.config is one value: a transformers config
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _rule(key: str, table: tuple[str, ...]) -> int:
+    """Length of the longest entry of ``table`` that is ``key`` or a dotted prefix of it (0: none)."""
+    return max((len(p) for p in table if key == p or key.startswith(p + ".")), default=0)
+
+
+def is_trajectory(key: str) -> bool:
+    return _rule(key, TRAJECTORY) > _rule(key, FREE)
+
+
+def compare(saved: dict, now: dict, saved_steps: int, now_steps: int) -> tuple[list[str], list[str]]:
+    """(refused differences, allowed differences), each ``key: old -> new``."""
+    a, b = _flatten(saved), _flatten(now)
+    refused, allowed = [], []
+    for key in sorted(set(a) | set(b)):
+        old, new = a.get(key, "(absent)"), b.get(key, "(absent)")
+        if old == new:
+            continue
+        line = f"{key}: {old!r} -> {new!r}"
+        (refused if is_trajectory(key) else allowed).append(line)
+    if b.get("optim.schedule") == "cosine" and saved_steps != now_steps:
+        refused.append(f"total steps: {saved_steps} -> {now_steps} (train.epochs / train.max_steps: the cosine "
+                       "schedule spans the run's steps, so its learning rate would jump)")
+    return refused, allowed
+
+
+def check_same_run(state: dict, cfg_dict: dict, plan_fingerprint: str, total_steps: int, ckpt: Path,
+                   log) -> None:
+    refused, allowed = compare(state["config"], cfg_dict, state["total_steps"], total_steps)
+    if state["plan"] != plan_fingerprint:
+        refused.append("training data: the tokens of the system prompts, items or targets (or the packs) differ "
+                       "from the run that wrote the checkpoint")
+    if refused:
+        raise RunDirError(f"resume refused: {ckpt} belongs to another run; these differ and change what is "
+                          "trained:\n  " + "\n  ".join(refused)
+                          + "\nset them back, or start a new run (another output_dir, or --overwrite)")
+    if allowed:
+        log("resume: changed since the checkpoint (allowed):\n  " + "\n  ".join(allowed))
+
+
+def _verified(out: Path, log) -> tuple[str | None, dict | None, list[str]]:
+    problems, damaged = [], []
+    for ckpt in checkpoints(out):
+        try:
+            state = verify_checkpoint(ckpt)
+        except CheckpointDamaged as e:
+            problems.append(str(e))
+            damaged.append(ckpt)
+            log(f"resume: {ckpt.name} is damaged: {e}")
+            continue
+        for bad in damaged:  # only once a valid one is found: with none, everything stays as it was
+            aside = bad.parent / f"damaged-{bad.name}"
+            if aside.exists():
+                shutil.rmtree(aside)
+            bad.rename(aside)
+            log(f"resume: moved {bad.name} to {aside.name}; falling back to {ckpt.name}")
+        return str(ckpt), state, problems
+    return None, None, problems
+
+
+def choose_checkpoint(out: Path, info: DistInfo, log) -> tuple[Path, dict] | None:
+    """The newest valid checkpoint and its state, the same on every rank; None when there is none at all.
+    Raises :class:`RunDirError` when checkpoints exist but every one is damaged."""
+    chosen = [None, None, []]
+    if info.is_main:
+        chosen = list(_verified(Path(out), log))
+    if info.enabled:
+        dist.broadcast_object_list(chosen, src=0)
+    path, state, problems = chosen
+    if path is None and problems:
+        raise RunDirError("resume: every checkpoint is damaged:\n  " + "\n  ".join(problems)
+                          + "\nstart over with --overwrite")
+    return (Path(path), state) if path is not None else None
