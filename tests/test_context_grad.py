@@ -261,7 +261,7 @@ def test_clean_modes_pass(monkeypatch):
 
 def test_kv_only_skipping_the_last_rows_of_p_is_caught(monkeypatch):
     # row-sparse backward from P in every layer, although a continuation without an item reads P's last row
-    monkeypatch.setattr(context_module, "keep_from", lambda layout, n: (layout.context_len,) * n)
+    monkeypatch.setattr(context_module, "keep_from", lambda layout, n: (layout.prefix_len,) * n)
     d = _diff(monkeypatch, "kv_only")
     assert d.loss < 1e-13, "the forward is unchanged"
     assert d.grad > 1e-3, d
@@ -269,7 +269,7 @@ def test_kv_only_skipping_the_last_rows_of_p_is_caught(monkeypatch):
 
 def test_kv_only_dropping_continuation_rows_is_caught(monkeypatch):
     # row-sparse backward that starts one row late: the first continuation's first row loses its gradient
-    monkeypatch.setattr(context_module, "keep_from", lambda layout, n: (layout.context_len + 1,) * n)
+    monkeypatch.setattr(context_module, "keep_from", lambda layout, n: (layout.prefix_len + 1,) * n)
     d = _diff(monkeypatch, "kv_only", specs=((3, 2), (70, 4), (10, 3)))
     assert d.loss < 1e-13 and d.grad > 1e-3, d
 

@@ -221,7 +221,7 @@ def _differentiable(cache) -> None:
 
 def _continuation_view(layout: PackLayout) -> PackLayout:
     """The layout without P's rows: the buffer holds only the continuations (positions and ids as before)."""
-    p = layout.context_len
+    p = layout.prefix_len
     return dataclasses.replace(layout, input_ids=layout.input_ids[:, p:], position_ids=layout.position_ids[..., p:],
                                segment_ids=layout.segment_ids[p:], _cache={})
 
@@ -230,7 +230,7 @@ def keep_from(layout: PackLayout, n_layers: int) -> tuple[int, ...]:
     """kv_only: per decoder layer, the first row whose output can get gradient: P's rows of every layer's output
     feed only the next layer's input (cut) -- except the last layer's, whose row P-1 feeds the head when a
     continuation without an item reads its first target off P's last row."""
-    p = layout.context_len
+    p = layout.prefix_len
     last = p - 1 if bool((layout.target_positions < p).any()) else p
     return (p,) * (n_layers - 1) + (last,)
 
@@ -258,7 +258,7 @@ class ContextGrad:
             return self._frozen(lm, layout)
         if self.mode == "full":
             return lm.hidden_states(layout), layout.target_positions, None
-        p = layout.context_len
+        p = layout.prefix_len
         layers = text_parts(lm.model)[0].layers
         if layout.packed:
             layout = dataclasses.replace(layout, context=ContextPlan("kv_only", keep_from(layout, len(layers))))
@@ -266,7 +266,7 @@ class ContextGrad:
             return lm.hidden_states(layout), layout.target_positions, None
 
     def _frozen(self, lm, layout: PackLayout):
-        p = layout.context_len
+        p = layout.prefix_len
         prefix = dataclasses.replace(layout, packed=False, input_ids=layout.input_ids[:, :p], image_grid_thw=None,
                                      pixel_values=None, _cache={})
         with torch.no_grad():  # seed 000's phase 1: P through the model's own forward, keeping only its cache
@@ -286,7 +286,7 @@ def continuations_on(lm, layout: PackLayout, prefix, last: torch.Tensor, constan
     tails, as :class:`PrefixCache` gives them) and ``last``, P's final hidden state at its last row [1, 1, D].
     Returns what :meth:`ContextGrad.hidden_states` returns: targets read off P's last row take ``last``, every
     other target t row t - P + 1; with ``constant`` those first ones are constants (frozen)."""
-    p = layout.context_len
+    p = layout.prefix_len
     rest = _continuation_view(layout)
     rest.prefix_cache = prefix
     rest.context = ContextPlan("frozen")

@@ -50,7 +50,7 @@ class Groups:
     @property
     def length(self) -> int:
         """The pack's positions: P once and every real continuation."""
-        p = self.layouts[0].context_len
+        p = self.layouts[0].prefix_len
         return p + sum(lay.length - p for lay, w in zip(self.layouts, self.weights) if w)
 
     def to(self, device) -> Groups:
@@ -131,7 +131,7 @@ class GroupCall:
 def run_prefix(lm, call: PrefixCall) -> PrefixOut:
     """Called by :meth:`PackedLM.forward` for a :class:`PrefixCall`."""
     lay, mode = call.layout, lm.context.mode
-    p = lay.context_len
+    p = lay.prefix_len
     text_model, _ = text_parts(lm.model)
     cache = WindowCache(text_model.config, {}, {})
     body = dataclasses.replace(lay, packed=False, input_ids=lay.input_ids[:, :p], image_grid_thw=None,

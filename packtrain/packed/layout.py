@@ -34,7 +34,7 @@ class Continuation:
 @dataclass
 class PackLayout:
     packed: bool
-    prefix_len: int  # |P| (for a standalone layout: the whole sequence length)
+    prefix_len: int  # |P|, in a pack and in a standalone layout alike
     cont_lens: list[int]  # host copy of continuation lengths (empty for standalone)
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [4, 1, T]
@@ -50,9 +50,7 @@ class PackLayout:
     unpad_index: torch.Tensor  # [ΣL] index into the flattened [N*L] batch
     image_grid_thw: torch.Tensor | None = None  # [images, 3] in buffer order, None for text-only
     pixel_values: torch.Tensor | None = None  # [patches, dim], filled in by the image loader
-    # |P| in both kinds of layout (``prefix_len`` of a standalone layout is the whole sequence), for
-    # ``packing.context_grad`` (:mod:`packtrain.packed.context`), which also fills in the two fields after it per forward
-    context_len: int = 0
+    # ``packing.context_grad`` (:mod:`packtrain.packed.context`) fills in these two per forward
     context: object | None = None  # the mode's per-pack plan (packtrain.packed.context.ContextPlan), None: full
     prefix_cache: object | None = None  # frozen: P's cache from a no_grad pass; the buffer then holds only the Ci
     _cache: dict = field(default_factory=dict, repr=False)  # per-pack objects built once (e.g. a BlockMask)
@@ -135,7 +133,6 @@ def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
         t_ex.extend([i] * len(c.target_ids))
     grids = [g for c in continuations for g in c.images]
     layout = _finish(True, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, len(continuations), grids)
-    layout.context_len = p
     return layout
 
 
@@ -146,10 +143,8 @@ def build_standalone_layout(prefix_ids: Sequence[int], continuation: Continuatio
     t_pos = _targets(len(prefix_ids), len(continuation.item_ids), continuation.target_ids, len(prefix_ids) - 1)
     n = len(ids)
     positions, _ = mrope_positions(ids, continuation.images, vision)
-    layout = _finish(False, n, [], ids, positions, [0] * n, t_pos, list(continuation.target_ids),
-                     [0] * len(continuation.target_ids), 1, list(continuation.images))
-    layout.context_len = len(prefix_ids)
-    return layout
+    return _finish(False, len(prefix_ids), [], ids, positions, [0] * n, t_pos, list(continuation.target_ids),
+                   [0] * len(continuation.target_ids), 1, list(continuation.images))
 
 
 def _finish(packed, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_examples, grids=()) -> PackLayout:

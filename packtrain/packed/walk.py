@@ -149,7 +149,7 @@ class WalkResult:
 class _Walk:
     def __init__(self, lm, layout: PackLayout, spec: WalkSpec, frozen: bool, scale: float, dummy: bool):
         self.lm, self.lay, self.spec, self.frozen, self.scale, self.dummy = lm, layout, spec, frozen, scale, dummy
-        self.p = layout.context_len
+        self.p = layout.prefix_len
         self.end = layout.length - 1  # the last token is read by no target
         self.n_targets = int(layout.target_ids.numel())
         self.kv_all: KV = {}  # every position's K/V, filled as the forward goes
