@@ -12,12 +12,12 @@ of the loaded models: activations, gradients, optimizer state, logits.
 
 The timed repeats run on a warm allocator, as every step of a training run after its first does: handing the heap
 back to the kernel before a run makes the run fault its memory in again page by page, and that cost is not spread
-evenly. On the cpu preset it added 0.25-0.3 s (about 200,000 page faults) to a one-pack epoch of 1.5 s and the same
-once to a standalone epoch of 17 s, whose sixteen examples reuse one example's memory. So on the CPU the warm-up
-(one untimed step of every variant, the cpu and tiny presets' default) runs after the memory pass, which released
-the heap before each of its runs, and the heap is kept from then on (``loading.keep_heap_between_steps``, as in
-training). Without it the first timed repeat's first variant grew the heap from the last memory run's size to its
-own: 4.90 s against 4.36 and 4.19 for the next two pack epochs on P 1,024 + 24 of 100-230.
+evenly: a pack's epoch pays it in full, a standalone epoch once, since its examples reuse one example's memory. So
+on the CPU the warm-up (one untimed step of every variant, the cpu and tiny presets' default) runs after the memory
+pass, which released the heap before each of its runs, and the heap is kept from then on
+(``loading.keep_heap_between_steps``, as in training). Without it the first timed repeat's first variant grows the
+heap from the last memory run's size to its own and reads slow. The figures: docs/performance.md, "How bench times
+now".
 
 Model FLOPs of an epoch, per variant, for the positions that variant computes (no recompute): every linear layer's
 forward and input gradient (frozen weights), LoRA forward, input and weight gradients, attention's QK^T and PV

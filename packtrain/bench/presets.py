@@ -4,9 +4,10 @@ A preset is what ``packtrain bench --preset NAME`` runs without a config file. G
 (no tokenizer): ``prompts`` prompts of ``prefix_tokens`` tokens, each shared by ``continuations`` continuations
 whose lengths are drawn uniformly from ``cont_tokens`` (inclusive); the target is the second half of each.
 
-- ``tiny``: the CI smoke (a 3-layer model of hidden 32); seconds.
+- ``tiny``: the CI smoke (a 3-layer model of hidden 32), small enough for every test run.
 - ``cpu``: a 4-layer hybrid of hidden 256 (3 Gated DeltaNet + 1 attention), float32, one P of 2,048 tokens with
-  16 continuations of 56-72 tokens: one pack, one optimizer step, position ratio 11.0. About 3 minutes on 2 cores.
+  16 continuations of 56-72 tokens: one pack, one optimizer step, position ratio 11.0 (its run time and results:
+  docs/performance.md, "Shared-prefix vs standalone vs a plain transformers + peft loop").
 - ``gpu``: Qwen3.6-27B's layer shapes with 4 layers (3 GDN + 1 attention), random init, bf16, fla kernels,
   checkpointed layers, one P of 32,768 tokens with 16 continuations of 768-1,280 tokens (ratio ~11).
 """
@@ -49,7 +50,8 @@ class Preset:
     repeats: int
     warmup: bool  # one untimed step of every variant (CUDA: Triton autotuning, FlexAttention compile; CPU: the heap)
     # torch CPU threads (None: torch's choice). The CPU presets use one: on a 2-core machine that others share, a
-    # 2-thread OpenMP team waits on whichever thread is descheduled, and epochs ran 10-30x slower, erratically.
+    # 2-thread OpenMP team waits on whichever thread is descheduled, and epochs slow down many times over,
+    # erratically (docs/performance.md, "One thread").
     threads: int | None = None
 
 
@@ -84,8 +86,8 @@ TINY_MODEL = {
     "initializer_range": 0.2,
 }
 
-# FACTS.md's CPU prototype model (hidden 256) with 4 layers, 3 GDN : 1 attention as in Qwen3.6, so that three
-# interleaved repeats fit in a few minutes. The vocabulary keeps lm_head near its share of a real model's weights
+# A CPU-sized hybrid (hidden 256) with 4 layers, 3 GDN : 1 attention as in Qwen3.6, so that three interleaved
+# repeats of every variant stay short on a CPU. The vocabulary keeps lm_head near its share of a real model's weights
 # (Qwen3.6-27B: ~5% of the 64 layers'; here ~8% of 4 layers').
 CPU_MODEL = {
     "model_type": "qwen3_5_text", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
@@ -104,7 +106,8 @@ GPU_MODEL = {
     "rope_parameters": {**_rope(0.25, [11, 11, 10]), "rope_theta": 10000000.0},
 }
 
-H100_BF16_DENSE_TFLOPS = 989.0  # FACTS.md measured ~790 on the H200 (--peak-tflops 790)
+# the datasheet peak; a measured one goes in --peak-tflops (docs/performance.md, "GPU preset")
+H100_BF16_DENSE_TFLOPS = 989.0
 H100_SOURCE = "H100/H200 SXM bf16 dense datasheet figure"
 
 PRESETS = {

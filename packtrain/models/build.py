@@ -142,7 +142,7 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     base dtype.
 
     ``enable_input_require_grads`` marks the frozen embedding's output as requiring grad, so checkpointed layers
-    see an input that needs gradients (without it the seed's runs trained with grad_norm exactly 0).
+    see an input that needs gradients (without it a run trains with grad_norm exactly 0 on every step).
     """
     init = cfg.lora.init_lora_weights
     if isinstance(init, str) and init.startswith(DATA_DEPENDENT_INITS) and any(p.is_meta for p in model.parameters()):

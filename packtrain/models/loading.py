@@ -98,10 +98,9 @@ def fix_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
     """Keep glibc from holding freed tensors: it starts by mapping allocations of 128 KiB and more on their own
     (returned to the system on free), but after the first such free it raises that threshold to the freed size,
     up to 32 MiB, and from then on serves and keeps them in its heap. Each loaded slice and every FSDP all-gather
-    buffer below 32 MiB then stays resident after use (measured: +180 MiB per rank after one step of a 128 MiB
-    model on 2 ranks, +25 MiB with the threshold fixed). Setting it fixes it at ``nbytes``, and the heap's
-    trim threshold (raised along with it) back to its default of the same size. False where the C library is
-    not glibc."""
+    buffer below 32 MiB then stays resident after use (docs/performance.md, "Loading a checkpoint across ranks").
+    Setting it fixes it at ``nbytes``, and the heap's trim threshold (raised along with it) back to its default of
+    the same size. False where the C library is not glibc."""
     return _mallopt((M_MMAP_THRESHOLD, nbytes), (M_TRIM_THRESHOLD, nbytes))
 
 
@@ -110,9 +109,9 @@ def keep_heap_between_steps() -> bool:
     and keep the heap between steps. Otherwise a step's large activations are mapped fresh and faulted in page by
     page, every step (all of them above 128 KiB after :func:`fix_mmap_threshold`; above the last size freed
     without it), and the heap is handed back whenever its free top outgrows the trim threshold. A pack's
-    activations are several times one example's, so this cost fell on packs: 5-20% of a pack's CPU time on
-    P 1,024 + 24 of 100-230 (docs/performance.md). Resident memory then stays at the step's peak between steps,
-    which the next step reaches again anyway. Set after loading, so loading keeps its own threshold."""
+    activations are several times one example's, so this cost fell on packs (docs/performance.md, "The heap, and
+    what it hid"). Resident memory then stays at the step's peak between steps, which the next step reaches again
+    anyway. Set after loading, so loading keeps its own threshold."""
     return _mallopt((M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, TRIM_THRESHOLD_MAX))
 
 

@@ -1,7 +1,8 @@
 """Pinned FLA autotune: Triton's winners written as FLA ``default_config`` files, and read back.
 
 Why: fla tunes ``l2norm_fwd/bwd`` on ``[D, NB]`` with ``NB = cdiv(T, 65536)``, so a full-length run meets a bucket a
-short run never tuned, and the first full-length backward ran out of memory inside Triton's benchmark (the seed).
+short run never tuned, and the first full-length backward of a 64-GPU run ran out of memory inside Triton's
+benchmark.
 ``packtrain pretune-fla`` runs one update with a shortened prompt, takes every fla kernel Triton tuned, and writes
 
     $FLA_CONFIG_DIR/{kernel}.json = {"kernel_name", "triton_version", "autotune_entries": {},
@@ -9,7 +10,8 @@ short run never tuned, and the first full-length backward ran out of memory insi
                                      "packtrain": {"gpu", "tuned_keys", "chosen_key"}}
 
 With ``FLA_CACHE_MODE=default`` fla returns ``default_config`` without looking at the key and never searches. No
-shape-keyed entries are written (as in the seed); the ``packtrain`` block is for people and ignored by fla.
+shape-keyed entries are written (in that mode fla never reads them); the ``packtrain`` block is for people and
+ignored by fla.
 
 Everything here except :func:`collect_tuned` is pure and runs on CPU.
 """

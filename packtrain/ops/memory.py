@@ -4,12 +4,13 @@ Pure arithmetic from the model's text config (a dict) and the pack's size; no to
 pack, M target tokens, H hidden, I intermediate, V vocabulary, b bytes of the model dtype, a bytes of the LoRA
 weights (peft's autocast keeps adapters of a bf16 model in float32: packtrain's ``apply_lora`` does).
 
-Exact terms (the seed's figures for Qwen3.6-27B, tested): a checkpointed layer input is [T, H] in b bytes (70K x
-5120 bf16 = 0.67 GiB; 64 layers = 43 GiB); an MLP intermediate is [T, I] (70K x 17408 = 2.3 GiB) and SwiGLU saves
-three of them (gate, SiLU(gate), up); a LoRA adapter saves its own input for its weight gradient, a dropout copy
-plus a 1-byte mask when dropout > 0 (down_proj's input is [T, I]: 2.3 + 1.1 = 3.4 GiB per recomputed layer with
-bf16 adapters, 5.7 GiB with float32 ones); logits at every position are [T, V] (144K x 248,320 bf16 = 71.5 GB),
-target-only ones [M, V]. The MLP and adapter terms are checked against autograd's saved tensors on CPU.
+Exact terms (Qwen3.6-27B's figures at a 70K-token pack, tested in tests/test_ops_memory.py): a checkpointed layer
+input is [T, H] in b bytes (70K x 5120 bf16 = 0.67 GiB; 64 layers = 43 GiB); an MLP intermediate is [T, I] (70K x
+17408 = 2.3 GiB) and SwiGLU saves three of them (gate, SiLU(gate), up); a LoRA adapter saves its own input for its
+weight gradient, a dropout copy plus a 1-byte mask when dropout > 0 (down_proj's input is [T, I]: 2.3 + 1.1 = 3.4 GiB
+per recomputed layer with bf16 adapters, 5.7 GiB with float32 ones); logits at every position are [T, V] (144K x
+248,320 bf16 = 71.5 GB), target-only ones [M, V]. The MLP and adapter terms are checked against autograd's saved
+tensors on CPU.
 
 ``packing.context_grad`` (packtrain/packed/context.py): ``kv_only`` keeps full's forward and checkpoints (its saving is
 backward time), so its estimate is full's; ``frozen`` keeps nothing of P for backward: the checkpointed inputs and
@@ -370,7 +371,7 @@ def largest_unit(plan, examples, mode: str, max_positions: int | None = None) ->
     """(prompt, example ids) of what one forward holds at most: the pack with the most positions (shared_prefix),
     or the longest single example (standalone); units over ``train.max_positions`` are skipped in training. Walked
     examples (``packing.on_overflow: walk``) hold one chunk's window at a time, so a plan's packs come first."""
-    plan = dataclasses.replace(plan, packs=[p for p in plan.packs if p.walk is None] or plan.packs)
+    plan = dataclasses.replace(plan, packs=[p for p in plan.packs if p.schedule is None] or plan.packs)
     if mode == "shared_prefix":
         units = [(p.positions, (p.prompt, p.examples)) for p in plan.packs]
     else:

@@ -1,6 +1,6 @@
 """What every rank actually imports, gathered to every rank and compared, before step 0.
 
-Why: in the seed's 64-GPU run the requirements files matched, but one worker imported another transformers minor
+Why: in a 64-GPU run the requirements files matched, but one worker imported another transformers minor
 version, which issued different collectives in backward: a silent hang. So the report is what the process
 *imports* (``module.__version__`` and the folder it was loaded from), never what a requirements file lists.
 
@@ -183,8 +183,8 @@ def _count(n: int, noun: str) -> str:
 
 
 def fla_pinning_note(fields: dict[str, str]) -> str | None:
-    """A line for rank 0 when fla will autotune during training (the seed's first full-length backward ran out
-    of memory inside Triton's benchmark)."""
+    """A line for rank 0 when fla will autotune during training (a first full-length backward that autotunes can
+    run out of memory inside Triton's benchmark, :mod:`packtrain.ops.fla_tune`)."""
     if fields["fla"] == NOT_INSTALLED or fields["fla"].startswith("import failed"):
         return None
     if fields["FLA_CACHE_MODE"] not in ("default", "always"):

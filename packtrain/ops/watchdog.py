@@ -1,8 +1,9 @@
 """Hang evidence: every rank's Python and native stacks, and what its GPU is doing.
 
 Why: under FSDP a rank that takes a different path leaves the others waiting inside a collective, with no error
-and no traceback. The seed found those hangs from two signs: ``nvidia-smi`` showing 100% utilisation at ~120 W
-instead of 600-700 W (the NCCL kernel spins while it waits), and py-spy stacks from every rank.
+and no traceback. Two signs find such a hang: ``nvidia-smi`` showing 100% utilisation at low board power (~120 W
+instead of 600-700 W of real work on an H100: the NCCL kernel spins while it waits), and py-spy stacks from every
+rank.
 
 - :class:`HangWatchdog`: a thread per training process; when no step completes within ``ops.hang_timeout``
   seconds it appends one dump to ``OUTPUT/hang/rank-N.txt`` (once per silence; a later step re-arms it). Every

@@ -11,9 +11,8 @@
   has no CPU backward. That is how CI runs fla's kernels; it is slow and meant for tests.
 
 On CPU a pack's dense MLPs run in blocks of ``mlp_rows`` buffer rows (:func:`packtrain.packed.patch.patch_model`):
-row by row the MLP is the same computation, and a block's [rows, intermediate] activations stay in the cache
-(docs/performance.md, "MLP blocks": the bench model's MLP forward + backward about 1.3x slower per row over 3,119
-rows in one piece than in blocks).
+row by row the MLP is the same computation, and a block's [rows, intermediate] activations stay in the cache, where
+a whole pack's outgrow it (docs/performance.md, "MLP blocks").
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-# CPU: a pack's MLP rows per block. One [512, 768] float32 activation of the bench model is 1.5 MiB, under a
-# core's 2 MiB L2; blocks of 256, 512 and 1,024 rows measured the same (docs/performance.md, "MLP blocks").
+# CPU: a pack's MLP rows per block, so that one [rows, intermediate] activation stays in a core's cache (the bench
+# model's [512, 768] float32 is 1.5 MiB, under a 2 MiB L2); other block sizes: docs/performance.md, "MLP blocks".
 CPU_MLP_ROWS = 512
 
 

@@ -16,7 +16,7 @@ And one for speed: the interpreter re-patches ``triton.language`` on every call 
 (``_patch_lang``, which walks every member of the language modules) although the running grid has patched them
 already; fla's kernels call small helpers thousands of times per launch. Inside a grid a device function's call now
 patches only language modules the grid has not (none, for fla), and the grid's own restore undoes everything at its
-end as before. Measured on the delta rule's forward and backward: 1.8x faster, bit-identical results.
+end as before. The results are bit-identical; the gain: docs/performance.md, "fla under Triton's interpreter".
 """
 
 from __future__ import annotations

@@ -192,7 +192,8 @@ def recurrent_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_
 
 def _depthwise_valid(x_BCS: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None) -> torch.Tensor:
     """Depthwise conv without padding: out[t] = sum_w weight[:, w] * x[t + w]. W shifted multiply-adds instead of
-    F.conv1d, whose depthwise CPU kernel is slow (and ~0.3 s per call in float64 on tiny inputs)."""
+    F.conv1d, whose depthwise CPU kernel is slow, in float64 even on tiny inputs (docs/performance.md, "The
+    depthwise conv on CPU")."""
     W = weight_CW.shape[-1]
     T = x_BCS.shape[-1] - (W - 1)
     out = x_BCS[..., 0:T] * weight_CW[:, 0, None]
