@@ -9,8 +9,8 @@ their ids and example id), so neither the input order nor the process changes it
 one. Python's salted ``hash()`` decides nothing that reaches the plan. Only the order in which packs are visited
 depends on the seed: ``epoch_order`` shuffles them per epoch.
 
-Speed: 1,000,000 examples over 2,000 prompts plan in about 3 s on two cores, and their statistics take about 1.3 s
-more (tools/bench_planner.py, docs/performance.md).
+Speed: one grouping pass, one sort per group and a bisect per example; how long a million examples take:
+docs/performance.md, "Planner: 1,000,000 examples" (``python tools/bench_planner.py``).
 """
 
 from __future__ import annotations

@@ -53,12 +53,10 @@ def packed_conv_torch(mixed_TC, weight_CW, bias_C, layout: PackLayout) -> torch.
 
 # Continuations run in chunks of 16 rows, or 32 when one of them is longer than 256 tokens: each pads only its
 # last chunk, and smaller chunks cost less intra-chunk work but more steps of the scan, which a long continuation
-# pays for. Forward + backward of the varlen rule alone, chunks of 16 vs 32 (`python tools/bench_chunk_rule.py
-# --varlen`, the bench cpu model's GDN shape, one thread): 24 of 48 tokens 35.1 vs 48.4 ms, 16 of 56-72 37.4 vs
-# 42.0, 12 of 100-230 83.1 vs 89.4; 8 of 500-1,000 237.1 vs 228.0, 15 of 40-60 + 1 of 1,000 73.7 vs 69.0.
+# pays for (docs/performance.md, "The continuations' chunk": `python tools/bench_chunk_rule.py --varlen`).
 SHORT_CHUNK, LONG_CHUNK, LONG_CONTINUATION = 16, 32, 256
-# P in chunks of 32 (transformers' and fla's rule take 64): `python tools/bench_chunk_rule.py` (2,048 tokens) and
-# `--tokens 1024`, forward + backward, 65.9 vs 71.9 ms and 32.5 vs 35.2 ms (chunks of 32 vs 64).
+# P in chunks of 32, where transformers' and fla's rule take 64: faster on the CPU at the bench model's GDN shape
+# (docs/performance.md, "P's chunk rule vs transformers' fallback": `python tools/bench_chunk_rule.py`).
 PREFIX_CHUNK = 32
 
 
