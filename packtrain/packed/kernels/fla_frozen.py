@@ -1,6 +1,7 @@
-"""CUDA back end for ``packing.context_grad=frozen``: the buffer holds only the continuations, P's attention K/V and
-final Gated DeltaNet state are constants from P's no_grad pass. (The conv reuses :func:`fla_backend.packed_conv` on
-[P's tail ; continuations], see :func:`packtrain.packed.gdn._tail_layout`.) Imported only when ``model.kernels`` is fla.
+"""CUDA back end for a buffer that holds only the continuations, with P's attention K/V and final Gated DeltaNet state
+from outside: constants from P's no_grad pass under ``packing.context_grad=frozen``, leaves that collect the gradient
+in continuation groups. (The conv reuses :func:`fla_backend.packed_conv` on [P's tail ; continuations], see
+:func:`packtrain.packed.gdn._tail_layout`.) Imported only when ``model.kernels`` is fla.
 """
 
 from __future__ import annotations
