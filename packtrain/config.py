@@ -63,6 +63,20 @@ class DataConfig:
     processor: str | None = None
 
 
+@dataclass(frozen=True)
+class WalkSpec:
+    """The walk's settings as the walk uses them (packtrain/packed/walk.py, packtrain/data/walk_schedule.py)."""
+    chunk: int  # positions per chunk
+    horizon: int | None  # tokens the gradient flows back before a chunk's start; None: all (exact)
+
+    def describe(self) -> str:
+        if self.horizon is None:
+            return (f"walk (chunks of {self.chunk} on top of P, horizon all: exact, earlier chunks recomputed in "
+                    "reverse)")
+        return f"walk (chunks of {self.chunk} on top of P, horizon {self.horizon}: gradient cut {self.horizon} " \
+               "tokens before each chunk)"
+
+
 @dataclass
 class WalkConfig:
     chunk: int = 2048  # positions per chunk of a walked example
@@ -185,10 +199,8 @@ class Config:
         path = Path(p).expanduser()
         return path if path.is_absolute() else (Path(self.base_dir) / path)
 
-    def walk_spec(self):
-        """The walk's settings (packtrain.data.walk_schedule.WalkSpec), None unless packing.on_overflow is walk."""
-        from packtrain.data.walk_schedule import WalkSpec
-
+    def walk_spec(self) -> WalkSpec | None:
+        """The walk's settings, None unless packing.on_overflow is walk."""
         w = self.packing.walk
         if self.packing.on_overflow != "walk":
             return None

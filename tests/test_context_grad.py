@@ -276,13 +276,15 @@ def test_kv_only_dropping_continuation_rows_is_caught(monkeypatch):
 
 def test_frozen_state_not_carried_is_caught(monkeypatch):
     # the continuations start from a zero GDN state instead of P's
-    original = context_module.PrefixCache.gdn
+    from packtrain.packed.prefix import PrefixState
+
+    original = PrefixState.conv_and_state
 
     def zero_state(self, layer_idx, width):
         tail, state = original(self, layer_idx, width)
         return tail, torch.zeros_like(state)
 
-    monkeypatch.setattr(context_module.PrefixCache, "gdn", zero_state)
+    monkeypatch.setattr(PrefixState, "conv_and_state", zero_state)
     d = _diff(monkeypatch, "frozen")
     assert d.loss > 1e-6 and d.grad > 1e-3, d
 

@@ -9,7 +9,7 @@ from cli_helpers import run_cli, run_distributed, write_config
 from long_run_helpers import no_packtrain_traceback, nonfinite_files
 
 from packtrain.exits import NONFINITE_EXIT
-from packtrain.run.finite import INJECT_ENV
+from packtrain.run.faults import NAN_AT as INJECT_ENV
 from packtrain.rundir.checkpoint import checkpoints, verify_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,8 @@ import torch
 from parity import rel, standalone_run, trainable_grads, without_float32_casts
 from tiny_models import random_pack, tiny_family_model, tiny_lora_model
 
-from packtrain.packed.groups import Groups, PrefixOut, split, train_groups
+from packtrain.packed import groups as groups_module
+from packtrain.packed.groups import Groups, split, train_groups
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import build_pack_layout
 from packtrain.packed.lm import PackedLM
@@ -41,7 +42,7 @@ def grouped(prefix, conts, n_groups):
 
 def groups_run(model, prefix, conts, n_groups, mode="full"):
     model.zero_grad(set_to_none=True)
-    total = train_groups(PackedLM(model, mode), grouped(prefix, conts, n_groups), 1.0)
+    total, _ = train_groups(PackedLM(model, mode), grouped(prefix, conts, n_groups), 1.0)
     return total, trainable_grads(model)
 
 
@@ -99,7 +100,7 @@ def test_without_the_backward_through_p_the_gradient_differs(monkeypatch):
     prefix, conts = random_pack(prefix_len, specs, seed=0)
     model = patch_model(tiny_lora_model(layer_types, seed=0), BACKEND)
     _, ga = pack_run(model, prefix, conts, "full")
-    monkeypatch.setattr(PrefixOut, "tensors", lambda self: [])
+    monkeypatch.setattr(groups_module, "backward_through", lambda outputs, grads, losses=(): None)
     _, gb = groups_run(model, prefix, conts, 2)
     assert max(rel(gb[n], ga[n]) for n in ga) > 1e-3
 
@@ -146,8 +147,10 @@ def test_groups_hold_less_of_the_continuations_graph():
 
 
 def test_one_update_in_groups_is_the_one_forward_update(monkeypatch):
-    """`packtrain smoke`'s update (ops.harness.one_update) on a pack in groups == on the pack, with SGD."""
+    """`packtrain smoke`'s update (run.harness.one_update) on a pack in groups == on the pack, with SGD."""
     from packtrain.run.harness import one_update
+    from packtrain.run.steps import Unit
+    from packtrain.run.units import Prepared, UnitSetup
 
     prefix_len, specs, layer_types = CASES[0]
     prefix, conts = random_pack(prefix_len, specs, seed=0)
@@ -156,7 +159,9 @@ def test_one_update_in_groups_is_the_one_forward_update(monkeypatch):
         for unit in (build_pack_layout(prefix, conts), grouped(prefix, conts, 3)):
             model = patch_model(tiny_lora_model(layer_types, seed=0), BACKEND)
             params = [p for p in model.parameters() if p.requires_grad]
-            one_update(PackedLM(model, "full"), unit, torch.optim.SGD(params, lr=0.5))
+            ready = Prepared(Unit(0, tuple(range(len(conts)))), unit)
+            one_update(PackedLM(model, "full"), ready, UnitSetup("shared_prefix"), torch.optim.SGD(params, lr=0.5),
+                       "cpu")
             after.append(trainable_values(model))
     assert max(rel(after[1][n], after[0][n]) for n in after[0]) < 1e-12
 

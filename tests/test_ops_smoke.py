@@ -9,8 +9,9 @@ from cli_helpers import run_cli, write_config
 from packtrain.commands import smoke
 from packtrain.config import load_config
 from packtrain.data.examples import load_split
-from packtrain.ops import harness
-from packtrain.run.trainer import plan_for
+from packtrain.data.planner import plan_for
+from packtrain.run import harness
+from packtrain.run.units import UnitSetup
 
 PHASES = ["load model", "update 1", "update 2 (with optimizer state)", "save checkpoint"]
 
@@ -48,8 +49,9 @@ def test_shortened_prompt_keeps_the_continuations(tmp_path):
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
     unit = harness.largest_unit(plan, examples, "shared_prefix")
-    full = harness.unit_layout_shortened(unit, plan, examples, "shared_prefix", None)
-    short = harness.unit_layout_shortened(unit, plan, examples, "shared_prefix", 5)
+    setup = UnitSetup("shared_prefix")
+    full = harness.prepare_shortened(unit, plan, examples, setup, None).work
+    short = harness.prepare_shortened(unit, plan, examples, setup, 5).work
     assert short.prefix_len == 5 and full.length - short.length == full.prefix_len - 5
     assert torch.equal(short.target_ids, full.target_ids)
 
@@ -58,7 +60,7 @@ def test_shortened_prompt_keeps_the_continuations(tmp_path):
 def test_out_of_memory_exits_non_zero_naming_the_phase(tmp_path, monkeypatch, capsys):
     calls = []
 
-    def update_that_runs_out_on_the_second_call(lm, layout, optimizer):
+    def update_that_runs_out_on_the_second_call(*args):
         calls.append(1)
         if len(calls) == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.27 GiB")

@@ -7,7 +7,8 @@ from peft import get_peft_model_state_dict
 
 from packtrain.config import load_config
 from packtrain.packed.lm import PackedLM
-from packtrain.run.trainer import Trainer, ZeroGradientError
+from packtrain.packed.loss import ZeroGradientError
+from packtrain.run.trainer import Trainer
 
 
 def _trainer(tmp_path, *overrides, name="cfg.yaml"):

@@ -162,6 +162,7 @@ def test_dropout_masks_are_replayed_in_the_reverse_pass(monkeypatch):
     """With LoRA dropout, horizon all is the gradient of the chunks as they ran forward: a recompute that drew new
     masks would differentiate other caches than the later chunks read. Reference: the same windows in one graph
     (caches never detached), from the same seed."""
+    from packtrain.packed.prefix import PrefixState
     from packtrain.packed.walk import Window
 
     with without_float32_casts(monkeypatch):
@@ -178,10 +179,10 @@ def test_dropout_masks_are_replayed_in_the_reverse_pass(monkeypatch):
         torch.manual_seed(1)
         kv, gdn, total = {}, {}, 0.0
         for s, e in [(0, 5)] + chunk_bounds(5, layout.length - 1, 10):
-            out = lm(Window(layout, s, e, s, kv, gdn, len(cont.target_ids)))
+            out = lm(Window(layout, s, e, s, PrefixState(kv, gdn), len(cont.target_ids)))
             kv = {i: (torch.cat([kv[i][0], k], -2), torch.cat([kv[i][1], v], -2)) if i in kv else (k, v)
-                  for i, (k, v) in out.kv.items()}
-            gdn, total = out.gdn, total + out.loss
+                  for i, (k, v) in out.state.kv.items()}
+            gdn, total = out.state.gdn, total + out.loss
         total.backward()
         gb = trainable_grads(model)
     _check(la, ga, float(total.detach()), gb, 1e-12, 1e-10)
@@ -196,11 +197,11 @@ def ex(id, length, prefix=(1, 2, 3, 4), item=None):
 def test_plan_counts_walked_examples_and_their_chunks():
     examples = [ex("a", 3), ex("b", 30), ex("c", 5), ex("d", 17, item=0)]
     spec = WalkSpec(8, None)
-    plan = plan_packs(examples, 12, 90, "walk", walk=spec)
-    walks = {examples[p.examples[0]].id: p.walk for p in plan.packs if p.walk is not None}
+    plan = plan_packs(examples, 12, 90, "walk", walk_spec=spec)
+    walks = {examples[p.examples[0]].id: p.schedule for p in plan.packs if p.schedule is not None}
     # b: positions 4..32 (33 = 4 + 30 - 1), chunks of 8 -> 4; d: 4..19 -> 2
     assert walks == {"b": Schedule(4, 4, 4), "d": Schedule(2, 2, 2)}
-    assert [[examples[i].id for i in p.examples] for p in plan.packs if p.walk is None] == [["c", "a"]]
+    assert [[examples[i].id for i in p.examples] for p in plan.packs if p.schedule is None] == [["c", "a"]]
     stats = plan_stats(plan, examples)
     assert (stats["examples"], stats["walked"], stats["walk_chunks"], stats["packs"]) == (4, 2, 6, 1)
     assert stats["positions_standalone"] == stats["positions_packed"] + 4  # P once for a and c
@@ -216,18 +217,18 @@ def test_finite_horizon_schedule_counts_pieces_and_windows():
 
 def test_every_rank_gets_the_same_walk_slots():
     examples = [ex("a", 3), ex("b", 30), ex("c", 50), ex("d", 5), ex("e", 2)]
-    plan = plan_packs(examples, 12, 1, "walk", walk=WalkSpec(8, None))
+    plan = plan_packs(examples, 12, 1, "walk", walk_spec=WalkSpec(8, None))
     ids = list(range(len(plan.packs)))
     units = [rank_units(plan, ids, "shared_prefix", r, 2) for r in range(2)]
-    shape = [[(u.walk is None, u.walk) for u in mine] for mine in units]
+    shape = [[(u.schedule is None, u.schedule) for u in mine] for mine in units]
     assert shape[0] == shape[1]  # same kinds in the same order, walks padded to the same schedule
-    walked = [u for mine in units for u in mine if u.walk is not None and not u.dummy]
+    walked = [u for mine in units for u in mine if u.schedule is not None and not u.dummy]
     assert sorted(examples[u.examples[0]].id for u in walked) == ["b", "c"]
-    assert all(u.walk == Schedule(7, 7, 7) for mine in units for u in mine if u.walk is not None)  # c: 53 -> 7
+    assert all(u.schedule == Schedule(7, 7, 7) for mine in units for u in mine if u.schedule is not None)  # c: 53 -> 7
     # one walk in the step: the other rank runs a dummy walk of the same schedule
-    plan = plan_packs(examples[:2] + examples[3:4], 12, 1, "walk", walk=WalkSpec(8, None))
+    plan = plan_packs(examples[:2] + examples[3:4], 12, 1, "walk", walk_spec=WalkSpec(8, None))
     units = [rank_units(plan, [0, 1, 2], "standalone", r, 2) for r in range(2)]
-    assert [[(u.dummy, u.walk) for u in mine if u.walk is not None] for mine in units] == \
+    assert [[(u.dummy, u.schedule) for u in mine if u.schedule is not None] for mine in units] == \
         [[(False, Schedule(4, 4, 4))], [(True, Schedule(4, 4, 4))]]
 
 

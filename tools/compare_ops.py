@@ -26,10 +26,11 @@ from torch.profiler import profile
 from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.variants import Models, Workload, _whole_example
 from packtrain.config import config_from_dict
+from packtrain.data.planner import plan_for
 from packtrain.ops import memory
 from packtrain.packed import attention
-from packtrain.run.steps import rank_units, unit_layout
-from packtrain.run.trainer import plan_for
+from packtrain.run.steps import rank_units
+from packtrain.run.units import unit_layout
 
 
 def main() -> None:

@@ -26,10 +26,11 @@ from packtrain.bench.measure import _release, memory_in_use
 from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.variants import Models, Workload
 from packtrain.config import config_from_dict
+from packtrain.data.planner import plan_for
 from packtrain.ops import memory
 from packtrain.run.harness import PeakMemory
-from packtrain.run.steps import rank_units, unit_layout
-from packtrain.run.trainer import plan_for
+from packtrain.run.steps import rank_units
+from packtrain.run.units import unit_layout
 
 KINDS = [  # (label, op names); the first match wins, the rest is "elementwise, copies, indexing"
     ("linear layers and LoRA (mm)", ("aten::mm", "aten::addmm")),
@@ -67,7 +68,7 @@ def main() -> None:
     (unit,) = rank_units(plan, work.steps[0], "shared_prefix", 0, 1)
     if args.groups > 1:
         from packtrain.packed.groups import train_groups
-        from packtrain.run.steps import unit_groups
+        from packtrain.run.units import unit_groups
 
         groups = unit_groups(unit, plan, examples, args.groups)
 

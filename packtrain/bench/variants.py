@@ -31,11 +31,11 @@ from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.models.build import build_base_model, lora_config
 from packtrain.models.wrap import prepare_from_config
-from packtrain.packed.groups import train_groups
 from packtrain.packed.lm import PackedLM
 from packtrain.run.evaluate import evaluate, mean_loss
 from packtrain.run.optim import build_optimizer, build_scheduler
-from packtrain.run.steps import rank_units, step_examples, step_packs, steps_per_epoch, unit_groups, unit_layout
+from packtrain.run.steps import rank_units, step_examples, step_packs, steps_per_epoch
+from packtrain.run.units import UnitSetup, prepare, run_unit, step_scale
 
 VARIANTS = ("shared_prefix", "kv_only", "frozen", "standalone", "plain")
 CONTEXT_GRAD = {"shared_prefix": "full", "kv_only": "kv_only", "frozen": "frozen", "standalone": "full"}
@@ -116,8 +116,7 @@ class Models:
         the plain model, so that equal final losses compare independent computations."""
         if variant == "plain":
             return plain_mean_loss(self.plain, work)
-        mode = "standalone" if variant == "standalone" else "shared_prefix"
-        rows = evaluate(self.lms[CONTEXT_GRAD[variant]], work.plan, work.examples, mode,
+        rows = evaluate(self.lms[CONTEXT_GRAD[variant]], work.plan, work.examples, unit_setup(variant, work.cfg),
                         DistInfo(0, 1, 0, work.device))
         return mean_loss(rows)
 
@@ -143,25 +142,25 @@ def plain_mean_loss(plain: torch.nn.Module, work: Workload) -> float:
     return sum(losses) / len(losses)
 
 
-def packtrain_epoch(models: Models, work: Workload, variant: str, max_steps: int | None = None) -> list[float]:
-    """One epoch as the trainer runs it; returns each step's mean per-example loss."""
+def unit_setup(variant: str, cfg: Config) -> UnitSetup:
+    """How a packtrain variant's units run: its packing mode, and the config's groups and walk."""
     mode = "standalone" if variant == "standalone" else "shared_prefix"
+    return UnitSetup(mode, cfg.packing.continuation_groups, cfg.walk_spec())
+
+
+def packtrain_epoch(models: Models, work: Workload, variant: str, max_steps: int | None = None) -> list[float]:
+    """One epoch as the trainer runs it (the unit runner, one rank); returns each step's mean per-example loss."""
+    setup = unit_setup(variant, work.cfg)
     lm = models.lms[CONTEXT_GRAD[variant]]
-    groups = work.cfg.packing.continuation_groups
     state = models.packtrain_state
     optimizer, scheduler = state.reset()
     losses = []
     for pack_ids in work.steps[:max_steps]:
         n = step_examples(work.plan, pack_ids)
         total = 0.0
-        for unit in rank_units(work.plan, pack_ids, mode, 0, 1):
-            if mode == "shared_prefix" and groups > 1:  # packing.continuation_groups, as the trainer runs it
-                layouts = unit_groups(unit, work.plan, work.examples, groups).to(work.device)
-                total += train_groups(lm, layouts, 1 / n)
-                continue
-            out = lm(unit_layout(unit, work.plan, work.examples, mode).to(work.device))
-            (out.loss_sum / n).backward()
-            total += out.per_example.sum().item()
+        for unit in rank_units(work.plan, pack_ids, setup.mode, 0, 1):
+            ready = prepare(unit, work.plan, work.examples, setup)
+            total += run_unit(lm, ready, setup, work.device, step_scale(1, n)).loss_sum
         state.update(optimizer, scheduler)
         losses.append(total / n)
     return losses

@@ -114,9 +114,8 @@ def run_bench(args) -> int:
     from packtrain.bench.presets import H100_BF16_DENSE_TFLOPS, H100_SOURCE, get_preset
     from packtrain.bench.report import format_table, plot, speedups, write_json
     from packtrain.bench.variants import VARIANTS, Models, Workload
-    from packtrain.data.planner import plan_stats
+    from packtrain.data.planner import plan_for, plan_stats
     from packtrain.distributed import init_distributed
-    from packtrain.run.trainer import plan_for
 
     load_before = os.getloadavg()[0]
     preset = get_preset(args.preset or "cpu")

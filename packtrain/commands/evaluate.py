@@ -14,12 +14,13 @@ def run_eval(args) -> int:
     from peft import PeftModel
 
     from packtrain.data.examples import load_split
+    from packtrain.data.planner import plan_for
     from packtrain.models.build import build_base_model
     from packtrain.packed.kernels import select_backend
     from packtrain.packed.lm import PackedLM
     from packtrain.packed.patch import patch_model
     from packtrain.run.evaluate import evaluate, mean_loss
-    from packtrain.run.trainer import image_loader, plan_for
+    from packtrain.run.units import UnitSetup, image_loader
 
     cfg = load_config(args.config, args.overrides)
     adapter = Path(args.adapter)
@@ -34,8 +35,8 @@ def run_eval(args) -> int:
         model = PeftModel.from_pretrained(build_base_model(cfg), adapter, is_trainable=False)
         backend = select_backend(cfg.model.kernels, info.device)
         lm = PackedLM(patch_model(model, backend), cfg.packing.context_grad).to(info.device)
-        rows = evaluate(lm, plan_for(cfg, examples), examples, cfg.packing.mode, info,
-                        images=image_loader(cfg, model, examples), walk=cfg.walk_spec())
+        setup = UnitSetup(cfg.packing.mode, walk_spec=cfg.walk_spec(), images=image_loader(cfg, model, examples))
+        rows = evaluate(lm, plan_for(cfg, examples), examples, setup, info)
         if info.is_main:
             out = Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)

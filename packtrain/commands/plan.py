@@ -55,7 +55,7 @@ def run_plan(args) -> int:
     examples = load_split(cfg, "train")
     packing = cfg.packing
     plan = plan_packs(examples, packing.token_budget, packing.max_continuations, packing.on_overflow, cfg.train.seed,
-                      walk=cfg.walk_spec(), frozen=packing.context_grad == "frozen")
+                      walk_spec=cfg.walk_spec(), frozen=packing.context_grad == "frozen")
     stats = plan_stats(plan, examples)
     if args.world_size < 1:
         raise ValueError(f"--world-size: must be at least 1, got {args.world_size}")

@@ -50,9 +50,10 @@ def run_pretune_fla(args) -> int:
     import triton
 
     from packtrain.data.examples import load_split
-    from packtrain.run.harness import build_lm, largest_unit, one_update, unit_layout_shortened
+    from packtrain.data.planner import plan_for
+    from packtrain.run.harness import build_lm, largest_unit, one_update, prepare_shortened
     from packtrain.run.optim import build_optimizer
-    from packtrain.run.trainer import plan_for
+    from packtrain.run.units import UnitSetup
 
     cfg = load_config(args.config, args.overrides)
     examples = load_split(cfg, "train")
@@ -68,9 +69,10 @@ def run_pretune_fla(args) -> int:
                              "the fla kernels (model.kernels: fla or auto)")
         plan = plan_for(cfg, examples)
         unit = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
-        layout = unit_layout_shortened(unit, plan, examples, cfg.packing.mode, args.prompt_tokens)
+        setup = UnitSetup(cfg.packing.mode, walk_spec=cfg.walk_spec())  # one call per pack: no groups
+        prepared = prepare_shortened(unit, plan, examples, setup, args.prompt_tokens)
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
-        one_update(lm, layout, optimizer)
+        one_update(lm, prepared, setup, optimizer, info.device)
         torch.cuda.synchronize()
     finally:
         shutdown()
@@ -80,7 +82,7 @@ def run_pretune_fla(args) -> int:
     gpu = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "fla-configs" / re.sub(r"[^0-9A-Za-z]+", "_", gpu)
     written = fla_tune.write_fla_configs(out, tuned, gpu, triton.__version__)
-    print(f"pretune-fla: one update of {layout.length:,} positions (P cut to {args.prompt_tokens} tokens) on {gpu}")
+    print(f"pretune-fla: one update of {prepared.positions:,} positions (P cut to {args.prompt_tokens} tokens) on {gpu}")
     print(format_tuned(tuned, plain))
     print(f"wrote {len(written)} files to {out}")
     print(f"launch every rank with:\n  {fla_tune.launch_env(out)}")

@@ -47,10 +47,10 @@ def format_table(title: str, phases, cuda: bool, since_start: bool, ranks: list[
 
 def run_smoke(args) -> int:
     from packtrain.data.examples import load_split
+    from packtrain.data.planner import plan_for
     from packtrain.run.harness import PeakMemory, build_lm, is_out_of_memory, largest_unit, one_update, run_phase
     from packtrain.run.optim import build_optimizer, build_scheduler
-    from packtrain.run.steps import unit_groups, unit_layout
-    from packtrain.run.trainer import plan_for
+    from packtrain.run.units import UnitSetup, prepare
     from packtrain.rundir import checkpoint as ckpt
 
     cfg = load_config(args.config, args.overrides)
@@ -60,11 +60,10 @@ def run_smoke(args) -> int:
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     plan = plan_for(cfg, examples)
     unit = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
-    groups = cfg.packing.continuation_groups if cfg.packing.mode == "shared_prefix" else 1
-    if groups > 1:  # as the trainer runs it (packtrain/packed/groups.py)
-        layout = unit_groups(unit, plan, examples, groups)
-    else:
-        layout = unit_layout(unit, plan, examples, cfg.packing.mode)
+    # as the trainer runs it: in continuation groups (packtrain/packed/groups.py), walked (packtrain/packed/walk.py)
+    setup = UnitSetup(cfg.packing.mode, cfg.packing.continuation_groups, cfg.walk_spec())
+    prepared = prepare(unit, plan, examples, setup)
+    groups = cfg.packing.continuation_groups if cfg.packing.mode == "shared_prefix" and unit.schedule is None else 1
     out = Path(cfg.output_dir) / "smoke"
     probe = PeakMemory(info.device)
     phases = []
@@ -77,7 +76,7 @@ def run_smoke(args) -> int:
         state["scheduler"] = build_scheduler(state["optimizer"], cfg.optim, 2)
 
     def update():
-        one_update(state["lm"], layout, state["optimizer"])
+        one_update(state["lm"], prepared, setup, state["optimizer"], info.device)
         state["scheduler"].step()
 
     def save():
@@ -85,9 +84,11 @@ def run_smoke(args) -> int:
                              {"smoke": True}, info)
 
     targets = sum(len(examples[e].target_ids) for e in unit.examples)
-    title = (f"smoke: the largest {'pack' if cfg.packing.mode == 'shared_prefix' else 'example'}, "
-             f"{layout.length:,} positions ({len(unit.examples)} continuations"
-             f"{f' in {groups} groups' if groups > 1 else ''}, {targets:,} target tokens), "
+    what = ("walked example" if unit.schedule is not None
+            else "pack" if cfg.packing.mode == "shared_prefix" else "example")
+    walked = f" in {unit.schedule.chunks} chunks" if unit.schedule is not None else ""
+    title = (f"smoke: the largest {what}, {prepared.positions:,} positions ({len(unit.examples)} continuations"
+             f"{f' in {groups} groups' if groups > 1 else ''}{walked}, {targets:,} target tokens), "
              f"device {info.device}, {cfg.model.dtype}")
     try:
         run_phase(phases, probe, "load model", load)

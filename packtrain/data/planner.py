@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from packtrain.data.walk_schedule import Schedule, WalkSpec, schedule
+from packtrain.config import Config, WalkSpec
+from packtrain.data.walk_schedule import Schedule, schedule
 
 
 class PlanError(ValueError):
@@ -35,7 +36,7 @@ class Pack:
     prompt: int  # index into Plan.prompts
     examples: tuple[int, ...]  # indices into the examples, in the order they are laid out after P
     positions: int  # len(P) + sum of the continuation lengths
-    walk: Schedule | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
+    schedule: Schedule | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
 
 
 @dataclass
@@ -98,15 +99,15 @@ def plan_packs(
     max_continuations: int,
     on_overflow: str = "error",
     seed: int = 0,
-    walk: WalkSpec | None = None,
+    walk_spec: WalkSpec | None = None,
     frozen: bool = False,
 ) -> Plan:
     """Packs for ``examples`` (anything with prefix_ids, item_ids and target_ids tuples or lists, e.g. Example).
     With ``on_overflow="walk"`` each over-budget example is a pack of its own with its walk ``Schedule``."""
     if not examples:
         raise PlanError("no examples to plan")
-    if on_overflow == "walk" and walk is None:
-        raise ValueError("on_overflow='walk' needs the walk's settings (walk=WalkSpec)")
+    if on_overflow == "walk" and walk_spec is None:
+        raise ValueError("on_overflow='walk' needs the walk's settings (walk_spec=WalkSpec)")
     packs: list[Pack] = []
     prompts: list[tuple[int, ...]] = []
     skipped: list[int] = []
@@ -131,7 +132,7 @@ def plan_packs(
                                 f"continuation {length}), over packing.token_budget={token_budget}; raise the "
                                 "budget or set packing.on_overflow=skip")
         for _, i, length in sorted(walked):
-            sched = schedule(len(prefix), len(examples[i].item_ids), length, walk, frozen)
+            sched = schedule(len(prefix), len(examples[i].item_ids), length, walk_spec, frozen)
             packs.append(Pack(len(prompts), (i,), len(prefix) + length, sched))
         if not fitting:
             if walked:
@@ -174,14 +175,14 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     """
     per_pack = []
     positions_standalone = pairs_standalone = pairs_packed = walk_positions = 0
-    walks = [pack for pack in plan.packs if pack.walk is not None]
+    walks = [pack for pack in plan.packs if pack.schedule is not None]
     for pack in walks:
         positions_standalone += pack.positions
         pairs_standalone += _pairs(pack.positions)
         pairs_packed += _pairs(pack.positions)
         walk_positions += pack.positions
     for pack in plan.packs:
-        if pack.walk is not None:
+        if pack.schedule is not None:
             continue
         p = len(plan.prompts[pack.prompt])
         pairs_packed += _pairs(p)
@@ -197,7 +198,7 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         "examples": sum(per_pack) + len(walks),
         "skipped": len(plan.skipped),
         "walked": len(walks),
-        "walk_chunks": sum(pack.walk.chunks for pack in walks),
+        "walk_chunks": sum(pack.schedule.chunks for pack in walks),
         "prompts": len(plan.prompts),
         "packs": len(per_pack),
         "continuations_min": min(per_pack, default=0),
@@ -212,3 +213,21 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         "attention_pairs_packed": pairs_packed,
         "attention_pair_ratio": pairs_standalone / pairs_packed,
     }
+
+
+def plan_for(cfg: Config, examples) -> Plan:
+    """The plan of ``examples`` under a config's packing settings."""
+    p = cfg.packing
+    return plan_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed,
+                      walk_spec=cfg.walk_spec(), frozen=p.context_grad == "frozen")
+
+
+def plan_fingerprint(plan: Plan, examples) -> str:
+    """The packs and the tokens in them (each P, item and target; image paths and grids): edited data differs."""
+    h = hashlib.sha256()
+    for pack in plan.packs:
+        h.update(repr((pack.prompt, pack.examples, plan.prompts[pack.prompt])).encode())
+        for e in pack.examples:
+            ex = examples[e]
+            h.update(repr((ex.item_ids, ex.target_ids, [(r.path, r.grid_thw) for r in ex.images])).encode())
+    return h.hexdigest()[:16]

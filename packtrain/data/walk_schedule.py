@@ -10,26 +10,15 @@ nothing is computed for it). A target belongs to the segment holding the positio
 positions ``[max(lo, a - H), e)`` only. Everything before ``w = max(lo, a - H)`` -- the attention K/V of those
 positions, the GDN state at ``w`` and the conv inputs of the W-1 positions before ``w`` -- is a constant for that
 segment's gradient. ``lo`` is 0 under ``packing.context_grad: full`` (the window may reach into P) and |P| under
-``frozen`` (P is always a constant). ``H = all`` is the exact gradient of the whole example; ``H = 0`` is seed 001's
-draft (earlier chunks are constants).
+``frozen`` (P is always a constant). ``H = all`` is the exact gradient of the whole example; ``H = 0`` is the draft
+walk (earlier chunks are constants).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class WalkSpec:
-    chunk: int  # positions per chunk
-    horizon: int | None  # tokens the gradient flows back before a chunk's start; None: all (exact)
-
-    def describe(self) -> str:
-        if self.horizon is None:
-            return (f"walk (chunks of {self.chunk} on top of P, horizon all: exact, earlier chunks recomputed in "
-                    "reverse)")
-        return f"walk (chunks of {self.chunk} on top of P, horizon {self.horizon}: gradient cut {self.horizon} " \
-               "tokens before each chunk)"
+from packtrain.config import WalkSpec
 
 
 @dataclass(frozen=True)

@@ -371,7 +371,7 @@ def largest_unit(plan, examples, mode: str, max_positions: int | None = None) ->
     """(prompt, example ids) of what one forward holds at most: the pack with the most positions (shared_prefix),
     or the longest single example (standalone); units over ``train.max_positions`` are skipped in training. Walked
     examples (``packing.on_overflow: walk``) hold one chunk's window at a time, so a plan's packs come first."""
-    plan = dataclasses.replace(plan, packs=[p for p in plan.packs if p.walk is None] or plan.packs)
+    plan = dataclasses.replace(plan, packs=[p for p in plan.packs if p.schedule is None] or plan.packs)
     if mode == "shared_prefix":
         units = [(p.positions, (p.prompt, p.examples)) for p in plan.packs]
     else:

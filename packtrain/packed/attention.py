@@ -210,7 +210,7 @@ _IMPLS = {"dense": attention_dense, "batched": attention_batched, "flex": attent
 
 
 # -- frozen context (packing.context_grad=frozen): the buffer holds only the continuations; P's keys and values are
-# constants from P's no_grad pass (packtrain.packed.context.PrefixCache).
+# constants from P's no_grad pass (packtrain.packed.prefix.PrefixState).
 def frozen_dense(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, scaling, dropout):
     """Against [P's keys ; the buffer's keys] with a dense [S, P + S] mask from the predicate (the reference)."""
     p = k_1GPD.shape[2]
@@ -244,8 +244,8 @@ def packtrain_attention(module, query, key, value, attention_mask, scaling=None,
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     kind = module.packtrain_backend.attention
-    if packtrain_pack.prefix_cache is not None:
-        k_P, v_P = packtrain_pack.prefix_cache.kv(module.layer_idx)
+    if packtrain_pack.prefix_state is not None:
+        k_P, v_P = packtrain_pack.prefix_state.keys_values(module.layer_idx)
         out = _FROZEN_IMPLS[kind](query, key, value, k_P.to(key.dtype), v_P.to(value.dtype), packtrain_pack,
                                   scaling, dropout)
         return out.transpose(1, 2).contiguous(), None

@@ -2,17 +2,18 @@
 (:class:`ContextGrad`, printed in the run header) and applied to every forward by :class:`packtrain.packed.lm.PackedLM`.
 
 - ``full``: the exact gradient through P; every continuation's gradient sums into P's activations.
-- ``kv_only`` (seed 003): the forward is unchanged (bitwise). In backward the gradient on P's rows of every
+- ``kv_only`` (stop-gradient through the context): the forward is unchanged (bitwise). In backward the gradient on P's rows of every
   decoder-layer input is cut (detached): the residual stream, the embedding output (layer 0's input) included.
   Within a layer, weights still learn from P's rows through what the continuations read of P in that layer:
   attention K/V (k_proj, v_proj, k_norm) and the Gated DeltaNet inputs that build P's final state and conv tail
   (in_proj_qkv, in_proj_a, in_proj_b, conv1d, A_log, dt_bias). The model keeps learning how to read P and stops
   learning how to represent it. (A continuation with no item reads its first target off P's last row: that row's
   final hidden state is not a decoder-layer input, so the last layer still learns from it, as the definition says.)
-- ``frozen`` (seed 000): P runs once under no_grad through the model's own forward with its cache; the
-  continuations read P's attention K/V, final GDN state and conv tail from that cache as constants. Nothing of P is
-  kept for backward; the gradient flows only through continuation positions (a target read off P's last row counts
-  in the loss and carries no gradient, as in seed 000's recipe where that logit comes from the no_grad pass).
+- ``frozen`` (context-frozen training): P runs once under no_grad (:func:`packtrain.packed.prefix.run_prefix`);
+  the continuations read P's attention K/V, final GDN state and conv tail from its
+  :class:`~packtrain.packed.prefix.PrefixState` as constants. Nothing of P is kept for backward; the gradient flows
+  only through continuation positions (a target read off P's last row counts in the loss and carries no gradient:
+  its logit comes from the no_grad pass).
 
 Standalone mode runs each mode's reference semantics on ``concat(P, C)`` with the model's own forward: kv_only as
 the same cut in hooks on the decoder layers; frozen as transformers' cache path (P under no_grad with
@@ -27,7 +28,6 @@ same semantics on a pack, and skips work where an upstream gradient is exactly z
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import types
 from dataclasses import dataclass
@@ -37,8 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from packtrain.packed.cut import cut_at_layer_inputs
 from packtrain.packed.layout import PackLayout
 from packtrain.packed.patch import LAYOUT_KWARG, packed_positions, text_parts
+from packtrain.packed.prefix import PrefixCall, PrefixState, run_prefix
 
 MODES = ("full", "kv_only", "frozen")
 _DESCRIBE = {
@@ -56,59 +58,6 @@ class ContextPlan:
     """What a packed forward's kernels need to know of the mode (set on the layout per forward)."""
     mode: str
     keep_from: tuple[int, ...] = ()  # kv_only: per decoder layer, the first buffer row whose output may get gradient
-
-
-class PrefixCache:
-    """P's per-layer constants from the no_grad pass (a transformers cache), as the packed kernels read them."""
-
-    def __init__(self, cache):
-        self.cache = cache
-
-    def kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """P's keys and values [1, G, P, D] (after k_norm and RoPE, as attention reads them)."""
-        layer = self.cache.layers[layer_idx]
-        return layer.keys, layer.values
-
-    def gdn(self, layer_idx: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(P's last W-1 pre-conv inputs [W-1, C], zero rows where P is shorter; P's final state [1, HV, K, V])."""
-        layer = self.cache.layers[layer_idx]
-        conv = layer.conv_states[0][0]  # [C, W]: the last W inputs, zero-padded on the left
-        return conv[:, conv.shape[-1] - (width - 1):].T, layer.recurrent_states[0]
-
-
-# -- kv_only: the cut -------------------------------------------------------------------------------------------
-class _CutRows(torch.autograd.Function):
-    """Identity in forward; in backward the gradient of rows [:start] (dim -2) is zero."""
-
-    @staticmethod
-    def forward(ctx, x, start):
-        ctx.start = start
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        kept = grad.narrow(-2, ctx.start, grad.shape[-2] - ctx.start)
-        zeros = grad.new_zeros(grad.shape[:-2] + (ctx.start, grad.shape[-1]))
-        return torch.cat([zeros, kept], dim=-2), None
-
-
-def cut_rows(x: torch.Tensor, start: int) -> torch.Tensor:
-    return _CutRows.apply(x, start)
-
-
-@contextlib.contextmanager
-def cut_at_layer_inputs(layers, start: int):
-    """Cut the gradient of rows [:start] of every decoder layer's input. The hooks sit on the modules of the layer
-    list (outside any checkpoint wrapper), so a recompute never sees them."""
-    def hook(module, args):
-        return (cut_rows(args[0], start),) + tuple(args[1:])
-
-    handles = [layer.register_forward_pre_hook(hook) for layer in layers]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 # -- kv_only: row-sparse backward -------------------------------------------------------------------------------
@@ -210,7 +159,7 @@ def _assign_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs
 
 def _differentiable(cache) -> None:
     """transformers updates a linear-attention cache layer in place (``copy_``), which breaks backward through
-    the continuation (the chunk rule saved the state it overwrites; FACTS.md). Make its updates assignments:
+    the continuation (the chunk rule saved the state it overwrites). Make its updates assignments:
     ``record_past`` does it for the conv state (and avoids the in-place single-token conv kernel), and the recurrent
     state's update is replaced on this cache instance. Attention layers already concatenate."""
     for layer in cache.layers:
@@ -267,13 +216,14 @@ class ContextGrad:
 
     def _frozen(self, lm, layout: PackLayout):
         p = layout.prefix_len
-        prefix = dataclasses.replace(layout, packed=False, input_ids=layout.input_ids[:, :p], image_grid_thw=None,
+        if layout.packed:
+            return continuations_on(lm, layout, run_prefix(lm, PrefixCall(layout)), constant=True)
+        # the mode's reference semantics: transformers' own cache path on concat(P, C)
+        prefix = dataclasses.replace(layout, input_ids=layout.input_ids[:, :p], image_grid_thw=None,
                                      pixel_values=None, _cache={})
-        with torch.no_grad():  # seed 000's phase 1: P through the model's own forward, keeping only its cache
+        with torch.no_grad():  # P through the model's own forward, keeping only its cache
             first = lm.run_body(prefix, use_cache=True)
         cache, last = first.cache, first.last_hidden_state[:, -1:]
-        if layout.packed:
-            return continuations_on(lm, layout, PrefixCache(cache), last, constant=True)
         rest = _continuation_view(layout)
         _differentiable(cache)
         second = lm.run_body(rest, cache=cache, use_cache=True, position_ids=packed_positions(lm.model, rest))
@@ -281,15 +231,14 @@ class ContextGrad:
         return hidden, layout.target_positions - (p - 1), layout.target_positions < p
 
 
-def continuations_on(lm, layout: PackLayout, prefix, last: torch.Tensor, constant: bool):
-    """A pack's continuations alone against P's caches from outside (``prefix``: P's K/V, GDN states and conv
-    tails, as :class:`PrefixCache` gives them) and ``last``, P's final hidden state at its last row [1, 1, D].
-    Returns what :meth:`ContextGrad.hidden_states` returns: targets read off P's last row take ``last``, every
-    other target t row t - P + 1; with ``constant`` those first ones are constants (frozen)."""
+def continuations_on(lm, layout: PackLayout, prefix: PrefixState, constant: bool):
+    """A pack's continuations alone against P's state from outside (``prefix``, :func:`run_prefix`'s). Returns what
+    :meth:`ContextGrad.hidden_states` returns: targets read off P's last row take ``prefix.last``, every other
+    target t row t - P + 1; with ``constant`` those first ones are constants (frozen)."""
     p = layout.prefix_len
     rest = _continuation_view(layout)
-    rest.prefix_cache = prefix
+    rest.prefix_state = prefix
     rest.context = ContextPlan("frozen")
     second = lm.run_body(rest)
-    hidden = torch.cat([last.to(second.last_hidden_state.dtype), second.last_hidden_state], dim=1)
+    hidden = torch.cat([prefix.last.to(second.last_hidden_state.dtype), second.last_hidden_state], dim=1)
     return hidden, layout.target_positions - (p - 1), (layout.target_positions < p) if constant else None

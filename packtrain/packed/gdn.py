@@ -104,9 +104,9 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
     mixed_TC, z, b, a = module.packtrain_split(module, x_TD)
     weight_CW = module.conv1d.weight.squeeze(1)
     W = weight_CW.shape[-1]
-    frozen = layout.prefix_cache  # frozen context: the buffer holds only the continuations; P's tail and state
-    if frozen is not None:  # are constants from P's no_grad pass
-        tail_W1C, state = frozen.gdn(module.layer_idx, W)
+    outside = layout.prefix_state  # P's state from outside (frozen context, continuation groups): the buffer
+    if outside is not None:  # holds only the continuations, which start from P's tail and state
+        tail_W1C, state = outside.conv_and_state(module.layer_idx, W)
         conv_in, conv_layout = torch.cat([tail_W1C.to(mixed_TC.dtype), mixed_TC]), _tail_layout(layout, W)
     else:
         conv_in, conv_layout = mixed_TC, layout
@@ -117,7 +117,7 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
         mixed_TC = fla_backend.packed_conv(conv_in, weight_CW, module.conv1d.bias, conv_layout)
     else:
         mixed_TC = packed_conv_torch(conv_in, weight_CW, module.conv1d.bias, conv_layout)
-    if frozen is not None:
+    if outside is not None:
         mixed_TC = mixed_TC[W - 1:]
 
     q, k, v = torch.split(mixed_TC, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
@@ -128,11 +128,11 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
     # If the model is loaded in fp16, without the .float() here, A might be -inf (as transformers does)
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
 
-    if frozen is not None and backend.gdn == "fla":
+    if outside is not None and backend.gdn == "fla":
         from packtrain.packed.kernels import fla_frozen
 
         core = fla_frozen.continuation_delta_rule(q, k, v, g, beta, layout, state)
-    elif frozen is not None:
+    elif outside is not None:
         core = continuation_delta_rule_torch(q, k, v, g, beta, layout, state)
     elif backend.gdn == "fla":
         from packtrain.packed.kernels import fla_backend

@@ -3,41 +3,38 @@ is the limit.
 
 One pack is G + 1 calls of :class:`packtrain.packed.lm.PackedLM` (the FSDP root, so its hooks run per call):
 
-1. P alone through the model's own forward with a :class:`packtrain.packed.walk.WindowCache`, its graph kept. The cache
-   records what the continuations read of P: every attention layer's keys and values (after k_norm and RoPE),
-   every Gated DeltaNet layer's final state and conv tail (its last W-1 pre-conv inputs); and P's final hidden
-   state at its last row, which a continuation without an item reads its first target off.
+1. P alone (:func:`packtrain.packed.prefix.run_prefix`), its graph kept: P's state
+   (:class:`~packtrain.packed.prefix.PrefixState`: every attention layer's keys and values, every Gated DeltaNet
+   layer's final state and conv tail, and P's final hidden state at its last row, which a continuation without an
+   item reads its first target off).
 2. Each group in turn: its continuations as a pack without P's rows (the frozen context's kernels,
-   :func:`packtrain.packed.context.continuations_on`) that reads P from *leaf* copies of step 1's outputs; its loss's
-   backward leaves the gradient on P's outputs in the leaves' ``.grad`` (summed over the groups) and frees the
+   :func:`packtrain.packed.context.continuations_on`) that reads P from *leaf* copies of step 1's state; its loss's
+   backward leaves the gradient on P's state in the leaves' ``.grad`` (summed over the groups) and frees the
    group's graph.
-3. One backward through P's graph with those summed gradients.
+3. One backward through P's graph with those summed gradients (:func:`packtrain.packed.prefix.backward_through`).
 
 The gradient is the one-group pack's (the chain rule taken in two parts; float rounding aside, tests/test_groups.py
 compares both with the standalone examples). What peak memory holds: P's graph, one group's graph, and the
-gradients of P's outputs (K/V of every attention layer over P, one state and tail per GDN layer), instead of P's
+gradients of P's state (K/V of every attention layer over P, one state and tail per GDN layer), instead of P's
 graph and every continuation's.
 
 Under ``packing.context_grad`` kv_only, step 1 cuts the gradient at P's rows of every decoder-layer input (all of
-its rows), as the mode's standalone reference does; under frozen, step 1 runs under no_grad (the frozen context's
-own P pass) and step 3 is skipped.
+its rows), as the mode's standalone reference does; under frozen, step 1 runs under no_grad and step 3 is skipped.
 
-Every pack runs exactly G groups, whatever its continuation count, so every rank issues the same calls: a pack with
-fewer continuations than G fills its last groups with its first continuation, its loss scaled by zero.
+Every pack runs exactly G groups, whatever its continuation count, so every rank issues the same calls (the equal-call
+rule of :mod:`packtrain.run.steps`): a pack with fewer continuations than G fills its last groups with a dummy group
+(its first continuation, its loss scaled by zero).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
-from packtrain.packed.context import continuations_on, cut_at_layer_inputs
+from packtrain.packed.context import continuations_on
 from packtrain.packed.layout import PackLayout
-from packtrain.packed.patch import packed_positions, text_parts
-from packtrain.packed.walk import GDN, KV, WindowCache
+from packtrain.packed.loss import require_grad
+from packtrain.packed.prefix import PrefixCall, PrefixState, backward_through
 
 
 @dataclass
@@ -83,90 +80,37 @@ def group_units(unit, lengths: list[int], n_groups: int) -> tuple[list, list[flo
 
 
 @dataclass
-class PrefixCall:
-    """Call 1: P of ``layout`` (any of the pack's group layouts: they share P)."""
-    layout: PackLayout
-
-
-@dataclass
-class PrefixOut:
-    kv: KV  # attention layer -> (keys, values) [1, G, P, D]
-    gdn: GDN  # GDN layer -> (conv tail [1, C, W-1], final state [1, HV, K, V])
-    last: torch.Tensor  # [1, 1, D] P's final hidden state at its last row
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for pair in (*self.kv.values(), *self.gdn.values()) for t in pair] + [self.last]
-
-    def leaves(self, grad: bool) -> PrefixOut:
-        """Detached copies (sharing storage) that collect the groups' gradients when ``grad``."""
-        def leaf(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().requires_grad_(grad)
-
-        return PrefixOut({i: (leaf(k), leaf(v)) for i, (k, v) in self.kv.items()},
-                         {i: (leaf(c), leaf(s)) for i, (c, s) in self.gdn.items()}, leaf(self.last))
-
-    # the interface the packed kernels read P's caches through (packtrain.packed.context.PrefixCache)
-    def kv_of(self, layer_idx: int):
-        return self.kv[layer_idx]
-
-    def gdn_of(self, layer_idx: int, width: int):
-        tail, state = self.gdn[layer_idx]
-        return tail[0, :, tail.shape[-1] - (width - 1):].T, state
-
-
-class _Reader:
-    """:class:`PrefixOut` as :class:`packtrain.packed.context.PrefixCache`'s interface (``kv``, ``gdn``)."""
-
-    def __init__(self, prefix: PrefixOut):
-        self.kv, self.gdn = prefix.kv_of, prefix.gdn_of
-
-
-@dataclass
 class GroupCall:
     """Call 2: one group's continuations, reading P from ``prefix``."""
     layout: PackLayout
-    prefix: PrefixOut
-
-
-def run_prefix(lm, call: PrefixCall) -> PrefixOut:
-    """Called by :meth:`PackedLM.forward` for a :class:`PrefixCall`."""
-    lay, mode = call.layout, lm.context.mode
-    p = lay.prefix_len
-    text_model, _ = text_parts(lm.model)
-    cache = WindowCache(text_model.config, {}, {})
-    body = dataclasses.replace(lay, packed=False, input_ids=lay.input_ids[:, :p], image_grid_thw=None,
-                               pixel_values=None, _cache={})
-    cut = cut_at_layer_inputs(text_model.layers, p) if mode == "kv_only" else contextlib.nullcontext()
-    with cut, torch.set_grad_enabled(torch.is_grad_enabled() and mode != "frozen"):
-        hidden = lm.run_body(body, cache=cache, use_cache=True, position_ids=packed_positions(lm.model, lay)[..., :p],
-                             attention_mask={"full_attention": None, "linear_attention": None}).last_hidden_state
-    gdn = {i: (cache.tail_out[i], cache.state_out[i]) for i in cache.state_out}
-    return PrefixOut(cache.kv_out, gdn, hidden[:, -1:])
+    prefix: PrefixState
 
 
 def group_hidden(lm, call: GroupCall):
     """:meth:`packtrain.packed.context.ContextGrad.hidden_states` for a :class:`GroupCall`."""
     frozen = lm.context.mode == "frozen"
-    return continuations_on(lm, call.layout, _Reader(call.prefix), call.prefix.last, constant=frozen)
+    return continuations_on(lm, call.layout, call.prefix, constant=frozen)
 
 
-def train_groups(lm, groups: Groups, scale: float) -> float:
-    """Forward and backward of one pack in groups (gradients accumulate into the parameters, scaled by
-    ``scale``). Returns the sum of its examples' losses."""
+def train_groups(lm, groups: Groups, scale: float) -> tuple[float, list[float]]:
+    """Forward and backward of one pack in groups (gradients accumulate into the parameters, scaled by ``scale``
+    times each group's weight). Returns (the sum of its examples' losses, the per-example losses of its real
+    groups in the pack's order)."""
     if any(lay.image_grid_thw is not None for lay in groups.layouts):
         raise ValueError("packing.continuation_groups > 1 takes text-only packs; this pack has images "
                          "(set packing.continuation_groups: 1)")
     grad = lm.context.mode != "frozen"
     prefix = lm(PrefixCall(groups.layouts[0]))
     leaves = prefix.leaves(grad)
-    total = 0.0
+    total, losses = 0.0, []
     for layout, weight in zip(groups.layouts, groups.weights):
         out = lm(GroupCall(layout, leaves))
+        require_grad(out.loss_sum)
         (out.loss_sum * (scale * weight)).backward()
         total += weight * float(out.per_example.sum())
+        if weight:
+            losses += out.per_example.tolist()
     if grad:  # into P's graph
-        pairs = [(t, leaf.grad) for t, leaf in zip(prefix.tensors(), leaves.tensors())
-                 if t.requires_grad and leaf.grad is not None]
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-    return total
+        backward_through(prefix, leaves.grads())
+    return total, losses
+

@@ -52,7 +52,8 @@ class PackLayout:
     pixel_values: torch.Tensor | None = None  # [patches, dim], filled in by the image loader
     # ``packing.context_grad`` (:mod:`packtrain.packed.context`) fills in these two per forward
     context: object | None = None  # the mode's per-pack plan (packtrain.packed.context.ContextPlan), None: full
-    prefix_cache: object | None = None  # frozen: P's cache from a no_grad pass; the buffer then holds only the Ci
+    # P read from outside (packtrain.packed.prefix.PrefixState): the buffer then holds only the continuations
+    prefix_state: object | None = None
     _cache: dict = field(default_factory=dict, repr=False)  # per-pack objects built once (e.g. a BlockMask)
 
     @property

@@ -12,13 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from packtrain.packed.context import ContextGrad
-from packtrain.packed.groups import GroupCall, PrefixCall, group_hidden, run_prefix
+from packtrain.packed.groups import GroupCall, group_hidden
 from packtrain.packed.layout import PackLayout
+from packtrain.packed.loss import target_cross_entropy
 from packtrain.packed.patch import LAYOUT_KWARG, model_body, packed_positions, text_parts, unwrap
+from packtrain.packed.prefix import PrefixCall, run_prefix
 from packtrain.packed.walk import Window, run_window
 
 
@@ -31,10 +32,6 @@ class LossOutput:
     @property
     def num_examples(self) -> int:
         return int(self.per_example.numel())
-
-
-def _ce_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class PackedLM(nn.Module):
@@ -52,6 +49,7 @@ class PackedLM(nn.Module):
         text_parts(model)  # fail early on an unsupported model
         self.context = ContextGrad(context_grad)
         self.context.install(model)
+        self.calls = 0  # forward calls of this root: each runs FSDP's collectives (packtrain.run.units counts them)
 
     def hidden_states(self, layout: PackLayout) -> torch.Tensor:
         """The final hidden states [1, T, D] of the layout's buffer (the body's last output)."""
@@ -82,9 +80,10 @@ class PackedLM(nn.Module):
         return body(input_ids=layout.input_ids, **kwargs)
 
     def forward(self, layout: PackLayout) -> LossOutput:
+        self.calls += 1
         if isinstance(layout, Window):  # one window of a walked example (packtrain.packed.walk)
             return run_window(self, layout)
-        if isinstance(layout, PrefixCall):  # P of a pack run in continuation groups (packtrain.packed.groups)
+        if isinstance(layout, PrefixCall):  # P of a pack alone (continuation groups, packtrain.packed.groups)
             return run_prefix(self, layout)
         text_model, lm_head = text_parts(self.model)
         if isinstance(layout, GroupCall):  # one group of that pack's continuations
@@ -99,7 +98,7 @@ class PackedLM(nn.Module):
         logits = lm_head(h_MD)
         if constant is not None:  # frozen: a target read off P's last row takes its logit from the no_grad pass
             logits = torch.where(constant[:, None], logits.detach(), logits)
-        token_loss = F.cross_entropy(logits.to(_ce_dtype(logits.dtype)), layout.target_ids, reduction="none")
+        token_loss = target_cross_entropy(logits, layout.target_ids)
         n = layout.num_examples
         counts = layout.target_counts.to(token_loss.dtype)
         per_example = token_loss.new_zeros(n).index_add(0, layout.target_example, token_loss) / counts

@@ -11,23 +11,15 @@ such steps are skipped (no update, counted in metrics.jsonl); the next one stops
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from packtrain.distributed import DistInfo, all_reduce_max_tensor
 from packtrain.exits import NonFiniteError
 
-# Test hook: "RANK:STEP" makes that rank's loss NaN in that step (how a bad pack on one rank looks).
-INJECT_ENV = "PACKTRAIN_TEST_NAN_AT"
-
 
 def is_finite(*values: float) -> bool:
     return all(math.isfinite(v) for v in values)
-
-
-def injected_nan(rank: int, step: int) -> bool:
-    return os.environ.get(INJECT_ENV) == f"{rank}:{step}"
 
 
 def describe(loss: float, grad_norm: float) -> str:

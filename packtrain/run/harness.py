@@ -1,6 +1,6 @@
-"""One optimizer update on one chosen pack, built from the trainer's own pieces: for ``packtrain smoke`` (the
-largest pack, memory per phase) and ``packtrain pretune-fla`` (a shortened prompt, so Triton tunes with memory to
-spare). Also the per-phase peak-memory probe.
+"""One optimizer update on one chosen unit, through the unit runner as the trainer runs it: for ``packtrain smoke``
+(the largest unit, memory per phase) and ``packtrain pretune-fla`` (a shortened prompt, so Triton tunes with memory
+to spare). Also the per-phase peak-memory probe.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 
 from packtrain.data.planner import Plan
 from packtrain.ops import memory
-from packtrain.packed.layout import PackLayout
-from packtrain.run.steps import Unit, unit_layout
+from packtrain.run.steps import Unit
+from packtrain.run.units import Prepared, UnitSetup, prepare, run_unit, step_scale
 
 
 def build_lm(cfg, info):
@@ -30,32 +30,28 @@ def build_lm(cfg, info):
 
 
 def largest_unit(plan: Plan, examples, mode: str, max_positions: int | None = None) -> Unit:
-    return Unit(*memory.largest_unit(plan, examples, mode, max_positions))
+    """The unit with the most positions (:func:`packtrain.ops.memory.largest_unit`); a walked example keeps its
+    schedule, so it is walked as training walks it."""
+    prompt, ids = memory.largest_unit(plan, examples, mode, max_positions)
+    walked = next((p.schedule for p in plan.packs if p.schedule is not None and p.examples == tuple(ids)), None)
+    return Unit(prompt, tuple(ids), schedule=walked)
 
 
-def unit_layout_shortened(unit: Unit, plan: Plan, examples, mode: str, prompt_tokens: int | None) -> PackLayout:
-    """The unit's layout with P cut to its first ``prompt_tokens`` tokens (None: as planned)."""
+def prepare_shortened(unit: Unit, plan: Plan, examples, setup: UnitSetup, prompt_tokens: int | None) -> Prepared:
+    """The unit prepared with P cut to its first ``prompt_tokens`` tokens (None: as planned)."""
     if prompt_tokens is not None:
         plan = dataclasses.replace(plan, prompts=[p[:prompt_tokens] for p in plan.prompts])
-    return unit_layout(unit, plan, examples, mode)
+    return prepare(unit, plan, examples, setup)
 
 
-def one_update(lm, layout, optimizer) -> float:
-    """Forward, backward and optimizer step on one unit (a :class:`PackLayout`, or a pack in continuation groups,
-    :class:`packtrain.packed.groups.Groups`), the loss averaged over its examples as the trainer does."""
-    from packtrain.packed.groups import Groups, train_groups
-
-    if isinstance(layout, Groups):
-        n = sum(lay.num_examples for lay, w in zip(layout.layouts, layout.weights) if w)
-        loss = train_groups(lm, layout, 1 / n)
-    else:
-        out = lm(layout)
-        n = out.num_examples
-        (out.loss_sum / n).backward()
-        loss = float(out.loss_sum.detach())
+def one_update(lm, prepared: Prepared, setup: UnitSetup, optimizer, device) -> float:
+    """Forward, backward (through :func:`packtrain.run.units.run_unit`) and optimizer step on one unit, scaled as
+    the trainer scales a step that is this unit on every rank. Returns the unit's mean per-example loss."""
+    n = len(prepared.unit.examples)
+    result = run_unit(lm, prepared, setup, device, step_scale(1, n))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss / n
+    return result.loss_sum / n
 
 
 def is_out_of_memory(e: BaseException) -> bool:

@@ -1,0 +1,46 @@
+"""What the user reads of a run: the header (data, plan, modes, model, sharding, steps) and the footer (losses and
+where the outputs are). Printed by rank 0 only."""
+
+from __future__ import annotations
+
+from packtrain.data.planner import plan_stats
+from packtrain.packed.families import describe as describe_model
+
+
+def header(trainer) -> list[str]:
+    t, cfg = trainer, trainer.cfg
+    s = plan_stats(t.plan, t.train_examples)
+    lines = [f"packtrain train: {s['examples']} examples, {s['prompts']} prompts -> {s['packs']} packs "
+             f"(positions {s['positions_standalone']:,} standalone vs {s['positions_packed']:,} packed, "
+             f"{s['position_ratio']:.1f}x)",
+             f"  mode {t.setup.mode}, kernels: {t.backend.describe()}, device {t.dist.device}, "
+             f"world size {t.dist.world_size}, dtype {cfg.model.dtype}",
+             f"  {describe_model(t.model)}",
+             f"  context_grad {t.lm.context.describe()}"]
+    walk_spec, n_groups = t.setup.walk_spec, t.setup.n_groups
+    if walk_spec is not None:
+        lines.append(f"  on_overflow {walk_spec.describe()}: {s['walked']} examples over the budget in "
+                     f"{s['walk_chunks']} chunks")
+    if n_groups > 1:
+        lines.append(f"  continuation_groups {n_groups}: each pack's continuations in {n_groups} groups against "
+                     "one P graph")
+    if t.dist.enabled:
+        local = sum(getattr(p, "_local_tensor", p).numel() for p in t.lm.parameters())
+        total = sum(p.numel() for p in t.lm.parameters())
+        lines.append(f"  FSDP2 over {t.dist.world_size} ranks: rank 0 holds {local:,} of {total:,} parameter "
+                     "elements")
+    report = getattr(t.lm, "load_report", None)
+    if report is not None:
+        lines.append(f"  weights: {report.describe()}")
+    trainable = sum(p.numel() for p in t.params)
+    lines.append(f"  {t.total_steps} steps ({t.steps_per_epoch} per epoch, {cfg.train.packs_per_step} "
+                 f"packs per step), {trainable:,} trainable parameters, output {t.out}")
+    return lines
+
+
+def footer(summary: dict, metrics_path) -> list[str]:
+    lines = []
+    if summary["eval_before"] is not None:
+        lines.append(f"eval loss: {summary['eval_before']:.4f} at step 0 -> {summary['eval_after']:.4f} "
+                     f"at step {summary['eval_after_step']}")
+    return lines + [f"adapter: {summary['adapter']}", f"loss plot: {summary['plot']}", f"metrics: {metrics_path}"]
