@@ -108,7 +108,7 @@ class LoraConfig:
     r: int = 8
     alpha: float = 16
     dropout: float = 0.05
-    # The seed's choice for long inputs: no adapter on up_proj/down_proj (down_proj's adapter input is the
+    # The default for long inputs: no adapter on up_proj/down_proj (down_proj's adapter input is the
     # intermediate-wide activation, ~3.4 GiB per recomputed layer at 70K tokens with dropout).
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"])
     # Parameters adapted directly (peft's parameter targeting), for the routed experts of MoE families, e.g.

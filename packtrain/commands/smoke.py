@@ -2,7 +2,7 @@
 peak memory of each phase.
 
 Why two updates and a save: AdamW creates its moment tensors during the first update, so only the second backward
-runs with them in memory, and a save has its own memory pattern; a one-update test sees neither peak (the seed).
+runs with them in memory, and a save has its own memory pattern; a one-update test sees neither peak.
 Writes to OUTPUT/smoke/ (never OUTPUT/checkpoints/, which ``train --resume`` reads). On out-of-memory it prints the
 phases so far and exits 3 naming the phase. Under the training launcher every rank runs the same pack, sharded as
 in training, and the table shows each phase's largest peak and its rank (an out-of-memory rank leaves the others

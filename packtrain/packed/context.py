@@ -2,8 +2,9 @@
 (:class:`ContextGrad`, printed in the run header) and applied to every forward by :class:`packtrain.packed.lm.PackedLM`.
 
 - ``full``: the exact gradient through P; every continuation's gradient sums into P's activations.
-- ``kv_only`` (stop-gradient through the context): the forward is unchanged (bitwise). In backward the gradient on P's rows of every
-  decoder-layer input is cut (detached): the residual stream, the embedding output (layer 0's input) included.
+- ``kv_only`` (stop-gradient through the context): the forward is unchanged (bitwise). In backward the gradient on
+  P's rows of every decoder-layer input is cut (detached): the residual stream, the embedding output (layer 0's
+  input) included.
   Within a layer, weights still learn from P's rows through what the continuations read of P in that layer:
   attention K/V (k_proj, v_proj, k_norm) and the Gated DeltaNet inputs that build P's final state and conv tail
   (in_proj_qkv, in_proj_a, in_proj_b, conv1d, A_log, dt_bias). The model keeps learning how to read P and stops

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from packtrain.packed.cut import cut_at_layer_inputs
 from packtrain.packed.layout import PackLayout
 from packtrain.packed.patch import packed_positions, text_parts
 
@@ -166,10 +167,9 @@ class PrefixCall:
 
 def run_prefix(lm, call: PrefixCall) -> PrefixState:
     """P under ``lm``'s ``packing.context_grad``: with its graph (full), under no_grad (frozen), or with the
-    gradient cut at P's rows of every decoder-layer input (kv_only, :func:`packtrain.packed.context.cut_at_layer_inputs`).
+    gradient cut at P's rows of every decoder-layer input (kv_only,
+    :func:`packtrain.packed.cut.cut_at_layer_inputs`).
     Called by :meth:`PackedLM.forward` for a :class:`PrefixCall`."""
-    from packtrain.packed.context import cut_at_layer_inputs
-
     mode, p = lm.context.mode, call.layout.prefix_len
     layers = text_parts(lm.model)[0].layers
     cut = cut_at_layer_inputs(layers, p) if mode == "kv_only" else contextlib.nullcontext()

@@ -199,7 +199,8 @@ class _Walk:
 def train_walk(lm, layout: PackLayout, spec: WalkSpec, scale: float, slot: Schedule,
                dummy: bool = False) -> WalkResult:
     """Forward and backward of one walked example (gradients accumulate into the parameters, scaled by
-    ``scale``); ``slot`` is the schedule every rank issues in this slot (:func:`packtrain.data.walk_schedule.schedule`)."""
+    ``scale``); ``slot`` is the schedule every rank issues in this slot
+    (:func:`packtrain.data.walk_schedule.schedule`)."""
     if lm.context.mode == "kv_only":
         raise ValueError("packing.on_overflow=walk: packing.context_grad kv_only is not supported (full or frozen)")
     frozen = lm.context.mode == "frozen"

@@ -36,7 +36,7 @@ from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.signals import StopSignals
 from packtrain.run.steps import rank_units, step_examples, step_packs, steps_per_epoch
-from packtrain.run.units import UnitSetup, image_loader, prepare, run_unit, step_scale
+from packtrain.run.units import UnitSetup, image_loader, over_cap, prepare, run_unit, step_scale
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
 from packtrain.rundir import resume as resuming
@@ -113,7 +113,7 @@ class Trainer:
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
-        # Each rank draws its own dropout masks; the seed fixes them (and a checkpoint stores every rank's state).
+        # Each rank draws its own dropout masks; train.seed fixes them (and a checkpoint stores every rank's state).
         torch.manual_seed(cfg.train.seed + 1_000_003 * self.dist.rank)
         self.skippable = tuple(_exception_class(name) for name in cfg.train.skippable_errors)
         self.counters = Counters()
@@ -226,7 +226,7 @@ class Trainer:
             code, ready = OK, None
             try:
                 ready = prepare(unit, self.plan, self.train_examples, self.setup)
-                if cap is not None and unit.schedule is None and ready.positions > cap:
+                if over_cap(ready, cap):
                     code = SKIP
             except self.skippable:
                 code = SKIP

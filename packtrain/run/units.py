@@ -87,7 +87,8 @@ def unit_layout(unit: Unit, plan: Plan, examples, mode: str, images: ImageLoader
 
 
 def unit_groups(unit: Unit, plan: Plan, examples, n_groups: int, images: ImageLoader | None = None) -> Groups:
-    """A pack's continuations in ``n_groups`` groups (``packing.continuation_groups``, :mod:`packtrain.packed.groups`)."""
+    """A pack's continuations in ``n_groups`` groups (``packing.continuation_groups``,
+    :mod:`packtrain.packed.groups`)."""
     lengths = [len(examples[e].item_ids) + len(examples[e].target_ids) for e in unit.examples]
     units, weights = group_units(unit, lengths, n_groups)
     return Groups([unit_layout(u, plan, examples, "shared_prefix", images) for u in units], weights)
@@ -97,6 +98,12 @@ def prepare(unit: Unit, plan: Plan, examples, setup: UnitSetup) -> Prepared:
     if setup.mode == "shared_prefix" and setup.n_groups > 1 and unit.schedule is None:
         return Prepared(unit, unit_groups(unit, plan, examples, setup.n_groups, setup.images))
     return Prepared(unit, unit_layout(unit, plan, examples, setup.mode, setup.images))
+
+
+def over_cap(prepared: Prepared, max_positions: int | None) -> bool:
+    """``train.max_positions``: a pack or an example over it is skipped; a walked example never is (one window of
+    it is in memory at a time)."""
+    return max_positions is not None and prepared.unit.schedule is None and prepared.positions > max_positions
 
 
 def run_unit(lm, prepared: Prepared, setup: UnitSetup, device, scale: float | None = None) -> UnitResult:

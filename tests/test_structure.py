@@ -1,0 +1,123 @@
+"""The package's structure: dependencies run one way, no module imports in a cycle (lazy imports included), and one
+place runs units (the unit runner, packtrain/run/units.py)."""
+
+import ast
+import collections
+from pathlib import Path
+
+import packtrain
+
+ROOT = Path(packtrain.__file__).parent
+# A package (or top-level module) imports only those before it: the packed computation never imports the run.
+ORDER = ["exits", "config", "distributed", "data", "packed", "models", "rundir", "ops", "run", "bench", "commands",
+         "cli", "__main__"]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("packtrain",) + path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Every packtrain module each module imports, at module level or inside a function."""
+    def resolve(name: str) -> str:
+        while name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    edges = collections.defaultdict(set)
+    for mod, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                raise AssertionError(f"{path}: relative import")
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "packtrain":
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    edges[mod].add(full if full in modules else resolve(node.module))
+            elif isinstance(node, ast.Import):
+                edges[mod] |= {resolve(a.name) for a in node.names if a.name.split(".")[0] == "packtrain"}
+        edges[mod].discard(mod)
+    return edges
+
+
+def _part(mod: str) -> str:
+    return mod.split(".")[1] if "." in mod else "__init__"
+
+
+def test_every_module_belongs_to_a_known_part():
+    unknown = sorted({_part(m) for m in _modules()} - set(ORDER) - {"__init__"})
+    assert not unknown, f"add {unknown} to ORDER in tests/test_structure.py"
+
+
+def test_dependencies_run_one_way():
+    wrong = []
+    for mod, deps in _imports(_modules()).items():
+        for dep in deps:
+            a, b = _part(mod), _part(dep)
+            if a != b and b != "__init__" and ORDER.index(b) > ORDER.index(a):
+                wrong.append(f"{mod} imports {dep}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles():
+    edges = _imports(_modules())
+    state, cycles = {}, []
+
+    def visit(mod, path):
+        state[mod] = "open"
+        for dep in sorted(edges[mod]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(path[path.index(dep):] + [mod, dep]) if dep in path else f"{mod} -> {dep}")
+            elif dep not in state:
+                visit(dep, path + [mod])
+        state[mod] = "done"
+
+    for mod in sorted(edges):
+        if mod not in state:
+            visit(mod, [])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_checks_see_a_cycle_and_a_wrong_way_import(tmp_path, monkeypatch):
+    """The two checks above can fail: a package where a imports b, b imports a lazily, and packed imports run."""
+    pkg = tmp_path / "packtrain"
+    (pkg / "packed").mkdir(parents=True)
+    (pkg / "run").mkdir()
+    for init in (pkg, pkg / "packed", pkg / "run"):
+        (init / "__init__.py").write_text("")
+    (pkg / "packed" / "a.py").write_text("from packtrain.run.b import x\n")
+    (pkg / "run" / "b.py").write_text("def f():\n    from packtrain.packed import a\n")
+    monkeypatch.setattr(packtrain, "__file__", str(pkg / "__init__.py"))
+    monkeypatch.setitem(globals(), "ROOT", pkg)
+    edges = _imports(_modules())
+    assert edges["packtrain.packed.a"] == {"packtrain.run.b"} and edges["packtrain.run.b"] == {"packtrain.packed.a"}
+    try:
+        test_dependencies_run_one_way()
+    except AssertionError as e:
+        assert "packtrain.packed.a imports packtrain.run.b" in str(e)
+    else:
+        raise AssertionError("the wrong-way import was not seen")
+    try:
+        test_no_import_cycles()
+    except AssertionError as e:
+        assert "packtrain.packed.a" in str(e) and "packtrain.run.b" in str(e)
+    else:
+        raise AssertionError("the cycle was not seen")
+
+
+def test_only_the_unit_runner_dispatches_on_unit_kinds():
+    """The walk's and the groups' entry points, and the test for a pack in groups, are used by run/units.py alone."""
+    kinds = {"train_walk", "eval_walk", "train_groups"}
+    users = collections.defaultdict(set)
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                if name in kinds:
+                    users[name].add(mod)
+                if name == "isinstance" and any(getattr(a, "id", None) == "Groups" for a in ast.walk(node.args[1])):
+                    users["isinstance Groups"].add(mod)
+    assert dict(users) == {k: {"packtrain.run.units"} for k in kinds | {"isinstance Groups"}}
