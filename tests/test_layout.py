@@ -20,9 +20,6 @@ def test_pack_layout_table():
     assert lay.target_ids.tolist() == [21, 22, 30]
     assert lay.target_example.tolist() == [0, 0, 1]
     assert lay.target_counts.tolist() == [2, 1]
-    assert lay.pad_index.tolist() == [[0, 1, 2], [3, 4, 4]]  # 4 = the zero row
-    assert lay.valid.tolist() == [[True, True, True], [True, False, False]]
-    assert lay.unpad_index.tolist() == [0, 1, 2, 3]
     assert lay.conv_tail_index(4).tolist() == [0, 1, 2]  # P's last 3 tokens
     assert lay.conv_tail_index(2).tolist() == [2]
     assert lay.conv_tail_index(6).tolist() == [-1, -1, 0, 1, 2]  # P shorter than W-1: zero history first

@@ -5,7 +5,7 @@ Every continuation Ci keeps the positions it has in its standalone example ``con
 (``[4, 1, T]``: row 0 the text position, rows 1-3 temporal/height/width; text tokens have the same value on
 every axis) so image tokens can later get their own coordinates without changing the layout.
 
-Shape legend: T buffer length, N continuations, L longest continuation, M target tokens, W conv kernel.
+Shape legend: T buffer length, N continuations, M target tokens, W conv kernel.
 
 A standalone layout is the same structure for one example alone (``packed=False``): the whole sequence is one
 causal segment and the model runs unmodified.
@@ -44,10 +44,6 @@ class PackLayout:
     target_ids: torch.Tensor  # [M]
     target_example: torch.Tensor  # [M] which example (0-based) each target token belongs to
     target_counts: torch.Tensor  # [N_examples] target tokens per example
-    # Right-padded batch view of the continuation region, for kernels that run continuations as a batch:
-    pad_index: torch.Tensor  # [N, L] index into the continuation region, or ΣL (a zero row) for padding
-    valid: torch.Tensor  # [N, L] bool
-    unpad_index: torch.Tensor  # [ΣL] index into the flattened [N*L] batch
     image_grid_thw: torch.Tensor | None = None  # [images, 3] in buffer order, None for text-only
     pixel_values: torch.Tensor | None = None  # [patches, dim], filled in by the image loader
     # ``packing.context_grad`` (:mod:`packtrain.packed.context`) fills in these two per forward
@@ -150,18 +146,6 @@ def build_standalone_layout(prefix_ids: Sequence[int], continuation: Continuatio
 
 def _finish(packed, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_examples, grids=()) -> PackLayout:
     thw = torch.tensor(positions, dtype=torch.long)  # [3, T]: temporal, height, width
-    n = len(lens)
-    longest = max(lens, default=0)
-    total = sum(lens)
-    pad_index = torch.full((n, longest), total, dtype=torch.long)
-    valid = torch.zeros((n, longest), dtype=torch.bool)
-    unpad = []
-    start = 0
-    for i, length in enumerate(lens):
-        pad_index[i, :length] = torch.arange(start, start + length)
-        valid[i, :length] = True
-        unpad.extend(range(i * longest, i * longest + length))
-        start += length
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     ex = torch.tensor(t_ex, dtype=torch.long)
     return PackLayout(
@@ -177,9 +161,6 @@ def _finish(packed, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_exa
         target_ids=torch.tensor(t_ids, dtype=torch.long),
         target_example=ex,
         target_counts=torch.bincount(ex, minlength=n_examples),
-        pad_index=pad_index,
-        valid=valid,
-        unpad_index=torch.tensor(unpad, dtype=torch.long),
         image_grid_thw=torch.tensor([list(g) for g in grids], dtype=torch.long) if grids else None,
     )
 
