@@ -9,7 +9,7 @@ import packtrain
 
 ROOT = Path(packtrain.__file__).parent
 # A package (or top-level module) imports only those before it: the packed computation never imports the run.
-ORDER = ["exits", "config", "distributed", "data", "packed", "models", "rundir", "ops", "run", "bench", "commands",
+ORDER = ["exits", "faults", "config", "distributed", "data", "packed", "models", "rundir", "ops", "run", "bench", "commands",
          "cli", "__main__"]
 
 

@@ -9,9 +9,8 @@ versions *and* their install folders (the same version from another folder is an
 checkout of packtrain: its sources are also hashed), CUDA and NCCL versions, the GPU name, and the FLA autotune
 cache fla will use (mode, folder, a digest of the pinned default configs). Not compared: the host name.
 
-Test hook: ``PACKTRAIN_TEST_OVERRIDE_RANK<N>="field=value"`` makes rank N report ``value`` for ``field`` (an
-existing field, else an error); the table marks it. It needs the rank in its name, so a stray variable in a shared
-environment changes one named rank and says so.
+Test hook (:mod:`packtrain.faults`): ``PACKTRAIN_TEST_OVERRIDE_RANK<N>="field=value"`` makes rank N report ``value``
+for ``field`` (an existing field, else an error); the table marks it.
 """
 
 from __future__ import annotations
@@ -25,11 +24,11 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from packtrain.faults import OVERRIDE_RANK, node_override
 from packtrain.ops import fla_tune
 
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "fla", "causal_conv1d", "triton", "packtrain")
 NOT_INSTALLED = "not installed"
-OVERRIDE_ENV = "PACKTRAIN_TEST_OVERRIDE_RANK{rank}"
 NOT_COMPARED = ("host",)
 
 
@@ -124,9 +123,8 @@ def node_report(rank: int, device=None) -> NodeReport:
 
 
 def apply_test_override(report: NodeReport) -> None:
-    name = OVERRIDE_ENV.format(rank=report.rank)
-    text = os.environ.get(name)
-    if not text:
+    name, text = node_override(report.rank)
+    if text is None:
         return
     for item in text.split(";"):
         key, sep, value = item.partition("=")
@@ -216,7 +214,7 @@ def format_table(reports: list[NodeReport]) -> str:
     lines.append("  (install folders are compared too: the same version from another folder is another install)")
     for r in reports:
         if r.overridden:
-            lines.append(f"  rank {r.rank}: {', '.join(r.overridden)} set by {OVERRIDE_ENV.format(rank=r.rank)}")
+            lines.append(f"  rank {r.rank}: {', '.join(r.overridden)} set by {OVERRIDE_RANK.format(rank=r.rank)}")
     return "\n".join(lines)
 
 

@@ -30,7 +30,8 @@ from packtrain.models.wrap import prepare_from_config
 from packtrain.ops.runtime import RunOps
 from packtrain.packed.families import check_model
 from packtrain.packed.loss import CUT_OFF, ZeroGradientError
-from packtrain.run import faults, finite, report
+from packtrain import faults
+from packtrain.run import finite, report
 from packtrain.run.evaluate import evaluate, mean_loss
 from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.run.optim import build_optimizer, build_scheduler

@@ -1,0 +1,32 @@
+"""The fault-injection hooks the tests use to make a run fail as real runs fail, in one place.
+
+Each is an environment variable read at one point of the run; unset, nothing changes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+NAN_AT = "PACKTRAIN_TEST_NAN_AT"  # "RANK:STEP": that rank's loss is NaN in that step (a bad pack on one rank)
+KILL_AFTER_CHECKPOINT = "PACKTRAIN_KILL_AFTER_CHECKPOINT"  # "STEP": SIGKILL right after step STEP's checkpoint
+# "field=value[;field=value]": rank N's check-nodes report says value for field (packtrain/ops/nodes.py); the rank in
+# the name, so a stray variable in a shared environment changes one named rank, and the table says so
+OVERRIDE_RANK = "PACKTRAIN_TEST_OVERRIDE_RANK{rank}"
+
+
+def nan_scale(rank: int, step: int, scale: float) -> float:
+    """``scale``, or NaN when :data:`NAN_AT` names this rank and step."""
+    return float("nan") if os.environ.get(NAN_AT) == f"{rank}:{step}" else scale
+
+
+def node_override(rank: int) -> tuple[str, str | None]:
+    """(the variable's name for ``rank``, its value or None)."""
+    name = OVERRIDE_RANK.format(rank=rank)
+    return name, os.environ.get(name) or None
+
+
+def after_checkpoint(step: int) -> None:
+    """Die like a preempted job (SIGKILL: no cleanup, no final save) when :data:`KILL_AFTER_CHECKPOINT` is ``step``."""
+    if os.environ.get(KILL_AFTER_CHECKPOINT) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
