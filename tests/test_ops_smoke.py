@@ -86,3 +86,11 @@ def test_smoke_runs_the_pack_in_continuation_groups(tmp_path):
     cfg = write_config(tmp_path, packing={"continuation_groups": 3})
     first = run_cli("smoke", str(cfg)).stdout.splitlines()[0]
     assert "continuations in 3 groups," in first, first
+
+
+def test_smoke_walks_an_example_over_the_budget(tmp_path, capsys):
+    """Every example over packing.token_budget: the largest unit is walked, chunk by chunk, as training walks it."""
+    cfg = write_config(tmp_path, packing={"on_overflow": "walk", "token_budget": 8, "walk": {"chunk": 4}})
+    assert smoke.run_smoke(argparse.Namespace(config=str(cfg), overrides=[])) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("smoke: the largest walked example,") and " chunks, " in first, first

@@ -62,8 +62,8 @@ def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
     types = text["layer_types"]
     full = sum(t == FULL for t in types)
     ckpt = ", checkpointed layers" if cfg.train.activation_checkpointing else ""
-    groups = cfg.packing.continuation_groups
-    ckpt += f", continuations in {groups} groups per pack" if groups > 1 else ""
+    n_groups = cfg.packing.continuation_groups
+    ckpt += f", continuations in {n_groups} groups per pack" if n_groups > 1 else ""
     describe = (f"{len(types)} layers ({len(types) - full} GDN + {full} attention), hidden {text['hidden_size']:,}, "
                 f"vocab {text['vocab_size']:,}, {cfg.model.dtype}, LoRA r {cfg.lora.r} on "
                 f"{','.join(cfg.lora.target_modules)} ({trainable:,} parameters){ckpt}; kernels {backend.describe()}")
@@ -71,7 +71,7 @@ def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
             "vocab_size": text["vocab_size"], "dtype": cfg.model.dtype, "kernels": backend.describe(),
             "activation_checkpointing": cfg.train.activation_checkpointing, "lora_r": cfg.lora.r,
             "lora_targets": list(cfg.lora.target_modules), "trainable_parameters": trainable,
-            "continuation_groups": groups, "describe": describe}
+            "continuation_groups": n_groups, "describe": describe}
 
 
 def _machine(device, load_before: float) -> dict:

@@ -63,7 +63,7 @@ def run_smoke(args) -> int:
     # as the trainer runs it: in continuation groups (packtrain/packed/groups.py), walked (packtrain/packed/walk.py)
     setup = UnitSetup(cfg.packing.mode, cfg.packing.continuation_groups, cfg.walk_spec())
     prepared = prepare(unit, plan, examples, setup)
-    groups = cfg.packing.continuation_groups if cfg.packing.mode == "shared_prefix" and unit.schedule is None else 1
+    n_groups = cfg.packing.continuation_groups if cfg.packing.mode == "shared_prefix" and unit.schedule is None else 1
     out = Path(cfg.output_dir) / "smoke"
     probe = PeakMemory(info.device)
     phases = []
@@ -88,7 +88,7 @@ def run_smoke(args) -> int:
             else "pack" if cfg.packing.mode == "shared_prefix" else "example")
     walked = f" in {unit.schedule.chunks} chunks" if unit.schedule is not None else ""
     title = (f"smoke: the largest {what}, {prepared.positions:,} positions ({len(unit.examples)} continuations"
-             f"{f' in {groups} groups' if groups > 1 else ''}{walked}, {targets:,} target tokens), "
+             f"{f' in {n_groups} groups' if n_groups > 1 else ''}{walked}, {targets:,} target tokens), "
              f"device {info.device}, {cfg.model.dtype}")
     try:
         run_phase(phases, probe, "load model", load)
