@@ -20,4 +20,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-.PHONY: install demo test
+# the in-process tier: no test that starts processes (ranks, signals, kills, the launcher; pyproject.toml's markers)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not process"
+
+.PHONY: install demo test test-fast

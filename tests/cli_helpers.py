@@ -1,7 +1,12 @@
-"""Run the real `packtrain` CLI in a subprocess on tiny configs written to a temp directory."""
+"""Run the real `packtrain` CLI on tiny configs written to a temp directory: in this process (`run_in_process`, the
+default for a check that needs no process of its own) or in a subprocess (`run_cli`, `run_distributed`: ranks,
+signals, kills, the launcher)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import io
 import json
 import os
 import subprocess
@@ -41,6 +46,12 @@ def write_text_data(path: Path, items_per_rulebook: int = 5, offset: int = 0) ->
     return path
 
 
+# 12 steps (6 with 2 packs per step); dropout and a cosine schedule make the RNG and scheduler state part of what a
+# resume must restore: the run the resume proofs (tests/test_train_cli.py, tests/test_preemption.py) compare with
+RESUMED = {"train": {"epochs": 2, "packs_per_step": 1, "save_every": 2}, "lora": {"dropout": 0.1},
+           "optim": {"schedule": "cosine", "warmup_steps": 2}}
+
+
 def write_config(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
     cfg = {
         "model": {"config": TINY_MODEL, "seed": 0, "dtype": "float64", "kernels": "torch"},
@@ -63,8 +74,56 @@ def write_config(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _environment(env: dict | None):
+    """``env`` set in os.environ for the block, then put back as it was."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_in_process(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """`packtrain ARGS` as ``packtrain.cli.main([...])`` in this process, read like :func:`run_cli`: its exit code
+    (argparse's own exit 2 included) and what it printed. ``env`` holds for the call only, and torch's thread count
+    is put back after it (bench sets its own). An exception that ``main`` does not turn into an exit code (a
+    traceback in a process) propagates, with what the command printed before it."""
+    import torch
+
+    from packtrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()
+    try:
+        with _environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse: a bad flag
+                code = e.code if isinstance(e.code, int) else 2
+    except BaseException:
+        sys.stdout.write(out.getvalue())
+        sys.stderr.write(err.getvalue())
+        raise
+    finally:
+        torch.set_num_threads(threads)
+        # what a process frees at exit: a failed run's frames hold its open files in reference cycles (a tmpfs
+        # with one of them open cannot be unmounted), and a finished one its model
+        gc.collect()
+    proc = subprocess.CompletedProcess(["packtrain", *map(str, args)], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"packtrain {' '.join(proc.args[1:])} exited {code}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
 def run_cli(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})}
+    """`packtrain ARGS` in a process of its own, with one torch thread like every run of the suite (conftest.py)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "packtrain", *args], capture_output=True, text=True, env=full_env,
                           cwd=REPO)
     if check and proc.returncode != 0:
@@ -90,6 +149,145 @@ def run_distributed(nproc: int, *args: str, env: dict | None = None, check: bool
     proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+# What a rank imports before it reads its arguments: loaded once, in the fork server, not in every rank.
+_RANK_PRELOAD = ["cli_helpers", "packtrain.cli", "packtrain.commands.train", "packtrain.commands.check_nodes",
+                 "packtrain.run.trainer", "packtrain.packed.patch"]
+_ranks_context = None
+
+
+def _fork_server():
+    """multiprocessing's fork server, started once per session with packtrain imported: each rank is a fork of that
+    one-threaded process, so a 2-rank run costs no interpreter start and no import."""
+    global _ranks_context
+    if _ranks_context is None:
+        import multiprocessing
+
+        _ranks_context = multiprocessing.get_context("forkserver")
+        _ranks_context.set_forkserver_preload(_RANK_PRELOAD)
+    return _ranks_context
+
+
+def _rank_main(rank: int, world: int, port: int, args: list[str], env: dict, script: str | None, out: str,
+               err: str) -> None:
+    """One rank, as torchrun starts it (the same environment variables), its output in two files."""
+    import torch
+
+    os.environ.update({**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    with open(out, "w") as fo, open(err, "w") as fe:
+        os.dup2(fo.fileno(), 1)
+        os.dup2(fe.fileno(), 2)
+    code = 1
+    try:
+        if script is None:
+            from packtrain.cli import main
+
+            code = main(args)
+        else:
+            sys.argv = ["rank-script", *args]
+            exec(compile(script, "<rank script>", "exec"), {"__name__": "__main__"})  # noqa: S102 - the test's own
+            code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - a traceback, as a process would print it
+        import traceback
+
+        traceback.print_exc()
+    sys.exit(code)  # multiprocessing flushes the streams and runs the exit handlers (its semaphores' unlinking)
+
+
+class Ranks:
+    """Ranks forked by :func:`start_ranks`, running in the background, read like the ``subprocess.Popen`` of a
+    torchrun job: ``poll()``, ``communicate(timeout)``, ``kill()``, ``returncode`` (the first non-zero exit code of
+    a rank), and ``returncodes`` (each rank's). stdout and stderr are the ranks' in rank order. A rank that is still
+    running ``GRACE`` seconds after another failed is killed, as torchrun stops a job whose worker failed."""
+
+    GRACE = 30.0
+
+    def __init__(self, procs, folder: str, args: list[str]):
+        self.procs, self.folder, self.args = procs, folder, args
+        self.returncode = self.returncodes = None
+        self._failed_at = None
+
+    def poll(self) -> int | None:
+        import time
+
+        codes = [p.exitcode for p in self.procs]
+        if None in codes:
+            if self._failed_at is None and any(c not in (None, 0) for c in codes):
+                self._failed_at = time.monotonic()
+            if self._failed_at is not None and time.monotonic() > self._failed_at + self.GRACE:
+                self.kill()
+            return None
+        self.returncodes = codes
+        self.returncode = next((c for c in codes if c), 0)
+        return self.returncode
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.procs:
+            p.join()
+        self.poll()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        import shutil
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        outs = []
+        for rank in range(len(self.procs)):
+            outs.append(tuple(Path(self.folder, f"{kind}-{rank}").read_text() for kind in ("out", "err")))
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return "".join(o for o, _ in outs), "".join(e for _, e in outs)
+
+
+def start_ranks(nproc: int, *args: str, env: dict | None = None, script: str | None = None,
+                world: int | None = None) -> Ranks:
+    """`packtrain ARGS` (or the Python ``script``, ARGS its sys.argv) on ``nproc`` ranks over gloo, in the background:
+    each rank a process forked from a server with packtrain imported (:func:`_fork_server`), in the environment
+    torchrun gives a rank. (:func:`run_distributed` is torchrun itself: for what the launcher does.) ``world``: the
+    world size the ranks are told (default ``nproc``; more: ranks that never start)."""
+    import tempfile
+
+    ctx = _fork_server()
+    port = free_port()
+    folder = tempfile.mkdtemp(prefix="ranks-")
+    full_env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    argv = [str(a) for a in args]
+    procs = [ctx.Process(target=_rank_main, args=(r, world or nproc, port, argv, full_env, script,
+                                                  os.path.join(folder, f"out-{r}"), os.path.join(folder, f"err-{r}")))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    return Ranks(procs, folder, ["ranks", str(nproc), *argv])
+
+
+def run_ranks(nproc: int, *args: str, env: dict | None = None, check: bool = True, timeout: float = 240,
+              script: str | None = None, world: int | None = None) -> subprocess.CompletedProcess:
+    """:func:`start_ranks`, waited for (killed past ``timeout`` seconds): a CompletedProcess, with ``returncodes``."""
+    ranks = start_ranks(nproc, *args, env=env, script=script, world=world)
+    try:
+        out, err = ranks.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        ranks.kill()
+        out, err = ranks.communicate()
+        raise AssertionError(f"{nproc} ranks of {' '.join(ranks.args[2:])} ran past {timeout} s (exit codes "
+                             f"{ranks.returncodes})\n{out}\n{err[-4000:]}") from None
+    proc = subprocess.CompletedProcess(ranks.args, ranks.returncode, out, err)
+    proc.returncodes = ranks.returncodes
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{nproc} ranks of {' '.join(ranks.args[2:])} exited {ranks.returncodes}\n{out}\n"
+                             f"{err[-4000:]}")
     return proc
 
 

@@ -1,14 +1,60 @@
+"""Session setup for every test file, and the reference runs shared between files.
+
+Tiers (markers registered in pyproject.toml): a test marked ``process`` starts processes of its own (ranks over
+gloo, signals, kills, the launcher, a fresh interpreter); everything else runs in this process (`make test-fast`).
+``distributed`` marks the multi-rank ones among the processes, ``gpu`` those that need CUDA.
+"""
+
+import json
 import os
+
+import pytest
 
 # Transformers' kernel-hub lookups and telemetry must never touch the network in tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import torch
+
 # fla's kernels run on CPU only under Triton's interpreter, and Triton reads this when fla is imported (with
 # transformers' Qwen3.5 module), so it is set before any test module imports either; with CUDA the GPU tests run
 # fla compiled. See packtrain/packed/kernels/interpreter.py and tests/test_fla_interpreter.py.
-if "TRITON_INTERPRET" not in os.environ:
-    import torch
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
+# One torch thread here and in every process the tests start (cli_helpers, long_run_helpers): torch's CPU kernels
+# do not round the same with 1 and 2 threads (tools/thread_rounding.py), and runs trained in this process are
+# compared bit for bit with runs in processes.
+torch.set_num_threads(1)
+
+# transformers' log handler keeps the stream it was made with: made now, it writes to pytest's capture for the whole
+# session, never to a buffer of one test (capsys, an in-process CLI call) that is closed after it.
+from transformers.utils import logging as hf_logging
+
+hf_logging.get_logger("transformers")
+
+
+class Trained:
+    """A finished run: its config file, its output directory and what `packtrain train` printed."""
+
+    def __init__(self, config, run, proc):
+        self.config, self.run, self.stdout, self.stderr = config, run, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """``trained(**sections)``: a 1-rank `packtrain train` of ``write_config(dir, **sections)``, run in this process
+    once per session and shared by every test that asks for the same sections. Read it; copy it to change it."""
+    from cli_helpers import run_in_process, write_config
+
+    runs = {}
+
+    def train(**sections) -> Trained:
+        key = json.dumps(sections, sort_keys=True)
+        if key not in runs:
+            tmp = tmp_path_factory.mktemp("trained")
+            cfg = write_config(tmp, **sections)
+            runs[key] = Trained(cfg, tmp / "run", run_in_process("train", cfg))
+        return runs[key]
+
+    return train

@@ -12,17 +12,17 @@ import time
 from pathlib import Path
 
 import torch
-from cli_helpers import REPO, free_port
+from cli_helpers import REPO, Ranks, start_ranks
 from safetensors.torch import load_file
 
 
-def start_cli(*args: str, env: dict | None = None, ranks: int = 1) -> subprocess.Popen:
-    """`packtrain ARGS` (under torchrun with ``ranks`` > 1), running in the background."""
+def start_cli(*args: str, env: dict | None = None, ranks: int = 1) -> subprocess.Popen | Ranks:
+    """`packtrain ARGS`, running in the background: a process of its own, or with ``ranks`` > 1 that many ranks
+    (cli_helpers.start_ranks: read like a Popen, with each rank's exit code in ``returncodes``)."""
+    if ranks > 1:
+        return start_ranks(ranks, *args, env=env)
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    launcher = ([] if ranks == 1 else
-                ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
-                 "--master_port", str(free_port())])
-    return subprocess.Popen([sys.executable, *launcher, "-m", "packtrain", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "packtrain", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO)
 
 
