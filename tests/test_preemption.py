@@ -1,11 +1,14 @@
-"""Preemption through the real CLI: SIGTERM / SIGINT (sent by pid once a step is logged, never after a bare sleep)
-end the run at the next step boundary with a checkpoint and exit 75; --resume then gives the uninterrupted run's
-adapter bit for bit. With two ranks, SIGINT to rank 1 alone stops both at the same step (no KeyboardInterrupt).
+"""Preemption through the real CLI, in processes that are signalled: SIGTERM / SIGINT (sent by pid once a step is
+logged, never after a bare sleep) end the run at the next step boundary with a checkpoint and exit 75; --resume then
+gives the uninterrupted run's adapter bit for bit. With two ranks, SIGINT to rank 1 alone stops both at the same
+step (no KeyboardInterrupt), and the resume restores both ranks' RNG (each rank trains a pack per step, with
+dropout). These are the suite's proofs of those two resume paths (SIGKILL: test_train_cli; 2 -> 1 ranks:
+test_distributed).
 
-Every run of one comparison has the same torch thread count (start_cli's OMP_NUM_THREADS=1; torchrun's default of 1
-with two ranks): torch's own CPU kernels do not round the same with 1 and 2 threads (its flash attention in float64
-gives outputs 1 ulp apart for query blocks of odd length 9-31, `tools/thread_rounding.py`), so a bit-for-bit
-comparison across thread counts would test torch, not the resume."""
+Every run of one comparison has the same torch thread count, one (start_cli's OMP_NUM_THREADS=1, torchrun's default
+of 1 with two ranks, and the pytest process: conftest.py): torch's own CPU kernels do not round the same with 1 and 2
+threads (its flash attention in float64 gives outputs 1 ulp apart for query blocks of odd length 9-31,
+`tools/thread_rounding.py`), so a bit-for-bit comparison across thread counts would test torch, not the resume."""
 
 import json
 import os
@@ -13,15 +16,14 @@ import signal
 
 import pytest
 import torch
-from cli_helpers import run_cli, run_distributed, write_config
+from cli_helpers import RESUMED, run_in_process, run_ranks, write_config
 from long_run_helpers import finish, no_packtrain_traceback, rank_pid, start_cli, steps_logged, wait_for
 from safetensors.torch import load_file
 
 from packtrain.exits import PREEMPTED_EXIT
 from packtrain.rundir.checkpoint import checkpoints, verify_checkpoint
 
-pytestmark = pytest.mark.slow
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # start_cli's
+pytestmark = pytest.mark.process
 
 
 def _adapter(run):
@@ -35,9 +37,7 @@ def _assert_equal(a, b):
 
 
 def _config(tmp_path, **sections):
-    # 12 steps; dropout and a cosine schedule make the RNG and scheduler state part of what must be restored
-    return write_config(tmp_path, train={"epochs": 2, "packs_per_step": 1, "save_every": 100},
-                        lora={"dropout": 0.1}, optim={"schedule": "cosine", "warmup_steps": 2}, **sections)
+    return write_config(tmp_path, **{**RESUMED, **sections})
 
 
 def _preempt(proc, run, sig, pid=None):
@@ -46,7 +46,7 @@ def _preempt(proc, run, sig, pid=None):
     return finish(proc)
 
 
-def _assert_preempted(run, code, err, sig_name):
+def _assert_preempted(run, code, err, sig_name, steps=12):
     assert code == PREEMPTED_EXIT, err[-3000:]
     assert no_packtrain_traceback(err)
     lines = [x for x in err.splitlines() if "stopped by" in x]
@@ -57,35 +57,35 @@ def _assert_preempted(run, code, err, sig_name):
     assert "--resume" in lines[0] and not (run / "adapter").exists()
     logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
               if '"split"' not in x]
-    assert logged[-1] == step and 1 <= step < 12
+    assert logged[-1] == step and 1 <= step < steps
     return step
 
 
-def test_sigterm_checkpoints_and_resume_gives_the_uninterrupted_adapter(tmp_path):
+def test_sigterm_checkpoints_and_resume_gives_the_uninterrupted_adapter(tmp_path, trained):
+    straight = trained(**RESUMED)  # in this process, one thread
     cfg = _config(tmp_path)
-    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'straight'}", env=ONE_THREAD)
     run = tmp_path / "run"
     code, _, err = _preempt(start_cli("train", str(cfg)), run, signal.SIGTERM)
     _assert_preempted(run, code, err, "SIGTERM")
-    resumed = run_cli("train", str(cfg), "--resume", env=ONE_THREAD)
+    resumed = run_in_process("train", cfg, "--resume")
     assert "continuing from" in resumed.stdout
-    _assert_equal(_adapter(tmp_path / "straight"), _adapter(run))
+    _assert_equal(_adapter(straight.run), _adapter(run))
 
 
 @pytest.mark.distributed
 def test_sigint_to_one_rank_stops_both_and_resume_matches(tmp_path):
-    cfg = _config(tmp_path, data={"eval": None})
-    run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'straight'}")
+    # two packs per step: one on each rank, so rank 1's restored RNG draws real dropout masks (6 steps)
+    cfg = _config(tmp_path, data={"eval": None}, train={**RESUMED["train"], "packs_per_step": 2})
+    run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'straight'}")
     run = tmp_path / "run"
     proc = start_cli("train", str(cfg), ranks=2)
-    code, _, err = _preempt(proc, run, signal.SIGINT, pid=lambda: rank_pid(run, 1))
-    assert code != 0  # torchrun's own code: a rank exited non-zero
-    assert err.count(f"exitcode  : {PREEMPTED_EXIT}") + err.count(f"exitcode: {PREEMPTED_EXIT}") >= 1, err[-3000:]
+    _, _, err = _preempt(proc, run, signal.SIGINT, pid=lambda: rank_pid(run, 1))
+    assert proc.returncodes == [PREEMPTED_EXIT, PREEMPTED_EXIT], (proc.returncodes, err[-3000:])
     # rank 0 was never signalled: it stopped at the step rank 1 did, and said so once
-    step = _assert_preempted(run, PREEMPTED_EXIT, err, "a signal on another rank")
+    step = _assert_preempted(run, PREEMPTED_EXIT, err, "a signal on another rank", steps=6)
     assert "KeyboardInterrupt" not in err
     assert (checkpoints(run)[0] / "rng-rank-1.pt").exists() and step >= 1
-    run_distributed(2, "train", str(cfg), "--resume")
+    run_ranks(2, "train", str(cfg), "--resume")
     _assert_equal(_adapter(tmp_path / "straight"), _adapter(run))
 
 

@@ -1,10 +1,11 @@
 """Resume means the same run: trajectory keys and edited data refuse the resume with every difference listed;
-other keys may change and are reported. The rule table itself is checked key by key."""
+other keys may change and are reported (the real CLI, in this process). The rule table itself is checked key by
+key."""
 
 import json
 
 import pytest
-from cli_helpers import run_cli, write_config
+from cli_helpers import run_in_process, write_config
 
 from packtrain.rundir.resume import compare, is_trajectory
 
@@ -31,15 +32,16 @@ def test_epochs_may_change_except_under_a_cosine_schedule():
     assert compare(cosine, {**cosine, "train": {"epochs": 3}}, 12, 12)[0] == []  # max_steps held it at 12
 
 
-@pytest.mark.slow
 def test_another_lr_seed_split_rank_or_optimizer_is_refused_naming_each(tmp_path):
-    cfg = write_config(tmp_path, train={"epochs": 2, "packs_per_step": 1, "save_every": 2}, data={"eval": None})
+    # a run whose newest checkpoint is step 2 (the last step saves the adapter, no checkpoint; max_steps may differ)
+    cfg = write_config(tmp_path, train={"epochs": 2, "packs_per_step": 1, "save_every": 2, "max_steps": 3},
+                       data={"eval": None})
     run = tmp_path / "run"
-    run_cli("train", str(cfg), env={"PACKTRAIN_KILL_AFTER_CHECKPOINT": "2"}, check=False)
+    run_in_process("train", cfg)
     written = (run / "config.yaml").read_text()
-    proc = run_cli("train", str(cfg), "--resume", "--set", "optim.lr=0.5", "--set", "train.seed=3",
-                   "--set", "train.packs_per_step=2", "--set", "lora.r=2", "--set", "optim.name=sgd",
-                   "--set", "train.max_steps=5", check=False)
+    proc = run_in_process("train", cfg, "--resume", "--set", "optim.lr=0.5", "--set", "train.seed=3",
+                          "--set", "train.packs_per_step=2", "--set", "lora.r=2", "--set", "optim.name=sgd",
+                          "--set", "train.max_steps=5", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     err = proc.stderr
     for line in ("optim.lr: 0.001 -> 0.5", "train.seed: 0 -> 3", "train.packs_per_step: 1 -> 2", "lora.r: 4 -> 2",
@@ -51,7 +53,7 @@ def test_another_lr_seed_split_rank_or_optimizer_is_refused_naming_each(tmp_path
     # the same file with one system prompt edited: every key equal, the tokens are not
     data = tmp_path / "train.jsonl"
     data.write_text(data.read_text().replace("Rulebook A.", "Rulebook Z."))
-    edited = run_cli("train", str(cfg), "--resume", check=False)
+    edited = run_in_process("train", cfg, "--resume", check=False)
     assert edited.returncode == 2 and "training data: the tokens" in edited.stderr, edited.stderr[-2000:]
     assert "->" not in edited.stderr.split("resume refused")[1]  # no config key is blamed
     assert json.loads((run / "checkpoints/step-2/state.json").read_text())["step"] == 2

@@ -1,13 +1,15 @@
-"""End-to-end runs of `packtrain train` / `packtrain eval` on a tiny float64 model (the real CLI, subprocesses)."""
+"""End-to-end runs of `packtrain train` / `packtrain eval` on a tiny float64 model: the real CLI, in this process
+(the kill in a process of its own)."""
 
 import json
 
 import pytest
 import torch
-from cli_helpers import run_cli, write_config
+from cli_helpers import RESUMED, run_cli, run_in_process, write_config
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow
+# 2 steps of the default tiny config: the packed run the standalone and checkpointed runs are compared with
+TWO_STEPS = {"train": {"max_steps": 2}}
 
 
 def _adapter(run_dir):
@@ -18,17 +20,17 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_shared_prefix_and_standalone_give_the_same_adapter(tmp_path):
-    cfg = write_config(tmp_path, train={"max_steps": 2})
-    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'packed'}")
-    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'alone'}", "--set", "packing.mode=standalone")
-    packed, alone = _adapter(tmp_path / "packed"), _adapter(tmp_path / "alone")
+def test_shared_prefix_and_standalone_give_the_same_adapter(tmp_path, trained):
+    packed_run = trained(**TWO_STEPS)
+    run_in_process("train", packed_run.config, "--set", f"output_dir={tmp_path / 'alone'}",
+                   "--set", "packing.mode=standalone")
+    packed, alone = _adapter(packed_run.run), _adapter(tmp_path / "alone")
     assert packed.keys() == alone.keys() and packed
     for name in packed:
         # float64 as shipped: the model's float32 casts bound the agreement (tests/test_parity.py: 1e-4 on grads);
         # AdamW's first steps normalise the gradient, so the adapters agree to far better than the step size.
         torch.testing.assert_close(packed[name], alone[name], rtol=1e-6, atol=1e-9)
-    steps = [m for m in _metrics(tmp_path / "packed") if m.get("split") != "eval"]
+    steps = [m for m in _metrics(packed_run.run) if m.get("split") != "eval"]
     steps_alone = [m for m in _metrics(tmp_path / "alone") if m.get("split") != "eval"]
     assert [m["examples"] for m in steps] == [m["examples"] for m in steps_alone]
     assert [m["positions"] for m in steps] < [m["positions"] for m in steps_alone]  # sharing P: fewer positions
@@ -36,14 +38,14 @@ def test_shared_prefix_and_standalone_give_the_same_adapter(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
-def test_activation_checkpointing_saves_the_same_adapter(tmp_path):
-    """Checkpointing changes no number, so the adapter is bitwise the plain run's. (peft walks the wrapped modules to
-    pick adapter keys: the final adapter and every checkpoint's adapter were once written with 0 tensors.)"""
-    cfg = write_config(tmp_path, train={"max_steps": 2, "save_every": 1})
-    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'plain'}")
-    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'ckpt'}", "--set",
-            "train.activation_checkpointing=true")
-    plain = _adapter(tmp_path / "plain")
+def test_activation_checkpointing_saves_the_same_adapter(tmp_path, trained):
+    """Checkpointing changes no number, so the adapter is bitwise the plain run's (which saves no checkpoint: saving
+    one changes no number either). (peft walks the wrapped modules to pick adapter keys: the final adapter and every
+    checkpoint's adapter were once written with 0 tensors.)"""
+    plain_run = trained(**TWO_STEPS)
+    run_in_process("train", plain_run.config, "--set", f"output_dir={tmp_path / 'ckpt'}", "--set",
+                   "train.activation_checkpointing=true", "--set", "train.save_every=1")
+    plain = _adapter(plain_run.run)
     for adapter_dir in (tmp_path / "ckpt", tmp_path / "ckpt" / "checkpoints" / "step-1"):
         saved = _adapter(adapter_dir)
         assert saved.keys() == plain.keys() and len(saved) > 0
@@ -51,15 +53,14 @@ def test_activation_checkpointing_saves_the_same_adapter(tmp_path):
     assert all(torch.equal(saved[k], plain[k]) for k in plain)
 
 
-def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path):
+def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path, trained):
     from peft import PeftModel
     from transformers import Qwen3_5ForCausalLM
 
     from packtrain.data.examples import load_examples
 
-    cfg = write_config(tmp_path, train={"max_steps": 3, "save_every": 2})
-    run_cli("train", str(cfg))
-    run = tmp_path / "run"
+    finished = trained(train={"max_steps": 3, "save_every": 2})
+    cfg, run = finished.config, finished.run
     for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "config.yaml", "loss.png",
                  "metrics.jsonl", "base/config.json", "checkpoints/step-2/optimizer.pt",
                  "checkpoints/step-2/scheduler.pt", "checkpoints/step-2/rng-rank-0.pt", "checkpoints/step-2/state.json",
@@ -74,9 +75,9 @@ def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path):
         assert key in train_lines[0], key
 
     out = tmp_path / "eval_out.jsonl"
-    run_cli("eval", str(cfg), "--adapter", str(run / "adapter"), "--out", str(out))
+    run_in_process("eval", cfg, "--adapter", run / "adapter", "--out", out)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    examples = {e.id: e for e in load_examples(tmp_path / "eval.jsonl")}
+    examples = {e.id: e for e in load_examples(cfg.parent / "eval.jsonl")}
     assert sorted(r["id"] for r in rows) == sorted(examples)
 
     base = Qwen3_5ForCausalLM.from_pretrained(run / "base", dtype=torch.float64)
@@ -94,24 +95,25 @@ def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path):
             assert r["loss"] == pytest.approx(reference, rel=5e-6), r["id"]
 
     standalone = tmp_path / "eval_standalone.jsonl"
-    run_cli("eval", str(cfg), "--adapter", str(run / "adapter"), "--out", str(standalone),
-            "--set", "packing.mode=standalone")
+    run_in_process("eval", cfg, "--adapter", run / "adapter", "--out", standalone, "--set", "packing.mode=standalone")
     alone = {json.loads(line)["id"]: json.loads(line)["loss"] for line in standalone.read_text().splitlines()}
     for r in rows:
         assert r["loss"] == pytest.approx(alone[r["id"]], rel=5e-6)
 
 
-def test_resume_after_kill_gives_the_uninterrupted_adapter(tmp_path):
-    cfg = write_config(tmp_path, train={"epochs": 2, "packs_per_step": 1, "save_every": 2},
-                       lora={"dropout": 0.1}, optim={"schedule": "cosine", "warmup_steps": 2})
-    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'straight'}")
+@pytest.mark.process
+def test_resume_after_kill_gives_the_uninterrupted_adapter(tmp_path, trained):
+    """The suite's proof of resuming after SIGKILL (no handler runs, no final save); the killed run is a process of
+    its own, the resume runs here (one torch thread in both, as in the uninterrupted run)."""
+    straight = trained(**RESUMED)
+    cfg = straight.config
     killed = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'killed'}",
                      env={"PACKTRAIN_KILL_AFTER_CHECKPOINT": "4"}, check=False)
     assert killed.returncode != 0, "the run was meant to die after the step-4 checkpoint"
     assert not (tmp_path / "killed" / "adapter").exists()
-    resumed = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'killed'}", "--resume")
+    resumed = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'killed'}", "--resume")
     assert "continuing from" in resumed.stdout and "step-4" in resumed.stdout
-    a, b = _adapter(tmp_path / "straight"), _adapter(tmp_path / "killed")
+    a, b = _adapter(straight.run), _adapter(tmp_path / "killed")
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name  # bitwise on CPU (dropout RNG restored too)
@@ -121,8 +123,8 @@ def test_resume_after_kill_gives_the_uninterrupted_adapter(tmp_path):
 
 def test_bad_config_is_one_clear_error(tmp_path):
     cfg = write_config(tmp_path)
-    proc = run_cli("train", str(cfg), "--set", "optim.lr=-1", "--set", "train.bogus=3", "--set",
-                   "packing.mode=tree", check=False)
+    proc = run_in_process("train", cfg, "--set", "optim.lr=-1", "--set", "train.bogus=3", "--set",
+                          "packing.mode=tree", check=False)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     for path in ("optim.lr", "train.bogus", "packing.mode"):
@@ -136,8 +138,8 @@ def test_evals_leave_training_alone_and_the_last_step_is_evaluated(tmp_path):
     eval runs, and the footer names the step its loss is from. Epoch 2 visits the packs in a new order."""
     cfg = write_config(tmp_path, lora={"dropout": 0.3},
                        train={"epochs": 2, "packs_per_step": 1, "eval_every": 4, "max_steps": 9})
-    with_eval = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'eval'}")
-    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'plain'}", "--set", "data.eval=null")
+    with_eval = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'eval'}")
+    run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'plain'}", "--set", "data.eval=null")
     a, b = _adapter(tmp_path / "eval"), _adapter(tmp_path / "plain")
     assert a.keys() == b.keys() and a
     for name in a:
