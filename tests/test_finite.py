@@ -1,18 +1,19 @@
-"""Finite or stop, through the real CLI: a diverging run exits 4 at its first NaN/inf step without an update and
-without writing NaN anywhere; train.max_nonfinite_skips skips such steps, counted in metrics.jsonl."""
+"""Finite or stop, through the real CLI (in this process; two ranks as processes): a diverging run exits 4 at its
+first NaN/inf step without an update and without writing NaN anywhere; a parameter that an update made non-finite
+is never saved; train.max_nonfinite_skips skips such steps, counted in metrics.jsonl."""
 
 import json
 import re
 
 import pytest
-from cli_helpers import run_cli, run_distributed, write_config
+import torch
+from cli_helpers import run_in_process, run_ranks, write_config
 from long_run_helpers import no_packtrain_traceback, nonfinite_files
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from packtrain.exits import NONFINITE_EXIT
-from packtrain.run.faults import NAN_AT as INJECT_ENV
+from packtrain.faults import NAN_AT as INJECT_ENV
 from packtrain.rundir.checkpoint import checkpoints, verify_checkpoint
-
-pytestmark = pytest.mark.slow
 
 
 def _train_lines(run):
@@ -36,7 +37,7 @@ def _assert_stopped_cleanly(run, stderr, step):
 def test_a_diverging_learning_rate_stops_at_the_first_nan_step(tmp_path):
     # the issue's reproduction: lr=1e20 gave NaN checkpoints, a NaN adapter and exit 0
     cfg = write_config(tmp_path, train={"epochs": 2, "packs_per_step": 1, "save_every": 1})
-    proc = run_cli("train", str(cfg), "--set", "optim.lr=1e20", check=False)
+    proc = run_in_process("train", cfg, "--set", "optim.lr=1e20", check=False)
     assert proc.returncode == NONFINITE_EXIT, proc.stderr[-3000:]
     step = int(re.search(r"step (\d+): loss \S+, gradient norm (nan|inf)", proc.stderr).group(1))
     assert step >= 2
@@ -47,11 +48,11 @@ def test_a_nan_step_stops_then_resume_skips_it_and_counts_it(tmp_path):
     cfg = write_config(tmp_path, train={"epochs": 1, "packs_per_step": 1, "save_every": 1})
     run = tmp_path / "run"
     nan_at_3 = {INJECT_ENV: "0:3"}
-    stopped = run_cli("train", str(cfg), env=nan_at_3, check=False)
+    stopped = run_in_process("train", cfg, env=nan_at_3, check=False)
     assert stopped.returncode == NONFINITE_EXIT, stopped.stderr[-3000:]
     _assert_stopped_cleanly(run, stopped.stderr, 3)
 
-    resumed = run_cli("train", str(cfg), "--resume", "--set", "train.max_nonfinite_skips=1", env=nan_at_3)
+    resumed = run_in_process("train", cfg, "--resume", "--set", "train.max_nonfinite_skips=1", env=nan_at_3)
     assert "step 3: " in resumed.stdout and "skipped without an update (1 of train.max_nonfinite_skips=1)" in \
         resumed.stdout
     lines = _train_lines(run)
@@ -62,13 +63,41 @@ def test_a_nan_step_stops_then_resume_skips_it_and_counts_it(tmp_path):
     assert (run / "adapter").exists() and nonfinite_files(run) == []
 
 
+@pytest.mark.parametrize("save_every", [1, 100], ids=["checkpoint", "final adapter"])
+def test_a_parameter_an_update_made_non_finite_is_never_saved(tmp_path, save_every):
+    """Step 2's loss and gradient norm are finite, but its update leaves an inf in a parameter (an overflowing
+    update; here written by an optimizer hook): the save after it, step 2's checkpoint or the final adapter, checks
+    the parameters themselves and stops the run with exit 4, so nothing non-finite reaches the disk. (No eval data:
+    an eval after the update would see a NaN loss first.)"""
+    cfg = write_config(tmp_path, train={"max_steps": 2, "packs_per_step": 1, "save_every": save_every},
+                       data={"eval": None})
+    updates = []
+
+    def overflow_in_update_2(optimizer, args, kwargs):
+        updates.append(optimizer)
+        if len(updates) == 2:
+            with torch.no_grad():
+                optimizer.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+
+    hook = register_optimizer_step_post_hook(overflow_in_update_2)
+    try:
+        proc = run_in_process("train", cfg, check=False)
+    finally:
+        hook.remove()
+    run = tmp_path / "run"
+    assert proc.returncode == NONFINITE_EXIT and len(updates) == 2, proc.stderr[-3000:]
+    assert "step 2: a trainable parameter is NaN or inf; nothing was saved" in proc.stderr, proc.stderr[-3000:]
+    assert not (run / "adapter").exists()
+    assert [p.name for p in checkpoints(run)] == (["step-1"] if save_every == 1 else [])
+    assert nonfinite_files(run) == []
+
+
+@pytest.mark.process
 @pytest.mark.distributed
 def test_a_nan_on_one_rank_stops_both_at_the_same_step(tmp_path):
     cfg = write_config(tmp_path, train={"epochs": 1, "packs_per_step": 2, "save_every": 1}, data={"eval": None})
-    proc = run_distributed(2, "train", str(cfg), env={INJECT_ENV: "1:2"}, check=False, timeout=180)
-    assert proc.returncode != 0
-    # rank 0 never saw a NaN of its own, yet it stops at rank 1's step: both exit 4 (torchrun lists each rank)
-    assert proc.stderr.count(f"exitcode  : {NONFINITE_EXIT}") + proc.stderr.count(
-        f"exitcode: {NONFINITE_EXIT}") >= 1, proc.stderr[-3000:]
+    proc = run_ranks(2, "train", str(cfg), env={INJECT_ENV: "1:2"}, check=False, timeout=180)
+    # rank 0 never saw a NaN of its own, yet it stops at rank 1's step: both exit 4
+    assert proc.returncodes == [NONFINITE_EXIT, NONFINITE_EXIT], (proc.returncodes, proc.stderr[-3000:])
     assert proc.stderr.count("step 2: loss ") == 1  # one message, from rank 0
     _assert_stopped_cleanly(tmp_path / "run", proc.stderr, 2)

@@ -66,6 +66,19 @@ def test_several_prompts_interleaved():
     ]
 
 
+def test_prompts_of_the_same_length_are_two_ps():
+    """Two system prompts of equal token length but other tokens: never one P, and each pack's continuations are
+    those of its own P (a1 and a2 hold equal tuples that are different objects, as if loaded from two files)."""
+    pa, pb = (1, 2, 3), (1, 2, 4)
+    examples = [ex("a1", 2, pa), ex("b1", 2, pb), ex("a2", 3, tuple(t for t in pa)), ex("b2", 3, pb)]
+    plan = plan_packs(examples, token_budget=20, max_continuations=90)
+    assert plan.prompts == [pa, pb]
+    assert plan.packs == [Pack(prompt=0, examples=(2, 0), positions=3 + 3 + 2),
+                          Pack(prompt=1, examples=(3, 1), positions=3 + 3 + 2)]
+    for pack in plan.packs:
+        assert all(examples[i].prefix_ids == plan.prompts[pack.prompt] for i in pack.examples)
+
+
 def test_input_order_does_not_change_the_plan():
     prefixes = [(1,) * 3, (2,) * 5, (1, 2)]
     rng = random.Random(0)
@@ -94,6 +107,7 @@ print(json.dumps({"packs": [[examples[i].id for i in p.examples] for p in plan.p
 """
 
 
+@pytest.mark.process  # Python's hash seed is fixed when an interpreter starts
 def test_the_plan_is_the_same_in_every_process():
     runs = []
     for hash_seed in ("0", "1", "random"):
@@ -105,6 +119,7 @@ def test_the_plan_is_the_same_in_every_process():
     assert len(runs[0]["packs"]) > 10 and runs[0]["orders"][0] != runs[0]["orders"][1]
 
 
+@pytest.mark.process  # a fresh interpreter: this one has imported both
 def test_planning_imports_neither_torch_nor_transformers():
     code = ("import sys, packtrain.data.planner, packtrain.data.examples, packtrain.commands.plan; "
             "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
