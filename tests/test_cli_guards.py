@@ -1,4 +1,5 @@
-"""Bad values, bad data and a bad output directory through the real CLI: one clear line each, no traceback."""
+"""Bad values, bad data and a bad output directory through the real CLI (in this process): one clear line each, no
+traceback."""
 
 import contextlib
 import json
@@ -7,8 +8,7 @@ import shutil
 import subprocess
 
 import pytest
-
-from cli_helpers import run_cli, write_config
+from cli_helpers import run_in_process, write_config
 
 
 def _refused(proc) -> str:
@@ -27,7 +27,7 @@ def _error_line(proc) -> str:
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_max_grad_norm_must_be_positive(tmp_path, value):
     # 0 froze lora_B at zero and -1 trained uphill, both with exit 0
-    err = _refused(run_cli("train", str(write_config(tmp_path)), "--set", f"optim.max_grad_norm={value}",
+    err = _refused(run_in_process("train", str(write_config(tmp_path)), "--set", f"optim.max_grad_norm={value}",
                            check=False))
     assert f"optim.max_grad_norm: must be positive (or null: no clipping), got {value}" in err
 
@@ -48,7 +48,7 @@ def test_pretokenized_id_outside_the_models_vocabulary_is_refused_at_load(tmp_pa
     IndexError naming no file or line."""
     data = _pretokenized(tmp_path / "ids.jsonl", bad_line=3, bad_id=1024)
     cfg = write_config(tmp_path, data={"train": str(data), "eval": None})
-    line = _error_line(run_cli("train", str(cfg), check=False))
+    line = _error_line(run_in_process("train", str(cfg), check=False))
     assert f"{data}:3: field 'target_ids': token id 1024 is not below the vocabulary size 1024" in line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -61,7 +61,7 @@ def test_an_over_long_line_is_refused_on_its_length(tmp_path):
     lines = data.read_text().splitlines()
     lines.insert(2, json.dumps({"system": "Rulebook A.", "item": "word " * 1_000_000, "target": "alpha"}))
     data.write_text("\n".join(lines) + "\n")
-    line = _error_line(run_cli("train", str(cfg), check=False))
+    line = _error_line(run_in_process("train", str(cfg), check=False))
     assert f"{data}:3: line longer than 5,120 bytes" in line
 
 
@@ -85,14 +85,14 @@ def test_full_output_dir_says_no_space_left_with_the_path(tmp_path, size, when):
     inline_container.cc" or an OSError became a traceback that never said the disk was full."""
     with _tmpfs(tmp_path / "disk", size) as disk:
         cfg = write_config(tmp_path, train={"max_steps": 3, "save_every": 2}, output_dir=str(disk / "run"))
-        line = _error_line(run_cli("train", str(cfg), check=False))
+        line = _error_line(run_in_process("train", str(cfg), check=False))
     assert f"output_dir {disk / 'run'}: no space left on device" in line, (when, line)
 
 
 def test_read_only_output_dir_says_not_writable(tmp_path):
     with _tmpfs(tmp_path / "ro", "64k", read_only=True) as ro:
         cfg = write_config(tmp_path, output_dir=str(ro / "run"))
-        line = _error_line(run_cli("train", str(cfg), check=False))
+        line = _error_line(run_in_process("train", str(cfg), check=False))
     assert f"output_dir {ro / 'run'}: not writable" in line and "Read-only file system" in line
 
 
@@ -101,7 +101,7 @@ def test_output_dir_without_permission_says_not_writable(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     try:
-        line = _error_line(run_cli("train", str(write_config(tmp_path, output_dir=str(locked / "run"))),
+        line = _error_line(run_in_process("train", str(write_config(tmp_path, output_dir=str(locked / "run"))),
                                    check=False))
     finally:
         locked.chmod(0o700)

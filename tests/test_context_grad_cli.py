@@ -1,14 +1,15 @@
-"""packing.context_grad through the real CLI: printed in the run header, 2 ranks (FSDP2) == 1 rank in each mode,
-the modes train different adapters, and `packtrain eval` under a mode gives the forward's losses."""
+"""packing.context_grad through the real CLI: printed in the run header, 2 ranks (FSDP2, processes) == 1 rank (in
+this process) in each mode, the modes train different adapters, and `packtrain eval` under a mode gives the
+forward's losses."""
 
 import json
 
 import pytest
 import torch
-from cli_helpers import run_cli, run_distributed, write_config
+from cli_helpers import run_in_process, run_ranks, write_config
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.process]
 MODES = ("kv_only", "frozen")
 
 
@@ -17,7 +18,7 @@ def _adapter(run_dir):
 
 
 def _eval(cfg, adapter, out, mode):
-    run_cli("eval", str(cfg), "--adapter", str(adapter), "--out", str(out), "--set", f"packing.context_grad={mode}")
+    run_in_process("eval", cfg, "--adapter", adapter, "--out", out, "--set", f"packing.context_grad={mode}")
     return [json.loads(line)["loss"] for line in out.read_text().splitlines()]
 
 
@@ -25,10 +26,10 @@ def test_two_ranks_equal_one_rank_in_each_mode(tmp_path):
     cfg = write_config(tmp_path, train={"max_steps": 2, "packs_per_step": 2}, data={"eval": None})
     adapters = {}
     for mode in MODES:
-        one = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / mode}", "--set",
-                      f"packing.context_grad={mode}")
+        one = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / mode}", "--set",
+                             f"packing.context_grad={mode}")
         assert f"context_grad {mode} (" in one.stdout, one.stdout
-        run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / (mode + '-2')}", "--set",
+        run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / (mode + '-2')}", "--set",
                         f"packing.context_grad={mode}")
         a, b = _adapter(tmp_path / mode), _adapter(tmp_path / (mode + "-2"))
         assert a.keys() == b.keys() and a

@@ -1,5 +1,6 @@
 """model.path under FSDP: each rank's peak resident memory while loading a multi-shard checkpoint, measured from
-outside the ranks, and the 2-rank adapter against the 1-rank one."""
+outside the ranks (fresh interpreters under torchrun), and the 2-rank adapter against the 1-rank one (trained in
+this process)."""
 
 import json
 import os
@@ -9,10 +10,10 @@ import sys
 import pytest
 import torch
 from checkpoints import checkpoint_bytes, save_checkpoint, text_config
-from cli_helpers import REPO, free_port, run_cli, run_distributed, write_config
+from cli_helpers import REPO, free_port, run_in_process, run_ranks, write_config
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.process]
 
 # Build the model as `packtrain train` does (meta device, LoRA, patch, checkpointing, FSDP, fill), then exit.
 LOAD_ONLY = """
@@ -79,8 +80,8 @@ def test_two_ranks_equal_one_rank_from_a_checkpoint(tmp_path):
     cfg = write_config(tmp_path, model={"path": str(ckpt), "config": None, "dtype": "float64"},
                        lora={"init_lora_weights": True}, train={"max_steps": 2, "packs_per_step": 2},
                        data={"eval": None})
-    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'one'}")
-    two = run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
+    run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
+    two = run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
     assert "each of 2 ranks reading its shards; not loaded by the model class: mtp.*: 3" in two.stdout
     a = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))

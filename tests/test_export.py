@@ -1,19 +1,20 @@
 """`packtrain export OUTPUT_DIR --merged DIR`: transformers loads DIR and gives the logits of base + adapter (peft's
-own unmerged forward), every tensor the adapter does not touch keeps its bytes, the adapter directory is unchanged."""
+own unmerged forward), every tensor the adapter does not touch keeps its bytes, the adapter directory is unchanged.
+The real CLI, in this process."""
 
 import filecmp
 import hashlib
 import json
 
-import pytest
 import torch
 import yaml
+from checkpoints import MTP_TENSORS, hf_model, save_checkpoint, text_config, vlm_config
+from cli_helpers import run_in_process, write_config
 from safetensors import safe_open
 
-from checkpoints import MTP_TENSORS, hf_model, save_checkpoint, text_config, vlm_config
-from cli_helpers import run_cli, write_config
-
-pytestmark = pytest.mark.slow
+# routes transformers' CPU kernels (its reference forwards here), as every packtrain process does: with fla
+# installed they would otherwise reach fla's kernels, which fail uncompiled on CPU ("0 active drivers")
+import packtrain.packed.patch  # noqa: F401
 
 
 def _tensors(path):
@@ -66,10 +67,10 @@ def test_export_text_model_after_training(tmp_path):
     cfg = write_config(tmp_path, model={"path": str(base_dir), "config": None, "dtype": "float32"},
                        lora={"init_lora_weights": False, "modules_to_save": ["lm_head"]},
                        train={"max_steps": 1}, data={"eval": None})
-    run_cli("train", str(cfg))
+    run_in_process("train", cfg)
     adapter = tmp_path / "run" / "adapter"
     adapter_before = _digest(adapter)
-    out = run_cli("export", str(tmp_path / "run"), "--merged", str(tmp_path / "merged"))
+    out = run_in_process("export", tmp_path / "run", "--merged", tmp_path / "merged")
     assert "tensors merged" in out.stdout
     changed = _check_merged(base_dir, adapter, tmp_path / "merged", Qwen3_5ForCausalLM, touched_min=8)
     assert "lm_head.weight" in changed
@@ -78,7 +79,7 @@ def test_export_text_model_after_training(tmp_path):
     shards = json.loads((base_dir / "model.safetensors.index.json").read_text())["weight_map"]
     untouched = {s for s in shards.values()} - {shards[k] for k in changed}
     assert untouched and all(filecmp.cmp(base_dir / s, tmp_path / "merged" / s, shallow=False) for s in untouched)
-    again = run_cli("export", str(tmp_path / "run"), "--merged", str(tmp_path / "merged"), check=False)
+    again = run_in_process("export", tmp_path / "run", "--merged", tmp_path / "merged", check=False)
     assert again.returncode == 2 and "already exists" in again.stderr
 
 
@@ -94,7 +95,7 @@ def test_export_vision_language(tmp_path):
     run = tmp_path / "run"
     peft_model.save_pretrained(run / "adapter")
     (run / "config.yaml").write_text(yaml.safe_dump({"model": {"path": str(base_dir), "config": None}}))
-    run_cli("export", str(run), "--merged", str(tmp_path / "merged"))
+    run_in_process("export", run, "--merged", tmp_path / "merged")
     changed = _check_merged(base_dir, run / "adapter", tmp_path / "merged", Qwen3_5ForConditionalGeneration,
                             touched_min=6)
     assert all(k.startswith("model.language_model.") for k in changed)  # the vision tower is untouched
@@ -112,7 +113,7 @@ def test_export_random_base_from_model_config(tmp_path):
     get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
                                     target_modules=["q_proj", "o_proj", "out_proj"])).save_pretrained(run / "adapter")
     (run / "config.yaml").write_text(yaml.safe_dump({"model": {"path": None, "config": text_config()}}))
-    run_cli("export", str(run), "--merged", str(tmp_path / "merged"))
+    run_in_process("export", run, "--merged", tmp_path / "merged")
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(0))
     base = Qwen3_5ForCausalLM.from_pretrained(run / "base", dtype=torch.float32)

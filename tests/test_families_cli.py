@@ -1,15 +1,14 @@
-"""`packtrain train` on a tiny model of every family (the real CLI), and clear refusals of anything else."""
+"""`packtrain train` on a tiny model of every family (the real CLI, in this process; two ranks as processes), and
+clear refusals of anything else."""
 
 import json
 
 import pytest
 import torch
-from cli_helpers import REPO, TINY_MODEL, run_cli, run_distributed, write_config
+from cli_helpers import REPO, TINY_MODEL, run_in_process, run_ranks, write_config
 from safetensors.torch import load_file
 
 from packtrain.packed.families import FAMILIES as FAMILY_TABLE
-
-pytestmark = pytest.mark.slow
 
 SHAPE = {k: TINY_MODEL[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
                                     "head_dim", "tie_word_embeddings")}
@@ -38,7 +37,7 @@ def _trains_and_loads(model_type, tmp_path, **sections):
     model_cfg = {k: v for k, v in model_cfg.items() if v is not None}
     cfg = write_config(tmp_path, model={"config": model_cfg}, lora=lora, train={"max_steps": 2, "eval_every": 2},
                        **sections)
-    proc = run_cli("train", str(cfg))
+    proc = run_in_process("train", cfg)
     assert f"model: {model_type}" in proc.stdout, proc.stdout
     run = tmp_path / "run"
     steps = [m for m in _metrics(run) if m.get("split") != "eval"]
@@ -102,17 +101,18 @@ def test_vision_language_moe_trains_on_images(tmp_path):
                              "processor": str(REPO / "packtrain" / "assets" / "vlm")},
                        lora={**EXPERT_LORA, "modules_to_save": ["merger"]},
                        packing={"token_budget": 1200, "max_continuations": 4}, train={"max_steps": 1})
-    proc = run_cli("train", str(cfg))
+    proc = run_in_process("train", cfg)
     assert "model: qwen3_5_moe (Qwen3_5MoeForConditionalGeneration" in proc.stdout, proc.stdout
     adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
     assert any("experts" in k for k in adapter) and any("merger" in k for k in adapter)
 
 
+@pytest.mark.process
 @pytest.mark.distributed
 def test_moe_trains_and_two_ranks_equal_one_rank(tmp_path):
     """Qwen3.6-35B-A3B's family: experts (LoRA on both stacks) inside each FSDP-sharded decoder layer."""
     cfg = _trains_and_loads("qwen3_5_moe_text", tmp_path)
-    two = run_distributed(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
+    two = run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
     assert "FSDP2 over 2 ranks" in two.stdout
     one, two = (load_file(str(tmp_path / d / "adapter" / "adapter_model.safetensors")) for d in ("run", "two"))
     assert one.keys() == two.keys()
@@ -122,7 +122,7 @@ def test_moe_trains_and_two_ranks_equal_one_rank(tmp_path):
 
 def _refused(tmp_path, model_cfg, **sections):
     cfg = write_config(tmp_path, model={"config": model_cfg}, **sections)
-    proc = run_cli("train", str(cfg), check=False)
+    proc = run_in_process("train", cfg, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -1,16 +1,20 @@
 """The CLI on CPU with fla installed: `TRITON_INTERPRET=1 packtrain train CONFIG --set model.kernels=fla` trains like
-the torch kernels; standalone training and eval run without the interpreter (transformers' own kernels routed to
-torch on CPU). Skipped where fla is not installed."""
+the torch kernels (in this process: conftest.py sets the interpreter); standalone training and eval run without the
+interpreter (transformers' own kernels routed to torch on CPU; a process of its own, since Triton reads
+TRITON_INTERPRET at import). Skipped where fla is not installed."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from cli_helpers import TINY_MODEL, run_cli, write_config
+from cli_helpers import REPO, TINY_MODEL, run_in_process, write_config
 from fla_interp import needs_interpreter
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.slow, needs_interpreter]
+pytestmark = needs_interpreter
 
 # float32; SGD, so an update is proportional to the gradient and the adapters compare gradients; one GDN layer with
 # one key head and two value heads (fewer interpreted programs).
@@ -34,9 +38,8 @@ def _adapter(run_dir):
 
 def test_train_with_fla_kernels_under_the_interpreter_matches_torch_kernels(tmp_path):
     cfg = write_config(tmp_path, model=MODEL, optim=OPTIM, train=TRAIN)
-    run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'torch'}", "--set", "model.kernels=torch")
-    proc = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'fla'}", "--set", "model.kernels=fla",
-                   env={"TRITON_INTERPRET": "1"})
+    run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'torch'}", "--set", "model.kernels=torch")
+    proc = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'fla'}", "--set", "model.kernels=fla")
     assert "gated-deltanet=fla, attention=batched" in proc.stdout + proc.stderr
     ref, got = _metrics(tmp_path / "torch"), _metrics(tmp_path / "fla")
     assert [m.get("split") for m in got] == [m.get("split") for m in ref] and len(ref) >= 3
@@ -50,13 +53,19 @@ def test_train_with_fla_kernels_under_the_interpreter_matches_torch_kernels(tmp_
         torch.testing.assert_close(fla_adapter[name], torch_adapter[name], rtol=ADAPTER_REL, atol=ADAPTER_ABS)
 
 
+@pytest.mark.process
 def test_standalone_train_and_eval_run_without_the_interpreter(tmp_path):
     """Unpacked forwards on CPU never reach fla's kernels, which fail there uncompiled ("0 active drivers")."""
     cfg = write_config(tmp_path, model=MODEL, optim=OPTIM, train={"max_steps": 1})
-    no_interpreter = {"TRITON_INTERPRET": "0"}
-    run_cli("train", str(cfg), "--set", "packing.mode=standalone", env=no_interpreter)
     out = tmp_path / "losses.jsonl"
-    run_cli("eval", str(cfg), "--adapter", str(tmp_path / "run" / "adapter"), "--out", str(out),
-            "--set", "packing.mode=standalone", env=no_interpreter)
+    # both commands in one process started without the interpreter
+    train = ["train", str(cfg), "--set", "packing.mode=standalone"]
+    evaluate = ["eval", str(cfg), "--adapter", str(tmp_path / "run" / "adapter"), "--out", str(out), "--set",
+                "packing.mode=standalone"]
+    script = f"from packtrain.cli import main\nassert main({train!r}) == 0\nraise SystemExit(main({evaluate!r}))\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 6 and all(r["loss"] > 0 for r in rows)

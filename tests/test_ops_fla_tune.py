@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cli_helpers import run_cli, write_config
+from cli_helpers import run_cli, run_in_process, write_config
 
 from packtrain.ops import fla_tune
 from packtrain.packed.kernels import fla_available
@@ -89,12 +89,13 @@ def test_launch_env(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available() and fla_available(), reason="the CPU refusal")
 def test_pretune_on_cpu_is_a_clear_error(tmp_path):
-    proc = run_cli("pretune-fla", str(write_config(tmp_path)), check=False)
+    proc = run_in_process("pretune-fla", write_config(tmp_path), check=False)
     assert proc.returncode == 2
     assert "pretune-fla needs a CUDA GPU and the fla package" in proc.stderr
 
 
 @pytest.mark.gpu
+@pytest.mark.process  # check-nodes in a fresh process: fla reads FLA_CACHE_MODE when it is imported
 @pytest.mark.skipif(not torch.cuda.is_available() or not fla_available(), reason="needs CUDA and fla")
 def test_pretune_pins_what_triton_tuned_and_check_nodes_sees_it(tmp_path, monkeypatch):
     cfg = write_config(tmp_path, model={"dtype": "bfloat16", "kernels": "fla"}, train={"device": "cuda"})

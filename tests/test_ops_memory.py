@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from cli_helpers import REPO, TINY_MODEL, run_cli, write_config
+from cli_helpers import REPO, TINY_MODEL, run_in_process, write_config
 
 from packtrain.config import config_from_dict, load_config
 from packtrain.ops import memory
@@ -162,10 +162,10 @@ def test_world_size_shards_the_weights_and_adds_gathered_layers():
 
 def test_plan_memory_prints_the_estimate(tmp_path):
     cfg = write_config(tmp_path, model={"dtype": "bfloat16"}, train={"activation_checkpointing": True})
-    out = run_cli("plan", str(cfg), "--memory", "--world-size", "2").stdout
+    out = run_in_process("plan", cfg, "--memory", "--world-size", "2").stdout
     assert "memory per GPU for the largest pack:" in out and "world size 2" in out
     assert "MLP intermediates: 3 x [" in out and "total on the device" in out
-    stats = json.loads(run_cli("plan", str(cfg), "--memory", "--json").stdout)
+    stats = json.loads(run_in_process("plan", cfg, "--memory", "--json").stdout)
     terms = {t["key"]: t for t in stats["memory"]["terms"]}
     assert terms["checkpointed_inputs"]["bytes"] == 3 * terms["residual"]["bytes"]  # 3 layers x [T, H]
     assert stats["memory"]["total_device_bytes"] == sum(t["bytes"] for t in terms.values()
@@ -173,7 +173,7 @@ def test_plan_memory_prints_the_estimate(tmp_path):
 
 
 def test_plan_memory_rejects_a_bad_world_size(tmp_path):
-    proc = run_cli("plan", str(write_config(tmp_path)), "--memory", "--world-size", "0", check=False)
+    proc = run_in_process("plan", write_config(tmp_path), "--memory", "--world-size", "0", check=False)
     assert proc.returncode == 2 and "--world-size" in proc.stderr
 
 

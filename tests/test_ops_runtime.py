@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import REPO, run_cli
+from cli_helpers import REPO, run_in_process
 
 from packtrain.config import config_from_dict
 from packtrain.distributed import DistInfo
@@ -154,7 +154,9 @@ waiting_in_a_collective()
 """
 
 
+@pytest.mark.process
 def test_dump_stacks_command_reaches_a_running_rank(tmp_path):
+    """The rank is a process of its own (stuck in a sleep); `packtrain dump-stacks` runs here."""
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"# packtrain train cfg.yaml\noutput_dir: {tmp_path / 'run'}\n"
                    "ops: {check_nodes: false, hang_timeout: null}\n")
@@ -163,7 +165,7 @@ def test_dump_stacks_command_reaches_a_running_rank(tmp_path):
                             env=env)
     try:
         assert proc.stdout.readline().strip() == "started"
-        shown = run_cli("dump-stacks", str(cfg)).stdout
+        shown = run_in_process("dump-stacks", cfg).stdout
         text = stacks_file(tmp_path / "run", 0).read_text()
     finally:
         proc.kill()
@@ -175,5 +177,5 @@ def test_dump_stacks_command_reaches_a_running_rank(tmp_path):
 def test_dump_stacks_without_a_running_rank_is_an_error(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"# packtrain train cfg.yaml\noutput_dir: {tmp_path / 'run'}\n")
-    proc = run_cli("dump-stacks", str(cfg), check=False)
+    proc = run_in_process("dump-stacks", cfg, check=False)
     assert proc.returncode == 2 and "no running rank" in proc.stderr

@@ -1,4 +1,5 @@
-"""`packtrain plan` through the real command line, in a subprocess: statistics out, one clear error for bad input."""
+"""`packtrain plan` through the real command line (in this process; the installed console script in one of its own):
+statistics out, one clear error for bad input."""
 
 import json
 import subprocess
@@ -6,14 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import REPO, run_in_process
 
-REPO = Path(__file__).resolve().parents[1]
 RULEBOOK = "You are the clerk. Rule 1. Answer with the codes only.\n- falcon is written juru"
 
 
-def run_plan(*args, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "packtrain", "plan", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=120, check=False)
+def run_plan(*args) -> subprocess.CompletedProcess:
+    return run_in_process("plan", *args, check=False)
 
 
 def write_config(tmp_path, lines, extra="") -> Path:
@@ -85,7 +85,7 @@ def test_set_overrides_the_config(tmp_path):
 
 
 def test_demo_config(tmp_path):
-    result = run_plan("configs/demo.yaml", "--json")
+    result = run_plan(REPO / "configs/demo.yaml", "--json")
     assert result.returncode == 0, result.stderr
     stats = json.loads(result.stdout)
     assert (stats["examples"], stats["prompts"], stats["skipped"]) == (300, 5, 0)
@@ -99,6 +99,7 @@ def test_demo_config(tmp_path):
     assert stats["positions_standalone"] == sum(len(ids) for ids in tok(whole, add_special_tokens=False)["input_ids"])
 
 
+@pytest.mark.process
 def test_console_script_exists():
     script = Path(sys.executable).parent / "packtrain"
     if not script.exists():

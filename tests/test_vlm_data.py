@@ -1,10 +1,10 @@
-"""Examples with images: parsing, token counts, clear errors, and a short run of the real CLI."""
+"""Examples with images: parsing, token counts, clear errors, and a short run of the real CLI (in this process)."""
 
 import json
 import shutil
 
 import pytest
-from cli_helpers import REPO, run_cli
+from cli_helpers import REPO, run_in_process
 from PIL import Image
 
 from packtrain.data.examples import DataError, load_examples
@@ -87,7 +87,6 @@ def test_bundled_processor_loads():
     assert proc.merge_size == 2 and proc.patch_size == 8
 
 
-@pytest.mark.slow
 def test_vlm_cli_trains_and_evaluates(tmp_path):
     """Two steps of the VLM demo config on a slice of its data, then `packtrain eval` on the adapter."""
     data = tmp_path / "vlm"
@@ -98,8 +97,8 @@ def test_vlm_cli_trains_and_evaluates(tmp_path):
     cfg = str(REPO / "configs" / "vlm_demo.yaml")
     sets = ["--set", f"data.train={data / 'train.jsonl'}", "--set", f"data.eval={data / 'eval.jsonl'}",
             "--set", f"output_dir={tmp_path / 'run'}", "--set", "train.max_steps=2", "--set", "logging.progress=false"]
-    out = run_cli("train", cfg, *sets)
+    out = run_in_process("train", cfg, *sets)
     assert "eval loss:" in out.stdout
-    run_cli("eval", cfg, *sets, "--adapter", str(tmp_path / "run" / "adapter"), "--out", str(tmp_path / "e.jsonl"))
+    run_in_process("eval", cfg, *sets, "--adapter", str(tmp_path / "run" / "adapter"), "--out", str(tmp_path / "e.jsonl"))
     rows = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["loss"] > 0 and r["target_tokens"] > 0 for r in rows)
