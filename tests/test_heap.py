@@ -41,6 +41,7 @@ def _faults(*args):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.process  # page faults of a fresh process: this one's heap holds whatever earlier tests left
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
 def test_cpu_training_keeps_the_heap_between_steps():
     pages = 20 * 2**20 // 4096

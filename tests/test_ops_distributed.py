@@ -1,21 +1,14 @@
-"""check-nodes and the hang watchdog over two gloo ranks (torchrun on CPU)."""
+"""check-nodes and the hang watchdog over two gloo ranks: fresh interpreters under torchrun where the exit itself is
+checked, ranks forked with packtrain imported (cli_helpers.run_ranks) elsewhere."""
 
 import os
 import subprocess
 import sys
 
 import pytest
-from cli_helpers import REPO, free_port, run_distributed, write_config
+from cli_helpers import REPO, free_port, run_ranks, write_config
 
-pytestmark = pytest.mark.distributed
-
-
-def test_identical_ranks_pass(tmp_path):
-    """Was flaky: rank 0 aborted at exit ("terminate called without an active exception", SIGABRT) on 3 of 16
-    runs, 2 of 10 here (see test_check_nodes_leaves_no_gloo_worker_at_exit). After the fix, 40 two-rank runs
-    of `packtrain check-nodes` in a row exited 0: ``bash tools/loop_check_nodes.sh 40``."""
-    proc = run_distributed(2, "check-nodes", str(write_config(tmp_path)))
-    assert "check-nodes: 2 ranks on 1 host (all identical)" in proc.stdout
+pytestmark = [pytest.mark.distributed, pytest.mark.process]
 
 
 _CHECK_NODES_THEN_COUNT_THREADS = """
@@ -28,9 +21,12 @@ print(f"rank {os.environ['RANK']}: rc {rc}, gloo threads left {[n for n in names
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names from /proc (Linux)")
-def test_check_nodes_leaves_no_gloo_worker_at_exit(tmp_path):
-    """The cause of the SIGABRT above, checked without luck: gloo's worker threads were still alive when the
-    interpreter shut down (the default group was pinned by torch.distributed.nn's default arguments, imported by
+def test_identical_ranks_pass_and_leave_no_gloo_worker_at_exit(tmp_path):
+    """Two identical ranks pass check-nodes, and both interpreters exit 0. That was flaky: rank 0 aborted at exit
+    ("terminate called without an active exception", SIGABRT) on 3 of 16 runs, 2 of 10 here; after the fix, 40
+    two-rank runs of `packtrain check-nodes` in a row exited 0: ``bash tools/loop_check_nodes.sh 40``.
+
+    The cause, checked here without luck: gloo's worker threads were still alive when the interpreter shut down (the default group was pinned by torch.distributed.nn's default arguments, imported by
     peft after init), and one still releasing the last all_gather's tensors needs the GIL, which a finalizing
     interpreter never gives back: it is killed inside a C++ destructor -> std::terminate. Now the group is
     destroyed for real, which joins the workers before ``main`` returns."""
@@ -40,7 +36,8 @@ def test_check_nodes_leaves_no_gloo_worker_at_exit(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(script), str(write_config(tmp_path))]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]  # no rank aborted at exit
+    assert "check-nodes: 2 ranks on 1 host (all identical)" in proc.stdout, proc.stdout[-2000:]
     for rank in (0, 1):
         assert f"rank {rank}: rc 0, gloo threads left []" in proc.stdout, proc.stdout[-2000:]
 
@@ -48,8 +45,8 @@ def test_check_nodes_leaves_no_gloo_worker_at_exit(tmp_path):
 def test_a_rank_seeing_another_transformers_is_refused_naming_field_and_ranks(tmp_path):
     import transformers
 
-    proc = run_distributed(2, "check-nodes", str(write_config(tmp_path)), check=False,
-                           env={"PACKTRAIN_TEST_OVERRIDE_RANK1": "transformers=5.0.0"})
+    proc = run_ranks(2, "check-nodes", str(write_config(tmp_path)), check=False,
+                     env={"PACKTRAIN_TEST_OVERRIDE_RANK1": "transformers=5.0.0"})
     assert proc.returncode != 0
     rows = [line.split() for line in proc.stdout.splitlines()]
     assert ["transformers", "!", transformers.__version__, "0"] in rows and ["!", "5.0.0", "1"] in rows
@@ -79,24 +76,16 @@ shutdown()
 
 
 def test_a_step_past_the_timeout_leaves_a_stack_file_per_rank(tmp_path):
-    script = tmp_path / "hanging_rank.py"
-    script.write_text(_HANGING_RANK)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), str(tmp_path / "run")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_ranks(2, tmp_path / "run", script=_HANGING_RANK, timeout=120, check=False)
+    assert proc.returncodes == [0, 0], proc.stderr[-3000:]
     assert "check-nodes: 2 ranks on 1 host (all identical)" in proc.stdout
     for rank in (0, 1):
         text = (tmp_path / "run" / "hang" / f"rank-{rank}.txt").read_text()
         assert f"rank {rank}, pid" in text and "no step completed for" in text and "in sleeping_step" in text
 
 
-@pytest.mark.skipif("RunOps" not in (REPO / "packtrain" / "trainer.py").read_text(),
-                    reason="trainer.py does not call RunOps yet")
 def test_train_refuses_mismatched_ranks_before_step_0(tmp_path):
     cfg = write_config(tmp_path, train={"max_steps": 1})
-    proc = run_distributed(2, "train", str(cfg), check=False,
-                           env={"PACKTRAIN_TEST_OVERRIDE_RANK1": "transformers=5.0.0"})
+    proc = run_ranks(2, "train", str(cfg), check=False, env={"PACKTRAIN_TEST_OVERRIDE_RANK1": "transformers=5.0.0"})
     assert proc.returncode != 0 and "5.0.0 on rank 1" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

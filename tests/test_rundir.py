@@ -1,5 +1,6 @@
 """One run per output directory: the lock (live holder refused, a dead one taken over), a previous run refused
-without --resume / --overwrite, --overwrite saying what it removes, and a refusal that ends both ranks."""
+without --resume / --overwrite, --overwrite saying what it removes, and a refusal that ends both ranks. The holders
+are processes; the runs they refuse run in this process."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import time
 
 import pytest
 import torch
-from cli_helpers import run_cli, run_distributed, write_config
+from cli_helpers import run_in_process, run_ranks, write_config
 from long_run_helpers import finish, start_cli, steps_logged, wait_for
 
 from packtrain.distributed import DistInfo
@@ -33,6 +34,7 @@ def _dead_pid():
     return proc.pid
 
 
+@pytest.mark.process
 def test_a_lock_from_a_dead_process_on_this_host_is_taken_over(tmp_path):
     _write_lock(tmp_path, _dead_pid())
     said = []
@@ -43,6 +45,7 @@ def test_a_lock_from_a_dead_process_on_this_host_is_taken_over(tmp_path):
     assert not (tmp_path / LOCK).exists()
 
 
+@pytest.mark.process
 def test_a_live_holder_or_another_host_is_refused(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
@@ -57,7 +60,7 @@ def test_a_live_holder_or_another_host_is_refused(tmp_path):
         claim(tmp_path, False, False, ONE, log=print)
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_busy_directory_then_a_previous_run_are_refused_and_overwrite_takes_over(tmp_path):
     cfg = write_config(tmp_path, train={"epochs": 2, "packs_per_step": 1, "save_every": 1}, data={"eval": None})
     run = tmp_path / "run"
@@ -66,7 +69,7 @@ def test_a_busy_directory_then_a_previous_run_are_refused_and_overwrite_takes_ov
         # step 2 logged: step 1's checkpoint is complete (a save comes before the next step)
         wait_for(lambda: steps_logged(run) >= 2, first, "the first run's step 2")
         first.send_signal(signal.SIGSTOP)  # frozen mid-run, holding the lock, however slow the second start is
-        second = run_cli("train", str(cfg), "--resume", check=False)
+        second = run_in_process("train", cfg, "--resume", check=False)
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"in use by another run: pid {first.pid} on {socket.gethostname()}" in second.stderr
         first.send_signal(signal.SIGKILL)
@@ -76,27 +79,27 @@ def test_a_busy_directory_then_a_previous_run_are_refused_and_overwrite_takes_ov
     assert json.loads((run / LOCK).read_text())["pid"] == first.pid  # left behind by the kill
     before = {p: p.read_bytes() for p in (run / "metrics.jsonl", *sorted((run / "checkpoints").rglob("*.pt")))}
 
-    again = run_cli("train", str(cfg), check=False)  # no --resume: the killed run's work is not thrown away
+    again = run_in_process("train", cfg, check=False)  # no --resume: the killed run's work is not thrown away
     assert again.returncode == 2 and "Traceback" not in again.stderr
     assert f"taking over the stale lock {run / LOCK}: pid {first.pid}" in again.stdout
     assert re.search(r"holds a previous run \(checkpoints/ \(\d checkpoints?\), metrics.jsonl\)", again.stderr)
     assert "--resume" in again.stderr and "--overwrite" in again.stderr
     assert {p: p.read_bytes() for p in before} == before
-    both = run_cli("train", str(cfg), "--resume", "--overwrite", check=False)
+    both = run_in_process("train", cfg, "--resume", "--overwrite", check=False)
     assert both.returncode == 2 and "contradict" in both.stderr
 
-    fresh = run_cli("train", str(cfg), "--overwrite", "--set", "train.max_steps=1")
+    fresh = run_in_process("train", cfg, "--overwrite", "--set", "train.max_steps=1")
     assert "--overwrite: removing checkpoints/, metrics.jsonl, config.yaml, base/, hang/" in fresh.stdout
     assert not (run / "checkpoints").exists()  # one step, no checkpoint: the old ones are gone
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
     assert (run / "adapter").exists() and not (run / LOCK).exists()
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.distributed
 def test_a_refusal_ends_both_ranks(tmp_path):
     cfg = write_config(tmp_path, train={"max_steps": 1}, data={"eval": None})
-    run_cli("train", str(cfg))
-    proc = run_distributed(2, "train", str(cfg), check=False, timeout=120)  # a hang would time out here
-    assert proc.returncode != 0
+    run_in_process("train", cfg)
+    proc = run_ranks(2, "train", str(cfg), check=False, timeout=120)  # a hang would time out here
+    assert proc.returncode != 0 and all(code > 0 for code in proc.returncodes), proc.returncodes  # none killed
     assert "holds a previous run" in proc.stderr and "rank 0 refused" in proc.stderr  # rank 1 got the verdict
