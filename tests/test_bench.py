@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from cli_helpers import run_cli, write_config
+from cli_helpers import run_in_process, write_config
 from tiny_models import tiny_text_config
 
 from packtrain.bench.measure import model_flops
@@ -19,7 +19,7 @@ VARIANT_KEYS = {"seconds", "cpu_seconds", "positions_per_s", "target_tokens_per_
 
 def _bench(tmp_path, *args) -> dict:
     out = tmp_path / "bench"
-    proc = run_cli("bench", *args, "--out", str(out))
+    proc = run_in_process("bench", *args, "--out", out)
     assert "x shared" in proc.stdout and "goal (wall)" in proc.stdout  # the table and the goal line
     return json.loads((out / "bench.json").read_text())
 

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 import torch
-from cli_helpers import run_cli, write_config
+from cli_helpers import run_in_process, write_config
 
 from packtrain.commands import smoke
 from packtrain.config import load_config
@@ -18,7 +18,7 @@ PHASES = ["load model", "update 1", "update 2 (with optimizer state)", "save che
 
 def test_smoke_prints_every_phase_and_saves_outside_the_run_checkpoints(tmp_path):
     cfg = write_config(tmp_path, lora={"dropout": 0.05}, train={"activation_checkpointing": True})
-    out = run_cli("smoke", str(cfg)).stdout
+    out = run_in_process("smoke", cfg).stdout
     lines = out.splitlines()
     loaded = load_config(cfg)
     largest = max(p.positions for p in plan_for(loaded, load_split(loaded, "train")).packs)
@@ -84,7 +84,7 @@ def test_cpu_allocator_failure_counts_as_out_of_memory():
 
 def test_smoke_runs_the_pack_in_continuation_groups(tmp_path):
     cfg = write_config(tmp_path, packing={"continuation_groups": 3})
-    first = run_cli("smoke", str(cfg)).stdout.splitlines()[0]
+    first = run_in_process("smoke", cfg).stdout.splitlines()[0]
     assert "continuations in 3 groups," in first, first
 
 
