@@ -100,6 +100,7 @@ def run_in_process(*args: str, env: dict | None = None, check: bool = True) -> s
 
     out, err = io.StringIO(), io.StringIO()
     threads = torch.get_num_threads()
+    code = None
     try:
         with _environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -112,9 +113,8 @@ def run_in_process(*args: str, env: dict | None = None, check: bool = True) -> s
         raise
     finally:
         torch.set_num_threads(threads)
-        # what a process frees at exit: a failed run's frames hold its open files in reference cycles (a tmpfs
-        # with one of them open cannot be unmounted), and a finished one its model
-        gc.collect()
+        if code != 0:  # what a process frees at exit: a failed run's frames hold its open files in reference
+            gc.collect()  # cycles (a tmpfs with one of them open cannot be unmounted)
     proc = subprocess.CompletedProcess(["packtrain", *map(str, args)], code, out.getvalue(), err.getvalue())
     if check and code != 0:
         raise AssertionError(f"packtrain {' '.join(proc.args[1:])} exited {code}\n{proc.stdout}\n{proc.stderr}")
@@ -202,9 +202,10 @@ def _rank_main(rank: int, world: int, port: int, args: list[str], env: dict, scr
 
 class Ranks:
     """Ranks forked by :func:`start_ranks`, running in the background, read like the ``subprocess.Popen`` of a
-    torchrun job: ``poll()``, ``communicate(timeout)``, ``kill()``, ``returncode`` (the first non-zero exit code of
-    a rank), and ``returncodes`` (each rank's). stdout and stderr are the ranks' in rank order. A rank that is still
-    running ``GRACE`` seconds after another failed is killed, as torchrun stops a job whose worker failed."""
+    torchrun job (or, with one rank, of the process): ``poll()``, ``communicate(timeout)``, ``kill()``,
+    ``send_signal(sig)`` and ``pid`` (rank 0's), ``returncode`` (the first non-zero exit code of a rank), and
+    ``returncodes`` (each rank's). stdout and stderr are the ranks' in rank order. A rank that is still running
+    ``GRACE`` seconds after another failed is killed, as torchrun stops a job whose worker failed."""
 
     GRACE = 30.0
 
@@ -226,6 +227,13 @@ class Ranks:
         self.returncodes = codes
         self.returncode = next((c for c in codes if c), 0)
         return self.returncode
+
+    @property
+    def pid(self) -> int:
+        return self.procs[0].pid
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
 
     def kill(self) -> None:
         for p in self.procs:

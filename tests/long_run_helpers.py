@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,14 +14,10 @@ from cli_helpers import REPO, Ranks, start_ranks
 from safetensors.torch import load_file
 
 
-def start_cli(*args: str, env: dict | None = None, ranks: int = 1) -> subprocess.Popen | Ranks:
-    """`packtrain ARGS`, running in the background: a process of its own, or with ``ranks`` > 1 that many ranks
-    (cli_helpers.start_ranks: read like a Popen, with each rank's exit code in ``returncodes``)."""
-    if ranks > 1:
-        return start_ranks(ranks, *args, env=env)
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "packtrain", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO)
+def start_cli(*args: str, env: dict | None = None, ranks: int = 1) -> Ranks:
+    """`packtrain ARGS` running in the background, as ``ranks`` processes (one: a plain run) forked with packtrain
+    imported (cli_helpers.start_ranks: read like a Popen, each rank's exit code in ``returncodes``)."""
+    return start_ranks(ranks, *args, env=env)
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 180.0):

@@ -1,6 +1,7 @@
 """CPU training keeps glibc's heap between steps (packtrain.models.loading.keep_heap_between_steps, set by
 prepare_from_config on the CPU): a step's large activations are served from memory the last step used, not mapped
-and faulted in anew. Measured in a fresh process, as minor page faults around repeated 20 MiB allocations."""
+and faulted in anew. Measured in a fresh process, as minor page faults around repeated 20 MiB allocations: first
+without prepare_from_config, then with it (what it sets cannot be taken back, so it comes second)."""
 
 import json
 import subprocess
@@ -21,32 +22,32 @@ def faults():  # five steps, each writing a fresh 20 MiB tensor and freeing it
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-fix_mmap_threshold()  # what loading a checkpoint sets: every allocation above 128 KiB mapped on its own
-loading = faults()
-if sys.argv[1] == "prepare":
-    from packtrain.bench.presets import get_preset
-    from packtrain.config import config_from_dict
-    from packtrain.models.build import build_base_model
-    from packtrain.models.wrap import prepare_from_config
+def measure(prepare):
+    fix_mmap_threshold()  # what loading a checkpoint sets: every allocation above 128 KiB mapped on its own
+    loading = faults()
+    if prepare:
+        from packtrain.bench.presets import get_preset
+        from packtrain.config import config_from_dict
+        from packtrain.models.build import build_base_model
+        from packtrain.models.wrap import prepare_from_config
 
-    cfg = config_from_dict(get_preset("tiny").config, source="test")
-    prepare_from_config(build_base_model(cfg), cfg, torch.device(sys.argv[2]))
-faults()  # the heap grows once
-print(json.dumps({"loading": loading, "steps": faults()}))
+        cfg = config_from_dict(get_preset("tiny").config, source="test")
+        prepare_from_config(build_base_model(cfg), cfg, torch.device(sys.argv[1]))
+    faults()  # the heap grows once
+    return {"loading": loading, "steps": faults()}
+
+
+print(json.dumps({"untouched": measure(False), "prepared": measure(True)}))
 """
-
-
-def _faults(*args):
-    out = subprocess.run([sys.executable, "-c", SCRIPT, *args], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.process  # page faults of a fresh process: this one's heap holds whatever earlier tests left
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
 def test_cpu_training_keeps_the_heap_between_steps():
     pages = 20 * 2**20 // 4096
-    cpu = _faults("prepare", "cpu")
+    out = subprocess.run([sys.executable, "-c", SCRIPT, "cpu"], capture_output=True, text=True, check=True)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    untouched, cpu = measured["untouched"], measured["prepared"]
+    assert untouched["steps"] >= 4 * pages, untouched  # without prepare_from_config the loading threshold stays
     assert cpu["loading"] >= 4 * pages, cpu  # the check can fail: mapped anew every time before
     assert cpu["steps"] < pages // 4, cpu
-    untouched = _faults("nothing", "cpu")  # without prepare_from_config the loading threshold stays
-    assert untouched["steps"] >= 4 * pages, untouched

@@ -4,7 +4,6 @@ metrics.jsonl, stack dumps on a hang, on SIGUSR1 and from `packtrain dump-stacks
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import types
@@ -12,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import REPO, run_in_process
+from cli_helpers import run_in_process, start_ranks
+from long_run_helpers import wait_for
 
 from packtrain.config import config_from_dict
 from packtrain.distributed import DistInfo
@@ -149,27 +149,25 @@ def waiting_in_a_collective():
 
 cfg = load_config(sys.argv[1])
 RunOps(cfg, DistInfo(0, 1, 0, torch.device("cpu")), Path(cfg.output_dir)).start()
-print("started", flush=True)
+Path(sys.argv[2]).write_text("started")  # SIGUSR1 is caught from here on
 waiting_in_a_collective()
 """
 
 
 @pytest.mark.process
 def test_dump_stacks_command_reaches_a_running_rank(tmp_path):
-    """The rank is a process of its own (stuck in a sleep); `packtrain dump-stacks` runs here."""
+    """The rank is a process of its own (forked, stuck in a sleep); `packtrain dump-stacks` runs here."""
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"# packtrain train cfg.yaml\noutput_dir: {tmp_path / 'run'}\n"
                    "ops: {check_nodes: false, hang_timeout: null}\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", _STUCK_RANK, str(cfg)], stdout=subprocess.PIPE, text=True,
-                            env=env)
+    started = tmp_path / "started"
+    proc = start_ranks(1, cfg, started, script=_STUCK_RANK)
     try:
-        assert proc.stdout.readline().strip() == "started"
+        wait_for(started.exists, proc, "the rank's RunOps.start")
         shown = run_in_process("dump-stacks", cfg).stdout
         text = stacks_file(tmp_path / "run", 0).read_text()
     finally:
         proc.kill()
-        proc.wait()
     assert f"rank 0 (pid {proc.pid}): " in shown
     assert "packtrain dump-stacks" in text and "waiting_in_a_collective" in text and "--- GPU ---" in text
 

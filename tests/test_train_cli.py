@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from cli_helpers import RESUMED, run_cli, run_in_process, write_config
+from cli_helpers import RESUMED, run_in_process, run_ranks, write_config
 from safetensors.torch import load_file
 
 # 2 steps of the default tiny config: the packed run the standalone and checkpointed runs are compared with
@@ -104,11 +104,11 @@ def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path, train
 @pytest.mark.process
 def test_resume_after_kill_gives_the_uninterrupted_adapter(tmp_path, trained):
     """The suite's proof of resuming after SIGKILL (no handler runs, no final save); the killed run is a process of
-    its own, the resume runs here (one torch thread in both, as in the uninterrupted run)."""
+    its own (a fork of one rank), the resume runs here (one torch thread in both, as in the uninterrupted run)."""
     straight = trained(**RESUMED)
     cfg = straight.config
-    killed = run_cli("train", str(cfg), "--set", f"output_dir={tmp_path / 'killed'}",
-                     env={"PACKTRAIN_KILL_AFTER_CHECKPOINT": "4"}, check=False)
+    killed = run_ranks(1, "train", cfg, "--set", f"output_dir={tmp_path / 'killed'}",
+                       env={"PACKTRAIN_KILL_AFTER_CHECKPOINT": "4"}, check=False)
     assert killed.returncode != 0, "the run was meant to die after the step-4 checkpoint"
     assert not (tmp_path / "killed" / "adapter").exists()
     resumed = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'killed'}", "--resume")
