@@ -1,6 +1,12 @@
-"""Run the real `packtrain` CLI on tiny configs written to a temp directory: in this process (`run_in_process`, the
-default for a check that needs no process of its own) or in a subprocess (`run_cli`, `run_distributed`: ranks,
-signals, kills, the launcher)."""
+"""Run the real `packtrain` CLI on tiny configs written to a temp directory.
+
+- `run_in_process`: ``packtrain.cli.main`` in the pytest process, the default for a check that needs no process of
+  its own (refusals, 1-rank runs; conftest.py's ``trained`` caches reference runs).
+- `run_ranks` / `start_ranks`: processes forked from a server that has packtrain imported, for what needs processes
+  (ranks over gloo, signals, kills); each costs no interpreter start.
+- `run_cli`: a fresh interpreter (`python -m packtrain`), for what the interpreter itself does (its start, its exit,
+  what it reads from the environment at import); the tests of the launcher run torchrun themselves.
+"""
 
 from __future__ import annotations
 
@@ -122,7 +128,7 @@ def run_in_process(*args: str, env: dict | None = None, check: bool = True) -> s
 
 
 def run_cli(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """`packtrain ARGS` in a process of its own, with one torch thread like every run of the suite (conftest.py)."""
+    """`packtrain ARGS` in a fresh interpreter, with one torch thread like every run of the suite (conftest.py)."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "packtrain", *args], capture_output=True, text=True, env=full_env,
                           cwd=REPO)
@@ -137,19 +143,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def run_distributed(nproc: int, *args: str, env: dict | None = None, check: bool = True,
-                    timeout: int = 240) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node N -m packtrain ...` on CPU (gloo), as `accelerate launch` would start it."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-                **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), "-m", "packtrain", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return proc
 
 
 # What a rank imports before it reads its arguments: loaded once, in the fork server, not in every rank.
@@ -263,8 +256,8 @@ def start_ranks(nproc: int, *args: str, env: dict | None = None, script: str | N
                 world: int | None = None) -> Ranks:
     """`packtrain ARGS` (or the Python ``script``, ARGS its sys.argv) on ``nproc`` ranks over gloo, in the background:
     each rank a process forked from a server with packtrain imported (:func:`_fork_server`), in the environment
-    torchrun gives a rank. (:func:`run_distributed` is torchrun itself: for what the launcher does.) ``world``: the
-    world size the ranks are told (default ``nproc``; more: ranks that never start)."""
+    torchrun gives a rank (torchrun itself: tests/test_distributed.py's launch script). ``world``: the world size the
+    ranks are told (default ``nproc``; more: ranks that never start)."""
     import tempfile
 
     ctx = _fork_server()

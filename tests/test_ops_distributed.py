@@ -26,10 +26,11 @@ def test_identical_ranks_pass_and_leave_no_gloo_worker_at_exit(tmp_path):
     ("terminate called without an active exception", SIGABRT) on 3 of 16 runs, 2 of 10 here; after the fix, 40
     two-rank runs of `packtrain check-nodes` in a row exited 0: ``bash tools/loop_check_nodes.sh 40``.
 
-    The cause, checked here without luck: gloo's worker threads were still alive when the interpreter shut down (the default group was pinned by torch.distributed.nn's default arguments, imported by
-    peft after init), and one still releasing the last all_gather's tensors needs the GIL, which a finalizing
-    interpreter never gives back: it is killed inside a C++ destructor -> std::terminate. Now the group is
-    destroyed for real, which joins the workers before ``main`` returns."""
+    The cause, checked here without luck: gloo's worker threads were still alive when the interpreter shut down
+    (the default group was pinned by torch.distributed.nn's default arguments, imported by peft after init), and
+    one still releasing the last all_gather's tensors needs the GIL, which a finalizing interpreter never gives
+    back: it is killed inside a C++ destructor -> std::terminate. Now the group is destroyed for real, which joins
+    the workers before ``main`` returns."""
     script = tmp_path / "check_nodes_threads.py"
     script.write_text(_CHECK_NODES_THEN_COUNT_THREADS)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

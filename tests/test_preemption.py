@@ -1,14 +1,14 @@
-"""Preemption through the real CLI, in processes that are signalled: SIGTERM / SIGINT (sent by pid once a step is
-logged, never after a bare sleep) end the run at the next step boundary with a checkpoint and exit 75; --resume then
-gives the uninterrupted run's adapter bit for bit. With two ranks, SIGINT to rank 1 alone stops both at the same
-step (no KeyboardInterrupt), and the resume restores both ranks' RNG (each rank trains a pack per step, with
-dropout). These are the suite's proofs of those two resume paths (SIGKILL: test_train_cli; 2 -> 1 ranks:
-test_distributed).
+"""Preemption through the real CLI, in processes that are signalled (forked with packtrain imported:
+cli_helpers.start_ranks): SIGTERM / SIGINT (sent by pid once a step is logged, never after a bare sleep) end the run
+at the next step boundary with a checkpoint and exit 75; --resume then gives the uninterrupted run's adapter bit for
+bit. With two ranks, SIGINT to rank 1 alone stops both at the same step (no KeyboardInterrupt), and the resume
+restores both ranks' RNG (each rank trains a pack per step, with dropout). These are the suite's proofs of those two
+resume paths (SIGKILL: test_train_cli; 2 -> 1 ranks: test_distributed).
 
-Every run of one comparison has the same torch thread count, one (start_cli's OMP_NUM_THREADS=1, torchrun's default
-of 1 with two ranks, and the pytest process: conftest.py): torch's own CPU kernels do not round the same with 1 and 2
-threads (its flash attention in float64 gives outputs 1 ulp apart for query blocks of odd length 9-31,
-`tools/thread_rounding.py`), so a bit-for-bit comparison across thread counts would test torch, not the resume."""
+Every run of one comparison has the same torch thread count, one (the forked ranks and the pytest process:
+cli_helpers, conftest.py): torch's own CPU kernels do not round the same with 1 and 2 threads (its flash attention in
+float64 gives outputs 1 ulp apart for query blocks of odd length 9-31, `tools/thread_rounding.py`), so a bit-for-bit
+comparison across thread counts would test torch, not the resume."""
 
 import json
 import os

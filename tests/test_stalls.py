@@ -60,7 +60,8 @@ def test_a_stopped_rank_makes_the_other_abort_after_its_stacks(tmp_path):
         if stopped is not None:
             os.kill(stopped, signal.SIGKILL)  # torchrun would wait 30 s for a stopped rank to take its SIGTERM
     _, _, err = finish(proc)
-    assert proc.returncodes[0] == STALLED_EXIT and "rank 0 stalled: no progress for" in err and f"aborting (exit {STALLED_EXIT})" in err
+    assert proc.returncodes[0] == STALLED_EXIT, proc.returncodes
+    assert "rank 0 stalled: no progress for" in err and f"aborting (exit {STALLED_EXIT})" in err
     assert "(ops.hang_timeout=8 + ops.hang_abort=4)" in err  # the timing itself: the in-process test above
     stacks = (run / "hang" / "rank-0.txt").read_text()
     assert "no step completed for" in stacks  # the evidence came first

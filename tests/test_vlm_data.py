@@ -99,6 +99,6 @@ def test_vlm_cli_trains_and_evaluates(tmp_path):
             "--set", f"output_dir={tmp_path / 'run'}", "--set", "train.max_steps=2", "--set", "logging.progress=false"]
     out = run_in_process("train", cfg, *sets)
     assert "eval loss:" in out.stdout
-    run_in_process("eval", cfg, *sets, "--adapter", str(tmp_path / "run" / "adapter"), "--out", str(tmp_path / "e.jsonl"))
+    run_in_process("eval", cfg, *sets, "--adapter", tmp_path / "run" / "adapter", "--out", tmp_path / "e.jsonl")
     rows = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["loss"] > 0 and r["target_tokens"] > 0 for r in rows)
