@@ -63,6 +63,21 @@ def test_a_nan_step_stops_then_resume_skips_it_and_counts_it(tmp_path):
     assert (run / "adapter").exists() and nonfinite_files(run) == []
 
 
+def test_the_skip_count_survives_a_resume(tmp_path):
+    """train.max_nonfinite_skips counts over the whole run: a skip before a checkpoint still counts after resuming
+    from it, so a second NaN step past the limit stops the resumed run (exit 4) instead of being skipped."""
+    cfg = write_config(tmp_path, train={"max_steps": 4, "packs_per_step": 1, "save_every": 1,
+                                        "max_nonfinite_skips": 1}, data={"eval": None})
+    run = tmp_path / "run"
+    run_in_process("train", cfg, env={INJECT_ENV: "0:3"})  # step 3 skipped; checkpoints up to step-3
+    assert verify_checkpoint(checkpoints(run)[0])["nonfinite_skips"] == 1
+    resumed = run_in_process("train", cfg, "--resume", "--set", "train.max_steps=6", env={INJECT_ENV: "0:6"},
+                             check=False)
+    assert resumed.returncode == NONFINITE_EXIT, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "after 1 skipped non-finite step(s)" in resumed.stderr
+    assert [x["nonfinite_skips"] for x in _train_lines(run)] == [0, 0, 1, 1, 1]
+
+
 @pytest.mark.parametrize("save_every", [1, 100], ids=["checkpoint", "final adapter"])
 def test_a_parameter_an_update_made_non_finite_is_never_saved(tmp_path, save_every):
     """Step 2's loss and gradient norm are finite, but its update leaves an inf in a parameter (an overflowing

@@ -211,3 +211,20 @@ def test_the_seeds_illustration():
     assert stats["attention_pairs_standalone"] == 169_002_600_000
     assert stats["attention_pairs_packed"] == 7_208_072_000
     assert round(stats["attention_pair_ratio"], 1) == 23.4
+
+
+def test_the_fingerprint_sees_every_token_of_p_item_and_target():
+    """`train --resume` refuses edited data by this fingerprint: a token of P, of an item or of a target changed,
+    lengths kept, is another fingerprint (and an unchanged copy of the data is the same one)."""
+    from packtrain.data.planner import plan_fingerprint
+
+    def fingerprint(examples):
+        return plan_fingerprint(plan_packs(examples, token_budget=20, max_continuations=90), examples)
+
+    base = [ex("a", 3), ex("b", 4)]
+    edits = [Example("a", P4, (7, 8), (9,)),  # an item token
+             Example("a", P4, (7, 7), (8,)),  # a target token
+             Example("a", (11, 12, 13, 15), (7, 7), (9,))]  # a token of P
+    assert fingerprint([ex("a", 3), ex("b", 4)]) == fingerprint(base)
+    for edited in edits:
+        assert fingerprint([edited, base[1]]) != fingerprint(base), edited
