@@ -74,9 +74,6 @@ class PrefixState:
         """The gradients the leaves collected (None where nothing read a tensor)."""
         return {key: t.grad for key, t in self.named().items()}
 
-    def detached(self) -> PrefixState:
-        return self.leaves(grad=False)
-
 
 def backward_through(outputs: PrefixState, grads: dict[tuple, torch.Tensor | None], losses=()) -> None:
     """One backward of ``losses`` (scalars) together with ``grads`` (by :meth:`PrefixState.named` key) on the
