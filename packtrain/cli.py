@@ -32,10 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="remove a previous run's outputs from output_dir first "
                    "(adapter, checkpoints, metrics; listed as they go)")
 
-    p = sub.add_parser("eval", help="per-example losses of an adapter on data.eval (or data.train)")
+    p = sub.add_parser("eval", help="per-example losses of an adapter on data.eval (or data.train); with --generate "
+                       "its predictions, scored")
     _add_config_args(p)
-    p.add_argument("--adapter", required=True, help="adapter directory (PEFT format)")
-    p.add_argument("--out", required=True, help="output JSONL: one {id, loss, target_tokens} line per example")
+    p.add_argument("--adapter", required=True, help="adapter directory (PEFT format), or `none` for the base model")
+    p.add_argument("--out", required=True, help="output JSONL: one {id, loss, target_tokens} line per example; with "
+                   "--generate one {id, prediction_ids, prediction, target, stop, score, match} line, and the "
+                   "mismatches in FILE.errors.md")
+    p.add_argument("--generate", action="store_true", help="generate each example's answer (P prefilled once per "
+                   "prompt group; the generate: section of the config) and score it with generate.metric")
 
     p = sub.add_parser("check-nodes", help="compare what every rank imports (run under the training launcher)")
     _add_config_args(p)

@@ -158,6 +158,19 @@ class TrainConfig:
 
 
 @dataclass
+class GenerateConfig:
+    """Generation on held-out examples (`packtrain eval --generate`, and during training with ``every``)."""
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy; above 0: sampled (with top_p) from generators seeded by `seed`
+    top_p: float = 1.0
+    seed: int = 0
+    metric: str = "exact"  # exact | json | python:module:function (a scorer (prediction, target, example) -> [0, 1])
+    strip_thinking: bool = True  # a <think>...</think> block is removed from the prediction before it is scored
+    every: int | None = None  # during training: every N steps and at the end (None: never)
+    examples: int | None = None  # the first N examples of data.eval (None: all of them)
+
+
+@dataclass
 class LoggingConfig:
     progress: bool = True
     wandb: Literal["off", "offline", "online"] = "off"
@@ -187,6 +200,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
     output_dir: str = "runs/default"
@@ -230,6 +244,11 @@ _BOUNDS = [
     ("train.packs_per_step", lambda v: v >= 1, "must be at least 1"),
     ("train.save_every", lambda v: v >= 1, "must be at least 1"),
     ("train.eval_every", lambda v: v is None or v >= 1, "must be at least 1 (or null)"),
+    ("generate.max_new_tokens", lambda v: v >= 1, "must be at least 1"),
+    ("generate.temperature", lambda v: v >= 0, "must be >= 0 (0: greedy)"),
+    ("generate.top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    ("generate.every", lambda v: v is None or v >= 1, "must be at least 1 (or null)"),
+    ("generate.examples", lambda v: v is None or v >= 1, "must be at least 1 (or null: all)"),
     ("ops.hang_timeout", lambda v: v is None or v > 0, "must be positive (or null: no watchdog)"),
     ("ops.hang_abort", lambda v: v is None or v > 0, "must be positive (or null: never abort)"),
     ("ops.collective_timeout", lambda v: v > 0, "must be positive"),
@@ -339,6 +358,8 @@ def _validate(cfg: Config) -> list[str]:
     if cfg.lora.target_parameters and cfg.lora.dropout > 0:
         problems.append(f"lora.dropout: must be 0 with lora.target_parameters (peft cannot drop out the input of a "
                         f"targeted parameter), got {cfg.lora.dropout!r}")
+    if cfg.generate.every is not None and not cfg.data.eval:
+        problems.append("generate.every: generates on data.eval, which is not set")
     if cfg.model.kernels == "fla" and cfg.model.dtype == "float64":  # fla's kernels are float32/bf16 only
         problems.append("model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)")
     return problems

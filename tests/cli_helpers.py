@@ -72,7 +72,7 @@ def write_config(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
     }
     for section, values in sections.items():
         if isinstance(values, dict):
-            cfg[section].update(values)
+            cfg.setdefault(section, {}).update(values)
         else:
             cfg[section] = values
     path = tmp / name

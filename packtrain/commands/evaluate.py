@@ -1,5 +1,10 @@
 """`packtrain eval CONFIG --adapter DIR --out FILE.jsonl`: one ``{"id", "loss", "target_tokens"}`` line per example,
-packed by default, standalone with ``--set packing.mode=standalone``. Uses data.eval, else data.train."""
+packed by default, standalone with ``--set packing.mode=standalone``. Uses data.eval, else data.train.
+
+With ``--generate``: every example's answer generated (P prefilled once per prompt group, :mod:`packtrain.run.generate`)
+and scored with ``generate.metric`` (:mod:`packtrain.run.task`): one ``{"id", "prediction_ids", "prediction",
+"target", "stop", "score", "match"}`` line per example, the mismatches in ``FILE.errors.md``, and a summary line.
+``--adapter none`` runs the base model."""
 
 from __future__ import annotations
 
@@ -11,38 +16,69 @@ from packtrain.distributed import init_distributed, shutdown
 
 
 def run_eval(args) -> int:
-    from peft import PeftModel
-
-    from packtrain.data.examples import load_split
+    from packtrain.data.examples import detect_format, load_split
     from packtrain.data.planner import plan_for
     from packtrain.models.build import build_base_model
     from packtrain.packed.kernels import select_backend
     from packtrain.packed.lm import PackedLM
     from packtrain.packed.patch import patch_model
     from packtrain.run.evaluate import evaluate, mean_loss
+    from packtrain.run.task import load_task_scorer
     from packtrain.run.units import UnitSetup, image_loader
 
     cfg = load_config(args.config, args.overrides)
-    adapter = Path(args.adapter)
-    if not (adapter / "adapter_config.json").is_file():
-        raise ValueError(f"--adapter: {adapter} is not a PEFT adapter directory (no adapter_config.json)")
+    adapter = None if args.adapter == "none" else Path(args.adapter)
+    if adapter is not None and not (adapter / "adapter_config.json").is_file():
+        raise ValueError(f"--adapter: {adapter} is not a PEFT adapter directory (no adapter_config.json; "
+                         "`--adapter none` evaluates the base model)")
     split = "eval" if cfg.data.eval else "train"
     examples = load_split(cfg, split)
     if examples is None:
         raise ValueError("data.eval and data.train are both unset: nothing to evaluate")
+    scorer = load_task_scorer(cfg) if args.generate else None  # a bad generate.metric fails before the model loads
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     try:
-        model = PeftModel.from_pretrained(build_base_model(cfg), adapter, is_trainable=False)
+        model = build_base_model(cfg)
+        if adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
         backend = select_backend(cfg.model.kernels, info.device)
         lm = PackedLM(patch_model(model, backend), cfg.packing.context_grad).to(info.device)
         setup = UnitSetup(cfg.packing.mode, walk_spec=cfg.walk_spec(), images=image_loader(cfg, model, examples))
+        out = Path(args.out)
+        if args.generate:
+            fmt = cfg.data.format or detect_format(cfg.resolve_path(getattr(cfg.data, split)))
+            _generate(cfg, model, lm, examples, scorer, fmt, setup, info, out, split, args.adapter)
+            return 0
         rows = evaluate(lm, plan_for(cfg, examples), examples, setup, info)
         if info.is_main:
-            out = Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text("".join(json.dumps(r) + "\n" for r in rows))
             print(f"packtrain eval: {len(rows)} examples of data.{split}, mode {cfg.packing.mode}, "
-                  f"context_grad {cfg.packing.context_grad}, kernels {backend.describe()}: mean loss {mean_loss(rows):.4f} -> {out}")
+                  f"context_grad {cfg.packing.context_grad}, kernels {backend.describe()}: "
+                  f"mean loss {mean_loss(rows):.4f} -> {out}")
     finally:
         shutdown()
     return 0
+
+
+def _generate(cfg, model, lm, examples, scorer, fmt, setup, info, out: Path, split: str, adapter: str) -> None:
+    from tqdm.auto import tqdm
+
+    from packtrain.run.task import describe, errors_path_for, prepare_task, run_task, task_tokenizer, write_task
+
+    task = prepare_task(cfg, model, examples, scorer, task_tokenizer(cfg, fmt), split)
+    bar = tqdm(total=None, desc="generate", unit="pack", disable=not (info.is_main and cfg.logging.progress))
+    result = run_task(lm, task, setup, info, progress=bar)
+    bar.close()
+    if info.is_main:
+        errors = errors_path_for(out)
+        write_task(result, out, errors, task, f"packtrain eval --generate: adapter {adapter}, data.{split}")
+        s, g = result.summary, cfg.generate
+        how = "greedy" if g.temperature == 0 else f"sampled (temperature {g.temperature}, top_p {g.top_p}, seed {g.seed})"
+        rate = f"{s['tokens_per_second']:.1f} tokens/s" if s["tokens_per_second"] else "n/a"
+        print(f"packtrain eval --generate: {s['examples']} examples of data.{split} in {len(task.plan.prompts)} "
+              f"prompt groups, {how}, metric {g.metric}: {describe(s)}; {s['tokens']} tokens generated in "
+              f"{s['seconds']:.1f} s ({rate}) -> {out}")
+        print(f"  mismatches: {errors}")

@@ -35,7 +35,7 @@ class WandbMirror:
                               name=out_dir.resolve().name, config=config)
 
     def log(self, record: dict) -> None:
-        prefix = "eval" if record.get("split") == "eval" else "train"
+        prefix = record.get("split") or "train"  # train/..., eval/loss, generate/mean_score
         values = {f"{prefix}/{k}": v for k, v in record.items()
                   if k not in NOT_LOGGED and isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.run.log(values, step=int(record["step"]))

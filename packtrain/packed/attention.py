@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from packtrain.packed.layout import PackLayout, dense_mask, shared_prefix_allowed
+from packtrain.packed.rows import Rows, attend
 
 ATTN_NAME = "packtrain"
 
@@ -243,8 +244,13 @@ def packtrain_attention(module, query, key, value, attention_mask, scaling=None,
     if packtrain_pack is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
+    if isinstance(packtrain_pack, Rows):  # one token per decoding row (packtrain.packed.decode)
+        out = attend(packtrain_pack, module.layer_idx, query, key, value, scaling)
+        return out.transpose(1, 2).contiguous(), None
     kind = module.packtrain_backend.attention
     if packtrain_pack.prefix_state is not None:
+        if packtrain_pack.record is not None:  # a generation's item pass keeps the continuations' own keys
+            packtrain_pack.record[("kv", module.layer_idx)] = (key, value)
         k_P, v_P = packtrain_pack.prefix_state.keys_values(module.layer_idx)
         out = _FROZEN_IMPLS[kind](query, key, value, k_P.to(key.dtype), v_P.to(value.dtype), packtrain_pack,
                                   scaling, dropout)

@@ -64,14 +64,17 @@ def continuation_chunk(cont_lens) -> int:
     return LONG_CHUNK if max(cont_lens) > LONG_CONTINUATION else SHORT_CHUNK
 
 
-def continuation_delta_rule_torch(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayout, state) -> torch.Tensor:
+def continuation_delta_rule_torch(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayout, state,
+                                  final_state: bool = False):
     """Every continuation from P's final state ``state`` [1, HV, K, V] in one varlen call (each padded only to its
-    own multiple of the chunk, not to the longest)."""
+    own multiple of the chunk, not to the longest). With ``final_state``: (output, each continuation's final state
+    [N, HV, K, V])."""
     n = len(layout.cont_lens)
-    out_S, _ = torch_ref.chunk_gated_delta_rule(
+    out_S, final = torch_ref.chunk_gated_delta_rule(
         q_SHK[None], k_SHK[None], v_SHV[None], g_SH[None], beta_SH[None], initial_state=state.expand(n, -1, -1, -1),
-        cu_seqlens=layout.cu_seqlens_host, chunk_size=continuation_chunk(layout.cont_lens))
-    return out_S[0]
+        output_final_state=final_state, cu_seqlens=layout.cu_seqlens_host,
+        chunk_size=continuation_chunk(layout.cont_lens))
+    return (out_S[0], final) if final_state else out_S[0]
 
 
 def packed_delta_rule_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: PackLayout) -> torch.Tensor:
@@ -92,6 +95,16 @@ def _tail_layout(layout: PackLayout, width: int) -> PackLayout:
     if key not in layout._cache:
         layout._cache[key] = dataclasses.replace(layout, prefix_len=width - 1, _cache={})
     return layout._cache[key]
+
+
+def continuation_tails(conv_in_RC: torch.Tensor, layout: PackLayout, width: int) -> torch.Tensor:
+    """[N, C, W-1]: each continuation's last W-1 pre-conv inputs (P's tail before it where it is shorter), from the
+    conv's input [P's W-1 tail ; continuations] -- the history its next token's conv reads."""
+    h = width - 1
+    rows = [(list(range(h)) + list(range(h + a, h + b)))[-h:] if h else []
+            for a, b in zip(layout.cu_seqlens_host, layout.cu_seqlens_host[1:])]
+    index = torch.tensor(rows, dtype=torch.long, device=conv_in_RC.device).reshape(len(rows), h)
+    return conv_in_RC[index].transpose(1, 2)
 
 
 def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, backend: Backend) -> torch.Tensor:
@@ -128,12 +141,17 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
     # If the model is loaded in fp16, without the .float() here, A might be -inf (as transformers does)
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
 
+    record = layout.record if outside is not None else None
+    if record is not None:  # a generation's item pass: each continuation's conv tail, and its final state below
+        record[("conv", module.layer_idx)] = continuation_tails(conv_in, layout, W)
     if outside is not None and backend.gdn == "fla":
         from packtrain.packed.kernels import fla_frozen
 
-        core = fla_frozen.continuation_delta_rule(q, k, v, g, beta, layout, state)
+        core = fla_frozen.continuation_delta_rule(q, k, v, g, beta, layout, state, record is not None)
     elif outside is not None:
-        core = continuation_delta_rule_torch(q, k, v, g, beta, layout, state)
+        core = continuation_delta_rule_torch(q, k, v, g, beta, layout, state, record is not None)
+    if record is not None:
+        core, record[("state", module.layer_idx)] = core
     elif backend.gdn == "fla":
         from packtrain.packed.kernels import fla_backend
 

@@ -50,6 +50,8 @@ class PackLayout:
     context: object | None = None  # the mode's per-pack plan (packtrain.packed.context.ContextPlan), None: full
     # P read from outside (packtrain.packed.prefix.PrefixState): the buffer then holds only the continuations
     prefix_state: object | None = None
+    # a generation's item pass (packtrain.packed.decode): each layer leaves its continuations' own state here
+    record: dict | None = None
     _cache: dict = field(default_factory=dict, repr=False)  # per-pack objects built once (e.g. a BlockMask)
 
     @property
@@ -95,8 +97,9 @@ def _targets(offset: int, item_len: int, target_ids: Sequence[int], prefix_last:
 
 
 def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continuation],
-                      vision: VisionSpec | None = None) -> PackLayout:
-    """Lay out P once followed by every continuation, each keeping its standalone positions."""
+                      vision: VisionSpec | None = None, targets: bool = True) -> PackLayout:
+    """Lay out P once followed by every continuation, each keeping its standalone positions. ``targets=False``:
+    continuations that are items alone (a generation's prompt), none of them empty."""
     p = len(prefix_ids)
     if p == 0:
         raise ValueError("a pack needs a non-empty prefix P")
@@ -112,8 +115,10 @@ def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
     t_ex: list[int] = []
     lens = []
     for i, c in enumerate(continuations):
-        if len(c.target_ids) == 0:
+        if targets and len(c.target_ids) == 0:
             raise ValueError(f"continuation {i} has an empty target")
+        if len(c) == 0:
+            raise ValueError(f"continuation {i} is empty")
         offset = len(ids)
         n = len(c)
         lens.append(n)
@@ -124,7 +129,7 @@ def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
         for axis, values in zip(positions, coords):
             axis.extend(values)
         segments.extend([i + 1] * n)
-        pos = _targets(offset, len(c.item_ids), c.target_ids, p - 1)
+        pos = _targets(offset, len(c.item_ids), c.target_ids, p - 1) if c.target_ids else []
         t_pos.extend(pos)
         t_ids.extend(c.target_ids)
         t_ex.extend([i] * len(c.target_ids))

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from packtrain.packed.context import ContextGrad
+from packtrain.packed.decode import DecodeCall, ItemsCall, run_decode, run_items
 from packtrain.packed.groups import GroupCall, group_hidden
 from packtrain.packed.layout import PackLayout
 from packtrain.packed.loss import target_cross_entropy
@@ -83,8 +84,12 @@ class PackedLM(nn.Module):
         self.calls += 1
         if isinstance(layout, Window):  # one window of a walked example (packtrain.packed.walk)
             return run_window(self, layout)
-        if isinstance(layout, PrefixCall):  # P of a pack alone (continuation groups, packtrain.packed.groups)
+        if isinstance(layout, PrefixCall):  # P of a pack alone (continuation groups, generation)
             return run_prefix(self, layout)
+        if isinstance(layout, ItemsCall):  # a generation's items against P's state (packtrain.packed.decode)
+            return run_items(self, layout)
+        if isinstance(layout, DecodeCall):  # one token per decoding row
+            return run_decode(self, layout)
         text_model, lm_head = text_parts(self.model)
         if isinstance(layout, GroupCall):  # one group of that pack's continuations
             call, layout = layout, layout.layout

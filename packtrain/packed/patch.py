@@ -32,6 +32,7 @@ from packtrain.packed.families import FULL, LINEAR, UnsupportedModelError, check
 from packtrain.packed.gdn import packed_gdn_forward
 from packtrain.packed.kernels import Backend
 from packtrain.packed.kernels.hf_route import route_unpacked_kernels
+from packtrain.packed.rows import Rows, gdn_step
 
 LAYOUT_KWARG = "packtrain_pack"
 
@@ -85,6 +86,8 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
         return self._packtrain_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     if cache is not None:
         raise ValueError("a packed forward cannot use a cache")
+    if isinstance(layout, Rows):  # one token per decoding row (packtrain.packed.decode)
+        return gdn_step(self, hidden_states, layout)
     return packed_gdn_forward(self, hidden_states, layout, self.packtrain_backend)
 
 

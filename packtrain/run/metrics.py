@@ -54,7 +54,8 @@ def _parse(line: str) -> dict | None:
 
 
 def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
-    """Train loss per step and eval loss at each evaluation, one PNG."""
+    """Train loss per step and eval loss at each evaluation; with generation lines (``generate.every``) a second
+    panel, the task's mean score at each. One PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,20 +63,31 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
 
     if not metrics_path.exists():
         return None
-    train, evals = [], []
+    train, evals, scores = [], [], []
     for line in metrics_path.read_text(errors="replace").splitlines():
         rec = _parse(line) or {}
-        if rec.get("loss") is not None:  # a step whose every unit was skipped has no loss
+        if rec.get("split") == "generate":
+            if rec.get("mean_score") is not None:
+                scores.append((rec["step"], rec["mean_score"]))
+        elif rec.get("loss") is not None:  # a step whose every unit was skipped has no loss
             (evals if rec.get("split") == "eval" else train).append((rec["step"], rec["loss"]))
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, axes = plt.subplots(2 if scores else 1, 1, figsize=(7, 6.5 if scores else 4), sharex=True, squeeze=False)
+    ax = axes[0, 0]
     if train:
         ax.plot(*zip(*train), label="train (mean per-example loss)", lw=1)
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval", lw=1.5)
-    ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    if scores:
+        task = axes[1, 0]
+        task.plot(*zip(*scores), "s-", color="tab:green", label="task: mean score on data.eval", lw=1.5)
+        task.set_ylabel("task score")
+        task.set_ylim(-0.02, 1.02)
+        task.grid(alpha=0.3)
+        task.legend()
+    axes[-1, 0].set_xlabel("optimizer step")
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
     plt.close(fig)

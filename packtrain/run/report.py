@@ -32,6 +32,11 @@ def header(trainer) -> list[str]:
     report = getattr(t.lm, "load_report", None)
     if report is not None:
         lines.append(f"  weights: {report.describe()}")
+    if t.task is not None:
+        g = cfg.generate
+        lines.append(f"  generate: every {g.every} steps (and at step 0 and the end) on {len(t.task.examples)} "
+                     f"examples of data.eval, metric {g.metric}, up to {g.max_new_tokens} new tokens; predictions "
+                     f"in {t.out / 'generations'}/step-N.jsonl, mismatches in step-N.errors.md")
     trainable = sum(p.numel() for p in t.params)
     lines.append(f"  {t.total_steps} steps ({t.steps_per_epoch} per epoch, {cfg.train.packs_per_step} "
                  f"packs per step), {trainable:,} trainable parameters, output {t.out}")
@@ -43,4 +48,7 @@ def footer(summary: dict, metrics_path) -> list[str]:
     if summary["eval_before"] is not None:
         lines.append(f"eval loss: {summary['eval_before']:.4f} at step 0 -> {summary['eval_after']:.4f} "
                      f"at step {summary['eval_after_step']}")
+    if summary.get("task_before") is not None:
+        lines.append(f"task score: {summary['task_before']:.4f} at step 0 -> {summary['task_after']:.4f} "
+                     f"at step {summary['task_after_step']}")
     return lines + [f"adapter: {summary['adapter']}", f"loss plot: {summary['plot']}", f"metrics: {metrics_path}"]

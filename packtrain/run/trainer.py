@@ -37,6 +37,8 @@ from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.signals import StopSignals
 from packtrain.run.steps import rank_units, step_examples, step_packs, steps_per_epoch
+from packtrain.run.task import describe as describe_task
+from packtrain.run.task import load_task_scorer, prepare_task, run_task, task_tokenizer, write_task
 from packtrain.run.units import UnitSetup, image_loader, over_cap, prepare, run_unit, step_scale
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
@@ -92,6 +94,8 @@ class Trainer:
         if self.train_examples is None:
             raise ValueError("data.train: not set")
         self.eval_examples = load_split(cfg, "eval")
+        # generate.every: a bad generate.metric fails here, before the model is built
+        scorer = load_task_scorer(cfg) if cfg.generate.every is not None else None
         n_groups = cfg.packing.continuation_groups
         pictured = next((ex for ex in self.train_examples if getattr(ex, "images", ())), None)
         if n_groups > 1 and pictured is not None:
@@ -111,6 +115,13 @@ class Trainer:
                                                                 shard=self.dist.enabled)
         images = image_loader(cfg, self.model, self.train_examples + (self.eval_examples or []))
         self.setup = UnitSetup(cfg.packing.mode, n_groups, cfg.walk_spec(), images)
+        self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
+        if scorer is not None:
+            from packtrain.data.examples import detect_format
+
+            fmt = cfg.data.format or detect_format(cfg.resolve_path(cfg.data.eval))
+            self.task = prepare_task(cfg, self.model, self.eval_examples, scorer, task_tokenizer(cfg, fmt))
+        self.last_task_step: int | None = None
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -159,9 +170,11 @@ class Trainer:
         self._agree_at_boundary(nonfinite=False)  # a signal during setup stops here, before any work
         if self.stop_agreed:
             self._stop_preempted()
-        first_eval = last_eval = None
+        first_eval = last_eval = first_task = last_task = None
         if self.eval_plan is not None and c.step == 0:
             first_eval = last_eval = self._eval()
+        if self.task is not None and c.step == 0:
+            first_task = last_task = self._generate()
         bar = tqdm(total=self.total_steps, initial=c.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (self.dist.is_main and cfg.logging.progress))
         checked_gradients = False
@@ -176,14 +189,19 @@ class Trainer:
             every = cfg.train.eval_every
             if self.eval_plan is not None and (end_of_epoch or (every and c.step % every == 0)):
                 last_eval = self._eval()
+            if self.task is not None and c.step % cfg.generate.every == 0:
+                last_task = self._generate()
             if c.step % cfg.train.save_every == 0 and c.step < self.total_steps:
                 self._save_checkpoint()
         bar.close()
         if self.eval_plan is not None and self.last_eval_step != c.step:  # max_steps mid-epoch, or eval_every
             last_eval = self._eval()
+        if self.task is not None and self.last_task_step != c.step:  # generation at the end of training, too
+            last_task = self._generate()
         self._save_final()
         summary = {"steps": c.step, "eval_before": first_eval, "eval_after": last_eval,
-                   "eval_after_step": self.last_eval_step,
+                   "eval_after_step": self.last_eval_step, "task_before": first_task, "task_after": last_task,
+                   "task_after_step": self.last_task_step,
                    "adapter": str(self.out / "adapter"), "plot": str(self.out / "loss.png")}
         if self.dist.is_main:
             self._log(report.footer(summary, self.out / "metrics.jsonl"))
@@ -333,6 +351,29 @@ class Trainer:
         if info.is_main:
             tqdm.write(f"eval  step {step}: loss {loss:.4f} over {len(rows)} examples")
         return loss
+
+    def _generate(self) -> float | None:
+        """generate.every: the task metric on data.eval (or its first generate.examples); rank 0 writes
+        generations/step-N.jsonl and step-N.errors.md. Returns the mean score."""
+        info, step = self.dist, self.counters.step
+        bar = tqdm(total=None, desc="generate", unit="pack", leave=False,
+                   disable=not (info.is_main and self.cfg.logging.progress and sys.stderr.isatty()))
+        result = run_task(self.lm, self.task, self.setup, info,
+                          progress=_Beating(bar, lambda: self.ops.progress(f"generation at step {step}")))
+        bar.close()
+        s = result.summary
+        self.last_task_step = step
+        record = {"split": "generate", "step": step, "exact_match": s["exact_match"], "mean_score": s["mean_score"],
+                  "examples": s["examples"], "unparsed": s["unparsed"], "tokens": s["tokens"],
+                  "tokens_per_second": s["tokens_per_second"]}
+        self.metrics.write(record)
+        self.ops.eval_done(record)
+        if info.is_main:
+            lines = self.out / "generations" / f"step-{step}.jsonl"
+            write_task(result, lines, lines.with_name(f"step-{step}.errors.md"), self.task,
+                       f"generations at step {step} of {self.out}")
+            tqdm.write(f"generate step {step}: {describe_task(s)} -> {lines}")
+        return s["mean_score"]
 
     # -- saving and resuming ------------------------------------------------------------------------------------
     def _state(self) -> dict:

@@ -65,18 +65,25 @@ def step_scale(world_size: int, step_examples: int) -> float:
     return world_size / step_examples
 
 
-def unit_layout(unit: Unit, plan: Plan, examples, mode: str, images: ImageLoader | None = None) -> PackLayout:
-    """The layout of one unit; with ``images``, its examples' images are loaded (in buffer order) as well."""
+def unit_layout(unit: Unit, plan: Plan, examples, mode: str, images: ImageLoader | None = None,
+                items_only: bool = False) -> PackLayout | None:
+    """The layout of one unit; with ``images``, its examples' images are loaded (in buffer order) as well.
+    ``items_only``: a pack of the examples' items alone, those with an item (a generation's prompts; None when no
+    example has one)."""
     prefix = plan.prompts[unit.prompt]
-    chosen = [examples[e] for e in unit.examples]
-    conts = [Continuation(ex.item_ids, ex.target_ids, [r.grid_thw for r in getattr(ex, "images", ())])
-             for ex in chosen]
+    chosen = [examples[e] for e in unit.examples if not items_only or examples[e].item_ids]
+    if not chosen:
+        return None
+    conts = [Continuation(ex.item_ids, () if items_only else ex.target_ids,
+                          [r.grid_thw for r in getattr(ex, "images", ())]) for ex in chosen]
     refs = [r for ex in chosen for r in getattr(ex, "images", ())]
     if refs and images is None:
         raise ValueError(f"{chosen[0].source}: examples with images need a vision-language model and an image "
                          "processor")
     spec = images.spec if images is not None else None
-    if mode == "shared_prefix" and unit.schedule is None:
+    if items_only:
+        layout = build_pack_layout(prefix, conts, spec, targets=False)
+    elif mode == "shared_prefix" and unit.schedule is None:
         layout = build_pack_layout(prefix, conts, spec)
     else:
         (cont,) = conts

@@ -15,15 +15,16 @@ from packtrain.packed.kernels.flex import FLEX_BLOCK, _compiled_flex, _mark_bloc
 from packtrain.packed.layout import PackLayout, shared_prefix_allowed
 
 
-def continuation_delta_rule(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayout, state) -> torch.Tensor:
-    """Every continuation in one varlen call from P's final state [1, HV, K, V] (expanded per continuation)."""
+def continuation_delta_rule(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayout, state, final_state=False):
+    """Every continuation in one varlen call from P's final state [1, HV, K, V] (expanded per continuation). With
+    ``final_state``: (output, each continuation's final state [N, HV, K, V])."""
     n = len(layout.cont_lens)
     cu = layout.cu_seqlens.to(device=q_SHK.device, dtype=torch.long)
     initial = state.expand(n, -1, -1, -1).contiguous()  # float32: transformers keeps what fla returned
-    out, _ = chunk_gated_delta_rule(q_SHK[None], k_SHK[None], v_SHV[None], g_SH[None], beta_SH[None],
-                                    initial_state=initial, output_final_state=False, use_qk_l2norm_in_kernel=True,
-                                    cu_seqlens=cu)
-    return out[0].to(q_SHK.dtype)
+    out, final = chunk_gated_delta_rule(q_SHK[None], k_SHK[None], v_SHV[None], g_SH[None], beta_SH[None],
+                                        initial_state=initial, output_final_state=final_state,
+                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    return (out[0].to(q_SHK.dtype), final) if final_state else out[0].to(q_SHK.dtype)
 
 
 def _block_mask(layout: PackLayout, p: int, device):

@@ -1,0 +1,150 @@
+"""Generation through the packed machinery against transformers' own ``generate`` on ``concat(P, item)`` (float64).
+
+P is prefilled once, the items run as continuations of one pack, then every row decodes in one batch
+(packtrain/packed/decode.py). The reference is the same peft model's ``generate(do_sample=False)`` one example at a
+time (transformers' cache path, its own kernels). Shapes: P shorter than the conv width (2 < 4), P straddling the GDN
+chunks (70: transformers' 64, packtrain's 32), items of 0, 1 and many tokens, several layer orders.
+"""
+
+import pytest
+import torch
+from test_vlm import IMAGE, image_item, tiny_vlm
+from tiny_models import random_pack, tiny_family_model, tiny_lora_model
+
+from packtrain.distributed import DistInfo
+from packtrain.packed.kernels import Backend
+from packtrain.packed.layout import Continuation, build_pack_layout
+from packtrain.packed.lm import PackedLM
+from packtrain.packed.patch import patch_model, vision_spec
+from packtrain.packed.prefix import PrefixCall
+from packtrain.run.generate import GenerateSpec, choose, decode_rows
+
+L, F = "linear_attention", "full_attention"
+ONE = DistInfo(0, 1, 0, torch.device("cpu"))
+
+
+def packed_generate(model, prefix, items, spec, images=None, vision=None, ids=None):
+    """packtrain's generation of every item on P: {index: Generated}. ``images``: per item (grids, pixels)."""
+    lm = PackedLM(model).eval()
+    with torch.no_grad():
+        nonempty = [i for i, item in enumerate(items) if item]
+        conts = [Continuation(items[i], (), images[i][0] if images else ()) for i in nonempty]
+        layout = build_pack_layout(prefix, conts, vision, targets=False) if conts else None
+        if layout is not None and images:
+            pixels = [p for i in nonempty for p in images[i][1]]
+            layout.pixel_values = torch.cat(pixels) if pixels else None
+        call = layout if layout is not None else build_pack_layout(prefix, [Continuation(prefix[-1:], ())],
+                                                                    targets=False)
+        state = lm(PrefixCall(call))
+        keyed = [(i, len(item), ids[i] if ids else f"ex{i}") for i, item in enumerate(items)]
+        return decode_rows(lm, layout, state, len(prefix), keyed, spec, ONE)
+
+
+def hf_generate(model, prefix, item, spec, images=None):
+    """transformers' generate on concat(P, item) alone: the new tokens up to (excluding) a stop token."""
+    ids = torch.tensor([list(prefix) + list(item)])
+    kw = {}
+    if images and images[0]:
+        grids, pixels = images
+        kw = dict(pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor([list(g) for g in grids]),
+                  mm_token_type_ids=(ids == IMAGE).int())
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=spec.max_new_tokens,
+                             do_sample=False, eos_token_id=sorted(spec.stop_ids) or None, pad_token_id=0, **kw)
+    new = out[0, ids.shape[1]:].tolist()
+    for n, t in enumerate(new):
+        if t in spec.stop_ids:
+            return new[:n], "eos"
+    return new, "length"
+
+
+def assert_same_as_transformers(model, prefix, items, spec, images=None, vision=None):
+    ours = packed_generate(model, prefix, items, spec, images, vision)
+    assert sorted(ours) == list(range(len(items)))
+    for i, item in enumerate(items):
+        ids, stop = hf_generate(model, prefix, item, spec, images[i] if images else None)
+        assert list(ours[i].ids) == ids and ours[i].stop == stop, (i, len(item), ours[i], ids, stop)
+    return ours
+
+
+def patched(model):
+    return patch_model(model, Backend(gdn="torch", attention="batched"))
+
+
+ITEMS = [(5, 1), (1, 1), (13, 1), (0, 1), (9, 1), (1, 1)]  # item lengths (the target lengths are not used)
+
+
+@pytest.mark.parametrize("prefix_len", [2, 70])
+@pytest.mark.parametrize("layers", [[L, F, L, F], [F, L, L]])
+def test_greedy_equals_transformers_text(prefix_len, layers):
+    model = patched(tiny_lora_model(layers, seed=1))
+    prefix, conts = random_pack(prefix_len, ITEMS, seed=prefix_len)
+    ours = assert_same_as_transformers(model, prefix, [c.item_ids for c in conts], GenerateSpec(7, frozenset()))
+    assert all(g.stop == "length" and len(g.ids) == 7 for g in ours.values())
+    assert len({g.ids for g in ours.values()}) == len(ITEMS)  # the rows are not one row repeated
+
+
+def test_stop_tokens_end_rows_at_different_steps():
+    """Stop tokens taken from what the model generates, so that rows stop at different steps (and one at once)."""
+    model = patched(tiny_lora_model([L, F, L], seed=2))
+    prefix, conts = random_pack(20, ITEMS, seed=5)
+    items = [c.item_ids for c in conts]
+    free = packed_generate(model, prefix, items, GenerateSpec(9, frozenset()))
+    stops = frozenset({free[0].ids[0], free[2].ids[4]})
+    ours = assert_same_as_transformers(model, prefix, items, GenerateSpec(9, stops))
+    assert ours[0].ids == () and ours[0].stop == "eos"
+    assert {g.stop for g in ours.values()} == {"eos", "length"} or all(g.stop == "eos" for g in ours.values())
+    assert len({len(g.ids) for g in ours.values()}) > 1
+
+
+@pytest.mark.parametrize("model_type,layers", [("qwen3_5_moe_text", [L, F, L]), ("qwen3_next", [L, L, F, L])])
+def test_greedy_equals_transformers_moe_and_qwen3_next(model_type, layers):
+    model = patched(tiny_family_model(model_type, layers, seed=3))
+    for prefix_len in (3, 70):
+        prefix, conts = random_pack(prefix_len, ITEMS, seed=prefix_len + 1)
+        assert_same_as_transformers(model, prefix, [c.item_ids for c in conts], GenerateSpec(6, frozenset()))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_greedy_equals_transformers_vlm(moe):
+    """Images in items (one vision batch for the pack), an item without one and an empty item; M-RoPE positions of
+    the generated tokens continue after each item's largest coordinate, as transformers' rope deltas do."""
+    model = tiny_vlm(1, moe)
+    gen = torch.Generator().manual_seed(4)
+    rnd = lambda n: torch.randint(0, 89, (n,), generator=gen).tolist()  # noqa: E731 - text tokens only
+    prefix = rnd(37)
+    images, items = [], []
+    for grids, before, after in [([(1, 4, 6)], 3, 5), ([], 6, 0), ([(1, 4, 4), (1, 6, 2)], 2, 4), ([], 0, 0),
+                                 ([(1, 2, 8)], 0, 1)]:
+        item, pixels = image_item(rnd(before), grids, rnd(after), gen)
+        items.append(item)
+        images.append((grids, pixels))
+    assert_same_as_transformers(model, prefix, items, GenerateSpec(6, frozenset()), images, vision_spec(model))
+
+
+def test_sampling_is_seeded_per_example():
+    """The same seed gives the same tokens; in another batch (a different order, fewer rows) each example still draws
+    the same tokens (its generator is keyed by its id); another seed draws other tokens."""
+    model = patched(tiny_lora_model([L, F, L], seed=1))
+    prefix, conts = random_pack(12, ITEMS, seed=9)
+    items = [c.item_ids for c in conts]
+    spec = GenerateSpec(8, frozenset(), temperature=1.5, top_p=0.9, seed=11)
+    a = packed_generate(model, prefix, items, spec)
+    assert a == packed_generate(model, prefix, items, spec)
+    order = [4, 2, 0]
+    other = packed_generate(model, prefix, [items[i] for i in order], spec, ids=[f"ex{i}" for i in order])
+    assert [other[k] for k in range(3)] == [a[i] for i in order]
+    b = packed_generate(model, prefix, items, GenerateSpec(8, frozenset(), temperature=1.5, top_p=0.9, seed=12))
+    greedy = packed_generate(model, prefix, items, GenerateSpec(8, frozenset()))
+    assert a != b and a != greedy
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.tensor([[3.0, 2.0, 1.0, -5.0]])
+    probs = logits.softmax(-1)[0]  # 0.665, 0.245, 0.090, 0.0002
+    assert probs[0] < 0.7 < probs[0] + probs[1]
+    spec = GenerateSpec(1, frozenset(), temperature=1.0, top_p=0.7, seed=0)
+    drawn = {int(choose(logits, spec, [torch.Generator().manual_seed(s)])) for s in range(200)}
+    assert drawn == {0, 1}  # the two most likely tokens make the smallest set with mass >= 0.7
+    greedy = GenerateSpec(1, frozenset())
+    assert int(choose(logits, greedy, [None])) == 0

@@ -1,0 +1,127 @@
+"""`packtrain eval --generate` and ``generate.every`` through the CLI: the predictions against transformers' own
+``generate`` with the same base and adapter, the files a user reads, 2 ranks against 1, and the errors a bad
+``generate.metric`` gives."""
+
+import json
+
+import pytest
+import torch
+from cli_helpers import run_in_process, run_ranks, write_config
+from peft import PeftModel
+
+from packtrain.config import load_config
+from packtrain.data.examples import load_split, load_tokenizer
+from packtrain.models.build import build_base_model
+
+GEN = {"max_new_tokens": 6}
+
+
+def read_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_eval_generate_is_transformers_generate_with_the_adapter(trained, tmp_path):
+    run = trained()
+    out = tmp_path / "gen.jsonl"
+    proc = run_in_process("eval", run.config, "--adapter", run.run / "adapter", "--generate", "--out", out,
+                          "--set", "generate.max_new_tokens=6")
+    rows = read_lines(out)
+    cfg = load_config(run.config)
+    examples = load_split(cfg, "eval")
+    assert [r["id"] for r in rows] == [ex.id for ex in examples]
+    tok = load_tokenizer(None)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    model = PeftModel.from_pretrained(build_base_model(cfg), run.run / "adapter").eval()
+    for ex, row in zip(examples, rows):
+        ids = torch.tensor([list(ex.prefix_ids) + list(ex.item_ids)])
+        with torch.no_grad():
+            new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                 do_sample=False, eos_token_id=[im_end], pad_token_id=0)[0, ids.shape[1]:].tolist()
+        stop = "eos" if im_end in new else "length"
+        new = new[:new.index(im_end)] if im_end in new else new
+        assert row["prediction_ids"] == new and row["stop"] == stop, (ex.id, row, new)
+        target = list(ex.target_ids)
+        target = target[:target.index(im_end)]
+        assert row["prediction"] == tok.decode(new) and row["target"] == tok.decode(target)
+        assert row["match"] is (row["prediction"].strip() == row["target"].strip())
+        assert row["score"] == float(row["match"])
+    assert f"exact match 0/{len(rows)}" in proc.stdout and "tokens/s" in proc.stdout
+    errors = (tmp_path / "gen.errors.md").read_text()
+    assert all(f"### {r['id']}" in errors for r in rows if not r["match"])
+
+
+def test_a_user_scorer_next_to_the_config_scores_every_example(trained, tmp_path):
+    run = trained()
+    (tmp_path / "lenscore.py").write_text(
+        "def score(prediction, target, example):\n"
+        "    return min(1.0, len(prediction) / max(1, len(target)))\n")
+    cfg = write_config(tmp_path, generate={"metric": "python:lenscore:score", "max_new_tokens": 4})
+    out = tmp_path / "gen.jsonl"
+    run_in_process("eval", cfg, "--adapter", run.run / "adapter", "--generate", "--out", out)
+    rows = read_lines(out)
+    assert rows and all(r["score"] == min(1.0, len(r["prediction"]) / max(1, len(r["target"]))) for r in rows)
+
+
+@pytest.mark.parametrize("metric,message", [
+    ("python:no_such_module:score", "no_such_module"),
+    ("python:lenscore", "python:lenscore"),
+    ("fuzzy", "fuzzy"),
+])
+def test_a_bad_metric_is_refused_before_the_model_loads(tmp_path, metric, message):
+    (tmp_path / "lenscore.py").write_text("def score(p, t, e):\n    return 1.0\n")
+    cfg = write_config(tmp_path, generate={"metric": metric})
+    proc = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", tmp_path / "g.jsonl",
+                          check=False)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("packtrain eval: error: generate.metric") and message in line
+
+
+def test_a_scorer_that_raises_names_itself_and_the_example(tmp_path):
+    (tmp_path / "broken.py").write_text("def score(p, t, e):\n    raise KeyError('field')\n")
+    cfg = write_config(tmp_path, generate={"metric": "python:broken:score", "max_new_tokens": 2})
+    proc = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", tmp_path / "g.jsonl",
+                          check=False)
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "python:broken:score" in line and "KeyError" in line and "r0-3" in line, line
+
+
+@pytest.mark.process
+@pytest.mark.distributed
+@pytest.mark.parametrize("sampling", [False, True])
+def test_two_ranks_give_the_predictions_of_one(tmp_path, sampling):
+    """3 prompt groups on 2 ranks: one rank holds two groups, the other one (and a dummy unit)."""
+    gen = {**GEN, "temperature": 1.3, "top_p": 0.95, "seed": 5} if sampling else GEN
+    cfg = write_config(tmp_path, generate=gen)
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", one)
+    run_ranks(2, "eval", cfg, "--adapter", "none", "--generate", "--out", two)
+    assert read_lines(one) == read_lines(two)
+    assert len({tuple(r["prediction_ids"]) for r in read_lines(one)}) > 1
+
+
+@pytest.mark.process
+@pytest.mark.distributed
+def test_generation_during_training_on_two_ranks(tmp_path):
+    """generate.every under FSDP on 2 ranks: the same files and predictions as 1 rank, at step 0, every 2 steps and
+    at the end; the metrics line, the footer, and the plot's second panel."""
+    sections = dict(generate={**GEN, "every": 2}, train={"epochs": 1, "packs_per_step": 1, "seed": 0,
+                                                         "save_every": 100})
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one, two = write_config(tmp_path / "a", **sections), write_config(tmp_path / "b", **sections)
+    proc = run_in_process("train", one)
+    run_ranks(2, "train", two)
+    steps = sorted(int(p.stem.split("-")[1]) for p in (tmp_path / "a/run/generations").glob("step-*.jsonl"))
+    total = json.loads((tmp_path / "a/run/metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert steps[0] == 0 and steps[-1] == total and steps == sorted({0, total} | set(range(2, total + 1, 2)))
+    for s in steps:
+        a = read_lines(tmp_path / f"a/run/generations/step-{s}.jsonl")
+        b = read_lines(tmp_path / f"b/run/generations/step-{s}.jsonl")
+        assert [r["prediction_ids"] for r in a] == [r["prediction_ids"] for r in b], s
+        assert (tmp_path / f"a/run/generations/step-{s}.errors.md").is_file()
+    lines = [json.loads(x) for x in (tmp_path / "a/run/metrics.jsonl").read_text().splitlines()]
+    gen_lines = [r for r in lines if r.get("split") == "generate"]
+    assert [r["step"] for r in gen_lines] == steps and all(0 <= r["mean_score"] <= 1 for r in gen_lines)
+    assert "task score: " in proc.stdout and "generations" in proc.stdout
