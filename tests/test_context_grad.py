@@ -324,7 +324,12 @@ def test_unknown_mode_is_a_clear_error():
 # -- the fla back end's frozen plumbing, on CPU with tests/test_fla_plumbing.py's pure-torch stand-ins ------------
 @pytest.fixture
 def fake_fla_frozen(monkeypatch):
+    import packtrain.packed.kernels as kernels_pkg
+
     monkeypatch.delitem(sys.modules, "packtrain.packed.kernels.fla_frozen", raising=False)
+    # `from packtrain.packed.kernels import fla_frozen` reads the package attribute first: where the real one was
+    # imported earlier in the session (tests/test_generate.py's interpreter test), it would be used instead
+    monkeypatch.delattr(kernels_pkg, "fla_frozen", raising=False)
     yield
     sys.modules.pop("packtrain.packed.kernels.fla_frozen", None)
 

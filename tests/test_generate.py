@@ -8,10 +8,12 @@ chunks (70: transformers' 64, packtrain's 32), items of 0, 1 and many tokens, se
 
 import pytest
 import torch
+from fla_interp import needs_interpreter
 from test_vlm import IMAGE, image_item, tiny_vlm
 from tiny_models import random_pack, tiny_family_model, tiny_lora_model
 
 from packtrain.distributed import DistInfo
+from packtrain.packed.decode import ItemsCall
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import Continuation, build_pack_layout
 from packtrain.packed.lm import PackedLM
@@ -97,12 +99,21 @@ def test_stop_tokens_end_rows_at_different_steps():
     assert len({len(g.ids) for g in ours.values()}) > 1
 
 
-@pytest.mark.parametrize("model_type,layers", [("qwen3_5_moe_text", [L, F, L]), ("qwen3_next", [L, L, F, L])])
-def test_greedy_equals_transformers_moe_and_qwen3_next(model_type, layers):
+@pytest.mark.parametrize("model_type,layers", [("qwen3_5_moe_text", [L, F, L]), ("qwen3_next", [L, L, F, L]),
+                                               ("qwen3", [F, F])])
+def test_greedy_equals_transformers_moe_qwen3_next_and_qwen3(model_type, layers):
     model = patched(tiny_family_model(model_type, layers, seed=3))
     for prefix_len in (3, 70):
         prefix, conts = random_pack(prefix_len, ITEMS, seed=prefix_len + 1)
         assert_same_as_transformers(model, prefix, [c.item_ids for c in conts], GenerateSpec(6, frozenset()))
+
+
+def test_items_all_empty_decode_from_p_alone():
+    """Every continuation its target alone: no item pass over tokens, every row starts from P's own state."""
+    model = patched(tiny_lora_model([L, F], seed=6))
+    prefix, _ = random_pack(9, [], seed=2)
+    ours = assert_same_as_transformers(model, prefix, [(), ()], GenerateSpec(5, frozenset()))
+    assert ours[0] == ours[1]
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -148,3 +159,29 @@ def test_top_p_keeps_the_nucleus():
     assert drawn == {0, 1}  # the two most likely tokens make the smallest set with mass >= 0.7
     greedy = GenerateSpec(1, frozenset())
     assert int(choose(logits, greedy, [None])) == 0
+
+
+@needs_interpreter
+def test_the_item_pass_through_fla_kernels_records_the_torch_back_ends_state():
+    """Under Triton's interpreter (float32): the items' pass through fla's conv and varlen delta rule (with final
+    states) leaves the rows the torch back end leaves, and the first logits agree."""
+    from fla_interp import fla_cpu_backend
+
+    prefix, conts = random_pack(5, [(3, 1), (1, 1), (70, 1), (2, 1)], seed=7)
+    rows = {}
+    for name, backend in (("fla", fla_cpu_backend()), ("torch", Backend("torch", "batched"))):
+        model = patch_model(tiny_lora_model([L, F], dtype=torch.float32, seed=4, linear_num_key_heads=1,
+                                            linear_num_value_heads=2), backend)
+        lm = PackedLM(model).eval()
+        with torch.no_grad():
+            layout = build_pack_layout(prefix, [Continuation(c.item_ids, ()) for c in conts], targets=False)
+            state = lm(PrefixCall(layout))
+            rows[name] = lm(ItemsCall(layout, state, len(prefix), 0, 80))
+    (logits_a, a), (logits_b, b) = rows["fla"], rows["torch"]
+    assert (logits_a - logits_b).abs().max() < 1e-4 * logits_b.abs().max()
+    for i in b.gdn:
+        for x, y in zip(a.gdn[i], b.gdn[i]):
+            assert (x - y).abs().max() <= 1e-5 * y.abs().max(), i
+    for i in b.kv:
+        for x, y in zip(a.kv[i], b.kv[i]):
+            assert torch.equal(x == 0, y == 0) and (x - y).abs().max() <= 1e-5 * y.abs().max()

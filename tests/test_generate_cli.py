@@ -125,3 +125,18 @@ def test_generation_during_training_on_two_ranks(tmp_path):
     gen_lines = [r for r in lines if r.get("split") == "generate"]
     assert [r["step"] for r in gen_lines] == steps and all(0 <= r["mean_score"] <= 1 for r in gen_lines)
     assert "task score: " in proc.stdout and "generations" in proc.stdout
+
+
+def test_the_loss_plot_gains_a_task_panel_with_generation_lines(tmp_path):
+    import matplotlib.image
+
+    from packtrain.run.metrics import plot_losses
+
+    lines = [{"step": 1, "loss": 3.0}, {"split": "eval", "step": 1, "loss": 2.5}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    one = matplotlib.image.imread(plot_losses(metrics, tmp_path / "one.png")).shape
+    lines += [{"split": "generate", "step": 0, "mean_score": 0.0}, {"split": "generate", "step": 1, "mean_score": 0.5}]
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    two = matplotlib.image.imread(plot_losses(metrics, tmp_path / "two.png")).shape
+    assert two[1] == one[1] and two[0] > 1.5 * one[0]  # the same width, a second panel below the losses

@@ -60,6 +60,9 @@ def drive_like_the_trainer(ops, out: Path, steps: int, slow_step: int | None = N
                       "packs": 2, "positions": 100, "seconds": 0.01, "peak_memory_bytes": 123}
             metrics.write(record)
             ops.step_done(record)
+        record = {"split": "generate", "step": steps, "exact_match": 0.25, "mean_score": 0.5, "examples": 4}
+        metrics.write(record)
+        ops.eval_done(record)
     finally:
         ops.close()
 
@@ -92,9 +95,10 @@ def test_wandb_mirrors_metrics_jsonl_and_resumes_the_same_run(tmp_path, monkeypa
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     expected = []
     for rec in lines:
-        prefix = "eval" if rec.get("split") == "eval" else "train"
+        prefix = {"eval": "eval", "generate": "generate"}.get(rec.get("split"), "train")
         expected.append((rec["step"], {f"{prefix}/{k}": v for k, v in rec.items() if k not in ("step", "split")}))
     assert fake.logged == expected
+    assert fake.logged[-1] == (2, {"generate/exact_match": 0.25, "generate/mean_score": 0.5, "generate/examples": 4})
     assert fake.inits[0]["mode"] == "offline" and fake.inits[0]["project"] == "proj"
     assert fake.inits[0]["config"]["logging"]["wandb"] == "offline" and fake.finished == 1
     RunOps(cfg, ONE, out).start()

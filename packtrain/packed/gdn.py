@@ -150,14 +150,14 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
         core = fla_frozen.continuation_delta_rule(q, k, v, g, beta, layout, state, record is not None)
     elif outside is not None:
         core = continuation_delta_rule_torch(q, k, v, g, beta, layout, state, record is not None)
-    if record is not None:
-        core, record[("state", module.layer_idx)] = core
     elif backend.gdn == "fla":
         from packtrain.packed.kernels import fla_backend
 
         core = fla_backend.packed_delta_rule(q, k, v, g, beta, layout)
     else:
         core = packed_delta_rule_torch(q, k, v, g, beta, layout)
+    if record is not None:
+        core, record[("state", module.layer_idx)] = core
 
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(1, T, -1))

@@ -32,7 +32,7 @@ from packtrain.rundir.checkpoint import checkpoints
 LOCK = "packtrain.lock"
 # What `--overwrite` removes: everything `train` writes into OUTPUT (nothing else there is touched).
 OUTPUTS = ("adapter", "checkpoints", "metrics.jsonl", "loss.png", "config.yaml", "base", "hang", "ops",
-           "wandb-run-id")
+           "generations", "wandb-run-id")
 
 
 class RunDirError(ValueError):
