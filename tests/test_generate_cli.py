@@ -140,3 +140,21 @@ def test_the_loss_plot_gains_a_task_panel_with_generation_lines(tmp_path):
     metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
     two = matplotlib.image.imread(plot_losses(metrics, tmp_path / "two.png")).shape
     assert two[1] == one[1] and two[0] > 1.5 * one[0]  # the same width, a second panel below the losses
+
+
+def test_pretokenized_data_without_a_tokenizer_compares_ids(tmp_path):
+    """No text: the lines hold ids only, the exact metric compares them, and a text metric is refused at start."""
+    data = tmp_path / "ids.jsonl"
+    rows = [{"id": f"e{i}", "prefix_ids": [7, 8, 9, 10 + i % 2], "item_ids": [20 + i] * (i % 3),
+             "target_ids": [5, 6]} for i in range(4)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = write_config(tmp_path, data={"train": str(data), "eval": str(data), "format": "pretokenized"},
+                       generate={"max_new_tokens": 3})
+    out = tmp_path / "g.jsonl"
+    run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", out)
+    lines = read_lines(out)
+    assert [sorted(r) for r in lines] == [["id", "match", "prediction_ids", "score", "stop"]] * 4
+    assert all(r["match"] is (r["prediction_ids"] == [5, 6]) for r in lines)
+    refused = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", out, "--set",
+                             "generate.metric=json", check=False)
+    assert refused.returncode == 2 and "no tokenizer" in refused.stderr and "Traceback" not in refused.stderr

@@ -23,7 +23,7 @@ def run_eval(args) -> int:
     from packtrain.packed.lm import PackedLM
     from packtrain.packed.patch import patch_model
     from packtrain.run.evaluate import evaluate, mean_loss
-    from packtrain.run.task import load_task_scorer
+    from packtrain.run.task import check_text, load_task_scorer, task_tokenizer
     from packtrain.run.units import UnitSetup, image_loader
 
     cfg = load_config(args.config, args.overrides)
@@ -35,7 +35,11 @@ def run_eval(args) -> int:
     examples = load_split(cfg, split)
     if examples is None:
         raise ValueError("data.eval and data.train are both unset: nothing to evaluate")
-    scorer = load_task_scorer(cfg) if args.generate else None  # a bad generate.metric fails before the model loads
+    scorer = tokenizer = None
+    if args.generate:  # a bad generate.metric fails before the model loads
+        fmt = cfg.data.format or detect_format(cfg.resolve_path(getattr(cfg.data, split)))
+        scorer, tokenizer = load_task_scorer(cfg), task_tokenizer(cfg, fmt)
+        check_text(scorer, tokenizer)
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     try:
         model = build_base_model(cfg)
@@ -48,8 +52,7 @@ def run_eval(args) -> int:
         setup = UnitSetup(cfg.packing.mode, walk_spec=cfg.walk_spec(), images=image_loader(cfg, model, examples))
         out = Path(args.out)
         if args.generate:
-            fmt = cfg.data.format or detect_format(cfg.resolve_path(getattr(cfg.data, split)))
-            _generate(cfg, model, lm, examples, scorer, fmt, setup, info, out, split, args.adapter)
+            _generate(cfg, model, lm, examples, scorer, tokenizer, setup, info, out, split, args.adapter)
             return 0
         rows = evaluate(lm, plan_for(cfg, examples), examples, setup, info)
         if info.is_main:
@@ -63,12 +66,12 @@ def run_eval(args) -> int:
     return 0
 
 
-def _generate(cfg, model, lm, examples, scorer, fmt, setup, info, out: Path, split: str, adapter: str) -> None:
+def _generate(cfg, model, lm, examples, scorer, tokenizer, setup, info, out: Path, split: str, adapter: str) -> None:
     from tqdm.auto import tqdm
 
-    from packtrain.run.task import describe, errors_path_for, prepare_task, run_task, task_tokenizer, write_task
+    from packtrain.run.task import describe, errors_path_for, prepare_task, run_task, write_task
 
-    task = prepare_task(cfg, model, examples, scorer, task_tokenizer(cfg, fmt), split)
+    task = prepare_task(cfg, model, examples, scorer, tokenizer, split)
     bar = tqdm(total=None, desc="generate", unit="pack", disable=not (info.is_main and cfg.logging.progress))
     result = run_task(lm, task, setup, info, progress=bar)
     bar.close()

@@ -59,11 +59,16 @@ def task_tokenizer(cfg, fmt: str | None):
     return load_tokenizer(None)
 
 
-def prepare_task(cfg, model, examples: list, scorer: Scorer, tokenizer, split: str = "eval") -> Task:
-    chosen = examples[:cfg.generate.examples] if cfg.generate.examples else list(examples)
+def check_text(scorer: Scorer, tokenizer) -> None:
+    """Only the exact metric works on ids alone (pretokenized data without a tokenizer); checked at start."""
     if tokenizer is None and scorer.spec != "exact":
         raise ScorerError(f"generate.metric: {scorer.spec!r} scores text, and there is no tokenizer for this "
                           "pretokenized data (set data.tokenizer, or use the exact metric, which compares ids)")
+
+
+def prepare_task(cfg, model, examples: list, scorer: Scorer, tokenizer, split: str = "eval") -> Task:
+    chosen = examples[:cfg.generate.examples] if cfg.generate.examples else list(examples)
+    check_text(scorer, tokenizer)
     spec = GenerateSpec.from_config(cfg.generate, stop_ids(model, tokenizer))
     return Task(plan_for(cfg, chosen), chosen, spec, scorer, cfg.generate.strip_thinking, tokenizer, split)
 

@@ -38,7 +38,7 @@ from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.signals import StopSignals
 from packtrain.run.steps import rank_units, step_examples, step_packs, steps_per_epoch
 from packtrain.run.task import describe as describe_task
-from packtrain.run.task import load_task_scorer, prepare_task, run_task, task_tokenizer, write_task
+from packtrain.run.task import check_text, load_task_scorer, prepare_task, run_task, task_tokenizer, write_task
 from packtrain.run.units import UnitSetup, image_loader, over_cap, prepare, run_unit, step_scale
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
@@ -95,7 +95,13 @@ class Trainer:
             raise ValueError("data.train: not set")
         self.eval_examples = load_split(cfg, "eval")
         # generate.every: a bad generate.metric fails here, before the model is built
-        scorer = load_task_scorer(cfg) if cfg.generate.every is not None else None
+        scorer = tokenizer = None
+        if cfg.generate.every is not None:
+            from packtrain.data.examples import detect_format
+
+            scorer = load_task_scorer(cfg)
+            tokenizer = task_tokenizer(cfg, cfg.data.format or detect_format(cfg.resolve_path(cfg.data.eval)))
+            check_text(scorer, tokenizer)
         n_groups = cfg.packing.continuation_groups
         pictured = next((ex for ex in self.train_examples if getattr(ex, "images", ())), None)
         if n_groups > 1 and pictured is not None:
@@ -117,10 +123,7 @@ class Trainer:
         self.setup = UnitSetup(cfg.packing.mode, n_groups, cfg.walk_spec(), images)
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
         if scorer is not None:
-            from packtrain.data.examples import detect_format
-
-            fmt = cfg.data.format or detect_format(cfg.resolve_path(cfg.data.eval))
-            self.task = prepare_task(cfg, self.model, self.eval_examples, scorer, task_tokenizer(cfg, fmt))
+            self.task = prepare_task(cfg, self.model, self.eval_examples, scorer, tokenizer)
         self.last_task_step: int | None = None
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
