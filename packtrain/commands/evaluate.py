@@ -16,14 +16,14 @@ from packtrain.distributed import init_distributed, shutdown
 
 
 def run_eval(args) -> int:
-    from packtrain.data.examples import detect_format, load_split
+    from packtrain.data.examples import load_split
     from packtrain.data.planner import plan_for
     from packtrain.models.build import build_base_model
     from packtrain.packed.kernels import select_backend
     from packtrain.packed.lm import PackedLM
     from packtrain.packed.patch import patch_model
     from packtrain.run.evaluate import evaluate, mean_loss
-    from packtrain.run.task import check_text, load_task_scorer, task_tokenizer
+    from packtrain.run.task import task_start
     from packtrain.run.units import UnitSetup, image_loader
 
     cfg = load_config(args.config, args.overrides)
@@ -35,11 +35,7 @@ def run_eval(args) -> int:
     examples = load_split(cfg, split)
     if examples is None:
         raise ValueError("data.eval and data.train are both unset: nothing to evaluate")
-    scorer = tokenizer = None
-    if args.generate:  # a bad generate.metric fails before the model loads
-        fmt = cfg.data.format or detect_format(cfg.resolve_path(getattr(cfg.data, split)))
-        scorer, tokenizer = load_task_scorer(cfg), task_tokenizer(cfg, fmt)
-        check_text(scorer, tokenizer)
+    scorer, tokenizer = task_start(cfg, split) if args.generate else (None, None)  # before the model loads
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     try:
         model = build_base_model(cfg)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from packtrain.packed.context import continuations_on
-from packtrain.packed.layout import PackLayout
 from packtrain.packed.families import family_of
+from packtrain.packed.layout import PackLayout
 from packtrain.packed.patch import LAYOUT_KWARG, model_body, text_parts
 from packtrain.packed.prefix import PrefixState
 from packtrain.packed.rows import Rows

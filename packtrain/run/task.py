@@ -66,6 +66,16 @@ def check_text(scorer: Scorer, tokenizer) -> None:
                           "pretokenized data (set data.tokenizer, or use the exact metric, which compares ids)")
 
 
+def task_start(cfg, split: str = "eval") -> tuple[Scorer, object | None]:
+    """What the task metric needs before the model loads, checked at start: (the scorer, the tokenizer or None)."""
+    from packtrain.data.examples import detect_format
+
+    fmt = cfg.data.format or detect_format(cfg.resolve_path(getattr(cfg.data, split)))
+    scorer, tokenizer = load_task_scorer(cfg), task_tokenizer(cfg, fmt)
+    check_text(scorer, tokenizer)
+    return scorer, tokenizer
+
+
 def prepare_task(cfg, model, examples: list, scorer: Scorer, tokenizer, split: str = "eval") -> Task:
     chosen = examples[:cfg.generate.examples] if cfg.generate.examples else list(examples)
     check_text(scorer, tokenizer)
@@ -151,5 +161,5 @@ def _write(path: Path, text: str) -> None:
 
 def errors_path_for(lines_path: Path) -> Path:
     """FILE.jsonl -> FILE.errors.md (next to it)."""
-    name = lines_path.name[:-len(".jsonl")] if lines_path.name.endswith(".jsonl") else lines_path.name
+    name = lines_path.name.removesuffix(".jsonl")
     return lines_path.with_name(name + ".errors.md")

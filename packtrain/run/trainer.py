@@ -20,6 +20,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
+from packtrain import faults
 from packtrain.config import Config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_fingerprint, plan_for
@@ -30,7 +31,6 @@ from packtrain.models.wrap import prepare_from_config
 from packtrain.ops.runtime import RunOps
 from packtrain.packed.families import check_model
 from packtrain.packed.loss import CUT_OFF, ZeroGradientError
-from packtrain import faults
 from packtrain.run import finite, report
 from packtrain.run.evaluate import evaluate, mean_loss
 from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
@@ -38,7 +38,7 @@ from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.signals import StopSignals
 from packtrain.run.steps import rank_units, step_examples, step_packs, steps_per_epoch
 from packtrain.run.task import describe as describe_task
-from packtrain.run.task import check_text, load_task_scorer, prepare_task, run_task, task_tokenizer, write_task
+from packtrain.run.task import prepare_task, run_task, task_start, write_task
 from packtrain.run.units import UnitSetup, image_loader, over_cap, prepare, run_unit, step_scale
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
@@ -95,13 +95,7 @@ class Trainer:
             raise ValueError("data.train: not set")
         self.eval_examples = load_split(cfg, "eval")
         # generate.every: a bad generate.metric fails here, before the model is built
-        scorer = tokenizer = None
-        if cfg.generate.every is not None:
-            from packtrain.data.examples import detect_format
-
-            scorer = load_task_scorer(cfg)
-            tokenizer = task_tokenizer(cfg, cfg.data.format or detect_format(cfg.resolve_path(cfg.data.eval)))
-            check_text(scorer, tokenizer)
+        scorer, tokenizer = task_start(cfg) if cfg.generate.every is not None else (None, None)
         n_groups = cfg.packing.continuation_groups
         pictured = next((ex for ex in self.train_examples if getattr(ex, "images", ())), None)
         if n_groups > 1 and pictured is not None:
