@@ -159,6 +159,20 @@ def test_kv_only_equals_an_independent_hook_cut(prefix_len, specs, layer_types, 
     assert _max_rel(grads, ref_grads) < 5e-7
 
 
+@pytest.mark.parametrize("mlp_rows", [7, 16, 64])
+def test_kv_only_with_the_dense_mlp_in_blocks_equals_the_hook_cut(mlp_rows, monkeypatch):
+    """CPU runs a pack's dense MLP in blocks of rows: blocks wholly in P, across P's end and after it (P 40 here;
+    the CPU default is 512 rows, and P over 512 or a buffer over 512 once met the same boundaries)."""
+    with without_float32_casts(monkeypatch):
+        model = patch_model(tiny_lora_model([L, F, L], seed=2), Backend(gdn="torch", attention="batched",
+                                                                          mlp_rows=mlp_rows))
+        prefix, conts = random_pack(40, [(0, 3), (20, 9), (33, 12)], seed=2)
+        ref_losses, ref_grads = _hook_cut_reference(model, prefix, conts)
+        losses, grads = packed_run(model, prefix, conts, context_grad="kv_only")
+    assert rel(torch.tensor(losses), torch.tensor(ref_losses)) < 1e-13
+    assert _max_rel(grads, ref_grads) < 5e-7
+
+
 @pytest.mark.parametrize("run", [packed_run, standalone_run], ids=["packed", "standalone"])
 def test_kv_only_forward_is_full_bitwise_and_the_modes_learn_differently(run):
     model = _model([L, F, L, F], seed=5)

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from packtrain.packed.cut import cut_at_layer_inputs
 from packtrain.packed.layout import PackLayout
-from packtrain.packed.patch import LAYOUT_KWARG, packed_positions, text_parts
+from packtrain.packed.patch import LAYOUT_KWARG, MLP_BLOCK_OFFSET, packed_positions, text_parts
 from packtrain.packed.prefix import PrefixCall, PrefixState, run_prefix
 
 MODES = ("full", "kv_only", "frozen")
@@ -101,7 +101,10 @@ class _RowSparse(TorchFunctionMode):
         if func is F.linear and torch.is_grad_enabled():
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return _RowSparseLinear.apply(x, weight, bias, self.start)
+            # inside a dense-MLP block (CPU splits a pack's MLP in blocks of rows) the kept rows start at the
+            # layer's start counted from the block's first row: none of a block before it, all of one after it
+            start = min(max(self.start - MLP_BLOCK_OFFSET.get(), 0), x.shape[-2])
+            return _RowSparseLinear.apply(x, weight, bias, start)
         return func(*args, **kwargs)
 
 

@@ -20,6 +20,7 @@ recompute receives the same layout through the same kwargs).
 
 from __future__ import annotations
 
+import contextvars
 import types
 
 import torch
@@ -98,11 +99,23 @@ def _layer_forward(self, *args, **kwargs):
     return self._packtrain_original_forward(*args, **kwargs)
 
 
+# The buffer row the dense-MLP block running now starts at: a row-sparse backward (packing.context_grad kv_only,
+# packtrain.packed.context) counts its kept rows from the block's own first row.
+MLP_BLOCK_OFFSET: contextvars.ContextVar[int] = contextvars.ContextVar("packtrain_mlp_block_offset", default=0)
+
+
 def _mlp_forward(self, x):
     rows = self.packtrain_rows
     if not rows or x.shape[-2] <= rows:
         return self._packtrain_original_forward(x)
-    return torch.cat([self._packtrain_original_forward(block) for block in x.split(rows, dim=-2)], dim=-2)
+    out = []
+    for offset, block in zip(range(0, x.shape[-2], rows), x.split(rows, dim=-2)):
+        token = MLP_BLOCK_OFFSET.set(offset)
+        try:
+            out.append(self._packtrain_original_forward(block))
+        finally:
+            MLP_BLOCK_OFFSET.reset(token)
+    return torch.cat(out, dim=-2)
 
 
 def _is_dense_mlp(module: nn.Module) -> bool:
