@@ -61,6 +61,13 @@ class DataConfig:
     # a local image-processor directory for examples with images; default: model.path if it has one, else the tiny
     # bundled one (packtrain/assets/vlm)
     processor: str | None = None
+    # which assistant turns of a chat carry loss: last (the final one), all (every one, one example per
+    # conversation) or each (one example per turn); packtrain/data/examples.py
+    train_on: Literal["last", "all", "each"] = "last"
+    # passed to every render of the chat template, e.g. {enable_thinking: false}
+    template_kwargs: dict | None = None
+    # a Jinja file that replaces the tokenizer's chat template (e.g. one that keeps history, for train_on: all)
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)
@@ -342,6 +349,12 @@ def _get(cfg: Config, dotted: str):
     return obj
 
 
+# apply_chat_template's own arguments: packtrain sets them per render, data.template_kwargs may not
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 def _validate(cfg: Config) -> list[str]:
     problems = []
     for path, ok, msg in _BOUNDS:
@@ -360,6 +373,10 @@ def _validate(cfg: Config) -> list[str]:
                         f"targeted parameter), got {cfg.lora.dropout!r}")
     if cfg.generate.every is not None and not cfg.data.eval:
         problems.append("generate.every: generates on data.eval, which is not set")
+    reserved = sorted(set(cfg.data.template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+    if reserved:
+        problems.append(f"data.template_kwargs: {', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} set by "
+                        "packtrain for each render (tools come from each example's `tools`)")
     if cfg.model.kernels == "fla" and cfg.model.dtype == "float64":  # fla's kernels are float32/bf16 only
         problems.append("model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)")
     return problems

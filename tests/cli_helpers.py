@@ -63,7 +63,7 @@ def write_config(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
         "model": {"config": TINY_MODEL, "seed": 0, "dtype": "float64", "kernels": "torch"},
         "data": {"train": str(write_text_data(tmp / "train.jsonl")),
                  "eval": str(write_text_data(tmp / "eval.jsonl", items_per_rulebook=2, offset=3))},
-        "packing": {"mode": "shared_prefix", "token_budget": 160, "max_continuations": 3},
+        "packing": {"mode": "shared_prefix", "token_budget": 208, "max_continuations": 3},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "init_lora_weights": False},
         "optim": {"name": "adamw", "lr": 1.0e-3, "warmup_steps": 0},
         "train": {"epochs": 1, "packs_per_step": 2, "seed": 0, "save_every": 100},

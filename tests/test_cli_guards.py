@@ -55,14 +55,14 @@ def test_pretokenized_id_outside_the_models_vocabulary_is_refused_at_load(tmp_pa
 
 def test_an_over_long_line_is_refused_on_its_length(tmp_path):
     """A line no pack could hold fails on its byte length before it is parsed or tokenized (a 100 MB line took
-    333 s and 13 GB to reach its error). Budget 160 tokens: the limit is 32 x 160 = 5,120 bytes."""
+    333 s and 13 GB to reach its error). Budget 208 tokens: the limit is 32 x 208 = 6,656 bytes."""
     cfg = write_config(tmp_path, data={"eval": None}, packing={"on_overflow": "skip"})
     data = tmp_path / "train.jsonl"
     lines = data.read_text().splitlines()
     lines.insert(2, json.dumps({"system": "Rulebook A.", "item": "word " * 1_000_000, "target": "alpha"}))
     data.write_text("\n".join(lines) + "\n")
     line = _error_line(run_in_process("train", str(cfg), check=False))
-    assert f"{data}:3: line longer than 5,120 bytes" in line
+    assert f"{data}:3: line longer than 6,656 bytes" in line
 
 
 @contextlib.contextmanager

@@ -119,7 +119,7 @@ def test_set_is_type_checked(tmp_path):
     assert sorted(e.value.problems) == sorted([
         "packing.token_budget: expected int, got 'lots'",
         "packing.max_continuations: must be at least 1, got 0",
-        "data.trian: unknown key (known: eval, format, processor, tokenizer, train)",
+        "data.trian: unknown key (known: chat_template, eval, format, processor, template_kwargs, tokenizer, train, train_on)",
     ])
 
 

@@ -44,8 +44,10 @@ def text_record(**kw):
 def test_text_example_is_split_at_the_turn_boundaries(tmp_path, tok):
     [ex] = load_examples(write_lines(tmp_path, [text_record(id="a")]), tokenizer=tok)
     assert tok.decode(ex.prefix_ids) == f"<|im_start|>system\n{RULEBOOK}<|im_end|>\n"
-    assert tok.decode(ex.item_ids) == "<|im_start|>user\nEncode: falcon<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.decode(ex.target_ids) == "juru<|im_end|>\n"  # the target includes the end of the turn
+    # the generation prompt opens the think block (thinking is on unless data.template_kwargs turns it off)
+    assert tok.decode(ex.item_ids) == "<|im_start|>user\nEncode: falcon<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    # the target: the (empty) reasoning's end, the answer and the end of the turn
+    assert tok.decode(ex.target_ids) == "\n</think>\n\njuru<|im_end|>\n"
     assert ex.continuation_ids == ex.item_ids + ex.target_ids
     assert ex.len_continuation == len(ex.item_ids) + len(ex.target_ids)
 
@@ -53,7 +55,7 @@ def test_text_example_is_split_at_the_turn_boundaries(tmp_path, tok):
 def test_pieces_concatenate_to_the_whole_example_tokenized_alone(tmp_path, tok):
     [ex] = load_examples(write_lines(tmp_path, [text_record()]), tokenizer=tok)
     whole = (f"<|im_start|>system\n{RULEBOOK}<|im_end|>\n<|im_start|>user\nEncode: falcon<|im_end|>\n"
-             "<|im_start|>assistant\njuru<|im_end|>\n")
+             "<|im_start|>assistant\n<think>\n\n</think>\n\njuru<|im_end|>\n")
     assert ex.prefix_ids + ex.item_ids + ex.target_ids == tuple(tok(whole, add_special_tokens=False)["input_ids"])
 
 
@@ -76,8 +78,8 @@ def test_chat_with_several_turns_puts_the_earlier_turns_in_the_item(tmp_path, to
     [ex] = load_examples(write_lines(tmp_path, [chat]), tokenizer=tok)
     assert tok.decode(ex.prefix_ids) == "<|im_start|>system\nS<|im_end|>\n"
     assert tok.decode(ex.item_ids) == ("<|im_start|>user\none<|im_end|>\n<|im_start|>assistant\njuru<|im_end|>\n"
-                                       "<|im_start|>user\ntwo<|im_end|>\n<|im_start|>assistant\n")
-    assert tok.decode(ex.target_ids) == "geno<|im_end|>\n"
+                                       "<|im_start|>user\ntwo<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert tok.decode(ex.target_ids) == "\n</think>\n\ngeno<|im_end|>\n"
 
 
 def test_pretokenized_is_taken_as_is(tmp_path):
@@ -101,7 +103,7 @@ def test_examples_with_the_same_system_share_one_prefix_tuple(tmp_path, tok):
 
 def test_empty_item_is_allowed(tmp_path, tok):
     [ex] = load_examples(write_lines(tmp_path, [text_record(item="")]), tokenizer=tok)
-    assert tok.decode(ex.item_ids) == "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ex.item_ids) == "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n<think>\n"
     [ex] = load_examples(write_lines(tmp_path, [{"prefix_ids": [1], "item_ids": [], "target_ids": [2]}], "p.jsonl"))
     assert ex.item_ids == ()
 
@@ -172,7 +174,6 @@ def test_token_id_outside_the_vocabulary(tmp_path, tok):
 @pytest.mark.parametrize("record, field", [
     (text_record(target=""), "target"),
     (text_record(target="  \n"), "target"),
-    ({"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": ""}]}, "messages[1].content"),
     ({"prefix_ids": [1], "item_ids": [2], "target_ids": []}, "target_ids"),
 ])
 def test_empty_target(tmp_path, record, field):
@@ -215,10 +216,10 @@ def test_chat_ending_with_a_user_message(tmp_path):
 
 
 def test_chat_with_an_unknown_role(tmp_path):
-    path = write_lines(tmp_path, [{"messages": [{"role": "system", "content": "s"}, {"role": "tool", "content": "u"},
+    path = write_lines(tmp_path, [{"messages": [{"role": "system", "content": "s"}, {"role": "critic", "content": "u"},
                                                 {"role": "assistant", "content": "a"}]}])
-    assert load_error(path) == f"{path}:1: field 'messages[1].role': expected one of system, user, assistant, got " \
-                               '"tool"'
+    assert load_error(path) == f"{path}:1: field 'messages[1].role': expected one of system, user, assistant, tool, " \
+                               'got "critic"'
 
 
 def test_p_that_is_not_a_token_prefix_is_refused(tmp_path, concat_tok):

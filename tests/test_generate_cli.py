@@ -12,6 +12,7 @@ from peft import PeftModel
 from packtrain.config import load_config
 from packtrain.data.examples import load_split, load_tokenizer
 from packtrain.models.build import build_base_model
+from packtrain.run.scoring import strip_thinking
 
 GEN = {"max_new_tokens": 6}
 
@@ -59,7 +60,11 @@ def test_a_user_scorer_next_to_the_config_scores_every_example(trained, tmp_path
     out = tmp_path / "gen.jsonl"
     run_in_process("eval", cfg, "--adapter", run.run / "adapter", "--generate", "--out", out)
     rows = read_lines(out)
-    assert rows and all(r["score"] == min(1.0, len(r["prediction"]) / max(1, len(r["target"]))) for r in rows)
+    # the scorer sees both sides without the think block (generate.strip_thinking): the prompt opened it, the target
+    # closes it (empty) before the answer
+    assert rows and all(r["target"].startswith("\n</think>\n\n") for r in rows)
+    assert all(r["score"] == min(1.0, len(strip_thinking(r["prediction"])) / max(1, len(strip_thinking(r["target"]))))
+               for r in rows)
 
 
 @pytest.mark.parametrize("metric,message", [

@@ -65,6 +65,7 @@ def test_table_output(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:] == [
         "  examples   3",
+        "  data       3 conversations, 3 assistant turns trained, 3 target tokens",
         "  prompts    1",
         "  packs      2  (continuations per pack: min 1, median 1, max 2)",
         "  budget     10 positions per pack, 95.0% used",
@@ -94,8 +95,10 @@ def test_demo_config(tmp_path):
 
     tok = load_tokenizer()
     records = [json.loads(line) for line in (REPO / "data/demo/train.jsonl").read_text().splitlines()]
+    template = (REPO / "data/demo/chatml.jinja").read_text()  # the demo's data.chat_template
     whole = [tok.apply_chat_template([{"role": "system", "content": r["system"]}, {"role": "user", "content": r["item"]},
-                                      {"role": "assistant", "content": r["target"]}], tokenize=False) for r in records]
+                                      {"role": "assistant", "content": r["target"]}], tokenize=False,
+                                     chat_template=template) for r in records]
     assert stats["positions_standalone"] == sum(len(ids) for ids in tok(whole, add_special_tokens=False)["input_ids"])
 
 

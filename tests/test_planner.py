@@ -177,6 +177,9 @@ def test_stats_of_a_small_plan():
     assert packed_ids(plan, examples) == [["c"], ["a", "b"]]
     assert plan_stats(plan, examples) == {
         "examples": 3,
+        "conversations": 3,  # examples made in code (no line) each count as their own
+        "turns": 3,
+        "target_tokens": 3,  # one target token each
         "skipped": 0,
         "walked": 0,
         "walk_chunks": 0,

@@ -58,7 +58,8 @@ def test_text_and_chat_images_become_image_token_blocks(tmp_path):
     ({"system": "R", "item": "x", "target": "y", "images": ["broken.png"]}, "images[0]", "cannot read image"),
     ({"system": "R", "item": "x", "target": "y", "images": "a.png"}, "images", "list of image paths"),
     ({"messages": [{"role": "system", "content": [{"type": "image", "image": "a.png"}]},
-                   {"role": "assistant", "content": "y"}]}, "messages[0].content", "text-only"),
+                   {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, "messages[0].content",
+     "text-only"),
     ({"messages": [{"role": "system", "content": "R"}, {"role": "user", "content": [{"type": "video"}]},
                    {"role": "assistant", "content": "y"}]}, "messages[1].content[0]", "expected"),
 ])
@@ -67,7 +68,8 @@ def test_bad_images_name_file_line_and_field(tmp_path, row, field, message):
     (tmp_path / "broken.png").write_bytes(b"not a png")
     good = {"system": "R", "item": "ok", "target": "y"}
     if "messages" in row:  # the same format on both lines
-        good = {"messages": [{"role": "system", "content": "R"}, {"role": "assistant", "content": "y"}]}
+        good = {"messages": [{"role": "system", "content": "R"}, {"role": "user", "content": "x"},
+                             {"role": "assistant", "content": "y"}]}
     path = _write(tmp_path, [good, row])
     with pytest.raises(DataError) as e:
         load_examples(path, tokenizer=VLM, processor=VLM)

@@ -8,8 +8,9 @@ import pytest
 import torch
 from cli_helpers import SGD, adapter_of, max_rel, run_in_process, run_ranks, train_losses, write_config
 
-# Budget 80: the five shortest examples pack (two or three per P), the other ten walk in chunks of 16.
-WALK = {"token_budget": 80, "on_overflow": "walk", "walk": {"chunk": 16, "horizon": "all"}}
+# Budget 90: the five shortest examples (P 31 + 48 to 56) pack, one per pack; the other ten (P 56-57 + 43 to 56)
+# walk in chunks of 16 over [P, P + length - 1): 35 chunks.
+WALK = {"token_budget": 90, "on_overflow": "walk", "walk": {"chunk": 16, "horizon": "all"}}
 
 
 def test_walked_examples_train_their_standalone_update(tmp_path):
@@ -17,7 +18,7 @@ def test_walked_examples_train_their_standalone_update(tmp_path):
                        train={"epochs": 2, "packs_per_step": 100})
     walked = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'walk'}")
     assert "on_overflow walk (chunks of 16 on top of P, horizon all" in walked.stdout
-    assert "10 examples over the budget in 25 chunks" in walked.stdout
+    assert "10 examples over the budget in 35 chunks" in walked.stdout
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'standalone'}", "--set", "packing.mode=standalone",
                    "--set", "packing.token_budget=1000")
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'h0'}", "--set", "packing.walk.horizon=0")
@@ -32,9 +33,9 @@ def test_walked_examples_train_their_standalone_update(tmp_path):
 def test_plan_counts_walked_examples(tmp_path):
     cfg = write_config(tmp_path, packing=WALK)
     stats = json.loads(run_in_process("plan", cfg, "--json").stdout)
-    assert (stats["examples"], stats["walked"], stats["walk_chunks"], stats["packs"]) == (15, 10, 25, 5)
+    assert (stats["examples"], stats["walked"], stats["walk_chunks"], stats["packs"]) == (15, 10, 35, 5)
     table = run_in_process("plan", cfg).stdout
-    assert "walked     10 examples over the budget, in 25 chunks" in table
+    assert "walked     10 examples over the budget, in 35 chunks" in table
 
 
 @pytest.mark.process

@@ -1,7 +1,7 @@
 """Train the small bundled tokenizer (packtrain/assets/tokenizer/) on the demo data text.
 
-A byte-level BPE (any text encodes, nothing is ever unknown) with Qwen's three special tokens and a Qwen-style
-ChatML chat template, saved as a transformers fast-tokenizer directory. The demo text has only a few hundred
+A byte-level BPE (any text encodes, nothing is ever unknown) with Qwen's three special tokens and a Qwen3.6-like
+chat template, saved as a transformers fast-tokenizer directory. The demo text has only a few hundred
 distinct words, so the vocabulary stops growing well before the requested size; the real size is printed.
 Deterministic: the same data gives the same files.
 
@@ -19,12 +19,9 @@ from transformers import PreTrainedTokenizerFast
 
 REPO = Path(__file__).resolve().parents[1]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# The Qwen3.6-like chat template, maintained by hand in the file it is saved to (tools, reasoning, tool calls and
+# responses, enable_thinking; see the file's header); tests/test_chat.py checks its behaviours.
+TEMPLATE_FILE = REPO / "packtrain/assets/tokenizer/chat_template.jinja"
 
 
 def demo_texts(paths: list[Path]) -> list[str]:
@@ -67,7 +64,7 @@ def main() -> None:
         pad_token="<|endoftext|>",
         model_max_length=1_000_000,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = TEMPLATE_FILE.read_text()
     fast.save_pretrained(args.out)
     print(f"saved a {len(fast)}-token byte-level BPE to {args.out}")
 

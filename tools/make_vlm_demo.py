@@ -25,18 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "packtrain/assets/vlm"
 DATA = REPO / "data/vlm_demo"
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- else %}{{- part['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# the bundled Qwen3.6-like template (image parts render as a vision block); maintained in that file
+CHAT_TEMPLATE = (REPO / "packtrain/assets/tokenizer/chat_template.jinja").read_text()
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220)}
 SHAPES = ["circle", "square", "triangle"]
 MEANINGS = ["stop", "go", "wait", "left", "right", "up", "down", "slow", "fast"]

@@ -114,7 +114,7 @@ def run_bench(args) -> int:
     from packtrain.bench.presets import H100_BF16_DENSE_TFLOPS, H100_SOURCE, get_preset
     from packtrain.bench.report import format_table, plot, speedups, write_json
     from packtrain.bench.variants import VARIANTS, Models, Workload
-    from packtrain.data.planner import plan_for, plan_stats
+    from packtrain.data.planner import plan_for, plan_stats, target_count
     from packtrain.distributed import init_distributed
 
     load_before = os.getloadavg()[0]
@@ -136,7 +136,7 @@ def run_bench(args) -> int:
     warmup = preset.warmup if args.warmup is None else args.warmup
     runs = interleave(models, work, _variants(args, VARIANTS), repeats, warmup)
     peak = args.peak_tflops or (H100_BF16_DENSE_TFLOPS if device.type == "cuda" else None)
-    target_tokens = sum(len(examples[e].target_ids) for pack in plan.packs for e in pack.examples)
+    target_tokens = sum(target_count(examples[e]) for pack in plan.packs for e in pack.examples)
     result = {
         "title": f"packtrain bench ({f'preset {preset.name}' if args.config is None else args.config}): {data}",
         "command": "packtrain " + " ".join(sys.argv[1:]),

@@ -34,6 +34,8 @@ def format_table(stats: dict, title: str) -> str:
     lines = [
         title,
         f"  examples   {s['examples']:,}{skipped}",
+        (f"  data       {s['conversations']:,} conversation{'s' * (s['conversations'] != 1)}, {s['turns']:,} "
+         f"assistant turn{'s' * (s['turns'] != 1)} trained, {s['target_tokens']:,} target tokens"),
         f"  prompts    {s['prompts']:,}",
         f"  packs      {s['packs']:,}  (continuations per pack: {per_pack})",
         f"  budget     {s['token_budget']:,} positions per pack, {s['budget_utilisation']:.1%} used",

@@ -47,7 +47,7 @@ def format_table(title: str, phases, cuda: bool, since_start: bool, ranks: list[
 
 def run_smoke(args) -> int:
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for
+    from packtrain.data.planner import plan_for, target_count
     from packtrain.run.harness import PeakMemory, build_lm, is_out_of_memory, largest_unit, one_update, run_phase
     from packtrain.run.optim import build_optimizer, build_scheduler
     from packtrain.run.units import UnitSetup, prepare
@@ -83,7 +83,7 @@ def run_smoke(args) -> int:
         ckpt.save_checkpoint(out, 2, state["lm"], state["model"], state["optimizer"], state["scheduler"],
                              {"smoke": True}, info)
 
-    targets = sum(len(examples[e].target_ids) for e in unit.examples)
+    targets = sum(target_count(examples[e]) for e in unit.examples)
     what = ("walked example" if unit.schedule is not None
             else "pack" if cfg.packing.mode == "shared_prefix" else "example")
     walked = f" in {unit.schedule.chunks} chunks" if unit.schedule is not None else ""

@@ -2,20 +2,36 @@
 
 Three formats (``data.format``; detected from the first line when omitted):
 
-- text: ``{"id"?, "system": str, "item": str, "target": str}``
-- chat: ``{"id"?, "messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``, one system
-  message first, the final assistant message is the target
+- text: ``{"id"?, "system": str, "item": str, "target": str, "images"?: [path]}``
+- chat: ``{"id"?, "messages": [...], "tools"?: [JSON function schema]}``: one system message first, then user,
+  assistant and tool messages. An assistant message has ``content`` and may carry ``reasoning_content`` (str) and
+  ``tool_calls`` (``[{"type": "function", "function": {"name": str, "arguments": object | str}}]``); a ``tool``
+  message carries a tool's result and follows an assistant message with tool calls (or another tool message).
 - pretokenized: ``{"id"?, "prefix_ids": [int], "item_ids": [int], "target_ids": [int]}``
 
-Text and chat go through the tokenizer's chat template. P is the system turn rendered alone; the item is everything
-after it up to and including the generation prompt (``<|im_start|>assistant\\n``); the target is the rest of the
-whole conversation, so it includes the closing ``<|im_end|>`` and newline as the template renders them: the model
-learns to stop. A text example is the chat [system, user=item, assistant=target]. In a chat with several turns the
-earlier user and assistant turns belong to the item and carry no loss.
+Text and chat go through the tokenizer's chat template, with ``data.template_kwargs`` (e.g. ``enable_thinking``) in
+every render and the example's tools in P. P is the system turn rendered alone (tools included); the continuation
+is the rest of the conversation as the template renders it whole. Which assistant turns carry loss is
+``data.train_on``:
+
+- ``last``: the final assistant message. The item is everything after P up to and including the generation prompt
+  (``<|im_start|>assistant\n`` and whatever the template adds, e.g. ``<think>\n``); the target is the rest, so it
+  includes the closing ``<|im_end|>`` and newline: the model learns to stop. Earlier turns are item.
+- ``all``: one example per conversation with loss on every assistant turn as rendered in the whole conversation.
+  Turn k starts where the conversation up to it, rendered with the generation prompt, ends, and ends where the
+  conversation through it, rendered alone, ends; both must be token prefixes of the whole. A template that renders
+  an earlier turn differently once later turns follow (Qwen's drops reasoning before the last user message) is
+  refused for that example, naming the turn: use ``each``.
+- ``each``: one example per assistant turn (ids ``ID#1``, ``ID#2``, ... when there are several), its history
+  rendered as the template renders it when generating that turn: ``last`` on the conversation cut after the turn.
+  All of them share P.
+
+A text example is the chat [system, user=item, assistant=target]. The per-example loss is the mean over its target
+tokens (all of its assistant turns' under ``all``).
 
 Each piece is tokenized on its own, so the pieces must concatenate to the tokens of the whole example: P's tokens
-must be a prefix of the prompt's and the prompt's of the whole conversation's. An example where the tokenizer merges
-across a boundary is refused, naming its file, line and field. The loss is on the target tokens only.
+and the tokens before and through each trained turn must be prefixes of the whole conversation's. An example where
+the tokenizer merges across a boundary is refused, naming its file, line and field.
 """
 
 from __future__ import annotations
@@ -34,8 +50,9 @@ if TYPE_CHECKING:
 from packtrain.data.images import IMAGE_PAD, ImageRef
 
 FORMATS = ("text", "chat", "pretokenized")
+TRAIN_ON = ("last", "all", "each")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # A JSON line holding an example that fits a pack of B tokens has fewer than this many bytes per token of B: text
 # averages about 4 bytes per token, JSON-escaped CJK (\\uXXXX) about 9, pre-tokenized ids ("12345, ") up to 8.
 LINE_BYTES_PER_TOKEN = 32
@@ -59,7 +76,11 @@ class Example:
     target_ids: tuple[int, ...]
     source: str = ""
     line: int = 0
-    images: tuple[ImageRef, ...] = ()  # images of the item, in order; their tokens are counted in item_ids
+    images: tuple[ImageRef, ...] = ()  # images of the continuation, in order; their tokens are counted in the ids
+    # The loss spans [a, b) in continuation coordinates (item + target), in order; (): the whole target. The item is
+    # the tokens before the first span, so a target starts with a loss token.
+    spans: tuple[tuple[int, int], ...] = ()
+    turns: int = 1  # assistant turns whose tokens carry loss
 
     @property
     def continuation_ids(self) -> tuple[int, ...]:
@@ -68,6 +89,15 @@ class Example:
     @property
     def len_continuation(self) -> int:
         return len(self.item_ids) + len(self.target_ids)
+
+    @property
+    def loss_spans(self) -> tuple[tuple[int, int], ...]:
+        return self.spans or ((len(self.item_ids), self.len_continuation),)
+
+    @property
+    def n_targets(self) -> int:
+        """Tokens that carry loss."""
+        return sum(b - a for a, b in self.loss_spans)
 
 
 @dataclass
@@ -80,6 +110,8 @@ class _Conversation:
     system_field: str
     target_field: str
     images: list[tuple[str, str]] = field(default_factory=list)  # (resolved path, field) in order of appearance
+    tools: list[dict] | None = None
+    images_through: list[int] = field(default_factory=list)  # images in messages[: i + 1], per message i
 
 
 def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
@@ -214,7 +246,8 @@ def _text_conversation(record: dict, line: int, source: Path) -> _Conversation:
         {"role": "user", "content": user},
         {"role": "assistant", "content": _string(target, "target", source, line, nonempty=True)},
     ]
-    return _Conversation(_example_id(record, line, source), line, messages, "system", "target", paths)
+    return _Conversation(_example_id(record, line, source), line, messages, "system", "target", paths,
+                         images_through=[0, len(paths), len(paths)])
 
 
 def _content(value: Any, role: str, field: str, source: Path, line: int, images: list) -> Any:
@@ -241,41 +274,156 @@ def _content(value: Any, role: str, field: str, source: Path, line: int, images:
     return parts
 
 
+def _tools(value: Any, source: Path, line: int) -> list[dict]:
+    if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
+        raise DataError(source, line, "tools", "expected a non-empty list of JSON function schemas (objects), got "
+                                               f"{json.dumps(value)[:60]}")
+    return value
+
+
+def _tool_calls(value: Any, field: str, source: Path, line: int) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise DataError(source, line, field, "expected a non-empty list of tool calls")
+    for j, call in enumerate(value):
+        where = f"{field}[{j}]"
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise DataError(source, line, where, 'expected {"type": "function", "function": {"name": str, '
+                                                 '"arguments": object}}')
+        if not isinstance(fn.get("arguments", {}), (dict, str)):
+            raise DataError(source, line, f"{where}.arguments", "expected a JSON object (or its text)")
+    return value
+
+
+def _order_problem(role: str, previous: dict) -> str | None:
+    """Why ``role`` may not follow the message ``previous`` (None: it may)."""
+    before = previous["role"]
+    if role == "assistant" and before not in ("user", "tool"):
+        return (f"roles out of order: an assistant message answers a user or tool message, not the {before} message "
+                "before it")
+    if role == "tool" and not (before == "tool" or previous.get("tool_calls")):
+        return "a tool message must follow an assistant message with tool_calls (or another tool message)"
+    return None
+
+
 def _chat_conversation(record: dict, line: int, source: Path) -> _Conversation:
     messages = _field(record, "messages", "chat", source, line)
     if not isinstance(messages, list) or len(messages) < 2:
         raise DataError(source, line, "messages", "expected a list of at least a system and an assistant message")
-    clean, images = [], []
+    tools = _tools(record["tools"], source, line) if record.get("tools") is not None else None
+    clean, images, through = [], [], []
     for i, m in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise DataError(source, line, f"messages[{i}]", "expected an object with role and content")
+            raise DataError(source, line, where, "expected an object with role and content")
         role = m.get("role")
         if role not in ROLES:
-            raise DataError(source, line, f"messages[{i}].role", f"expected one of {', '.join(ROLES)}, got "
-                                                                  f"{json.dumps(role)}")
+            raise DataError(source, line, f"{where}.role", f"expected one of {', '.join(ROLES)}, got "
+                                                           f"{json.dumps(role)}")
         if i == 0 and role != "system":
             raise DataError(source, line, "messages[0].role", f"the first message must be the system message, got "
                                                                f"{role}")
         if i > 0 and role == "system":
-            raise DataError(source, line, f"messages[{i}].role", "only the first message may be a system message")
-        content = _content(m.get("content"), role, f"messages[{i}].content", source, line, images)
-        clean.append({"role": role, "content": content})
+            raise DataError(source, line, f"{where}.role", "only the first message may be a system message")
+        problem = _order_problem(role, clean[-1]) if i > 0 else None
+        if problem:
+            raise DataError(source, line, f"{where}.role", problem)
+        for key in ("reasoning_content", "tool_calls"):
+            if key in m and role != "assistant":
+                raise DataError(source, line, f"{where}.{key}", f"only an assistant message may carry {key} (this "
+                                                                f"is a {role} message)")
+        out: dict[str, Any] = {"role": role}
+        if role == "assistant":
+            calls = _tool_calls(m["tool_calls"], f"{where}.tool_calls", source, line) if m.get("tool_calls") \
+                else None
+            content = m.get("content")
+            out["content"] = "" if content is None and calls else _string(content, f"{where}.content", source,
+                                                                          line)
+            reasoning = m.get("reasoning_content")
+            if reasoning is not None:
+                out["reasoning_content"] = _string(reasoning, f"{where}.reasoning_content", source, line)
+            if calls:
+                out["tool_calls"] = calls
+            if not (out["content"].strip() or (reasoning or "").strip() or calls):
+                raise DataError(source, line, f"{where}.content", "an assistant turn with nothing to train on (no "
+                                                                  "content, reasoning_content or tool_calls)")
+        else:
+            if role == "tool" and not isinstance(m.get("content"), str):
+                raise DataError(source, line, f"{where}.content", "expected a string (JSON-encode a structured tool "
+                                                                  f"result), got {json.dumps(m.get('content'))[:60]}")
+            out["content"] = _content(m.get("content"), role, f"{where}.content", source, line, images)
+            for key in ("name", "tool_call_id"):
+                if role == "tool" and isinstance(m.get(key), str):
+                    out[key] = m[key]
+        clean.append(out)
+        through.append(len(images))
     last = len(messages) - 1
     if clean[-1]["role"] != "assistant":
         raise DataError(source, line, f"messages[{last}].role", "the last message must be the assistant's (the "
                                                                 "target)")
-    _string(clean[-1]["content"], f"messages[{last}].content", source, line, nonempty=True)
     return _Conversation(_example_id(record, line, source), line, clean, "messages[0]", f"messages[{last}]",
-                         images)
+                         images, tools, through)
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool, source: Path, conv: _Conversation) -> str:
+@dataclass
+class _Render:
+    """One example's texts before tokenization: P, the whole, and per trained turn the text before it (through its
+    generation prompt) and, unless it ends the whole, the text through it."""
+    conv: _Conversation
+    id: str
+    p: str
+    whole: str
+    turns: list[tuple[int, str, str | None]]  # (message index, text before, text through or None)
+    n_images: int
+
+
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, source: Path,
+            line: int, template_kwargs: dict) -> str:
+    """``template_kwargs``: ``data.template_kwargs``, and ``chat_template`` when ``data.chat_template`` replaces
+    the tokenizer's."""
     from jinja2 import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=generation_prompt, **template_kwargs)
     except (TemplateError, TypeError) as e:  # TypeError: a string-only template given a list of parts
-        raise DataError(source, conv.line, "messages", f"the chat template refused it: {e}") from None
+        raise DataError(source, line, "tools" if tools and "tool" in str(e).lower() else "messages",
+                        f"the chat template refused it: {e}") from None
+
+
+def _renders(c: _Conversation, tokenizer, source: Path, train_on: str, kwargs: dict) -> list[_Render]:
+    """The examples of one conversation under ``data.train_on``, as texts."""
+    def render(upto: int, prompt: bool = False) -> str:
+        return _render(tokenizer, c.messages[:upto], c.tools, prompt, source, c.line, kwargs)
+
+    p = render(1)
+    if c.tools is not None and p == _render(tokenizer, c.messages[:1], None, False, source, c.line, kwargs):
+        raise DataError(source, c.line, "tools", f"the chat template of {tokenizer.name_or_path or 'the tokenizer'} "
+                                                 "does not render tools: P would silently lose them (use a template "
+                                                 "that renders `tools`, as Qwen's does)")
+    assistant = [i for i, m in enumerate(c.messages) if m["role"] == "assistant"]
+    last = len(c.messages) - 1
+    if train_on == "last":
+        return [_Render(c, c.id, p, render(last + 1), [(last, render(last, True), None)], len(c.images))]
+    if train_on == "each":
+        several = len(assistant) > 1
+        return [_Render(c, f"{c.id}#{n}" if several else c.id, p, render(k + 1), [(k, render(k, True), None)],
+                        c.images_through[k]) for n, k in enumerate(assistant, 1)]
+    whole = render(last + 1)
+    turns = [(k, render(k, True), None if k == last else render(k + 1)) for k in assistant]
+    return [_Render(c, c.id, p, whole, turns, len(c.images))]
+
+
+def _turn_field(c: _Conversation, k: int) -> str:
+    """The field of assistant turn ``k`` as the file names it."""
+    return c.target_field if k == len(c.messages) - 1 else f"messages[{k}]"
+
+
+def _history_rewritten(k: int) -> str:
+    return (f"train_on: all cannot find assistant turn messages[{k}] in the whole conversation: the chat template "
+            "renders the conversation up to it differently once later turns follow (it rewrites history, as Qwen's "
+            "does with reasoning before the last user message); use data.train_on: each (one example per turn, its "
+            "history rendered as when generating it)")
 
 
 def _image_grids(conversations: list[_Conversation], processor, source: Path) -> dict[str, tuple[int, int, int]]:
@@ -299,29 +447,31 @@ def _image_grids(conversations: list[_Conversation], processor, source: Path) ->
     return grids
 
 
-def _expand_images(ids: list[int], c: _Conversation, grids: dict, pad_id: int, merge: int, source: Path,
-                   field_name: str) -> list[int]:
-    """One image-pad token per image (as the template renders it) -> T*H*W/merge^2 of them."""
-    out, k = [], 0
+def _expand_images(ids: list[int], images: list[tuple[str, str]], grids: dict, pad_id: int,
+                   merge: int) -> tuple[list[int], list[int]]:
+    """One image-pad token per image (as the template renders it) -> T*H*W/merge^2 of them; and where each index of
+    ``ids`` (and its end) lands in the result."""
+    out, where, k = [], [], 0
     for t in ids:
+        where.append(len(out))
         if t != pad_id:
             out.append(t)
             continue
-        if k >= len(c.images):
-            raise DataError(source, c.line, field_name, "the text holds more image placeholders than images")
-        gt, gh, gw = grids[c.images[k][0]]
+        gt, gh, gw = grids[images[k][0]]
         out.extend([pad_id] * (gt * gh * gw // merge ** 2))
         k += 1
-    return out
+    where.append(len(out))
+    return out, where
 
 
-def _tokenize(conversations: list[_Conversation], tokenizer, source: Path, processor=None) -> list[Example]:
-    if not tokenizer.chat_template:
-        raise ValueError(f"the tokenizer {tokenizer.name_or_path} has no chat template: text and chat data need one")
-
-    def encode(texts: list[str]) -> list[list[int]]:
-        return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-
+def _tokenize(conversations: list[_Conversation], tokenizer, source: Path, processor=None, train_on: str = "last",
+              template_kwargs: dict | None = None, chat_template: str | None = None) -> list[Example]:
+    if not (chat_template or tokenizer.chat_template):
+        raise ValueError(f"the tokenizer {tokenizer.name_or_path} has no chat template: text and chat data need one "
+                         "(or data.chat_template)")
+    template_kwargs = {**(template_kwargs or {}), **({"chat_template": chat_template} if chat_template else {})}
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"unknown data.train_on {train_on!r} (known: {', '.join(TRAIN_ON)})")
     grids: dict = {}
     pad_id = None
     if any(c.images for c in conversations):
@@ -334,54 +484,79 @@ def _tokenize(conversations: list[_Conversation], tokenizer, source: Path, proce
         processor = processor if processor is not None else load_image_processor(None)
         grids = _image_grids(conversations, processor, source)
 
-    p_texts, prompt_texts, full_texts = [], [], []
-    for c in conversations:
-        p_texts.append(_render(tokenizer, c.messages[:1], False, source, c))
-        prompt_texts.append(_render(tokenizer, c.messages[:-1], True, source, c))
-        full_texts.append(_render(tokenizer, c.messages, False, source, c))
-    # One tokenization per distinct P: its examples share the resulting tuple.
-    distinct_p = sorted(set(p_texts))
-    p_ids = {text: tuple(ids) for text, ids in zip(distinct_p, encode(distinct_p))}
+    renders = [r for c in conversations for r in _renders(c, tokenizer, source, train_on, template_kwargs or {})]
+    for r in renders:  # text first: cheap, and a rewritten history is named before anything is tokenized
+        c = r.conv
+        if not r.whole.startswith(r.p):
+            raise DataError(source, c.line, c.system_field, "the chat template renders the system turn differently "
+                                                            "inside the whole conversation")
+        for k, before, through in r.turns:
+            if train_on == "all" and not (r.whole.startswith(before) and (through is None
+                                                                           or r.whole.startswith(through))):
+                raise DataError(source, c.line, _turn_field(c, k), _history_rewritten(k))
+            if not before.startswith(r.p) or not r.whole.startswith(before):
+                raise DataError(source, c.line, c.system_field, "the chat template renders the system turn or the "
+                                                                "prompt differently inside the whole conversation")
+    # One tokenization per distinct text: equal P's (and histories) share the resulting tuple.
+    texts = sorted({t for r in renders for t in (r.p, r.whole, *(x for turn in r.turns for x in turn[1:] if x))})
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    ids = {text: tuple(e) for text, e in zip(texts, encoded)}
+    return [_example(r, ids, train_on, source, pad_id, grids, processor) for r in renders]
 
-    examples = []
-    for c, p_text, prompt_text, full_text, prompt, full in zip(
-        conversations, p_texts, prompt_texts, full_texts, encode(prompt_texts), encode(full_texts)
-    ):
-        prefix = p_ids[p_text]
-        if not (prompt_text.startswith(p_text) and full_text.startswith(prompt_text)):
-            raise DataError(source, c.line, c.system_field, "the chat template renders the system turn or the "
-                                                            "prompt differently inside the whole conversation")
-        if tuple(prompt[: len(prefix)]) != prefix:
-            raise DataError(source, c.line, c.system_field, "the system turn's tokens are not a prefix of the whole "
-                                                            "example's tokens (the tokenizer merges across the end "
-                                                            "of the system turn)")
-        if full[: len(prompt)] != prompt:
-            raise DataError(source, c.line, c.target_field, "the prompt's tokens are not a prefix of the whole "
-                                                            "example's tokens (the tokenizer merges across the "
-                                                            "start of the target)")
-        item, target = prompt[len(prefix):], full[len(prompt):]
-        refs: tuple[ImageRef, ...] = ()
-        if c.images:
-            if pad_id in target:
-                raise DataError(source, c.line, c.target_field, "the target holds an image placeholder")
-            if item.count(pad_id) != len(c.images):
-                raise DataError(source, c.line, "messages", f"{len(c.images)} images but {item.count(pad_id)} "
-                                                            "image placeholders after rendering the chat template")
-            item = _expand_images(item, c, grids, pad_id, processor.merge_size, source, "messages")
-            refs = tuple(ImageRef(path, grids[path]) for path, _ in c.images)
-        examples.append(Example(c.id, prefix, tuple(item), tuple(target), str(source), c.line, refs))
-    return examples
+
+def _example(r: _Render, ids: dict, train_on: str, source: Path, pad_id, grids, processor) -> Example:
+    c, prefix, whole = r.conv, ids[r.p], ids[r.whole]
+    if whole[: len(prefix)] != prefix:
+        raise DataError(source, c.line, c.system_field, "the system turn's tokens are not a prefix of the whole "
+                                                        "example's tokens (the tokenizer merges across the end of "
+                                                        "the system turn)")
+    spans = []
+    for k, before, through in r.turns:
+        start, end = len(ids[before]), len(ids[through]) if through else len(whole)
+        if whole[:start] != ids[before]:
+            raise DataError(source, c.line, _turn_field(c, k), "the prompt's tokens are not a prefix of the whole "
+                                                        "example's tokens (the tokenizer merges across the start of "
+                                                        "the target)")
+        if through and whole[:end] != ids[through]:
+            raise DataError(source, c.line, _turn_field(c, k), "the tokens through this assistant turn are not a "
+                                                              "prefix of the whole example's tokens (the tokenizer "
+                                                              "merges across the end of the turn)")
+        if end <= start:
+            raise DataError(source, c.line, _turn_field(c, k), "the chat template renders nothing for this "
+                                                              "assistant turn")
+        spans.append((start, end))
+    cont = list(whole[len(prefix):])
+    spans = [(a - len(prefix), b - len(prefix)) for a, b in spans]
+    images = c.images[: r.n_images]
+    refs: tuple[ImageRef, ...] = ()
+    if pad_id is not None and (images or pad_id in cont):
+        for (a, b), (k, _, _) in zip(spans, r.turns):
+            if pad_id in cont[a:b]:
+                raise DataError(source, c.line, _turn_field(c, k), "an assistant turn holds an image placeholder")
+        if cont.count(pad_id) != len(images):
+            raise DataError(source, c.line, "messages", f"{len(images)} images but {cont.count(pad_id)} image "
+                                                        "placeholders after rendering the chat template")
+        cont, where = _expand_images(cont, images, grids, pad_id, processor.merge_size)
+        spans = [(where[a], where[b]) for a, b in spans]
+        refs = tuple(ImageRef(path, grids[path]) for path, _ in images)
+    first = spans[0][0]
+    item, target = tuple(cont[:first]), tuple(cont[first:])
+    explicit = tuple(spans) if spans != [(first, len(cont))] else ()
+    return Example(r.id, prefix, item, target, str(source), c.line, refs, explicit, len(spans))
 
 
 def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, processor=None,
-                  vocab_size: int | None = None, max_line_bytes: int | None = None) -> list[Example]:
+                  vocab_size: int | None = None, max_line_bytes: int | None = None, train_on: str = "last",
+                  template_kwargs: dict | None = None, chat_template: str | None = None) -> list[Example]:
     """Every example of a JSONL file, or a DataError for the first bad one.
 
     ``tokenizer``: a tokenizer, the directory of one, or None. Text and chat need one (None: the bundled one); it is
     loaded only once every line has parsed, so a malformed file fails fast. Pretokenized ids are checked against
     the vocabulary: the tokenizer's when one is given, and ``vocab_size`` (the model's embedding rows). ``processor``:
     the image processor for examples with images (an object, a local directory, or None: the bundled tiny one).
-    ``max_line_bytes``: longer lines are refused unread (see :data:`LINE_BYTES_PER_TOKEN`).
+    ``max_line_bytes``: longer lines are refused unread (see :data:`LINE_BYTES_PER_TOKEN`). ``train_on`` and
+    ``template_kwargs``: ``data.train_on`` and ``data.template_kwargs`` (text and chat; see the module docstring);
+    ``chat_template``: a template's text to use instead of the tokenizer's (``data.chat_template``).
     """
     path = Path(path)
     records = list(_records(path, max_line_bytes))
@@ -391,6 +566,9 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
     if fmt not in FORMATS:
         raise ValueError(f"unknown data format {fmt!r} (known: {', '.join(FORMATS)})")
     if fmt == "pretokenized":
+        if train_on != "last":
+            raise ValueError(f"data.train_on: {train_on} picks assistant turns of text or chat data; pretokenized "
+                             f"examples ({path}) carry their own item and target (use train_on: last)")
         if isinstance(tokenizer, (str, Path)) and not (Path(tokenizer) / "tokenizer.json").is_file() \
                 and (Path(tokenizer) / "config.json").is_file():
             # a model directory without a tokenizer: its config's vocabulary
@@ -411,7 +589,7 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
             from packtrain.data.images import load_image_processor
 
             processor = load_image_processor(processor)
-        examples = _tokenize(conversations, tokenizer, path, processor)
+        examples = _tokenize(conversations, tokenizer, path, processor, train_on, template_kwargs, chat_template)
     seen: dict[str, int] = {}
     for ex in examples:
         if ex.id in seen:
@@ -441,7 +619,18 @@ def load_split(cfg: Config, split: str, tokenizer=None) -> list[Example] | None:
     fmt = cfg.data.format or (detect_format(path, max_line_bytes) if path.is_file() else None)
     vocab_size = model_vocab_size(cfg) if fmt == "pretokenized" else None
     return load_examples(path, fmt, tokenizer, processor_dir(cfg), vocab_size=vocab_size,
-                         max_line_bytes=max_line_bytes)
+                         max_line_bytes=max_line_bytes, train_on=cfg.data.train_on,
+                         template_kwargs=cfg.data.template_kwargs, chat_template=chat_template_of(cfg))
+
+
+def chat_template_of(cfg: Config) -> str | None:
+    """The text of ``data.chat_template`` (None: the tokenizer's own template)."""
+    path = cfg.resolve_path(cfg.data.chat_template)
+    if path is None:
+        return None
+    if not path.is_file():
+        raise ValueError(f"data.chat_template: no such file {path}")
+    return path.read_text()
 
 
 def model_vocab_size(cfg: Config) -> int | None:

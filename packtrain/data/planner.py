@@ -93,6 +93,12 @@ def _best_fit_decreasing(lengths: list[int], capacity: int, max_items: int) -> l
     return bins
 
 
+def target_count(ex: Any) -> int:
+    """The tokens of an example that carry loss (its whole target unless it has loss spans)."""
+    spans = getattr(ex, "spans", ())
+    return sum(b - a for a, b in spans) if spans else len(ex.target_ids)
+
+
 def plan_packs(
     examples: Sequence[Any],
     token_budget: int,
@@ -194,8 +200,14 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
             pairs_packed += c * p + _pairs(c)
         per_pack.append(len(pack.examples))
     positions_packed = sum(pack.positions for pack in plan.packs)
+    planned = [examples[i] for pack in plan.packs for i in pack.examples]
     return {
         "examples": sum(per_pack) + len(walks),
+        # the lines the planned examples come from (one per conversation), the assistant turns they train and the
+        # tokens that carry loss
+        "conversations": len({(ex.source, ex.line) if getattr(ex, "line", 0) else i for i, ex in enumerate(planned)}),
+        "turns": sum(getattr(ex, "turns", 1) for ex in planned),
+        "target_tokens": sum(target_count(ex) for ex in planned),
         "skipped": len(plan.skipped),
         "walked": len(walks),
         "walk_chunks": sum(pack.schedule.chunks for pack in walks),
@@ -230,4 +242,6 @@ def plan_fingerprint(plan: Plan, examples) -> str:
         for e in pack.examples:
             ex = examples[e]
             h.update(repr((ex.item_ids, ex.target_ids, [(r.path, r.grid_thw) for r in ex.images])).encode())
+            if getattr(ex, "spans", ()):  # only then: the fingerprints of single-target data stay as they were
+                h.update(repr(ex.spans).encode())
     return h.hexdigest()[:16]

@@ -27,6 +27,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from packtrain.data.planner import target_count
 from packtrain.packed.families import FAMILIES, check_config_dict, config_dict
 
 GiB = 2**30
@@ -391,7 +392,7 @@ def estimate_for_plan(cfg, plan, examples, world_size: int, context_grad: str | 
     prompt, ids = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
     prefix = len(plan.prompts[prompt])
     positions = prefix + sum(examples[e].len_continuation for e in ids)
-    targets = sum(len(examples[e].target_ids) for e in ids)
+    targets = sum(target_count(examples[e]) for e in ids)
     group_positions = None
     if cfg.packing.continuation_groups > 1 and cfg.packing.mode == "shared_prefix":
         from packtrain.packed.groups import split

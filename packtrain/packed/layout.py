@@ -5,7 +5,8 @@ Every continuation Ci keeps the positions it has in its standalone example ``con
 (``[4, 1, T]``: row 0 the text position, rows 1-3 temporal/height/width; text tokens have the same value on
 every axis) so image tokens can later get their own coordinates without changing the layout.
 
-Shape legend: T buffer length, N continuations, M target tokens, W conv kernel.
+Shape legend: T buffer length, N continuations, M target tokens (the loss tokens: each continuation's whole target,
+or its loss spans), W conv kernel.
 
 A standalone layout is the same structure for one example alone (``packed=False``): the whole sequence is one
 causal segment and the model runs unmodified.
@@ -13,6 +14,7 @@ causal segment and the model runs unmodified.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -25,10 +27,22 @@ from packtrain.data.images import VisionSpec, mrope_positions
 class Continuation:
     item_ids: Sequence[int]
     target_ids: Sequence[int]
-    images: Sequence[Sequence[int]] = ()  # (T, H, W) patch grid of each image in the item, in order
+    images: Sequence[Sequence[int]] = ()  # (T, H, W) patch grid of each image in the continuation, in order
+    # the loss spans [a, b) over item + target, in order, none in the item; (): the whole target (one span)
+    spans: Sequence[tuple[int, int]] = ()
 
     def __len__(self) -> int:
         return len(self.item_ids) + len(self.target_ids)
+
+    def loss_spans(self) -> list[tuple[int, int]]:
+        if not self.spans:
+            return [(len(self.item_ids), len(self))] if self.target_ids else []
+        spans = [(int(a), int(b)) for a, b in self.spans]
+        ends = [len(self.item_ids)] + [x for span in spans for x in span] + [len(self)]
+        if any(x > y for x, y in itertools.pairwise(ends)) or any(a == b for a, b in spans):
+            raise ValueError(f"loss spans {spans} are not ordered, non-empty and inside the target "
+                             f"[{len(self.item_ids)}, {len(self)})")
+        return spans
 
 
 @dataclass
@@ -85,15 +99,19 @@ class PackLayout:
         return PackLayout(**moved)
 
 
-def _targets(offset: int, item_len: int, target_ids: Sequence[int], prefix_last: int) -> list[int]:
+def _targets(offset: int, c: Continuation, prefix_last: int) -> tuple[list[int], list[int]]:
+    """The buffer rows the loss tokens are read off, and the loss tokens, of a continuation at ``offset``."""
     # The hidden state at position j predicts token j+1: a target token at buffer index t is read off t-1.
     # A continuation's first token is predicted from P's last token, which in a pack is not the buffer slot
     # before it (that is the previous continuation's last token).
-    start = offset + item_len
-    out = list(range(start - 1, start - 1 + len(target_ids)))
-    if item_len == 0:
-        out[0] = prefix_last
-    return out
+    ids = list(c.item_ids) + list(c.target_ids)
+    rows, tokens = [], []
+    for a, b in c.loss_spans():
+        rows.extend(range(offset + a - 1, offset + b - 1))
+        tokens.extend(ids[a:b])
+    if rows and rows[0] == offset - 1:
+        rows[0] = prefix_last
+    return rows, tokens
 
 
 def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continuation],
@@ -129,10 +147,10 @@ def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
         for axis, values in zip(positions, coords):
             axis.extend(values)
         segments.extend([i + 1] * n)
-        pos = _targets(offset, len(c.item_ids), c.target_ids, p - 1) if c.target_ids else []
+        pos, tokens = _targets(offset, c, p - 1)
         t_pos.extend(pos)
-        t_ids.extend(c.target_ids)
-        t_ex.extend([i] * len(c.target_ids))
+        t_ids.extend(tokens)
+        t_ex.extend([i] * len(tokens))
     grids = [g for c in continuations for g in c.images]
     layout = _finish(True, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, len(continuations), grids)
     return layout
@@ -142,11 +160,11 @@ def build_standalone_layout(prefix_ids: Sequence[int], continuation: Continuatio
                             vision: VisionSpec | None = None) -> PackLayout:
     """One example alone: ``concat(P, C)`` as a single causal sequence from position 0."""
     ids = list(prefix_ids) + list(continuation.item_ids) + list(continuation.target_ids)
-    t_pos = _targets(len(prefix_ids), len(continuation.item_ids), continuation.target_ids, len(prefix_ids) - 1)
+    t_pos, t_ids = _targets(len(prefix_ids), continuation, len(prefix_ids) - 1)
     n = len(ids)
     positions, _ = mrope_positions(ids, continuation.images, vision)
-    return _finish(False, len(prefix_ids), [], ids, positions, [0] * n, t_pos, list(continuation.target_ids),
-                   [0] * len(continuation.target_ids), 1, list(continuation.images))
+    return _finish(False, len(prefix_ids), [], ids, positions, [0] * n, t_pos, t_ids, [0] * len(t_ids), 1,
+                   list(continuation.images))
 
 
 def _finish(packed, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_examples, grids=()) -> PackLayout:

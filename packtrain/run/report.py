@@ -17,6 +17,9 @@ def header(trainer) -> list[str]:
              f"world size {t.dist.world_size}, dtype {cfg.model.dtype}",
              f"  {describe_model(t.model)}",
              f"  context_grad {t.lm.context.describe()}"]
+    if cfg.data.train_on != "last" or s["turns"] != s["examples"]:
+        lines.append(f"  data.train_on {cfg.data.train_on}: {s['conversations']:,} conversations, {s['turns']:,} "
+                     f"assistant turns trained, {s['target_tokens']:,} target tokens")
     walk_spec, n_groups = t.setup.walk_spec, t.setup.n_groups
     if walk_spec is not None:
         lines.append(f"  on_overflow {walk_spec.describe()}: {s['walked']} examples over the budget in "

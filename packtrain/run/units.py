@@ -74,13 +74,14 @@ def unit_layout(unit: Unit, plan: Plan, examples, mode: str, images: ImageLoader
     chosen = [examples[e] for e in unit.examples if not items_only or examples[e].item_ids]
     if not chosen:
         return None
-    conts = [Continuation(ex.item_ids, () if items_only else ex.target_ids,
-                          [r.grid_thw for r in getattr(ex, "images", ())]) for ex in chosen]
-    refs = [r for ex in chosen for r in getattr(ex, "images", ())]
-    if refs and images is None:
+    if any(getattr(ex, "images", ()) for ex in chosen) and images is None:
         raise ValueError(f"{chosen[0].source}: examples with images need a vision-language model and an image "
                          "processor")
     spec = images.spec if images is not None else None
+    per_example = [_item_images(ex, spec) if items_only else tuple(getattr(ex, "images", ())) for ex in chosen]
+    conts = [Continuation(ex.item_ids, () if items_only else ex.target_ids, [r.grid_thw for r in refs],
+                          () if items_only else getattr(ex, "spans", ())) for ex, refs in zip(chosen, per_example)]
+    refs = [r for ex_refs in per_example for r in ex_refs]
     if items_only:
         layout = build_pack_layout(prefix, conts, spec, targets=False)
     elif mode == "shared_prefix" and unit.schedule is None:
@@ -91,6 +92,19 @@ def unit_layout(unit: Unit, plan: Plan, examples, mode: str, images: ImageLoader
     if refs:
         layout.pixel_values, _ = images.load(refs)
     return layout
+
+
+def _item_images(ex, spec) -> tuple:
+    """The images of an example's item alone (under ``data.train_on: all`` later user turns may hold more)."""
+    refs = tuple(getattr(ex, "images", ()))
+    if not refs:
+        return refs
+    pads, n = ex.item_ids.count(spec.image_token_id), 0
+    for k, ref in enumerate(refs):
+        n += spec.tokens(ref.grid_thw)
+        if n > pads:
+            return refs[:k]
+    return refs
 
 
 def unit_groups(unit: Unit, plan: Plan, examples, n_groups: int, images: ImageLoader | None = None) -> Groups:
