@@ -25,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--memory", action="store_true", help="also estimate per-GPU memory for the largest pack")
     p.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks sharing the weights (FSDP)")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+                   help="with --memory: ranks on one node, whose offload pools share its host memory (default 8; 1 "
+                        "with train.device cpu)")
+    p.add_argument("--host-memory-per-node", type=float, default=None, metavar="GIB",
+                   help="with --memory: one node's host memory in GiB: whether the offload pools fit")
 
     p = sub.add_parser("train", help="train a LoRA adapter (single process, or under torchrun / accelerate launch)")
     _add_config_args(p)

@@ -162,6 +162,13 @@ class TrainConfig:
     max_nonfinite_skips: int = 0
     # Checkpoints kept after each successful save (the newest N); None: keep all.
     keep_checkpoints: int | None = 3
+    # How an epoch's packs become steps (packtrain/run/balance.py): cost puts packs of similar cost into one step
+    # and gives every rank the same number; round_robin cuts the shuffled order into steps, rank r taking r, r+world
+    balance: Literal["cost", "round_robin"] = "cost"
+    # The cost model's figures (None: from the model config, FLOPs); e.g. measured seconds per position and per
+    # attention pair on the GPU
+    cost_per_position: float | None = None
+    cost_per_pair: float | None = None
 
 
 @dataclass
@@ -197,6 +204,9 @@ class OpsConfig:
     # torch.distributed's timeout (seconds) for init_process_group's rendezvous and every collective. Longer than
     # hang_timeout + hang_abort, so the watchdog's stacks come first.
     collective_timeout: float = 3600.0
+    # Host memory (GiB) the offload pools of one node's ranks may take together (train.offload): a run whose pools
+    # would not fit is refused at start. None: the node's available memory (MemAvailable) at start.
+    host_memory_per_node_gib: float | None = None
 
 
 @dataclass
@@ -236,6 +246,8 @@ class Config:
 # Bounds checked after types: (dotted path, predicate, message).
 _BOUNDS = [
     ("packing.token_budget", lambda v: v >= 2, "must be at least 2"),
+    ("train.cost_per_position", lambda v: v >= 0, "must not be negative"),
+    ("train.cost_per_pair", lambda v: v >= 0, "must not be negative"),
     ("packing.max_continuations", lambda v: v >= 1, "must be at least 1"),
     ("packing.walk.chunk", lambda v: v >= 1, "must be at least 1"),
     ("packing.continuation_groups", lambda v: v >= 1, "must be at least 1"),
@@ -259,6 +271,7 @@ _BOUNDS = [
     ("ops.hang_timeout", lambda v: v is None or v > 0, "must be positive (or null: no watchdog)"),
     ("ops.hang_abort", lambda v: v is None or v > 0, "must be positive (or null: never abort)"),
     ("ops.collective_timeout", lambda v: v > 0, "must be positive"),
+    ("ops.host_memory_per_node_gib", lambda v: v > 0, "must be positive"),
     ("train.max_nonfinite_skips", lambda v: v >= 0, "must be >= 0"),
     ("train.keep_checkpoints", lambda v: v is None or v >= 1, "must be at least 1 (or null: keep all)"),
 ]

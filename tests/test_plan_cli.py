@@ -74,6 +74,11 @@ def test_table_output(tmp_path):
         "  positions                  23          19     1.2x",
         "  attention pairs           101          91     1.1x",
         "  (attention pairs: query-key pairs of causal attention, per full-attention layer and head)",
+        "",
+        # one pack per step on one rank: nobody waits; no model config: positions are the cost
+        "steps at world size 1 (1 pack per step; train.balance cost): utilisation (mean / largest rank cost per "
+        "step, epoch 0) cost 1.000, round_robin 1.000; distinct prompts per step 1.0 vs 1.0",
+        "  cost model: 1 per position + 0 per attention pair (train.cost_per_position, train.cost_per_pair)",
     ]
 
 

@@ -27,7 +27,7 @@ from packtrain.packed.layout import build_standalone_layout
 from packtrain.packed.lm import PackedLM
 from packtrain.packed.patch import patch_model, text_parts
 from packtrain.packed.walk import train_walk
-from packtrain.run.steps import rank_units
+from packtrain.run.steps import Unit, equal_slots, rank_units
 
 L, F = "linear_attention", "full_attention"
 # (P, item, target, chunk, layer types)
@@ -230,6 +230,16 @@ def test_every_rank_gets_the_same_walk_slots():
     units = [rank_units(plan, [0, 1, 2], "standalone", r, 2) for r in range(2)]
     assert [[(u.dummy, u.schedule) for u in mine if u.schedule is not None] for mine in units] == \
         [[(False, Schedule(4, 4, 4))], [(True, Schedule(4, 4, 4))]]
+
+
+def test_a_dummy_walk_takes_its_slots_schedule_not_its_fillers():
+    """Rank 0 walks a long then a short example, rank 1 one long one: rank 1's dummy in slot 1 (a copy of its long
+    walk) once kept the long schedule while rank 0 ran the short one, and the ranks deadlocked."""
+    a, b, c = Unit(0, (0,), schedule=Schedule(4, 4, 4)), Unit(0, (1,), schedule=Schedule(3, 3, 3)), \
+        Unit(0, (2,), schedule=Schedule(4, 4, 4))
+    slots = [equal_slots([[a, b], [c]], r) for r in range(2)]
+    assert [[u.schedule for u in mine] for mine in slots] == [[Schedule(4, 4, 4), Schedule(3, 3, 3)]] * 2
+    assert [u.dummy for u in slots[1]] == [False, True]
 
 
 def test_walk_config_problems_are_reported_together():

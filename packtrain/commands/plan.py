@@ -1,5 +1,7 @@
-"""`packtrain plan CONFIG [--set ...] [--json] [--memory [--world-size N]]`: plan the training data's packs and
-print the statistics; with ``--memory``, the per-GPU memory estimate for the largest pack (:mod:`packtrain.ops.memory`).
+"""`packtrain plan CONFIG [--set ...] [--json] [--world-size N] [--memory]`: plan the training data's packs and
+print the statistics, the steps' utilisation at N ranks under both ``train.balance`` settings
+(:mod:`packtrain.run.balance`); with ``--memory``, the per-GPU memory estimate for the largest pack
+(:mod:`packtrain.ops.memory`).
 
 Nothing touches torch or a model: this is how to size ``packing.token_budget`` before a run.
 """
@@ -14,6 +16,7 @@ from packtrain.config import ConfigError, load_config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_packs, plan_stats
 from packtrain.ops import memory
+from packtrain.run import balance
 
 
 def _shown(path: Path) -> Path:
@@ -50,6 +53,40 @@ def format_table(stats: dict, title: str) -> str:
     return "\n".join(lines)
 
 
+def step_figures(cfg, plan, examples, world: int) -> dict:
+    """Epoch 0's steps at ``world`` ranks under ``train.balance`` (``schedule``: steps -> ranks -> pack indices),
+    each pack's positions and cost, and both balances' utilisation and distinct prompts per step."""
+    model = balance.CostModel.for_config(cfg)
+    costs = balance.pack_costs(plan, examples, model)
+    t = cfg.train
+    figures = {}
+    for name in balance.BALANCES:
+        sched = balance.epoch_schedule(plan, costs, 0, t.seed, t.packs_per_step, world, name)
+        figures[name] = {"utilisation": balance.utilisation(sched, costs),
+                         "distinct_prompts_per_step": balance.distinct_prompts(sched, plan), "schedule": sched}
+    return {"world_size": world, "packs_per_step": t.packs_per_step, "balance": t.balance,
+            "cost_model": {"per_position": model.per_position, "per_pair": model.per_pair},
+            "utilisation": {name: f["utilisation"] for name, f in figures.items()},
+            "distinct_prompts_per_step": {name: f["distinct_prompts_per_step"] for name, f in figures.items()},
+            "schedule": figures[t.balance]["schedule"],
+            "pack_positions": [p.positions for p in plan.packs], "pack_cost": costs}
+
+
+def format_steps(f: dict) -> str:
+    u, d = f["utilisation"], f["distinct_prompts_per_step"]
+    per = f"{f['packs_per_step']} pack{'s' * (f['packs_per_step'] != 1)} per step"
+    lines = [(f"steps at world size {f['world_size']} ({per}; train.balance "
+              f"{f['balance']}): utilisation (mean / largest rank cost per step, epoch 0) cost {u['cost']:.3f}, "
+              f"round_robin {u['round_robin']:.3f}; distinct prompts per step {d['cost']:.1f} vs "
+              f"{d['round_robin']:.1f}"),
+             (f"  cost model: {f['cost_model']['per_position']:.3g} per position + "
+              f"{f['cost_model']['per_pair']:.3g} per attention pair (train.cost_per_position, train.cost_per_pair)")]
+    if f["packs_per_step"] < f["world_size"]:
+        lines.append(f"  train.packs_per_step {f['packs_per_step']} < {f['world_size']} ranks: most ranks run dummy "
+                     "units every step")
+    return "\n".join(lines)
+
+
 def run_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if cfg.data.train is None:
@@ -61,13 +98,22 @@ def run_plan(args) -> int:
     stats = plan_stats(plan, examples)
     if args.world_size < 1:
         raise ValueError(f"--world-size: must be at least 1, got {args.world_size}")
+    steps = step_figures(cfg, plan, examples, args.world_size)
     est = memory.estimate_for_plan(cfg, plan, examples, args.world_size) if args.memory else None
     modes = ({m: memory.estimate_for_plan(cfg, plan, examples, args.world_size, m) for m in memory.CONTEXT_GRADS}
              if args.memory and packing.mode == "shared_prefix" else None)
+    pool = None
+    if est is not None and cfg.train.offload:
+        per_node = args.ranks_per_node or (1 if cfg.train.device == "cpu" else 8)
+        if per_node < 1:
+            raise ValueError(f"--ranks-per-node: must be at least 1, got {per_node}")
+        pool = memory.node_pool(est.total("host"), per_node, args.host_memory_per_node)
     if args.json:
+        stats.update(steps)
         if est is not None:
             stats["memory"] = {"terms": [dataclasses.asdict(t) for t in est.terms],
-                               "total_device_bytes": est.total("device"), "total_host_bytes": est.total("host")}
+                               "total_device_bytes": est.total("device"), "total_host_bytes": est.total("host"),
+                               "node": pool}
         if modes is not None:
             stats["memory"]["context_grad"] = {m: {"total_device_bytes": e.total("device"),
                                                    "terms": [dataclasses.asdict(t) for t in e.terms]}
@@ -75,9 +121,13 @@ def run_plan(args) -> int:
         print(json.dumps(stats))
         return 0
     print(format_table(stats, f"plan for {_shown(cfg.resolve_path(cfg.data.train))}"))
+    print()
+    print(format_steps(steps))
     if est is not None:
         print()
         print(memory.format_table(est))
+        if pool is not None:
+            print(memory.format_node_pool(pool))
     if modes is not None:
         print()
         print(memory.format_modes(modes))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from packtrain.data.planner import target_count
 from packtrain.packed.families import FAMILIES, check_config_dict, config_dict
@@ -445,3 +446,36 @@ def format_table(est: MemoryEstimate) -> str:
             lines.append(f"  {t.label:<{width}}{gib(t.bytes)}  ({t.bytes / 1e9:.1f} GB)")
     lines.append("  ~ approximate (kernel-dependent); `packtrain smoke` measures the real peak")
     return "\n".join(lines)
+
+
+def node_pool(per_rank_host: int, ranks_per_node: int, memory_gib: float | None) -> dict:
+    """The offload pools of one node's ranks together (each rank's checkpointed layer inputs, in whole chunks) and
+    whether they fit ``memory_gib``."""
+    need = per_rank_host * ranks_per_node
+    out = {"ranks_per_node": ranks_per_node, "host_per_rank_bytes": per_rank_host, "host_per_node_bytes": need,
+           "host_memory_per_node_bytes": None if memory_gib is None else int(memory_gib * GiB), "fits": None}
+    if memory_gib is not None:
+        out["fits"] = need <= memory_gib * GiB
+    return out
+
+
+def format_node_pool(pool: dict) -> str:
+    n, per, need = pool["ranks_per_node"], pool["host_per_rank_bytes"] / GiB, pool["host_per_node_bytes"] / GiB
+    line = f"offload pool per node: {n} rank{'s' * (n != 1)} x {per:.2f} GiB = {need:.2f} GiB of host memory"
+    if pool["host_memory_per_node_bytes"] is None:
+        return line + " (--host-memory-per-node GIB: whether it fits)"
+    have = pool["host_memory_per_node_bytes"] / GiB
+    if pool["fits"]:
+        return line + f", fits {have:.2f} GiB ({have - need:.2f} GiB left)"
+    return line + f", does not fit {have:.2f} GiB: {need - have:.2f} GiB short"
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable of this machine (bytes), None where /proc/meminfo does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -45,6 +45,8 @@ class NodeReport:
     rank: int
     fields: dict[str, str]
     overridden: list[str] = field(default_factory=list)
+    # the launcher's machine (node) rank: GROUP_RANK, which torchrun and accelerate launch set for every worker
+    machine: int = 0
 
 
 def _package(name: str) -> tuple[str, str]:
@@ -117,7 +119,7 @@ def node_report(rank: int, device=None) -> NodeReport:
     fields["packtrain source"] = _source_digest()
     fields.update(_gpu_fields(device))
     fields.update(fla_cache_fields(fields["fla"]))
-    report = NodeReport(rank, fields)
+    report = NodeReport(rank, fields, machine=int(os.environ.get("GROUP_RANK", "0") or 0))
     apply_test_override(report)
     return report
 
@@ -208,8 +210,16 @@ def format_table(reports: list[NodeReport]) -> str:
     vwidth = max(len(r[2]) for r in rows)
     hosts = len({r.fields["host"] for r in reports})
     verdict = "all identical" if not diff else f"{_count(len(diff), 'field')} differ{'s' * (len(diff) == 1)}, marked !"
-    lines = [f"check-nodes: {_count(len(reports), 'rank')} on {_count(hosts, 'host')} ({verdict})",
-             f"  {'field':<{width}}  {'value':<{vwidth}}  ranks"]
+    machines = sorted({r.machine for r in reports})
+    where = _count(hosts, "host") if len(machines) == 1 else f"{_count(len(machines), 'machine')}, {_count(hosts, 'host')}"
+    lines = [f"check-nodes: {_count(len(reports), 'rank')} on {where} ({verdict})"]
+    for m in machines if len(machines) > 1 else []:
+        mine = [r for r in reports if r.machine == m]
+        odd = sorted({name for name in diff for r in mine if r.fields.get(name) != diff[name][0][0]})
+        state = f"differs in {', '.join(odd)}" if odd else "as the majority"
+        lines.append(f"  machine {m} ({', '.join(sorted({r.fields['host'] for r in mine}))}): ranks "
+                     f"{rank_list([r.rank for r in mine])}, {state}")
+    lines.append(f"  {'field':<{width}}  {'value':<{vwidth}}  ranks")
     lines += [f"  {n:<{width}}{m} {v:<{vwidth}}  {s}" for n, m, v, s in rows]
     lines.append("  (install folders are compared too: the same version from another folder is another install)")
     for r in reports:

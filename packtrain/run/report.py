@@ -4,6 +4,7 @@ where the outputs are). Printed by rank 0 only."""
 from __future__ import annotations
 
 from packtrain.data.planner import plan_stats
+from packtrain.run.balance import BALANCES, epoch_schedule, utilisation
 from packtrain.packed.families import describe as describe_model
 
 
@@ -20,6 +21,12 @@ def header(trainer) -> list[str]:
     if cfg.data.train_on != "last" or s["turns"] != s["examples"]:
         lines.append(f"  data.train_on {cfg.data.train_on}: {s['conversations']:,} conversations, {s['turns']:,} "
                      f"assistant turns trained, {s['target_tokens']:,} target tokens")
+    steps = t.steps
+    figures = {b: utilisation(epoch_schedule(t.plan, steps.costs, 0, steps.seed, steps.per_step, steps.world, b),
+                              steps.costs) for b in BALANCES}
+    other = next(b for b in BALANCES if b != steps.balance)
+    lines.append(f"  train.balance {steps.balance}: utilisation {figures[steps.balance]:.3f} over epoch 0's steps "
+                 f"({other} {figures[other]:.3f}; mean / largest rank cost per step)")
     walk_spec, n_groups = t.setup.walk_spec, t.setup.n_groups
     if walk_spec is not None:
         lines.append(f"  on_overflow {walk_spec.describe()}: {s['walked']} examples over the budget in "

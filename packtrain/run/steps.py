@@ -1,7 +1,8 @@
 """What each rank computes in each optimizer step, derived from the plan alone (so every rank agrees).
 
-A step takes ``train.packs_per_step`` packs (global, across ranks) in the epoch's seeded order. Rank r takes
-packs r, r+world, ... of the step. A *unit* is one forward/backward (:mod:`packtrain.run.units` runs it): a whole
+A step takes ``train.packs_per_step`` packs (global, across ranks): under ``train.balance: cost`` (the default)
+packs of similar cost, spread over the ranks evenly by cost (:mod:`packtrain.run.balance`); under ``round_robin``
+the next packs of the epoch's seeded order. Rank r takes packs r, r+world, ... of the step's list. A *unit* is one forward/backward (:mod:`packtrain.run.units` runs it): a whole
 pack in shared-prefix mode, one example in standalone mode (so both modes see the same examples per update), and a
 walked example (``packing.on_overflow: walk``) is a unit of its own in both modes. Each rank runs its packs first,
 then its walks.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from packtrain.data.planner import Plan, epoch_order
 from packtrain.data.walk_schedule import Schedule
+from packtrain.run.balance import epoch_schedule, step_pack_ids
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,31 @@ def steps_per_epoch(plan: Plan, packs_per_step: int) -> int:
 
 
 def step_packs(plan: Plan, epoch: int, index: int, packs_per_step: int, seed: int) -> list[int]:
+    """Round robin: step ``index`` of epoch ``epoch`` as the next packs of the epoch's seeded order."""
     order = epoch_order(plan, epoch, seed)
     return order[index * packs_per_step:(index + 1) * packs_per_step]
+
+
+class StepPlan:
+    """The packs of every step of a run under ``train.balance``; each epoch's schedule is computed once."""
+
+    def __init__(self, plan: Plan, costs: list[float], packs_per_step: int, seed: int, world: int,
+                 balance: str = "cost"):
+        self.plan, self.costs, self.per_step, self.seed, self.world, self.balance = (
+            plan, costs, packs_per_step, seed, world, balance)
+        self.steps_per_epoch = steps_per_epoch(plan, packs_per_step)
+        self._epoch: tuple[int, list] | None = None
+
+    def schedule(self, epoch: int) -> list[list[list[int]]]:
+        """Epoch ``epoch``'s steps, each a list over ranks of pack indices."""
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, epoch_schedule(self.plan, self.costs, epoch, self.seed, self.per_step, self.world,
+                                                 self.balance))
+        return self._epoch[1]
+
+    def pack_ids(self, epoch: int, index: int) -> list[int]:
+        """Step ``index`` of epoch ``epoch``, in the order :func:`rank_units` slices (rank r: r, r+world, ...)."""
+        return step_pack_ids(self.schedule(epoch)[index])
 
 
 def step_examples(plan: Plan, pack_ids: list[int]) -> int:
@@ -70,9 +95,11 @@ def equal_slots(per_rank: list[list[Unit]], rank: int) -> list[Unit]:
     out = mine + [dataclasses.replace(filler, examples=filler.examples[:1], dummy=True)] * (slots - len(mine))
     for k, unit in enumerate(out):
         if unit.schedule is not None:
-            slot = unit.schedule
-            for units in per_rank:
-                slot = slot.pad(units[k].schedule) if k < len(units) else slot
+            # the real walks of slot k alone decide it: a dummy's own schedule (its filler's) is another slot's
+            real = [units[k].schedule for units in per_rank if k < len(units)]
+            slot = real[0]
+            for other in real[1:]:
+                slot = slot.pad(other)
             out[k] = dataclasses.replace(unit, schedule=slot)
     return out
 

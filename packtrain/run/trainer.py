@@ -11,6 +11,7 @@ the mean of per-example losses whatever the split into packs, micro-steps, modes
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -32,11 +33,12 @@ from packtrain.ops.runtime import RunOps
 from packtrain.packed.families import check_model
 from packtrain.packed.loss import CUT_OFF, ZeroGradientError
 from packtrain.run import finite, report
+from packtrain.run.balance import CostModel, pack_costs
 from packtrain.run.evaluate import evaluate, mean_loss
 from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.signals import StopSignals
-from packtrain.run.steps import rank_units, step_examples, step_packs, steps_per_epoch
+from packtrain.run.steps import StepPlan, rank_units, step_examples
 from packtrain.run.task import describe as describe_task
 from packtrain.run.task import prepare_task, run_task, task_start, write_task
 from packtrain.run.units import UnitSetup, image_loader, over_cap, prepare, run_unit, step_scale
@@ -45,6 +47,25 @@ from packtrain.rundir import directory as rundir
 from packtrain.rundir import resume as resuming
 
 OK, SKIP, FATAL = 0, 1, 2  # per-unit codes, agreed across ranks with an all-reduce MAX
+
+
+def check_node_pool(cfg, plan, examples, world_size: int) -> None:
+    """Refuse a run whose offload pools (this node's ranks: LOCAL_WORLD_SIZE) would not fit the node's host memory
+    (``ops.host_memory_per_node_gib``, else MemAvailable now), before the model is built."""
+    from packtrain.ops import memory
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    have = cfg.ops.host_memory_per_node_gib
+    if have is None:
+        available = memory.available_host_memory()
+        if available is None:
+            return
+        have = available / memory.GiB
+    pool = memory.node_pool(memory.estimate_for_plan(cfg, plan, examples, world_size).total("host"), per_node, have)
+    if not pool["fits"]:
+        raise ValueError(f"train.offload: {memory.format_node_pool(pool)} (the largest pack's layer inputs on each "
+                         "rank); lower packing.token_budget, run fewer ranks per node, or turn train.offload off "
+                         "(ops.host_memory_per_node_gib sets the node's memory)")
 
 
 def _exception_class(name: str) -> type:
@@ -103,7 +124,12 @@ class Trainer:
                              f"data (set packing.continuation_groups: 1)")
         self.plan = plan_for(cfg, self.train_examples)
         self.eval_plan = plan_for(cfg, self.eval_examples) if self.eval_examples else None
-        self.steps_per_epoch = steps_per_epoch(self.plan, cfg.train.packs_per_step)
+        if cfg.train.offload:
+            check_node_pool(cfg, self.plan, self.train_examples, self.dist.world_size)
+        costs = pack_costs(self.plan, self.train_examples, CostModel.for_config(cfg))
+        self.steps = StepPlan(self.plan, costs, cfg.train.packs_per_step, cfg.train.seed, self.dist.world_size,
+                              cfg.train.balance)
+        self.steps_per_epoch = self.steps.steps_per_epoch
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
         if cfg.train.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
@@ -218,10 +244,10 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------------------------
     def _train_step(self, check_gradients: bool) -> dict:
-        cfg, info = self.cfg, self.dist
+        info = self.dist
         epoch, index = divmod(self.counters.step, self.steps_per_epoch)
         t0 = time.perf_counter()
-        pack_ids = step_packs(self.plan, epoch, index, cfg.train.packs_per_step, cfg.train.seed)
+        pack_ids = self.steps.pack_ids(epoch, index)
         units = rank_units(self.plan, pack_ids, self.setup.mode, info.rank, info.world_size)
         prepared, skip, skipped_examples = self._prepare_units(units)
         n_examples = step_examples(self.plan, pack_ids) - skipped_examples

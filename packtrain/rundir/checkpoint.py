@@ -150,8 +150,16 @@ def optimizer_state(lm, optimizer) -> dict:
 
 
 def load_optimizer_state(lm, optimizer, state: dict | None, info: DistInfo) -> None:
+    """Rank 0's saved optimizer state into every rank's optimizer. An optimizer that keeps nothing per parameter
+    (SGD without momentum) has nothing to restore (its hyperparameters are the config's, its learning rate the
+    scheduler's), and torch's loader cannot place an empty state (it asserts "Expected device to be set")."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    stateless = [bool(state is not None and not state.get("state"))]
+    if info.enabled:  # rank 0 alone has read the file: it decides for every rank
+        dist.broadcast_object_list(stateless, src=0)
+    if stateless[0]:
+        return
     set_optimizer_state_dict(lm, optimizer, optim_state_dict=state if state is not None else {},
                              options=_state_dict_options(broadcast_from_rank0=info.enabled))
 

@@ -33,7 +33,7 @@ from packtrain.rundir.directory import RunDirError
 # The training data is compared by its tokens (the plan fingerprint), not by path: data.train, data.format and
 # data.tokenizer may change (a moved file, the same tokenizer elsewhere) as long as every token is the same.
 TRAJECTORY = ("model", "data.processor", "packing", "lora", "optim", "train.seed", "train.packs_per_step",
-              "train.max_positions")
+              "train.max_positions", "train.balance", "train.cost_per_position", "train.cost_per_pair")
 # Same updates, computed elsewhere or differently: kernels and device change float rounding, not the run.
 FREE = ("model.kernels",)
 

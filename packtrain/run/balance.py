@@ -1,0 +1,180 @@
+"""Balanced steps (``train.balance: cost``): an epoch's packs go into optimizer steps so that packs of similar cost
+share a step, and within a step every rank gets the same number of packs, the costliest first to the least loaded
+rank. A step lasts as long as its costliest rank (the collectives wait for it), so the figure that matters is the
+**utilisation**: per step the mean rank cost over the largest, averaged over the epoch's steps.
+
+Cost of a pack, in FLOPs of one forward and backward (:class:`CostModel`): ``per_position`` times its positions plus
+``per_pair`` times its query-key pairs of causal attention (P's own, and each continuation's against P and itself).
+``per_position`` is 6 x the linear parameters one token meets (a MoE layer: its active experts), ``per_pair`` is
+12 x heads x head_dim per full-attention layer (QK and PV, forward and backward); both are read from the model config
+and can be replaced by measured figures (``train.cost_per_position``, ``train.cost_per_pair``: any unit, e.g.
+seconds on the GPU). The head, the GDN kernels and the norms are left out.
+
+The schedule of epoch e, from the plan alone (every rank computes the same one):
+
+1. the packs in the epoch's seeded order (:func:`packtrain.data.planner.epoch_order`), then sorted by cost,
+   descending (stable: the shuffle breaks ties);
+2. steps of ``train.packs_per_step`` packs taken down that list. A step of neighbours in cost would hold few
+   prompts (a prompt's full packs cost the same), so a step keeps at least :data:`DIVERSITY` of the distinct prompts
+   a round-robin step of this epoch has on average: past that many repeats, a pack of a prompt already in the step
+   waits for the next step while another prompt's pack takes the slot;
+3. the steps in an order seeded by (seed, epoch): the trajectory visits costly and cheap steps mixed;
+4. in each step, the packs to ranks: costliest first, each to the least loaded rank that has room (every rank gets
+   the step's packs / world, the first ranks one more when it does not divide).
+
+Which packs form a step does not depend on the world size (only step 4 does), so 1 rank and 64 ranks train the
+same steps. ``round_robin`` is the order of ``epoch_order`` cut into steps, rank r taking slots r, r+world, ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from packtrain.data.planner import Plan, epoch_order
+
+BALANCES = ("cost", "round_robin")
+# The share of round robin's distinct prompts per step that a balanced step keeps (a step of similar packs would
+# otherwise be a few prompts' full packs: less diverse updates)
+DIVERSITY = 0.85
+# How far down the list a step looks for another prompt's pack, in steps' lengths (tools/bench_balance.py: at 1 a
+# step of the seed-like data kept 78% of round robin's distinct prompts, at 4 93%, for 0.002 of utilisation)
+LOOKAHEAD = 4
+
+
+@dataclass(frozen=True)
+class CostModel:
+    per_position: float
+    per_pair: float
+
+    @classmethod
+    def from_text_config(cls, text: dict) -> CostModel:
+        """From a text config as :func:`packtrain.ops.memory.text_config` gives it."""
+        from packtrain.ops.memory import FULL, expert_shapes, linears
+
+        per_token, pair = 0, 0
+        for kind in text["kinds"]:
+            per_token += sum(i * o for i, o, _ in linears(text, kind).values())
+            experts = expert_shapes(text, kind)
+            if experts:  # a token meets num_experts_per_tok of them
+                per_token += text["num_experts_per_tok"] * sum(i * o for _, i, o in experts.values())
+            if kind[0] == FULL:
+                pair += 12 * text["num_attention_heads"] * text["head_dim"]
+        return cls(6.0 * per_token, float(pair))
+
+    @classmethod
+    def for_config(cls, cfg) -> CostModel:
+        """The model config's figures, each replaced by ``train.cost_per_position`` / ``train.cost_per_pair``."""
+        from packtrain.ops.memory import config_dict_of, text_config
+
+        t = cfg.train
+        if t.cost_per_position is not None and t.cost_per_pair is not None:
+            return cls(float(t.cost_per_position), float(t.cost_per_pair))
+        if cfg.model.config is None and cfg.model.path is None:  # `plan` of data alone: positions are the cost
+            return cls(1.0 if t.cost_per_position is None else float(t.cost_per_position),
+                       0.0 if t.cost_per_pair is None else float(t.cost_per_pair))
+        model = cls.from_text_config(text_config(config_dict_of(cfg)))
+        return cls(model.per_position if t.cost_per_position is None else float(t.cost_per_position),
+                   model.per_pair if t.cost_per_pair is None else float(t.cost_per_pair))
+
+    def pack_cost(self, prefix_len: int, cont_lens) -> float:
+        pairs = prefix_len * (prefix_len + 1) // 2
+        pairs += sum(c * prefix_len + c * (c + 1) // 2 for c in cont_lens)
+        return self.per_position * (prefix_len + sum(cont_lens)) + self.per_pair * pairs
+
+    def describe(self) -> str:
+        return f"{self.per_position:.3g} per position + {self.per_pair:.3g} per attention pair"
+
+
+def pack_costs(plan: Plan, examples, model: CostModel) -> list[float]:
+    """Each pack's cost, by pack index (a walked example: its whole sequence, as one continuation)."""
+    return [model.pack_cost(len(plan.prompts[p.prompt]), [examples[e].len_continuation for e in p.examples])
+            for p in plan.packs]
+
+
+def _seeded(seed: int, epoch: int, what: str) -> random.Random:
+    digest = hashlib.sha256(f"packtrain-{what}:{seed}:{epoch}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "little"))
+
+
+def _similar_cost_steps(plan: Plan, order: list[int], costs: list[float], per_step: int,
+                        distinct: int) -> list[list[int]]:
+    """Step 2 of the module docstring: down the cost-sorted list; once a step holds ``per_step - distinct`` packs
+    of prompts it already had, a pack whose prompt the step has waits (up to :data:`LOOKAHEAD` steps' lengths of
+    them) while another prompt's pack takes the slot."""
+    pending = deque(sorted(order, key=lambda i: -costs[i]))
+    steps = []
+    while pending:
+        step, seen, waiting, repeats = [], set(), deque(), 0
+        while len(step) < per_step and pending:
+            i = pending.popleft()
+            prompt = plan.packs[i].prompt
+            if prompt in seen and repeats >= per_step - distinct and len(waiting) < LOOKAHEAD * per_step:
+                waiting.append(i)
+            else:
+                repeats += prompt in seen
+                step.append(i)
+                seen.add(prompt)
+        while len(step) < per_step and waiting:  # too few prompts left: repeats fill the step
+            step.append(waiting.popleft())
+        steps.append(step)
+        pending.extendleft(reversed(waiting))
+    return steps
+
+
+def _to_ranks(step: list[int], costs: list[float], world: int) -> list[list[int]]:
+    """Step 4: costliest first to the least loaded rank with room; rank r gets len // world (+1 for the first
+    len % world ranks)."""
+    base, extra = divmod(len(step), world)
+    room = [base + (r < extra) for r in range(world)]
+    loads, out = [0.0] * world, [[] for _ in range(world)]
+    for i in sorted(step, key=lambda i: (-costs[i], i)):
+        r = min((r for r in range(world) if room[r]), key=lambda r: (loads[r], r))
+        out[r].append(i)
+        loads[r] += costs[i]
+        room[r] -= 1
+    return out
+
+
+def epoch_schedule(plan: Plan, costs: list[float], epoch: int, seed: int, per_step: int, world: int,
+                   balance: str = "cost") -> list[list[list[int]]]:
+    """Epoch ``epoch``'s steps, each a list over ranks of pack indices."""
+    order = epoch_order(plan, epoch, seed)
+    rounds = [order[k:k + per_step] for k in range(0, len(order), per_step)]
+    if balance == "round_robin":
+        return [[step[r::world] for r in range(world)] for step in rounds]
+    if balance != "cost":
+        raise ValueError(f"train.balance: expected one of {', '.join(BALANCES)}, got {balance!r}")
+    # keep DIVERSITY of round robin's distinct prompts per step (its mean over this epoch's steps)
+    mean_distinct = sum(len({plan.packs[i].prompt for i in step}) for step in rounds) / len(rounds)
+    steps = _similar_cost_steps(plan, order, costs, per_step, min(per_step, math.ceil(DIVERSITY * mean_distinct)))
+    _seeded(seed, epoch, "steps").shuffle(steps)
+    return [_to_ranks(step, costs, world) for step in steps]
+
+
+def step_pack_ids(ranks: list[list[int]]) -> list[int]:
+    """A step's packs in the order the step runner slices them (rank r's at r, r + world, ...)."""
+    world, out = len(ranks), []
+    for j in range(max((len(p) for p in ranks), default=0)):
+        out.extend(p[j] for p in ranks if j < len(p))
+    assert all(out[r::world] == ranks[r] for r in range(world)), "ranks' pack counts must not increase with r"
+    return out
+
+
+def utilisation(schedule: list[list[list[int]]], costs: list[float]) -> float:
+    """Mean over steps of (mean rank cost / largest rank cost): 1.0 when no rank waits."""
+    ratios = []
+    for ranks in schedule:
+        loads = [sum(costs[i] for i in packs) for packs in ranks]
+        if max(loads) > 0:
+            ratios.append(sum(loads) / len(loads) / max(loads))
+    return sum(ratios) / len(ratios) if ratios else 1.0
+
+
+def distinct_prompts(schedule: list[list[list[int]]], plan: Plan) -> float:
+    """Mean distinct prompts per step."""
+    counts = [len({plan.packs[i].prompt for packs in ranks for i in packs}) for ranks in schedule]
+    return sum(counts) / len(counts) if counts else 0.0

@@ -1,0 +1,130 @@
+"""Balanced steps (train.balance: cost, packtrain/run/balance.py): every pack once per epoch, the same steps on any
+number of ranks, the same number of packs per rank, steps no more costly than round robin's, diverse; `plan --json`
+reports a schedule and a utilisation that can be recomputed from it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from cli_helpers import REPO, TINY_MODEL, run_in_process, write_config
+
+from packtrain.data.examples import Example
+from packtrain.data.planner import plan_packs
+from packtrain.run.balance import CostModel, distinct_prompts, epoch_schedule, pack_costs, step_pack_ids, utilisation
+
+
+def _examples(n_prompts=12, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for k in range(n_prompts):
+        prefix = (k,) * rng.randint(20, 200)
+        for j in range(rng.randint(3, 40)):
+            out.append(Example(f"{k}-{j}", prefix, (5,) * rng.randint(5, 60), (6,)))
+    return out
+
+
+MODEL = CostModel(per_position=100.0, per_pair=1.0)
+
+
+@pytest.fixture(scope="module")
+def planned():
+    examples = _examples()
+    plan = plan_packs(examples, token_budget=400, max_continuations=8)
+    return plan, examples, pack_costs(plan, examples, MODEL)
+
+
+@pytest.mark.parametrize("balance", ["cost", "round_robin"])
+@pytest.mark.parametrize("per_step,world", [(8, 8), (16, 8), (7, 3), (5, 8), (1, 1)])
+def test_every_pack_once_per_epoch_and_equal_packs_per_rank(planned, balance, per_step, world):
+    plan, _, costs = planned
+    for epoch in range(3):
+        sched = epoch_schedule(plan, costs, epoch, 0, per_step, world, balance)
+        assert sorted(i for ranks in sched for packs in ranks for i in packs) == list(range(len(plan.packs)))
+        assert len(sched) == -(-len(plan.packs) // per_step)
+        for ranks in sched:
+            counts = [len(p) for p in ranks]
+            assert len(ranks) == world and max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
+            ids = step_pack_ids(ranks)
+            assert [ids[r::world] for r in range(world)] == ranks  # what rank_units slices is the schedule
+
+
+def test_a_step_holds_the_same_packs_on_any_number_of_ranks(planned):
+    plan, _, costs = planned
+    sets = {w: [sorted(i for p in ranks for i in p) for ranks in epoch_schedule(plan, costs, 1, 3, 16, w)]
+            for w in (1, 2, 4, 16)}
+    assert sets[1] == sets[2] == sets[4] == sets[16]
+
+
+def test_cost_balance_beats_round_robin_and_keeps_the_steps_diverse(planned):
+    plan, _, costs = planned
+    for epoch in range(3):
+        cost = epoch_schedule(plan, costs, epoch, 0, 8, 8, "cost")
+        rr = epoch_schedule(plan, costs, epoch, 0, 8, 8, "round_robin")
+        assert utilisation(cost, costs) > utilisation(rr, costs) + 0.05
+        assert distinct_prompts(cost, plan) >= 0.8 * distinct_prompts(rr, plan)
+    # reshuffled every epoch, seeded
+    assert epoch_schedule(plan, costs, 0, 0, 8, 8) != epoch_schedule(plan, costs, 1, 0, 8, 8)
+    assert epoch_schedule(plan, costs, 0, 5, 8, 8) == epoch_schedule(plan, costs, 0, 5, 8, 8)
+
+
+def test_utilisation_is_mean_over_largest_rank_cost():
+    costs = [4.0, 2.0, 2.0, 1.0]
+    assert utilisation([[[0], [1]], [[2, 3], []]], costs) == pytest.approx(((6 / 2) / 4 + (3 / 2) / 3) / 2)
+
+
+def test_cost_model_from_the_config_counts_flops_by_hand():
+    from packtrain.ops.memory import text_config
+
+    text = text_config(TINY_MODEL)
+    model = CostModel.from_text_config(text)
+    H, I = 32, 48
+    attention = H * 2 * 4 * 16 + 2 * H * 2 * 16 + 4 * 16 * H  # q (gated: twice), k, v, o
+    key, value = 2 * 8, 4 * 8
+    gdn = H * (2 * key + value) + H * value + 2 * H * 4 + value * H  # in_proj_qkv, in_proj_z, in_proj_b/a, out
+    mlp = 3 * H * I
+    assert model.per_position == 6 * (attention + 2 * gdn + 3 * mlp)
+    assert model.per_pair == 12 * 4 * 16  # one full-attention layer: 4 heads of 16
+    assert model.pack_cost(3, [2, 1]) == model.per_position * 6 + model.per_pair * (6 + (2 * 3 + 3) + (1 * 3 + 1))
+
+
+def test_plan_json_schedule_recomputes_to_the_reported_utilisation(tmp_path):
+    cfg = write_config(tmp_path, train={"packs_per_step": 4})
+    out = json.loads(run_in_process("plan", cfg, "--json", "--world-size", "2").stdout)
+    assert out["packs"] == len(out["pack_positions"]) == len(out["pack_cost"])
+    model = out["cost_model"]
+    from packtrain.data.examples import load_examples
+
+    examples = load_examples(tmp_path / "train.jsonl")
+    plan = plan_packs(examples, 208, 3)  # write_config's packing
+    assert [p.positions for p in plan.packs] == out["pack_positions"]
+    costs = []
+    for p in plan.packs:  # the cost model by hand: positions, and P's pairs plus each continuation's
+        n, conts = len(plan.prompts[p.prompt]), [examples[e].len_continuation for e in p.examples]
+        pairs = n * (n + 1) / 2 + sum(c * n + c * (c + 1) / 2 for c in conts)
+        costs.append(model["per_position"] * (n + sum(conts)) + model["per_pair"] * pairs)
+    assert out["pack_cost"] == pytest.approx(costs, rel=1e-12)
+    sched = out["schedule"]
+    assert sorted(i for step in sched for rank in step for i in rank) == list(range(out["packs"]))
+    recomputed = sum(sum(map(sum, ([costs[i] for i in r] for r in step))) / 2
+                     / max(sum(costs[i] for i in r) for r in step) for step in sched) / len(sched)
+    assert out["utilisation"]["cost"] == pytest.approx(recomputed, rel=1e-12)
+    assert out["utilisation"]["cost"] >= out["utilisation"]["round_robin"]
+    table = run_in_process("plan", cfg, "--world-size", "2").stdout
+    assert f"utilisation (mean / largest rank cost per step, epoch 0) cost {out['utilisation']['cost']:.3f}" in table
+
+
+@pytest.mark.process
+def test_every_process_computes_the_same_schedule(tmp_path):
+    """Ranks agree: the schedule depends on the plan and the seed alone, not on the process's hash seed."""
+    cfg = write_config(tmp_path, train={"packs_per_step": 4})
+    outs = []
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        proc = subprocess.run([sys.executable, "-m", "packtrain", "plan", str(cfg), "--json", "--world-size", "2"],
+                              capture_output=True, text=True, env=env, cwd=REPO, check=True)
+        outs.append(json.loads(proc.stdout)["schedule"])
+    assert outs[0] == outs[1]
