@@ -21,7 +21,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from packtrain.data.planner import Plan, epoch_order
+from packtrain.data.planner import Plan
 from packtrain.data.walk_schedule import Schedule
 from packtrain.run.balance import epoch_schedule, step_pack_ids
 
@@ -40,8 +40,7 @@ def steps_per_epoch(plan: Plan, packs_per_step: int) -> int:
 
 def step_packs(plan: Plan, epoch: int, index: int, packs_per_step: int, seed: int) -> list[int]:
     """Round robin: step ``index`` of epoch ``epoch`` as the next packs of the epoch's seeded order."""
-    order = epoch_order(plan, epoch, seed)
-    return order[index * packs_per_step:(index + 1) * packs_per_step]
+    return epoch_schedule(plan, [], epoch, seed, packs_per_step, 1, "round_robin")[index][0]
 
 
 class StepPlan:
