@@ -10,6 +10,7 @@ import signal
 
 NAN_AT = "PACKTRAIN_TEST_NAN_AT"  # "RANK:STEP": that rank's loss is NaN in that step (a bad pack on one rank)
 KILL_AFTER_CHECKPOINT = "PACKTRAIN_KILL_AFTER_CHECKPOINT"  # "STEP": SIGKILL right after step STEP's checkpoint
+SIGTERM_IN_STEP = "PACKTRAIN_TEST_SIGTERM_IN_STEP"  # "STEP": SIGTERM to this process during step STEP, before its update
 # "field=value[;field=value]": rank N's check-nodes report says value for field (packtrain/ops/nodes.py); the rank in
 # the name, so a stray variable in a shared environment changes one named rank, and the table says so
 OVERRIDE_RANK = "PACKTRAIN_TEST_OVERRIDE_RANK{rank}"
@@ -30,3 +31,9 @@ def after_checkpoint(step: int) -> None:
     """Die like a preempted job (SIGKILL: no cleanup, no final save) when :data:`KILL_AFTER_CHECKPOINT` is ``step``."""
     if os.environ.get(KILL_AFTER_CHECKPOINT) == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sigterm_in_step(step: int) -> None:
+    """A scheduler's SIGTERM arriving while step ``step`` runs, when :data:`SIGTERM_IN_STEP` is ``step``."""
+    if os.environ.get(SIGTERM_IN_STEP) == str(step):
+        os.kill(os.getpid(), signal.SIGTERM)

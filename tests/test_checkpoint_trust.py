@@ -14,7 +14,7 @@ import torch
 from cli_helpers import run_in_process
 from safetensors.torch import load_file
 
-from packtrain.rundir.checkpoint import CheckpointDamaged, checkpoints, file_digest, verify_checkpoint
+from packtrain.rundir.checkpoint import CheckpointDamaged, checkpoints, file_digest, verify_checkpoint, write_state
 
 # 6 steps with a checkpoint after every step (dropout and a cosine schedule: RNG and scheduler state matter on
 # resume); keep_checkpoints left at its default, 3
@@ -94,8 +94,8 @@ def test_damaged_checkpoints_fall_back_to_the_newest_valid_one_and_no_pickle_run
     sched.write_bytes(pickle.dumps({"last_epoch": _RunsCode(marker)}))
     state_file = run / "checkpoints/step-5/state.json"
     state = json.loads(state_file.read_text())
-    state["files"]["scheduler.pt"] = file_digest(sched)  # whoever can write the file can write its digest too
-    state_file.write_text(json.dumps(state))
+    state["files"]["scheduler.pt"] = file_digest(sched)  # whoever can write the file can write its digests too
+    write_state(state_file.parent, state)
     weights = run / "checkpoints/step-4/trainable.safetensors"
     data = bytearray(weights.read_bytes())
     data[-9] ^= 0x01  # one bit of one tensor value: same length, another digest

@@ -103,3 +103,53 @@ def test_a_refusal_ends_both_ranks(tmp_path):
     proc = run_ranks(2, "train", str(cfg), check=False, timeout=120)  # a hang would time out here
     assert proc.returncode != 0 and all(code > 0 for code in proc.returncodes), proc.returncodes  # none killed
     assert "holds a previous run" in proc.stderr and "rank 0 refused" in proc.stderr  # rank 1 got the verdict
+
+
+def _contend(dirs, barrier, results, me):
+    """One contender: for each directory (each holding a stale lock), wait for the others, then try to take it."""
+    from packtrain.rundir.directory import RunLock
+
+    won = []
+    for d in dirs:
+        barrier.wait()
+        try:
+            RunLock.acquire(d, log=lambda *a: None)
+            won.append(True)
+        except RunDirError:
+            won.append(False)
+    results.put((me, won))
+
+
+@pytest.mark.process
+def test_concurrent_takeovers_of_a_stale_lock_give_it_to_exactly_one(tmp_path):
+    """A restart loop after a SIGKILL: several processes find the same dead holder at once. Before, the second to
+    unlink "the stale lock" deleted the first's fresh one and both ran (7 of 40 trials). 300 trials, 3 contenders
+    released together by a barrier; every trial must have exactly one winner."""
+    from cli_helpers import _fork_server
+
+    trials, contenders = 300, 3
+    dead = _dead_pid()
+    dirs = []
+    for t in range(trials):
+        d = tmp_path / f"t{t}"
+        _write_lock(d, dead)
+        dirs.append(d)
+    ctx = _fork_server()
+    barrier, results = ctx.Barrier(contenders), ctx.Queue()
+    procs = [ctx.Process(target=_contend, args=(dirs, barrier, results, i)) for i in range(contenders)]
+    for p in procs:
+        p.start()
+    won = dict(results.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0] * contenders
+    winners = [sum(won[i][t] for i in range(contenders)) for t in range(trials)]
+    doubles = sum(w > 1 for w in winners)
+    assert doubles == 0 and winners == [1] * trials, f"{doubles} of {trials} trials had several winners"
+
+
+def test_a_lock_without_a_start_time_is_not_taken_from_a_live_process(tmp_path):
+    """No ``started`` field (an older or hand-written lock) proves nothing about a pid reuse: a live pid holds."""
+    tmp_path.joinpath(LOCK).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
+    with pytest.raises(RunDirError, match=f"in use by another run: pid {os.getppid()}"):
+        claim(tmp_path, False, False, ONE, log=print)

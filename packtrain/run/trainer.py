@@ -155,6 +155,7 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.last_eval_step: int | None = None  # the footer names the step its eval loss is from
         self.stop_agreed = False  # a rank was signalled (SIGTERM/SIGINT): every rank stops after this step
+        self.owed: list[str] = []  # evaluations a stopped run's checkpoint owes its step (state.json "owed")
         self.ops.progress("model setup")
         if resume:
             self._resume()
@@ -198,6 +199,12 @@ class Trainer:
             first_eval = last_eval = self._eval()
         if self.task is not None and c.step == 0:
             first_task = last_task = self._generate()
+        # stopped right after an evaluation boundary (an epoch's last step): the evaluations it owed run now, before
+        # the next step, as the uninterrupted run ran them
+        if c.step > 0 and "eval" in self.owed:
+            last_eval = self._eval()
+        if c.step > 0 and "generate" in self.owed:
+            last_task = self._generate()
         bar = tqdm(total=self.total_steps, initial=c.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (self.dist.is_main and cfg.logging.progress))
         checked_gradients = False
@@ -208,11 +215,9 @@ class Trainer:
             if self.stop_agreed and c.step < self.total_steps:
                 bar.close()
                 self._stop_preempted()
-            end_of_epoch = c.step % self.steps_per_epoch == 0
-            every = cfg.train.eval_every
-            if self.eval_plan is not None and (end_of_epoch or (every and c.step % every == 0)):
+            if "eval" in self._due():
                 last_eval = self._eval()
-            if self.task is not None and c.step % cfg.generate.every == 0:
+            if "generate" in self._due():
                 last_task = self._generate()
             if c.step % cfg.train.save_every == 0 and c.step < self.total_steps:
                 self._save_checkpoint()
@@ -229,6 +234,19 @@ class Trainer:
         if self.dist.is_main:
             self._log(report.footer(summary, self.out / "metrics.jsonl"))
         return summary
+
+    def _due(self) -> list[str]:
+        """The evaluations due after this step and not run yet: "eval" (each epoch's end, every train.eval_every)
+        and "generate" (every generate.every)."""
+        cfg, step = self.cfg, self.counters.step
+        due = []
+        every = cfg.train.eval_every
+        if (self.eval_plan is not None and self.last_eval_step != step
+                and (step % self.steps_per_epoch == 0 or (every and step % every == 0))):
+            due.append("eval")
+        if self.task is not None and self.last_task_step != step and step % cfg.generate.every == 0:
+            due.append("generate")
+        return due
 
     def _log(self, lines: list[str]) -> None:
         for line in lines:
@@ -310,6 +328,7 @@ class Trainer:
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        faults.sigterm_in_step(c.step + 1)
         nonfinite = self._agree_at_boundary(n_examples > 0 and not finite.is_finite(loss, grad_norm))
         if nonfinite:
             self._skip_nonfinite(loss, grad_norm)
@@ -405,7 +424,7 @@ class Trainer:
         c = self.counters
         return {"epoch": c.step // self.steps_per_epoch, "plan": plan_fingerprint(self.plan, self.train_examples),
                 "world_size": self.dist.world_size, "mode": self.setup.mode, "total_steps": self.total_steps,
-                "nonfinite_skips": c.nonfinite_skips, "config": self.cfg.to_dict()}
+                "nonfinite_skips": c.nonfinite_skips, "owed": self._due(), "config": self.cfg.to_dict()}
 
     def _save_checkpoint(self) -> None:
         step = self.counters.step
@@ -421,7 +440,7 @@ class Trainer:
         finite.check_parameters(self.params, self.dist, self.counters.step)
         trainable = ckpt.trainable_state(self.lm, self.dist)
         if self.dist.is_main:
-            ckpt.save_adapter(self.model, self.out / "adapter", state_dict=trainable)
+            ckpt.save_adapter(self.model, self.out / "adapter", state_dict=trainable, step=self.counters.step)
             plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
         barrier(self.dist)
 
@@ -429,13 +448,17 @@ class Trainer:
         log = self.log if self.dist.is_main else (lambda *a: None)
         found = resuming.choose_checkpoint(self.out, self.dist, log)
         if found is None:
+            resuming.check_steps(self.out, 0, None, self.total_steps)
             log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
             return
-        latest, state = found
+        latest, state, damaged = found
         resuming.check_same_run(state, self.cfg.to_dict(), plan_fingerprint(self.plan, self.train_examples),
                                 self.total_steps, latest, log)
+        resuming.check_steps(self.out, state["step"], latest, self.total_steps)
+        resuming.set_aside(damaged, latest, self.dist, log)  # accepted: only now does anything move
         ckpt.load_checkpoint(latest, self.lm, self.optimizer, self.scheduler, self.dist)
         self.counters = Counters(step=state["step"], nonfinite_skips=state["nonfinite_skips"])
+        self.owed = [x for x in state.get("owed", []) if x in ("eval", "generate")]
         self.last_checkpoint = latest
         self.ops.progress(f"resumed from {latest.name}")
         log(f"resume: continuing from {latest} (step {self.counters.step}, written with world size "

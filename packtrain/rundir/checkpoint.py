@@ -2,8 +2,9 @@
 
 ``OUTPUT/checkpoints/step-N/``: ``adapter/`` (PEFT format), ``trainable.safetensors`` (the same tensors under
 the model's parameter names), ``optimizer.pt`` (full state keyed by parameter names), ``scheduler.pt``,
-``rng-rank-R.pt`` (one per rank) and ``state.json``, written last: the step (which fixes the data cursor), a
-fingerprint of the plan, the resolved config and the sha256 of every other file. Everything is gathered to full
+``rng-rank-R.pt`` (one per rank), ``state.json``: the step (which fixes the data cursor), a fingerprint of the plan,
+the resolved config and the sha256 of every other file, and ``state.sha256``, written last: the sha256 of
+``state.json`` itself. Everything is gathered to full
 tensors with every rank taking part and written by rank 0, so a checkpoint resumes under any world size. A
 directory only ever appears complete (written under ``.tmp-step-N`` and renamed).
 
@@ -11,7 +12,9 @@ Why digests and safe loads: a disk that fills up, a copy cut short or a changed 
 silently into garbage, and ``torch.load`` of an arbitrary pickle runs code. :func:`verify_checkpoint` checks every
 digest and loads every file the way a resume does (safetensors, JSON, ``torch.load(weights_only=True)``), so a
 damaged checkpoint is found before any rank starts loading (:mod:`packtrain.rundir.resume` then falls back to an older
-one).
+one). A ``state.json`` is believed only when its own digest matches and it agrees with itself and its directory
+(the step is ``step-N``'s N, within the run's total, the counters within it): an edited step resumed from a step
+that was never trained, skipping a pack, with exit 0.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from packtrain.distributed import DistInfo, barrier
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE = "state.json"
+STATE_DIGEST = "state.sha256"  # the digest of state.json, beside it
 
 
 class CheckpointDamaged(ValueError):
@@ -78,9 +82,27 @@ def write_adapter(peft_model, directory: Path, trainable: dict) -> None:
         save_file({k.replace(WRAPPER, ""): v for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
-def save_adapter(model, path: Path, state_dict: dict) -> Path:
-    """The adapter in PEFT format (loadable with ``PeftModel.from_pretrained``), atomically."""
-    return _atomic_dir(Path(path), lambda tmp: write_adapter(model, tmp, state_dict))
+ADAPTER_STEP = "packtrain_step.json"  # beside the final adapter's PEFT files: the step it was trained to
+
+
+def save_adapter(model, path: Path, state_dict: dict, step: int | None = None) -> Path:
+    """The adapter in PEFT format (loadable with ``PeftModel.from_pretrained``), atomically; with ``step``, also
+    :data:`ADAPTER_STEP` (``{"step": N}``), which a resume reads (it never replaces it with an earlier one)."""
+    def write(tmp: Path) -> None:
+        write_adapter(model, tmp, state_dict)
+        if step is not None:
+            (tmp / ADAPTER_STEP).write_text(json.dumps({"step": step}) + "\n")
+
+    return _atomic_dir(Path(path), write)
+
+
+def final_adapter_step(output_dir: Path) -> int | None:
+    """The step ``OUTPUT/adapter`` was trained to, None without one (or one written by an older packtrain)."""
+    try:
+        step = json.loads((Path(output_dir) / "adapter" / ADAPTER_STEP).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def rng_state() -> dict:
@@ -184,14 +206,21 @@ def save_checkpoint(output_dir: Path, step: int, lm, peft_model, optimizer, sche
         torch.save(optim, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         files = {rel: file_digest(tmp / rel) for rel in _files(tmp)}
-        (tmp / STATE).write_text(json.dumps({**state, "step": step, "files": files}, indent=2))
+        write_state(tmp, {**state, "step": step, "files": files})
         _rename_into_place(tmp, final)  # the same step again: a resume that fell back past it
     barrier(info)
     return final
 
 
+def write_state(ckpt: Path, state: dict) -> None:
+    """``state.json`` and then its digest, ``state.sha256``."""
+    (Path(ckpt) / STATE).write_text(json.dumps(state, indent=2))
+    (Path(ckpt) / STATE_DIGEST).write_text(file_digest(Path(ckpt) / STATE) + "\n")
+
+
 def _files(ckpt: Path) -> list[str]:
-    return sorted(str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if f.is_file() and f.name != STATE)
+    return sorted(str(f.relative_to(ckpt)) for f in ckpt.rglob("*")
+                  if f.is_file() and f.relative_to(ckpt).as_posix() not in (STATE, STATE_DIGEST))
 
 
 def file_digest(path: Path) -> str:
@@ -207,17 +236,39 @@ def _safe_torch_load(path: Path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _count(state: dict, key: str) -> int | None:
+    value = state.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def read_state(ckpt: Path) -> dict:
-    path = Path(ckpt) / STATE
+    """``state.json`` once its digest matches and it is consistent with itself and with the directory's name."""
+    ckpt = Path(ckpt)
+    path, digest = ckpt / STATE, ckpt / STATE_DIGEST
     try:
         state = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointDamaged(f"{path}: missing") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointDamaged(f"{path}: unreadable ({e})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("files"),
-                                                                                               dict):
+    if not isinstance(state, dict) or _count(state, "step") is None or not isinstance(state.get("files"), dict):
         raise CheckpointDamaged(f"{path}: no step or file digests (written by an older packtrain, or damaged)")
+    try:
+        expected = digest.read_text().strip()
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{digest}: missing (written by an older packtrain, or damaged)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointDamaged(f"{digest}: unreadable ({e})") from None
+    if file_digest(path) != expected:
+        raise CheckpointDamaged(f"{path}: contents differ from the digest in {STATE_DIGEST} (edited or damaged)")
+    step, total, skips = _count(state, "step"), _count(state, "total_steps"), _count(state, "nonfinite_skips")
+    named = STEP_DIR.match(ckpt.name)
+    if named and int(named.group(1)) != step:
+        raise CheckpointDamaged(f"{path}: step {step} in a directory named {ckpt.name}")
+    if total is None or not 1 <= step <= total:
+        raise CheckpointDamaged(f"{path}: step {step} is not within the run's total_steps {state.get('total_steps')!r}")
+    if skips is None or not 0 <= skips <= step:
+        raise CheckpointDamaged(f"{path}: nonfinite_skips {state.get('nonfinite_skips')!r} is not within 0..{step}")
     return state
 
 

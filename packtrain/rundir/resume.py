@@ -6,9 +6,12 @@ became another run, while config.yaml claimed the new values.
 
 - :func:`choose_checkpoint`: rank 0 verifies checkpoints newest first (digests, then every file read as a resume
   reads it, see :func:`packtrain.rundir.checkpoint.verify_checkpoint`); a damaged one is reported and the next older one
-  tried. Once a valid one is found, the damaged ones are renamed to ``checkpoints/damaged-step-N`` (evidence, out
-  of the way of the steps the run writes again); with none valid nothing moves and the resume is refused. Every
-  rank receives rank 0's choice.
+  tried. Every rank receives rank 0's choice. Only once the resume is accepted (:func:`check_same_run`,
+  :func:`check_steps`) are the damaged ones renamed to ``checkpoints/damaged-step-N`` (:func:`set_aside`: evidence,
+  out of the way of the steps the run writes again); a refused resume moves nothing.
+- :func:`check_steps`: a resume never goes back. A run whose newest valid checkpoint, or whose final adapter, is
+  past the config's total of steps (``train.max_steps`` lowered) is refused naming both numbers: continuing would
+  have trained nothing and replaced the final adapter with an earlier one, with exit 0.
 - :func:`check_same_run`: the checkpoint stores the resolved config. Keys that change the trajectory
   (:data:`TRAJECTORY`) must be equal, else the resume is refused listing every difference; the others (epochs,
   max_steps, save_every, eval_every, keep_checkpoints, max_nonfinite_skips, logging, ops, device, kernels, data
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from packtrain.distributed import DistInfo
-from packtrain.rundir.checkpoint import CheckpointDamaged, checkpoints, verify_checkpoint
+from packtrain.rundir.checkpoint import CheckpointDamaged, checkpoints, final_adapter_step, verify_checkpoint
 from packtrain.rundir.directory import RunDirError
 
 # Dotted prefixes whose values fix the sequence of updates; the longest matching entry of TRAJECTORY / FREE wins.
@@ -88,36 +91,59 @@ def check_same_run(state: dict, cfg_dict: dict, plan_fingerprint: str, total_ste
         log("resume: changed since the checkpoint (allowed):\n  " + "\n  ".join(allowed))
 
 
-def _verified(out: Path, log) -> tuple[str | None, dict | None, list[str]]:
+def check_steps(out: Path, resumed_step: int, ckpt: Path | None, total_steps: int) -> None:
+    """Refuse a resume that would go back: the newest valid checkpoint (``ckpt``, at ``resumed_step``) or the final
+    adapter is past ``total_steps``."""
+    final = final_adapter_step(out)
+    past = []
+    if ckpt is not None and resumed_step > total_steps:
+        past.append(f"its newest valid checkpoint is step {resumed_step} ({ckpt})")
+    if final is not None and final > total_steps:
+        past.append(f"its final adapter is from step {final} ({Path(out) / 'adapter'})")
+    if past:
+        reach = max(resumed_step, final or 0)
+        raise RunDirError(f"resume refused: this config trains {total_steps} steps, and {out} is past that: "
+                          f"{'; '.join(past)}. A resume continues a run and never goes back (the final adapter "
+                          f"would be replaced by an earlier one): set train.max_steps / train.epochs to at least "
+                          f"{reach}, or start a new run (another output_dir, or --overwrite)")
+
+
+def _verified(out: Path, log) -> tuple[str | None, dict | None, list[str], list[str]]:
     problems, damaged = [], []
     for ckpt in checkpoints(out):
         try:
             state = verify_checkpoint(ckpt)
         except CheckpointDamaged as e:
             problems.append(str(e))
-            damaged.append(ckpt)
+            damaged.append(str(ckpt))
             log(f"resume: {ckpt.name} is damaged: {e}")
             continue
-        for bad in damaged:  # only once a valid one is found: with none, everything stays as it was
-            aside = bad.parent / f"damaged-{bad.name}"
-            if aside.exists():
-                shutil.rmtree(aside)
-            bad.rename(aside)
-            log(f"resume: moved {bad.name} to {aside.name}; falling back to {ckpt.name}")
-        return str(ckpt), state, problems
-    return None, None, problems
+        return str(ckpt), state, problems, damaged
+    return None, None, problems, damaged
 
 
-def choose_checkpoint(out: Path, info: DistInfo, log) -> tuple[Path, dict] | None:
-    """The newest valid checkpoint and its state, the same on every rank; None when there is none at all.
-    Raises :class:`RunDirError` when checkpoints exist but every one is damaged."""
-    chosen = [None, None, []]
+def choose_checkpoint(out: Path, info: DistInfo, log) -> tuple[Path, dict, list[Path]] | None:
+    """The newest valid checkpoint, its state and the damaged ones newer than it, the same on every rank; None
+    when there is none at all. Raises :class:`RunDirError` when checkpoints exist but every one is damaged."""
+    chosen = [None, None, [], []]
     if info.is_main:
         chosen = list(_verified(Path(out), log))
     if info.enabled:
         dist.broadcast_object_list(chosen, src=0)
-    path, state, problems = chosen
+    path, state, problems, damaged = chosen
     if path is None and problems:
         raise RunDirError("resume: every checkpoint is damaged:\n  " + "\n  ".join(problems)
                           + "\nstart over with --overwrite")
-    return (Path(path), state) if path is not None else None
+    return (Path(path), state, [Path(d) for d in damaged]) if path is not None else None
+
+
+def set_aside(damaged: list[Path], chosen: Path, info: DistInfo, log) -> None:
+    """Rank 0 renames the damaged checkpoints to ``damaged-step-N``, once the resume from ``chosen`` is accepted."""
+    if not info.is_main:
+        return
+    for bad in damaged:
+        aside = bad.parent / f"damaged-{bad.name}"
+        if aside.exists():
+            shutil.rmtree(aside)
+        bad.rename(aside)
+        log(f"resume: moved {bad.name} to {aside.name}; falling back to {chosen.name}")
