@@ -18,7 +18,23 @@ import yaml
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML follows YAML 1.1, where ``1e-4`` is a string; accept it as a float, as YAML 1.2 does."""
+    """PyYAML follows YAML 1.1, where ``1e-4`` is a string; accept it as a float, as YAML 1.2 does. A key given twice
+    in one mapping is an error (PyYAML keeps the last silently: a second ``train:`` block replaced the first whole,
+    its ``save_every`` gone)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: SafeLoader's own error follows
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {first}): each key may appear once in a "
+                    "mapping (merge the two blocks)", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -440,6 +456,15 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str | None = None) 
     return cfg
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """``line L, column C: problem`` (PyYAML's own text names "<unicode string>" and spans several lines)."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or problem is None:
+        return str(e)
+    context = getattr(e, "context", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
@@ -447,7 +472,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     try:
         raw = _load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError([f"not valid YAML: {e}"], str(path)) from None
+        raise ConfigError([f"not valid YAML: {_yaml_problem(e)}"], str(path)) from None
     if not isinstance(raw, dict):
         raise ConfigError(["the top level must be a mapping"], str(path))
     raw = apply_overrides(raw, overrides or [])

@@ -87,6 +87,8 @@ def test_full_output_dir_says_no_space_left_with_the_path(tmp_path, size, when):
         cfg = write_config(tmp_path, train={"max_steps": 3, "save_every": 2}, output_dir=str(disk / "run"))
         line = _error_line(run_in_process("train", str(cfg), check=False))
     assert f"output_dir {disk / 'run'}: no space left on device" in line, (when, line)
+    # no checkpoint yet in either case (the first is step 2's, and it did not fit): nothing a --resume could continue
+    assert "--resume" not in line and "no checkpoint was written yet: free space and run again" in line, line
 
 
 def test_read_only_output_dir_says_not_writable(tmp_path):
@@ -106,3 +108,107 @@ def test_output_dir_without_permission_says_not_writable(tmp_path):
     finally:
         locked.chmod(0o700)
     assert f"output_dir {locked / 'run'}: not writable" in line and "Permission denied" in line
+
+
+# -- issue 28's probes: each gave a traceback, or blamed the wrong thing ------------------------------------------
+def _one_line(proc, command="train") -> str:
+    _refused(proc)
+    lines = [x for x in proc.stderr.splitlines() if x.startswith(f"packtrain {command}: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("field", ["target", "system", "item"])
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_a_lone_surrogate_in_the_data_names_file_line_and_field(tmp_path, command, field):
+    """JSON's "\\ud800" parses to a string no tokenizer can encode: a TypeError traceback in plan and train."""
+    cfg = write_config(tmp_path, data={"eval": None})
+    data = tmp_path / "train.jsonl"
+    lines = data.read_text().splitlines()
+    record = json.loads(lines[3])
+    record[field] = record[field][:5] + "\ud800" + record[field][5:]
+    lines[3] = json.dumps(record)  # ensure_ascii: the escape \ud800, as a JSON writer leaves it
+    data.write_text("\n".join(lines) + "\n")
+    line = (_one_line(run_in_process(command, str(cfg), check=False), command))
+    assert f"{data}:4: field '{field}': holds a lone UTF-16 surrogate" in line, line
+
+
+def test_a_lone_surrogate_in_a_chat_message_names_its_path(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    ok = {"messages": [{"role": "system", "content": "Rules."}, {"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": "hello"}]}
+    bad = json.loads(json.dumps(ok))
+    bad["messages"][1]["content"] = "h\udfffi"
+    data.write_text(json.dumps(ok) + "\n" + json.dumps(bad) + "\n")
+    cfg = write_config(tmp_path, data={"train": str(data), "eval": None})
+    line = _one_line(run_in_process("plan", str(cfg), check=False), "plan")
+    assert f"{data}:2: field 'messages[1].content': holds a lone UTF-16 surrogate" in line, line
+
+
+def test_a_key_given_twice_in_the_config_is_refused_naming_both_lines(tmp_path):
+    """PyYAML keeps the last of two `train:` blocks silently: save_every: 2 disappeared."""
+    cfg = write_config(tmp_path)
+    text = cfg.read_text()
+    n = len(text.splitlines())
+    cfg.write_text(text + "train:\n  save_every: 2\n")
+    err = _refused(run_in_process("train", str(cfg), check=False))
+    first = next(i for i, x in enumerate(text.splitlines(), 1) if x == "train:")
+    assert f"invalid config in {cfg}" in err
+    assert f"line {n + 1}, column 1: duplicate key 'train' (first on line {first})" in err, err
+    cfg.write_text(text.replace("  epochs: 1\n", "  epochs: 1\n  epochs: 2\n"))  # inside one block, too
+    err = _refused(run_in_process("plan", str(cfg), check=False))
+    assert "duplicate key 'epochs'" in err, err
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_output_dir_that_is_a_file_or_under_one_is_one_line(tmp_path, where):
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a directory\n")
+    out = blocker if where == "a file" else blocker / "deeper" / "run"
+    cfg = write_config(tmp_path, output_dir=str(out))
+    line = _error_line(run_in_process("train", str(cfg), check=False))
+    expected = "is a file" if where == "a file" else f"is under {blocker}, which is a file"
+    assert f"output_dir {out}: {expected}" in line, line
+    assert blocker.read_text() == "not a directory\n"
+
+
+def test_an_unreadable_data_file_is_the_datas_error_not_output_dirs(tmp_path, monkeypatch):
+    """It said "output_dir ...: not writable: <the data file>: Permission denied". Root reads through file modes,
+    so there the open itself is made to fail as it does for another user."""
+    cfg = write_config(tmp_path, data={"eval": None})
+    data = tmp_path / "train.jsonl"
+    if os.geteuid() == 0:
+        import pathlib
+
+        real_open = pathlib.Path.open
+
+        def refusing_open(self, *args, **kwargs):
+            if self == data:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real_open(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "open", refusing_open)
+    else:
+        data.chmod(0)
+    try:
+        line = _error_line(run_in_process("train", str(cfg), check=False))
+    finally:
+        data.chmod(0o644)
+    assert f"{data}: cannot be read: Permission denied" in line and "output_dir" not in line, line
+
+
+def test_export_and_eval_of_a_truncated_adapter_name_the_file(trained, tmp_path):
+    """A cut-off adapter_model.safetensors gave safetensors' SafetensorError traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(trained().run, run)
+    weights = run / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    line = _one_line(run_in_process("export", run, "--merged", tmp_path / "merged", check=False), "export")
+    assert f"--adapter: {weights}: unreadable" in line, line
+    assert not (tmp_path / "merged").exists()
+    line = _one_line(run_in_process("eval", trained().config, "--adapter", run / "adapter", "--out",
+                                    tmp_path / "eval.jsonl", check=False), "eval")
+    assert f"--adapter: {weights}: unreadable" in line, line
+    (run / "adapter" / "adapter_config.json").write_text("{")
+    line = _one_line(run_in_process("export", run, "--merged", tmp_path / "merged", check=False), "export")
+    assert f"{run / 'adapter' / 'adapter_config.json'}: unreadable" in line, line

@@ -9,8 +9,9 @@ import packtrain
 
 ROOT = Path(packtrain.__file__).parent
 # A package (or top-level module) imports only those before it: the packed computation never imports the run.
+# The package itself (packtrain/__init__.py: the public helpers, lazily) comes last, as the CLI does.
 ORDER = ["exits", "faults", "config", "distributed", "data", "packed", "models", "rundir", "ops", "run", "bench", "commands",
-         "cli", "__main__"]
+         "cli", "__main__", "__init__"]
 
 
 def _modules() -> dict[str, Path]:

@@ -19,6 +19,7 @@ def run_eval(args) -> int:
     from packtrain.data.examples import load_split
     from packtrain.data.planner import plan_for
     from packtrain.models.build import build_base_model
+    from packtrain.models.loading import read_adapter
     from packtrain.packed.kernels import select_backend
     from packtrain.packed.lm import PackedLM
     from packtrain.packed.patch import patch_model
@@ -31,6 +32,8 @@ def run_eval(args) -> int:
     if adapter is not None and not (adapter / "adapter_config.json").is_file():
         raise ValueError(f"--adapter: {adapter} is not a PEFT adapter directory (no adapter_config.json; "
                          "`--adapter none` evaluates the base model)")
+    if adapter is not None:
+        read_adapter(adapter)  # a damaged or truncated file: one line naming it, before the model is built
     split = "eval" if cfg.data.eval else "train"
     examples = load_split(cfg, split)
     if examples is None:

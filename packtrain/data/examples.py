@@ -135,7 +135,11 @@ def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[in
     if not path.is_file():
         raise DataError(path, None, None, "file not found")
     limit = -1 if max_line_bytes is None else max_line_bytes + 1
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except OSError as e:  # no permission: the data's error, never blamed on output_dir
+        raise DataError(path, None, None, f"cannot be read: {e.strerror}") from None
+    with f:
         for line_no, line in enumerate(iter(lambda: f.readline(limit), b""), 1):
             if max_line_bytes is not None and len(line.rstrip(b"\r\n")) > max_line_bytes:
                 raise DataError(path, line_no, None, f"line longer than {max_line_bytes:,} bytes: "
@@ -151,7 +155,33 @@ def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[in
                 raise DataError(path, line_no, None, f"not valid JSON: {e.msg} (column {e.colno})") from None
             if not isinstance(record, dict):
                 raise DataError(path, line_no, None, f"expected a JSON object, got {type(record).__name__}")
+            where = _lone_surrogate(record)
+            if where is not None:
+                raise DataError(path, line_no, where, "holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                                "without its pair): not text any tokenizer can encode")
             yield line_no, record
+
+
+def _lone_surrogate(value, where: str = "") -> str | None:
+    """The field (``messages[2].content``) of the first string that is not encodable text, None when all are:
+    JSON's ``\\ud800`` escapes parse to a lone surrogate that tokenizers reject with a TypeError."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "(the key)"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(key, where) or _lone_surrogate(item, f"{where}.{key}" if where else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _empty_file(path: Path) -> DataError:

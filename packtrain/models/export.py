@@ -25,13 +25,11 @@ from packtrain.models.loading import INDEX_FILE, SafetensorsCheckpoint, WeightMa
 def _load_adapter(base: nn.Module, adapter_dir: Path) -> nn.Module:
     """The adapter on the meta-device base (adapter weights real, on the CPU), as peft would load it."""
     from peft import LoraConfig, PeftConfig, get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
 
     from packtrain.models.build import adapters_on_cpu
+    from packtrain.models.loading import read_adapter
 
-    weights = adapter_dir / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise ValueError(f"--adapter: {adapter_dir} has no adapter_model.safetensors (a PEFT adapter directory)")
+    tensors = read_adapter(adapter_dir)  # a damaged file: one line naming it
     config = PeftConfig.from_pretrained(str(adapter_dir))
     if not isinstance(config, LoraConfig):
         raise ValueError(f"--adapter: {adapter_dir} holds a {type(config).__name__}, only LoRA merges")
@@ -41,7 +39,7 @@ def _load_adapter(base: nn.Module, adapter_dir: Path) -> nn.Module:
     with adapters_on_cpu(base) as cpu:  # peft would move the loaded adapter to the base's (meta) device too
         model = get_peft_model(base, config, autocast_adapter_dtype=True)
         cpu.drop_copies()  # modules_to_save copies: meta, then assigned the trained tensors
-        result = set_peft_model_state_dict(model, load_file(str(weights)), low_cpu_mem_usage=True)
+        result = set_peft_model_state_dict(model, tensors, low_cpu_mem_usage=True)
     missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
     if missing:
         raise ValueError(f"--adapter: {adapter_dir} lacks {len(missing)} adapter tensors, e.g. {missing[0]}")

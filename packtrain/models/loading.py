@@ -316,3 +316,27 @@ def materialize(root: nn.Module, kept: dict, names: dict[nn.Module, str], weight
         raise ValueError(f"model.path: {weights.checkpoint.path} lacks {len(missing)} tensors the model needs: {shown}")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     return LoadReport(read, len(kept), weights.extra_summary(), weights.checkpoint.path, world)
+
+
+def read_adapter(adapter_dir: Path, flag: str = "--adapter") -> dict:
+    """A PEFT adapter directory's tensors after checking it can be read: its ``adapter_config.json`` is JSON and its
+    ``adapter_model.safetensors`` loads whole. A truncated or damaged file is a :class:`ValueError` naming it (one
+    line at the CLI), not safetensors' traceback."""
+    adapter_dir = Path(adapter_dir)
+    config, weights = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
+    for path in (config, weights):
+        if not path.is_file():
+            raise ValueError(f"{flag}: {adapter_dir} is not a PEFT adapter directory (no {path.name})")
+    try:
+        parsed = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{flag}: {config}: unreadable ({e}); a damaged or truncated copy?") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{flag}: {config}: expected a JSON object")  # noqa: TRY004 - a user error: exit 2
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(weights))
+    except Exception as e:  # noqa: BLE001 - safetensors' own error types: any of them means unreadable
+        raise ValueError(f"{flag}: {weights}: unreadable ({type(e).__name__}: {str(e)[:200]}); a damaged or "
+                         "truncated copy?") from None

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from packtrain.rundir.checkpoint import STEP_DIR
+
 FULL = {errno.ENOSPC, errno.EDQUOT}
 NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
 FULL_TEXT = ("No space left on device", "StorageFull", "Disk quota exceeded")
@@ -30,6 +32,9 @@ class OutputDirError(ValueError):
 def check_writable(out: Path) -> None:
     """Create ``out`` and write, sync and remove a small probe file in it."""
     out = Path(out)
+    problem = _not_a_directory(out)
+    if problem is not None:
+        raise OutputDirError(f"output_dir {out}: {problem}; choose a directory")
     with output_errors(out):
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-probe-{os.getpid()}"
@@ -40,6 +45,33 @@ def check_writable(out: Path) -> None:
                 os.fsync(f.fileno())
         finally:
             probe.unlink(missing_ok=True)
+
+
+def _not_a_directory(out: Path) -> str | None:
+    """Why ``out`` cannot be a directory (it, or the nearest of its parents that exists, is a file), or None."""
+    for folder in (out, *out.parents):
+        if folder.exists() or folder.is_symlink():
+            if folder.is_dir():
+                return None
+            what = "a dangling symbolic link" if not folder.exists() else "a file"
+            return f"is {what}" if folder == out else f"is under {folder}, which is {what}"
+    return None
+
+
+def _saved(out: Path) -> bool:
+    """Whether ``out`` holds a checkpoint a resume could continue from."""
+    try:
+        return any(STEP_DIR.match(p.name) for p in (out / "checkpoints").iterdir())
+    except OSError:
+        return False
+
+
+def _under(path, out: Path) -> bool:
+    try:
+        Path(os.path.abspath(path)).relative_to(os.path.abspath(out))
+    except ValueError:
+        return False
+    return True
 
 
 def _free_bytes(out: Path) -> int:
@@ -54,7 +86,10 @@ def describe(e: BaseException, out: Path) -> OutputDirError | None:
     out = Path(out)
     text = str(e)
     path = getattr(e, "filename", None) or out
-    resume = "; `packtrain train --resume` continues from the last complete checkpoint"
+    if isinstance(e, OSError) and getattr(e, "filename", None) is not None and not _under(e.filename, out):
+        return None  # another file's error (data, tokenizer, a model path): never blamed on output_dir
+    resume = ("; `packtrain train --resume` continues from the last complete checkpoint" if _saved(out) else
+              "; no checkpoint was written yet: free space and run again")
     if isinstance(e, OSError) and e.errno in NOT_WRITABLE:
         return OutputDirError(f"output_dir {out}: not writable: {path}: {e.strerror}")
     full = (isinstance(e, OSError) and e.errno in FULL) or any(t in text for t in FULL_TEXT)

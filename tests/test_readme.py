@@ -1,0 +1,35 @@
+"""The README's snippet that tries the adapter with transformers + peft alone, run as a user runs it: a fresh
+interpreter in this venv (fla installed, no GPU, no TRITON_INTERPRET), on a run packtrain trained. Before
+`packtrain.use_torch_kernels_on_cpu()`, transformers called fla's kernels on CPU tensors and the forward failed with
+"0 active drivers" (issue 28)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from cli_helpers import REPO
+
+pytestmark = pytest.mark.process
+
+
+def _snippet() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.DOTALL)
+    found = [b for b in blocks if "PeftModel.from_pretrained" in b]
+    assert len(found) == 1, "the README has one snippet that loads the adapter with peft"
+    return found[0]
+
+
+def test_the_readme_snippet_generates_with_transformers_and_peft(trained, tmp_path):
+    run = trained().run
+    code = _snippet()
+    assert code.count('"runs/demo/') == 2
+    script = tmp_path / "try_adapter.py"
+    script.write_text(code.replace('"runs/demo/', f'"{run}/'))
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True,
+                          env={**env, "OMP_NUM_THREADS": "1"}, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("Encode: ") and " -> " in line and line.split(" -> ", 1)[1].strip(), proc.stdout
