@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user errors: config, data, CLI arguments
         print(f"packtrain {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path the checks before the work did not foresee: one line naming it, not a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"packtrain {args.command}: error: {where}{e.strerror or e} ({type(e).__name__})", file=sys.stderr)
+        return 2
     except RunStopped as e:  # a deliberate stop (packtrain/exits.py): one line, its own exit code
         if not e.quiet:
             print(f"packtrain {args.command}: {e}", file=sys.stderr)

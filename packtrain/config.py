@@ -48,6 +48,20 @@ def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
+def read_json_object(path: Path, label: str) -> dict:
+    """A JSON file that must hold an object (a model's config.json, an adapter's adapter_config.json); anything
+    else is a :class:`ValueError` naming ``label`` and the file (one line at the CLI)."""
+    import json
+
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{label}: {path}: unreadable ({e}); a damaged or truncated copy?") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{label}: {path}: expected a JSON object")  # noqa: TRY004 - a user error: exit 2
+    return raw
+
+
 class ConfigError(ValueError):
     """A config that cannot be used; ``problems`` lists every dotted path that is wrong."""
 

@@ -212,3 +212,65 @@ def test_export_and_eval_of_a_truncated_adapter_name_the_file(trained, tmp_path)
     (run / "adapter" / "adapter_config.json").write_text("{")
     line = _one_line(run_in_process("export", run, "--merged", tmp_path / "merged", check=False), "export")
     assert f"{run / 'adapter' / 'adapter_config.json'}: unreadable" in line, line
+
+
+def test_outputs_of_eval_export_and_bench_under_a_file_fail_before_the_work(trained, tmp_path):
+    """`eval --out`, `export --merged` and `bench --out` under a file: tracebacks once the work was done."""
+    finished = trained()
+    blocker = tmp_path / "taken"
+    blocker.write_text("x")
+    for command, args in (("eval", (finished.config, "--adapter", finished.run / "adapter", "--out")),
+                          ("export", (finished.run, "--merged")),
+                          ("bench", ("--preset", "tiny", "--out"))):
+        proc = run_in_process(command, *args, blocker / "out", check=False)
+        line = _one_line(proc, command)
+        assert f"{blocker / 'out'}: cannot be created: {blocker} is a file" in line, line
+        assert "repeat" not in proc.stdout and "memory" not in proc.stdout  # refused before any work
+    line = _one_line(run_in_process("eval", finished.config, "--adapter", finished.run / "adapter", "--out",
+                                    tmp_path, check=False), "eval")
+    assert f"--out {tmp_path}: is a directory; give a file name" in line, line
+
+
+def test_a_data_directory_and_a_damaged_tokenizer_are_named(tmp_path):
+    cfg = write_config(tmp_path, data={"eval": None})
+    (tmp_path / "folder").mkdir()
+    line = _one_line(run_in_process("plan", cfg, "--set", f"data.train={tmp_path / 'folder'}", check=False), "plan")
+    assert f"{tmp_path / 'folder'}: is a directory, not a JSONL file" in line, line
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{")
+    line = _one_line(run_in_process("plan", cfg, "--set", f"data.tokenizer={tok}", check=False), "plan")
+    assert f"tokenizer {tok}: cannot be loaded" in line, line
+
+
+def test_a_key_given_twice_in_a_data_line_is_refused(tmp_path):
+    """JSON, like YAML, keeps the last of two equal keys: a second "target" replaced the first silently."""
+    cfg = write_config(tmp_path, data={"eval": None})
+    data = tmp_path / "train.jsonl"
+    lines = data.read_text().splitlines()
+    lines[1] = lines[1][:-1] + ', "target": "another target"}'
+    data.write_text("\n".join(lines) + "\n")
+    line = _one_line(run_in_process("plan", cfg, check=False), "plan")
+    assert f"{data}:2: field 'target': given twice in one object" in line, line
+
+
+def test_a_truncated_base_checkpoint_or_config_is_named_by_train_and_eval(tmp_path):
+    """A cut-off shard of model.path gave safetensors' SafetensorError traceback, a damaged config.json a bare JSON
+    message naming no file."""
+    from checkpoints import save_checkpoint, text_config
+
+    from packtrain.data.examples import BUNDLED_TOKENIZER
+
+    base = tmp_path / "base"
+    save_checkpoint(base, text_config())
+    shard = sorted(base.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    cfg = write_config(tmp_path, model={"config": None, "path": str(base)}, data={"tokenizer": str(BUNDLED_TOKENIZER)})
+    line = _one_line(run_in_process("train", cfg, check=False))
+    assert f"model.path: {shard}: unreadable" in line, line
+    line = _one_line(run_in_process("eval", cfg, "--adapter", "none", "--out", tmp_path / "e.jsonl", check=False),
+                     "eval")
+    assert f"model.path: {shard}: unreadable" in line, line
+    (base / "config.json").write_text("{")
+    line = _one_line(run_in_process("train", cfg, check=False))
+    assert f"model.path: {base / 'config.json'}: unreadable" in line, line

@@ -153,3 +153,16 @@ def test_a_lock_without_a_start_time_is_not_taken_from_a_live_process(tmp_path):
     tmp_path.joinpath(LOCK).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
     with pytest.raises(RunDirError, match=f"in use by another run: pid {os.getppid()}"):
         claim(tmp_path, False, False, ONE, log=print)
+
+
+def test_an_empty_lock_is_taken_over(tmp_path):
+    """A writer killed between creating the lock and writing it left an empty file that refused every later run
+    ("unreadable lock file"). Writers hold the directory's flock while writing, so one found empty under it is dead."""
+    (tmp_path / LOCK).write_text("")
+    said = []
+    lock = claim(tmp_path, False, False, ONE, log=said.append)
+    assert any("taking over the empty lock" in s for s in said), said
+    lock.release()
+    (tmp_path / LOCK).write_text("not json")  # not packtrain's: left alone
+    with pytest.raises(RunDirError, match="unreadable lock file"):
+        claim(tmp_path, False, False, ONE, log=print)

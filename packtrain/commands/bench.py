@@ -116,7 +116,9 @@ def run_bench(args) -> int:
     from packtrain.bench.variants import VARIANTS, Models, Workload
     from packtrain.data.planner import plan_for, plan_stats, target_count
     from packtrain.distributed import init_distributed
+    from packtrain.rundir.disk import check_output_path
 
+    check_output_path(args.out, "--out", directory=True)  # before the models are built and timed
     load_before = os.getloadavg()[0]
     preset = get_preset(args.preset or "cpu")
     threads = args.threads or preset.threads

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from packtrain.config import load_config
 from packtrain.distributed import init_distributed, shutdown
+from packtrain.rundir.disk import check_output_path
 
 
 def run_eval(args) -> int:
@@ -28,6 +29,7 @@ def run_eval(args) -> int:
     from packtrain.run.units import UnitSetup, image_loader
 
     cfg = load_config(args.config, args.overrides)
+    check_output_path(args.out, "--out", directory=False)
     adapter = None if args.adapter == "none" else Path(args.adapter)
     if adapter is not None and not (adapter / "adapter_config.json").is_file():
         raise ValueError(f"--adapter: {adapter} is not a PEFT adapter directory (no adapter_config.json; "

@@ -30,8 +30,10 @@ def run_export(args) -> int:
     from packtrain.data.examples import BUNDLED_TOKENIZER
     from packtrain.data.images import BUNDLED_PROCESSOR
     from packtrain.models.export import export_merged
+    from packtrain.rundir.disk import check_output_path
 
     output = Path(args.output_dir)
+    check_output_path(args.merged, "--merged", directory=True)
     run_config = output / "config.yaml"
     if not run_config.is_file():
         raise ValueError(f"{output}: no config.yaml (not the output directory of a packtrain train run)")

@@ -125,7 +125,11 @@ def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
     path = Path(path) if path is not None else BUNDLED_TOKENIZER
     if not (path / "tokenizer.json").is_file():
         raise ValueError(f"no tokenizer.json in the tokenizer directory {path}")
-    return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library's own errors too: any means unreadable
+        raise ValueError(f"tokenizer {path}: cannot be loaded ({type(e).__name__}: {str(e)[:200]}); a damaged "
+                         "tokenizer.json or tokenizer_config.json?") from None
 
 
 def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[int, dict]]:
@@ -133,7 +137,7 @@ def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[in
     read whole, parsed or tokenized: its error costs neither the time nor the memory of reading it
     (docs/performance.md, "Refusing an oversized line")."""
     if not path.is_file():
-        raise DataError(path, None, None, "file not found")
+        raise DataError(path, None, None, "is a directory, not a JSONL file" if path.is_dir() else "file not found")
     limit = -1 if max_line_bytes is None else max_line_bytes + 1
     try:
         f = path.open("rb")
@@ -148,7 +152,10 @@ def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[in
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line, object_pairs_hook=_unique_keys)
+            except _DuplicateKey as e:
+                raise DataError(path, line_no, e.key, "given twice in one object (JSON keeps the last silently)") \
+                    from None
             except UnicodeDecodeError:
                 raise DataError(path, line_no, None, "not valid UTF-8") from None
             except json.JSONDecodeError as e:
@@ -160,6 +167,24 @@ def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[in
                 raise DataError(path, line_no, where, "holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
                                 "without its pair): not text any tokenizer can encode")
             yield line_no, record
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json's object hook: a dict, or :class:`_DuplicateKey` for a key given twice."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return out
 
 
 def _lone_surrogate(value, where: str = "") -> str | None:

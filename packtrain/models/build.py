@@ -7,7 +7,6 @@ belongs to.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -15,7 +14,15 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from packtrain.config import Config
-from packtrain.packed.families import ROUTER, check_built_config, check_config_dict, family_for_type, family_of
+from packtrain.models.loading import SafetensorsCheckpoint
+from packtrain.packed.families import (
+    ROUTER,
+    check_built_config,
+    check_config_dict,
+    config_dict,
+    family_for_type,
+    family_of,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -46,7 +53,8 @@ def build_base_model(cfg: Config, save_to: Path | None = None, meta: bool = Fals
         path = cfg.resolve_path(cfg.model.path)
         if not (path / "config.json").is_file():
             raise ValueError(f"model.path: {path} is not a local transformers model directory (no config.json)")
-        family = check_config_dict(json.loads((path / "config.json").read_text()), f"{path / 'config.json'}")
+        family = check_config_dict(config_dict(cfg), f"{path / 'config.json'}")
+        SafetensorsCheckpoint(path).check_files()  # a truncated shard: one line naming it, before any build
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         check_built_config(family, hf_config, f"{path / 'config.json'}")
         cls = model_class_for(hf_config.model_type)

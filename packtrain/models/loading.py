@@ -20,6 +20,7 @@ vision tower under a text class) are counted and left alone.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -30,6 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from packtrain.config import read_json_object
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -38,8 +41,6 @@ class SafetensorsCheckpoint:
     """The tensors of a local checkpoint directory: sharded (``model.safetensors.index.json``) or one file."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
         index = self.path / INDEX_FILE
         if index.is_file():
@@ -52,11 +53,18 @@ class SafetensorsCheckpoint:
             if missing:
                 raise ValueError(f"{index} names shard files that do not exist: {', '.join(missing)}")
         elif (self.path / SINGLE_FILE).is_file():
-            with safe_open(str(self.path / SINGLE_FILE), framework="pt") as f:
+            with _opened(self.path / SINGLE_FILE) as f:
                 self.file_of = {k: self.path / SINGLE_FILE for k in f.keys()}
         else:
             raise ValueError(f"model.path: {self.path} has neither {INDEX_FILE} nor {SINGLE_FILE} (packtrain "
                              "reads safetensors checkpoints only)")
+
+    def check_files(self) -> None:
+        """Open every shard's header (memory-mapped, no tensor read): a truncated or damaged shard is a
+        :class:`ValueError` naming it before the model is built, not safetensors' traceback mid-load."""
+        for path in self.files():
+            with _opened(path):
+                pass
 
     def keys(self) -> list[str]:
         return list(self.file_of)
@@ -75,6 +83,19 @@ class SafetensorsCheckpoint:
             if not index:
                 return f.get_tensor(key)
             return f.get_slice(key)[index]
+
+
+@contextlib.contextmanager
+def _opened(path: Path):
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(str(path), framework="pt")
+    except Exception as e:  # noqa: BLE001 - safetensors' own error types: any of them means unreadable
+        raise ValueError(f"model.path: {path}: unreadable ({type(e).__name__}: {str(e)[:200]}); a damaged or "
+                         "truncated copy?") from None
+    with f:
+        yield f
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
@@ -327,12 +348,7 @@ def read_adapter(adapter_dir: Path, flag: str = "--adapter") -> dict:
     for path in (config, weights):
         if not path.is_file():
             raise ValueError(f"{flag}: {adapter_dir} is not a PEFT adapter directory (no {path.name})")
-    try:
-        parsed = json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{flag}: {config}: unreadable ({e}); a damaged or truncated copy?") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"{flag}: {config}: expected a JSON object")  # noqa: TRY004 - a user error: exit 2
+    read_json_object(config, flag)
     from safetensors.torch import load_file
 
     try:

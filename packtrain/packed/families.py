@@ -159,7 +159,7 @@ def check_built_config(family: Family, hf_config, where: str = "model.config") -
 
 def config_dict(cfg) -> dict:
     """``model.config``, or ``config.json`` under ``model.path`` (read without transformers)."""
-    import json
+    from packtrain.config import read_json_object
 
     if cfg.model.config is not None:
         return dict(cfg.model.config)
@@ -168,7 +168,7 @@ def config_dict(cfg) -> dict:
     path = cfg.resolve_path(cfg.model.path) / "config.json"
     if not path.is_file():
         raise ValueError(f"model.path: {path.parent} is not a local transformers model directory (no config.json)")
-    return json.loads(path.read_text())
+    return read_json_object(path, "model.path")
 
 
 def check_model(cfg) -> Family:

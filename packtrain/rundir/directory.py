@@ -166,7 +166,12 @@ class RunLock:
     @staticmethod
     def _take_over_if_stale(path: Path, log) -> None:
         try:
-            holder = json.loads(path.read_text())
+            text = path.read_text()
+            if not text.strip():  # its writer holds the flock while writing: one that left it empty has died
+                log(f"taking over the empty lock {path}: its writer died before writing it")
+                path.unlink(missing_ok=True)
+                return
+            holder = json.loads(text)
         except FileNotFoundError:
             return
         except (OSError, ValueError):

@@ -47,15 +47,39 @@ def check_writable(out: Path) -> None:
             probe.unlink(missing_ok=True)
 
 
+def _blocking_file(folder: Path) -> Path | None:
+    """The nearest of ``folder`` and its parents that exists, when it is not a directory (a file, a dangling link):
+    what stops ``folder`` from being created. None when nothing does."""
+    for f in (folder, *folder.parents):
+        if f.exists() or f.is_symlink():
+            return None if f.is_dir() else f
+    return None
+
+
+def _what(path: Path) -> str:
+    return "a dangling symbolic link" if not path.exists() else "a file"
+
+
 def _not_a_directory(out: Path) -> str | None:
     """Why ``out`` cannot be a directory (it, or the nearest of its parents that exists, is a file), or None."""
-    for folder in (out, *out.parents):
-        if folder.exists() or folder.is_symlink():
-            if folder.is_dir():
-                return None
-            what = "a dangling symbolic link" if not folder.exists() else "a file"
-            return f"is {what}" if folder == out else f"is under {folder}, which is {what}"
-    return None
+    blocker = _blocking_file(out)
+    if blocker is None:
+        return None
+    return f"is {_what(blocker)}" if blocker == out else f"is under {blocker}, which is {_what(blocker)}"
+
+
+def check_output_path(path: Path, flag: str, directory: bool) -> None:
+    """Before a command does its work: ``path``, the file (or with ``directory`` the folder) it will write, can be
+    written there. A folder on the way that is a file, or a file name that is a directory, was a traceback at the
+    end of the work (``eval --out``, ``export --merged``, ``bench --out``)."""
+    path = Path(path)
+    blocker = _blocking_file(path.parent)
+    if blocker is not None:
+        raise OutputDirError(f"{flag} {path}: cannot be created: {blocker} is {_what(blocker)}")
+    if directory and (path.exists() or path.is_symlink()) and not path.is_dir():
+        raise OutputDirError(f"{flag} {path}: is {_what(path)}, not a directory")
+    if not directory and path.is_dir():
+        raise OutputDirError(f"{flag} {path}: is a directory; give a file name")
 
 
 def _saved(out: Path) -> bool:
