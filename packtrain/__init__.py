@@ -9,7 +9,8 @@ def use_torch_kernels_on_cpu() -> None:
 
     Needed only on a machine with fla installed and no GPU (the venv ``make`` builds: fla is there for the tests'
     interpreter runs): transformers then calls fla's Triton kernels on CPU tensors, which fail with "0 active
-    drivers". CUDA tensors keep transformers' own choice. Idempotent; packtrain's own commands do this themselves.
+    drivers". Called before the model is loaded (as in the README), it also spares the process importing fla.
+    CUDA tensors keep transformers' own choice. Idempotent; packtrain's own commands do this themselves.
     """
     from packtrain.packed.kernels.hf_route import route_unpacked_kernels
 

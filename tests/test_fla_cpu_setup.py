@@ -58,3 +58,26 @@ def test_fla_in_float64_is_a_config_error():
         config_from_dict({"model": {"kernels": "fla", "dtype": "float64"}})
     assert e.value.problems == ["model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)"]
     config_from_dict({"model": {"kernels": "fla", "dtype": "float32"}})
+
+
+@pytest.mark.process
+def test_a_cpu_run_never_imports_fla(tmp_path):
+    """Without CUDA, transformers' Qwen3.5 modules are imported with fla hidden (hf_route.kernel_packages_hidden),
+    and check-nodes describes fla from its install: a training process never imports fla and its triton (5-8 s of
+    every start on this machine) unless model.kernels: fla asks for them. The rank is forked from a server that
+    imported packtrain as a CLI process does."""
+    import importlib.util
+
+    from cli_helpers import run_ranks, write_config
+
+    cfg = write_config(tmp_path, train={"max_steps": 1}, data={"eval": None})
+    script = ("import sys\nfrom packtrain.cli import main\nfrom packtrain.ops.nodes import node_report\n"
+              "assert main(sys.argv[1:]) == 0\nfields = node_report(0).fields\n"
+              "print('fla imported:', 'fla' in sys.modules, '| reported:', fields['fla'], fields['fla path'])\n")
+    out = run_ranks(1, "train", str(cfg), script=script).stdout
+    assert "fla imported: False |" in out, out[-2000:]
+    spec = importlib.util.find_spec("fla")
+    if spec is not None:  # installed: named by the version and folder an import would load
+        from importlib.metadata import version
+
+        assert f"reported: {version('flash-linear-attention')} {spec.submodule_search_locations[0]}" in out, out

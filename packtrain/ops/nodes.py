@@ -21,6 +21,7 @@ import importlib.util
 import os
 import platform
 import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from packtrain.faults import OVERRIDE_RANK, node_override
 from packtrain.ops import fla_tune
 
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "fla", "causal_conv1d", "triton", "packtrain")
+GPU_ONLY = ("fla", "causal_conv1d", "triton")  # described without importing on a machine without CUDA
+DISTRIBUTIONS = {"fla": "flash-linear-attention"}  # import name -> distribution name, where they differ
 NOT_INSTALLED = "not installed"
 NOT_COMPARED = ("host",)
 
@@ -50,23 +53,36 @@ class NodeReport:
 
 
 def _package(name: str) -> tuple[str, str]:
-    """(version, install folder) of an importable package, as imported by this process."""
-    if importlib.util.find_spec(name) is None:
+    """(version, install folder) of an importable package, as imported by this process. Without CUDA, fla,
+    causal_conv1d and triton run only when ``model.kernels: fla`` imports them; not imported yet, they are described
+    from their install (metadata version, the folder import would load) instead of paying seconds to import them."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
         return NOT_INSTALLED, "-"
+    if name in GPU_ONLY and name not in sys.modules and spec.origin and not _cuda():
+        return _installed_version(name), str(Path(spec.origin).resolve().parent)
     try:
         module = importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 (fla imports triton and CUDA bits: any failure is a finding to report)
         return f"import failed: {type(e).__name__}: {str(e)[:80]}", "-"
     version = getattr(module, "__version__", None)
-    if version is None:
-        from importlib.metadata import PackageNotFoundError
-        from importlib.metadata import version as dist_version
+    return str(version) if version is not None else _installed_version(name), str(Path(module.__file__).resolve().parent)
 
-        try:
-            version = dist_version(name.replace("_", "-"))
-        except PackageNotFoundError:
-            version = "unknown"
-    return str(version), str(Path(module.__file__).resolve().parent)
+
+def _installed_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version(DISTRIBUTIONS.get(name, name.replace("_", "-")))
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _source_digest() -> str:
@@ -92,11 +108,11 @@ def _gpu_fields(device) -> dict[str, str]:
 
 
 def fla_cache_fields(fla_version: str) -> dict[str, str]:
-    """The FLA cache fla will use: its own view when it imports (mode and folder are read at import), else the
-    environment. The pinned configs are read from the folder and summarised by kernel count and digest."""
+    """The FLA cache fla will use: its own view when this process imported it (mode and folder are read at import),
+    else the environment. The pinned configs are read from the folder and summarised by kernel count and digest."""
     mode = os.environ.get(fla_tune.ENV_MODE, "disabled")
     folder = os.environ.get(fla_tune.ENV_DIR)
-    if fla_version != NOT_INSTALLED and not fla_version.startswith("import failed"):
+    if "fla" in sys.modules and fla_version != NOT_INSTALLED and not fla_version.startswith("import failed"):
         from fla.ops.utils import cache
 
         mode, folder = cache.FLA_CACHE_MODE.value, str(cache.get_fla_config_dir())

@@ -7,12 +7,21 @@ fla installed on a CPU machine (the ``fla`` extra, for the interpreter tests) it
 tensors and fails with "0 active drivers". So each of those module-level names is replaced, once, by a router:
 CPU tensors go to the torch function transformers wrapped (``__wrapped__``), everything else to transformers'
 own choice, unchanged. Packed forwards never reach these names (:mod:`packtrain.packed.gdn` runs the pack).
+
+On a machine without CUDA those modules are first imported with fla and causal_conv1d unimportable
+(:func:`kernel_packages_hidden`), so transformers binds its torch functions from the start and the process never
+imports fla (with triton, 5-8 s of every start here) unless ``model.kernels: fla`` asks for it; the routers then
+change nothing. Where fla was imported before (a test, a user's script), the routers still catch its CPU calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
 
 import torch
 
@@ -21,6 +30,40 @@ MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.
            "transformers.models.qwen3_next.modeling_qwen3_next")
 KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
                 "causal_conv1d_update")
+
+
+# the optional packages transformers binds GDN kernels from at import (its fallback order: hub kernels, these, torch)
+KERNEL_PACKAGES = ("fla", "causal_conv1d")
+
+
+class _Unimportable(importlib.abc.Loader):
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"{spec.name} is hidden while transformers binds its CPU kernels (packtrain)",
+                                  name=spec.name)
+
+    def exec_module(self, module):  # never reached: create_module raises
+        raise ModuleNotFoundError(module.__name__)
+
+
+class _HideKernelPackages(importlib.abc.MetaPathFinder):
+    """Finds :data:`KERNEL_PACKAGES` (a ``find_spec`` query still sees them installed) and fails their import."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in KERNEL_PACKAGES:
+            return importlib.machinery.ModuleSpec(name, _Unimportable())
+        return None
+
+
+@contextlib.contextmanager
+def kernel_packages_hidden():
+    """Within the block, importing fla or causal_conv1d fails as if they were not installed (unless already
+    imported: sys.modules answers first)."""
+    finder = _HideKernelPackages()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
 
 
 def _first_tensor(args, kwargs) -> torch.Tensor | None:
@@ -49,10 +92,13 @@ def _router(name: str, chosen):
 
 
 def route_unpacked_kernels() -> None:
-    """Install the CPU routers in every module of :data:`MODULES` this transformers has (idempotent)."""
+    """Install the CPU routers in every module of :data:`MODULES` this transformers has (idempotent); without CUDA,
+    a module not imported yet is imported with the kernel packages hidden."""
+    hide = kernel_packages_hidden if not torch.cuda.is_available() else contextlib.nullcontext
     for module_name in MODULES:
         try:
-            module = importlib.import_module(module_name)
+            with hide():
+                module = importlib.import_module(module_name)
         except ImportError:  # an older transformers without this family
             continue
         for name in KERNEL_NAMES:
