@@ -166,3 +166,20 @@ def test_an_empty_lock_is_taken_over(tmp_path):
     (tmp_path / LOCK).write_text("not json")  # not packtrain's: left alone
     with pytest.raises(RunDirError, match="unreadable lock file"):
         claim(tmp_path, False, False, ONE, log=print)
+
+
+def test_a_filesystem_without_flock_still_takes_the_lock(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    said = []
+    lock = claim(tmp_path, False, False, ONE, log=said.append)
+    assert any("has no flock (No locks available)" in s for s in said), said
+    lock.release()
+    _write_lock(tmp_path, os.getppid())  # a live holder: the exclusive create and the liveness check still refuse
+    with pytest.raises(RunDirError, match=f"in use by another run: pid {os.getppid()}"):
+        claim(tmp_path, False, False, ONE, log=print)

@@ -21,6 +21,7 @@ instead of leaving the others waiting in the next collective.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -35,6 +36,7 @@ from packtrain.distributed import DistInfo
 from packtrain.rundir.checkpoint import checkpoints
 
 LOCK = "packtrain.lock"
+NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # flock refused by the filesystem
 # What `--overwrite` removes: everything `train` writes into OUTPUT (nothing else there is touched).
 OUTPUTS = ("adapter", "checkpoints", "metrics.jsonl", "loss.png", "config.yaml", "base", "hang", "ops",
            "generations", "wandb-run-id")
@@ -130,13 +132,20 @@ def holder_alive(holder: dict) -> bool:
 
 
 @contextlib.contextmanager
-def _deciding(out: Path):
+def _deciding(out: Path, log):
     """An exclusive ``flock`` of the directory ``out`` while a process looks at the lock file and takes it: only one
     decides at a time. (The lock file itself cannot carry it: a takeover replaces that file, and a second process
     would lock the new one.) A process that dies releases it."""
     fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in NO_FLOCK:
+                raise
+            # a filesystem without flock (Lustre mounted without -o flock, some FUSE): the exclusive create still
+            # refuses a live holder; only two takeovers of one dead holder at the same moment could both succeed
+            log(f"{out}: this filesystem has no flock ({e.strerror}); taking the lock without it")
         yield
     finally:
         os.close(fd)
@@ -151,7 +160,7 @@ class RunLock:
         path = out / LOCK
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
               "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        with _deciding(out):
+        with _deciding(out, log):
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
