@@ -108,11 +108,16 @@ def test_a_stop_after_an_epochs_last_step_runs_that_epochs_eval_on_resume(traine
                 if x.get("split") == "eval"]
 
     assert [s for s, _ in evals(run)] == [0]
+    without_eval = tmp_path / "without-eval"
+    shutil.copytree(run, without_eval)
     run_in_process("train", cfg, "--set", f"output_dir={run}", "--resume")
     assert [s for s, _ in evals(straight.run)] == [0, 6, 12]
     assert evals(run) == evals(straight.run)  # the same losses: the eval ran on step 6's restored adapter
     a, b = (load_file(str(r / "adapter/adapter_model.safetensors")) for r in (straight.run, run))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # data.eval removed on resume (an allowed change): the owed evaluation has nothing to run on, and is skipped
+    run_in_process("train", cfg, "--set", f"output_dir={without_eval}", "--resume", "--set", "data.eval=null")
+    assert [s for s, _ in evals(without_eval)] == [0]
 
 
 def test_a_refused_resume_moves_no_damaged_checkpoint(trained, tmp_path):

@@ -201,9 +201,9 @@ class Trainer:
             first_task = last_task = self._generate()
         # stopped right after an evaluation boundary (an epoch's last step): the evaluations it owed run now, before
         # the next step, as the uninterrupted run ran them
-        if c.step > 0 and "eval" in self.owed:
+        if c.step > 0 and "eval" in self.owed and self.eval_plan is not None:  # data.eval may be gone since
             last_eval = self._eval()
-        if c.step > 0 and "generate" in self.owed:
+        if c.step > 0 and "generate" in self.owed and self.task is not None:
             last_task = self._generate()
         bar = tqdm(total=self.total_steps, initial=c.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (self.dist.is_main and cfg.logging.progress))
