@@ -55,18 +55,14 @@ def test_train_with_fla_kernels_under_the_interpreter_matches_torch_kernels(tmp_
 
 @pytest.mark.process
 def test_standalone_train_and_eval_run_without_the_interpreter(tmp_path):
-    """Unpacked forwards on CPU never reach fla's kernels, which fail there uncompiled ("0 active drivers"). The
-    process imports fla first, as a user's script may: transformers then binds fla's kernels, and packtrain's
-    routers must send the CPU calls to its torch functions (without that import, packtrain hides fla from
-    transformers altogether: tests/test_fla_cpu_setup.py)."""
+    """Unpacked forwards on CPU never reach fla's kernels, which fail there uncompiled ("0 active drivers")."""
     cfg = write_config(tmp_path, model=MODEL, optim=OPTIM, train={"max_steps": 1})
     out = tmp_path / "losses.jsonl"
     # both commands in one process started without the interpreter
     train = ["train", str(cfg), "--set", "packing.mode=standalone"]
     evaluate = ["eval", str(cfg), "--adapter", str(tmp_path / "run" / "adapter"), "--out", str(out), "--set",
                 "packing.mode=standalone"]
-    script = (f"import fla\nfrom packtrain.cli import main\nassert main({train!r}) == 0\n"
-              f"raise SystemExit(main({evaluate!r}))\n")
+    script = f"from packtrain.cli import main\nassert main({train!r}) == 0\nraise SystemExit(main({evaluate!r}))\n"
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
                           check=False)

@@ -81,3 +81,25 @@ def test_a_cpu_run_never_imports_fla(tmp_path):
         from importlib.metadata import version
 
         assert f"reported: {version('flash-linear-attention')} {spec.submodule_search_locations[0]}" in out, out
+
+
+def test_a_router_over_transformers_fla_binding_runs_the_torch_function():
+    """Where fla was imported before transformers' modules (a user's script), transformers binds fla's kernel, which
+    fails on CPU tensors uncompiled; the router must send CPU calls to the torch function under it. The binding is
+    made here as transformers makes it at import."""
+    import inspect
+
+    pytest.importorskip("fla")
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    torch_function = hf.torch_chunk_gated_delta_rule.__wrapped__
+    bound = use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")(torch_function)
+    assert inspect.getclosurevars(bound).nonlocals["implementation"].__module__.startswith("fla.")
+    route = hf_route._router("torch_chunk_gated_delta_rule", bound)
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 5, 2, 8, generator=g), torch.randn(1, 5, 2, 8, generator=g)
+    v, beta = torch.randn(1, 5, 4, 8, generator=g), torch.rand(1, 5, 4, generator=g)
+    gate = -torch.rand(1, 5, 4, generator=g)
+    out, _ = route(q, k, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)
+    ref, _ = torch_ref.recurrent_gated_delta_rule(q, k, v, gate, beta)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -134,3 +134,16 @@ def test_a_refused_resume_moves_no_damaged_checkpoint(trained, tmp_path):
                                   "optim.lr=0.002", check=False))
     assert "belongs to another run" in err and "optim.lr" in err, err
     assert [p.name for p in (run / "checkpoints").iterdir()] == names
+
+
+@pytest.mark.process
+@pytest.mark.distributed
+def test_two_ranks_both_refuse_a_resume_below_what_was_trained(trained, tmp_path):
+    """Rank 0 reads the final adapter's step and every rank gets it: both refuse, neither waits for the other."""
+    from cli_helpers import run_ranks
+
+    cfg, run = _copy(trained(**SHORT), tmp_path)
+    proc = run_ranks(2, "train", str(cfg), "--resume", "--set", f"output_dir={run}", "--set", "train.max_steps=2",
+                     check=False, timeout=120)
+    assert proc.returncodes == [2, 2], (proc.returncodes, proc.stderr[-3000:])
+    assert proc.stderr.count("its final adapter is from step 3") == 2, proc.stderr[-3000:]

@@ -448,13 +448,13 @@ class Trainer:
         log = self.log if self.dist.is_main else (lambda *a: None)
         found = resuming.choose_checkpoint(self.out, self.dist, log)
         if found is None:
-            resuming.check_steps(self.out, 0, None, self.total_steps)
+            resuming.check_steps(self.out, 0, None, self.total_steps, self.dist)
             log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
             return
         latest, state, damaged = found
         resuming.check_same_run(state, self.cfg.to_dict(), plan_fingerprint(self.plan, self.train_examples),
                                 self.total_steps, latest, log)
-        resuming.check_steps(self.out, state["step"], latest, self.total_steps)
+        resuming.check_steps(self.out, state["step"], latest, self.total_steps, self.dist)
         resuming.set_aside(damaged, latest, self.dist, log)  # accepted: only now does anything move
         ckpt.load_checkpoint(latest, self.lm, self.optimizer, self.scheduler, self.dist)
         self.counters = Counters(step=state["step"], nonfinite_skips=state["nonfinite_skips"])

@@ -91,10 +91,13 @@ def check_same_run(state: dict, cfg_dict: dict, plan_fingerprint: str, total_ste
         log("resume: changed since the checkpoint (allowed):\n  " + "\n  ".join(allowed))
 
 
-def check_steps(out: Path, resumed_step: int, ckpt: Path | None, total_steps: int) -> None:
+def check_steps(out: Path, resumed_step: int, ckpt: Path | None, total_steps: int, info: DistInfo) -> None:
     """Refuse a resume that would go back: the newest valid checkpoint (``ckpt``, at ``resumed_step``) or the final
-    adapter is past ``total_steps``."""
-    final = final_adapter_step(out)
+    adapter is past ``total_steps``. Rank 0 reads the adapter's step; every rank gets it (one verdict for all)."""
+    final = [final_adapter_step(out) if info.is_main else None]
+    if info.enabled:
+        dist.broadcast_object_list(final, src=0)
+    final = final[0]
     past = []
     if ckpt is not None and resumed_step > total_steps:
         past.append(f"its newest valid checkpoint is step {resumed_step} ({ckpt})")
