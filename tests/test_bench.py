@@ -30,17 +30,17 @@ def _rel(a: float, b: float) -> float:
 
 def test_cpu_preset_shortened_writes_every_variant_and_equal_losses(tmp_path):
     """The README's `packtrain bench --preset cpu`, shortened to one P of 530 tokens (past the CPU's 512-row MLP
-    blocks, where its kv_only variant once crashed: issue 28), two repeats, no warm-up (the next test's run has
-    one): every variant runs and writes its figures, and the variants that train the same thing reach the same
-    loss."""
+    blocks, where its kv_only variant once crashed: issue 28), one repeat, no warm-up (the next test's run has two
+    repeats and a warm-up): every variant runs and writes its figures, and the variants that train the same thing
+    reach the same loss."""
     result = _bench(tmp_path, "--preset", "cpu", "--prefix-tokens", "530", "--continuations", "2", "--cont-tokens",
-                    "2:3", "--repeats", "2", "--no-warmup")
+                    "2:3", "--repeats", "1", "--no-warmup")
     assert result["preset"] == "cpu" and result["plan"]["positions_packed"] > 512
     assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
     assert set(result["variants"]) == {"shared_prefix", "kv_only", "frozen", "standalone", "plain"}
     for name, v in result["variants"].items():
         assert VARIANT_KEYS <= v.keys() and v["error"] is None, name
-        assert len(v["seconds_per_repeat"]) == result["repeats"] == 2
+        assert len(v["seconds_per_repeat"]) == result["repeats"] == 1
     plan = result["plan"]
     assert result["position_ratio"] == plan["positions_standalone"] / plan["positions_packed"] > 1
     assert result["variants"]["shared_prefix"]["positions"] == plan["positions_packed"]
@@ -62,9 +62,14 @@ def test_cpu_preset_shortened_writes_every_variant_and_equal_losses(tmp_path):
 
 
 def test_config_file_and_its_data(tmp_path):
+    """A config file's model and data, the three variants that train the same thing, two interleaved repeats after a
+    warm-up."""
     cfg = write_config(tmp_path, model={"dtype": "float32"}, optim={"warmup_steps": 0})
-    result = _bench(tmp_path, str(cfg), "--repeats", "1")
+    result = _bench(tmp_path, str(cfg), "--repeats", "2", "--variants", "shared_prefix,standalone,plain")
     assert result["config"] == str(cfg) and result["data"].endswith("train.jsonl")
+    assert set(result["variants"]) == {"shared_prefix", "standalone", "plain"}
+    for name, v in result["variants"].items():
+        assert v["error"] is None and len(v["seconds_per_repeat"]) == result["repeats"] == 2, name
     assert result["plan"]["examples"] == 15 and result["steps_per_epoch"] == 3  # 3 rulebooks x 5, packs of 3
     losses = {name: v["final_loss"] for name, v in result["variants"].items()}
     assert _rel(losses["shared_prefix"], losses["standalone"]) < 1e-5
