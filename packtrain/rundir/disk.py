@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from packtrain.rundir.checkpoint import STEP_DIR
+from packtrain.rundir.checkpoint import checkpoints
 
 FULL = {errno.ENOSPC, errno.EDQUOT}
 NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
@@ -82,14 +82,6 @@ def check_output_path(path: Path, flag: str, directory: bool) -> None:
         raise OutputDirError(f"{flag} {path}: is a directory; give a file name")
 
 
-def _saved(out: Path) -> bool:
-    """Whether ``out`` holds a checkpoint a resume could continue from."""
-    try:
-        return any(STEP_DIR.match(p.name) for p in (out / "checkpoints").iterdir())
-    except OSError:
-        return False
-
-
 def _under(path, out: Path) -> bool:
     try:
         Path(os.path.abspath(path)).relative_to(os.path.abspath(out))
@@ -112,7 +104,7 @@ def describe(e: BaseException, out: Path) -> OutputDirError | None:
     path = getattr(e, "filename", None) or out
     if isinstance(e, OSError) and getattr(e, "filename", None) is not None and not _under(e.filename, out):
         return None  # another file's error (data, tokenizer, a model path): never blamed on output_dir
-    resume = ("; `packtrain train --resume` continues from the last complete checkpoint" if _saved(out) else
+    resume = ("; `packtrain train --resume` continues from the last complete checkpoint" if checkpoints(out) else
               "; no checkpoint was written yet: free space and run again")
     if isinstance(e, OSError) and e.errno in NOT_WRITABLE:
         return OutputDirError(f"output_dir {out}: not writable: {path}: {e.strerror}")
