@@ -183,3 +183,20 @@ def test_a_filesystem_without_flock_still_takes_the_lock(tmp_path, monkeypatch):
     _write_lock(tmp_path, os.getppid())  # a live holder: the exclusive create and the liveness check still refuse
     with pytest.raises(RunDirError, match=f"in use by another run: pid {os.getppid()}"):
         claim(tmp_path, False, False, ONE, log=print)
+
+
+def test_a_reused_pid_is_told_by_its_process_start_not_the_clock(tmp_path):
+    """The lock records its holder's start as read from /proc: a live pid with another start is a reused pid (taken
+    over), the same start is the holder, whatever the wall clock did since boot (a VM's stepped clock made a live
+    holder look reused: 1 of 300 concurrent trials)."""
+    from packtrain.rundir.directory import _process_start
+
+    holder = {"pid": os.getppid(), "host": socket.gethostname(), "started": 0.0,
+              "process_start": _process_start(os.getppid())}
+    (tmp_path / LOCK).write_text(json.dumps(holder))
+    with pytest.raises(RunDirError, match="in use by another run"):  # "started" 0.0 alone would say reused
+        claim(tmp_path, False, False, ONE, log=print)
+    (tmp_path / LOCK).write_text(json.dumps({**holder, "process_start": 1.0}))
+    said = []
+    claim(tmp_path, False, False, ONE, log=said.append).release()
+    assert any("taking over the stale lock" in s for s in said), said

@@ -124,9 +124,16 @@ def holder_alive(holder: dict) -> bool:
     started = _process_start(pid)
     if started is not None and started < 0:
         return False  # a zombie: it has exited
-    # a pid the system reused after the holder died: the process started after the lock was written (a lock
-    # without its start time cannot show that: a live pid holds it)
-    if started is None or not isinstance(written, (int, float)):
+    if started is None:
+        return True
+    recorded = holder.get("process_start")
+    if isinstance(recorded, (int, float)):
+        # the holder's own start, as it read it from /proc: a reused pid has another one. The same computation on
+        # both sides, so a wall clock stepped since boot (a VM) cannot make a live holder look reused.
+        return abs(started - float(recorded)) < 1.0
+    # an older lock: a reused pid started after the lock was written (a lock without its start time cannot show
+    # that: a live pid holds it)
+    if not isinstance(written, (int, float)):
         return True
     return not started > float(written) + 2.0
 
@@ -159,6 +166,7 @@ class RunLock:
     def acquire(cls, out: Path, log) -> RunLock:
         path = out / LOCK
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+              "process_start": _process_start(os.getpid()),
               "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         with _deciding(out, log):
             try:
