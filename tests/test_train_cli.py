@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from cli_helpers import RESUMED, run_in_process, run_ranks, write_config
+from cli_helpers import RESUMED, max_rel, run_in_process, run_ranks, write_config
 from safetensors.torch import load_file
 
 # 2 steps of the default tiny config: the packed run the standalone and checkpointed runs are compared with
@@ -26,10 +26,12 @@ def test_shared_prefix_and_standalone_give_the_same_adapter(tmp_path, trained):
                    "--set", "packing.mode=standalone")
     packed, alone = _adapter(packed_run.run), _adapter(tmp_path / "alone")
     assert packed.keys() == alone.keys() and packed
-    for name in packed:
-        # float64 as shipped: the model's float32 casts bound the agreement (tests/test_parity.py: 1e-4 on grads);
-        # AdamW's first steps normalise the gradient, so the adapters agree to far better than the step size.
-        torch.testing.assert_close(packed[name], alone[name], rtol=1e-6, atol=1e-9)
+    # float64 as shipped: the model's float32 casts bound the agreement (tests/test_parity.py: 1e-4 on grads). They
+    # round at the scale of a tensor's values, so the bound is on each tensor's largest difference over its largest
+    # value, as in the other packed == standalone tests: an element near zero sees the same absolute rounding (an
+    # AVX-only CPU: 2.2e-9 at an element of 1.1e-3, 2e-6 of it; the tensors' scales are 0.13-0.5). Measured there:
+    # 4.7e-8; tests/mutations.py's broken plumbings give 6.1e-5 (zero initial state) to 1.8e-2 (tail off by one).
+    assert max_rel(packed, alone) < 1e-6
     steps = [m for m in _metrics(packed_run.run) if m.get("split") != "eval"]
     steps_alone = [m for m in _metrics(tmp_path / "alone") if m.get("split") != "eval"]
     assert [m["examples"] for m in steps] == [m["examples"] for m in steps_alone]
