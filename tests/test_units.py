@@ -1,6 +1,6 @@
 """The unit runner (packtrain/run/units.py) with the equal-call rule (packtrain/run/steps.py), in-process: a step on
-two ranks, each rank's units run here one after the other, gives the one-rank gradient once averaged over the ranks
-as FSDP averages it; dummy units learn nothing and every rank issues the same calls; a pack in more groups than it
+several ranks, each rank's units run here one after the other, gives the one-rank gradient once summed over the
+ranks as FSDP sums it (packtrain/models/wrap.py); dummy units learn nothing and every rank issues the same calls; a pack in more groups than it
 has continuations trains what the whole pack trains. The reference is one rank in the same mode, whole packs (no
 groups).
 
@@ -9,7 +9,6 @@ Float64 with the float32 casts removed; measured worst case 2.2e-16 relative (gr
 from dataclasses import dataclass
 
 import pytest
-import torch
 from parity import rel, trainable_grads, without_float32_casts
 from tiny_models import random_pack, tiny_lora_model
 
@@ -43,24 +42,25 @@ def _plan():
 
 
 def _step(lm, plan, examples, setup, world):
-    """Gradients of one step of every pack as ``world`` ranks compute it (their mean, as FSDP averages), each rank's
+    """Gradients of one step of every pack as ``world`` ranks compute it (their sum, as FSDP sums), each rank's
     forward calls, and the step's loss sum."""
     pack_ids = list(range(len(plan.packs)))
     n = step_examples(plan, pack_ids)
     grads, calls, loss = None, [], 0.0
     for rank in range(world):
         lm.zero_grad(set_to_none=True)
-        results = [run_unit(lm, prepare(u, plan, examples, setup), setup, "cpu", step_scale(world, n))
+        results = [run_unit(lm, prepare(u, plan, examples, setup), setup, "cpu", step_scale(n))
                    for u in rank_units(plan, pack_ids, setup.mode, rank, world)]
         calls.append([r.calls for r in results])
         loss += sum(r.loss_sum for r in results)
         g = trainable_grads(lm.model)
         grads = g if grads is None else {k: grads[k] + g[k] for k in g}
-    return {k: v / world for k, v in grads.items()}, calls, loss
+    return grads, calls, loss
 
 
 @pytest.mark.parametrize("mode,n_groups,world", [("shared_prefix", 1, 2), ("shared_prefix", 3, 2),
-                                                 ("standalone", 1, 4), ("shared_prefix", 3, 1)])
+                                                 ("standalone", 1, 4), ("shared_prefix", 3, 1),
+                                                 ("shared_prefix", 1, 3)])
 def test_ranks_dummies_and_groups_train_the_one_rank_step(mode, n_groups, world, monkeypatch):
     plan, examples = _plan()
     with without_float32_casts(monkeypatch):

@@ -160,7 +160,7 @@ def packtrain_epoch(models: Models, work: Workload, variant: str, max_steps: int
         total = 0.0
         for unit in rank_units(work.plan, pack_ids, setup.mode, 0, 1):
             ready = prepare(unit, work.plan, work.examples, setup)
-            total += run_unit(lm, ready, setup, work.device, step_scale(1, n)).loss_sum
+            total += run_unit(lm, ready, setup, work.device, step_scale(n)).loss_sum
         state.update(optimizer, scheduler)
         losses.append(total / n)
     return losses

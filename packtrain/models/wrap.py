@@ -98,9 +98,15 @@ def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, 
     if shard:
         from torch.distributed.fsdp import fully_shard
 
-        for unit in fsdp_units(model):
+        for unit in [*fsdp_units(model), lm]:
             fully_shard(unit)
-        fully_shard(lm)
+            # The ranks' gradients are summed, not averaged: every rank scales its units' losses by 1 / (the step's
+            # examples) as one rank does (run.units.step_scale), so each pack's backward is the 1-rank one bit for
+            # bit. A world factor in the loss instead (3 / n at 3 ranks against 1 / n) changed the rounding at the
+            # model's float32 casts: a float64 run on 3 ranks differed from 1 rank by 8e-9 after one step. Only SUM
+            # reaches the collectives (gloo has no PREMUL_SUM).
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
     if fill is not None:
         fill(lm, kept)
     return lm

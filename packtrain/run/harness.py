@@ -48,7 +48,7 @@ def one_update(lm, prepared: Prepared, setup: UnitSetup, optimizer, device) -> f
     """Forward, backward (through :func:`packtrain.run.units.run_unit`) and optimizer step on one unit, scaled as
     the trainer scales a step that is this unit on every rank. Returns the unit's mean per-example loss."""
     n = len(prepared.unit.examples)
-    result = run_unit(lm, prepared, setup, device, step_scale(1, n))
+    result = run_unit(lm, prepared, setup, device, step_scale(n))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return result.loss_sum / n

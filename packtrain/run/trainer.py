@@ -3,9 +3,9 @@
     examples -> planner -> packs -> per-rank units -> unit runner -> loss -> backward -> AdamW/SGD
 
 An optimizer step takes ``train.packs_per_step`` packs (global across ranks). Each unit's ``loss_sum`` (sum of
-per-example mean target cross-entropies) is scaled by world size / (examples in the whole step), so the update is
-the mean of per-example losses whatever the split into packs, micro-steps, modes or ranks
-(:func:`packtrain.run.units.step_scale`). The units themselves run in :mod:`packtrain.run.units`.
+per-example mean target cross-entropies) is scaled by 1 / (examples in the whole step) and FSDP sums the ranks'
+gradients, so the update is the mean of per-example losses whatever the split into packs, micro-steps, modes or
+ranks (:func:`packtrain.run.units.step_scale`). The units themselves run in :mod:`packtrain.run.units`.
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ class Trainer:
         info = self.dist
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         if n_examples > 0:
-            scale = faults.nan_scale(info.rank, self.counters.step + 1, step_scale(info.world_size, n_examples))
+            scale = faults.nan_scale(info.rank, self.counters.step + 1, step_scale(n_examples))
             for ready, skipped in zip(prepared, skip):
                 if not skipped:
                     r = run_unit(self.lm, ready, self.setup, info.device, scale)

@@ -59,10 +59,11 @@ class UnitResult:
     calls: int  # forward calls of the root module: each runs FSDP's collectives
 
 
-def step_scale(world_size: int, step_examples: int) -> float:
-    """The loss scale of every unit of a step: FSDP averages gradients over ranks, and the world factor turns that
-    average into the global sum, over the step's examples."""
-    return world_size / step_examples
+def step_scale(step_examples: int) -> float:
+    """The loss scale of every unit of a step, on every rank: 1 / (the step's examples, all ranks together). FSDP
+    sums the ranks' gradients (:func:`packtrain.models.wrap.prepare`), so the update is the mean over the step's
+    examples, and a pack's backward is the same on any world size."""
+    return 1.0 / step_examples
 
 
 def unit_layout(unit: Unit, plan: Plan, examples, mode: str, images: ImageLoader | None = None,
