@@ -107,6 +107,10 @@ def test_plan_json_schedule_recomputes_to_the_reported_utilisation(tmp_path):
         pairs = n * (n + 1) / 2 + sum(c * n + c * (c + 1) / 2 for c in conts)
         costs.append(model["per_position"] * (n + sum(conts)) + model["per_pair"] * pairs)
     assert out["pack_cost"] == pytest.approx(costs, rel=1e-12)
+    # and from the JSON alone: cost = per position x positions + per pair x pairs
+    assert out["pack_cost"] == pytest.approx([model["per_position"] * n + model["per_pair"] * pairs for n, pairs
+                                              in zip(out["pack_positions"], out["pack_attention_pairs"], strict=True)],
+                                             rel=1e-12)
     sched = out["schedule"]
     assert sorted(i for step in sched for rank in step for i in rank) == list(range(out["packs"]))
     recomputed = sum(sum(map(sum, ([costs[i] for i in r] for r in step))) / 2

@@ -55,7 +55,7 @@ def format_table(stats: dict, title: str) -> str:
 
 def step_figures(cfg, plan, examples, world: int) -> dict:
     """Epoch 0's steps at ``world`` ranks under ``train.balance`` (``schedule``: steps -> ranks -> pack indices),
-    each pack's positions and cost, and both balances' utilisation and distinct prompts per step."""
+    each pack's positions, attention pairs and cost, and both balances' utilisation and distinct prompts per step."""
     model = balance.CostModel.for_config(cfg)
     costs = balance.pack_costs(plan, examples, model)
     t = cfg.train
@@ -69,7 +69,8 @@ def step_figures(cfg, plan, examples, world: int) -> dict:
             "utilisation": {name: f["utilisation"] for name, f in figures.items()},
             "distinct_prompts_per_step": {name: f["distinct_prompts_per_step"] for name, f in figures.items()},
             "schedule": figures[t.balance]["schedule"],
-            "pack_positions": [p.positions for p in plan.packs], "pack_cost": costs}
+            "pack_positions": [p.positions for p in plan.packs],
+            "pack_attention_pairs": balance.pack_attention_pairs(plan, examples), "pack_cost": costs}
 
 
 def format_steps(f: dict) -> str:

@@ -81,18 +81,29 @@ class CostModel:
                    model.per_pair if t.cost_per_pair is None else float(t.cost_per_pair))
 
     def pack_cost(self, prefix_len: int, cont_lens) -> float:
-        pairs = prefix_len * (prefix_len + 1) // 2
-        pairs += sum(c * prefix_len + c * (c + 1) // 2 for c in cont_lens)
-        return self.per_position * (prefix_len + sum(cont_lens)) + self.per_pair * pairs
+        return self.per_position * (prefix_len + sum(cont_lens)) + self.per_pair * attention_pairs(prefix_len, cont_lens)
 
     def describe(self) -> str:
         return f"{self.per_position:.3g} per position + {self.per_pair:.3g} per attention pair"
 
 
+def attention_pairs(prefix_len: int, cont_lens) -> int:
+    """A pack's query-key pairs of causal attention: P's own, and each continuation's against P and itself."""
+    return prefix_len * (prefix_len + 1) // 2 + sum(c * prefix_len + c * (c + 1) // 2 for c in cont_lens)
+
+
+def _pack_shape(plan: Plan, examples, pack) -> tuple[int, list[int]]:
+    return len(plan.prompts[pack.prompt]), [examples[e].len_continuation for e in pack.examples]
+
+
+def pack_attention_pairs(plan: Plan, examples) -> list[int]:
+    """Each pack's attention pairs (:func:`attention_pairs`), by pack index."""
+    return [attention_pairs(*_pack_shape(plan, examples, p)) for p in plan.packs]
+
+
 def pack_costs(plan: Plan, examples, model: CostModel) -> list[float]:
     """Each pack's cost, by pack index (a walked example: its whole sequence, as one continuation)."""
-    return [model.pack_cost(len(plan.prompts[p.prompt]), [examples[e].len_continuation for e in p.examples])
-            for p in plan.packs]
+    return [model.pack_cost(*_pack_shape(plan, examples, p)) for p in plan.packs]
 
 
 def _seeded(seed: int, epoch: int, what: str) -> random.Random:
