@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from cli_helpers import REPO, RULEBOOKS, run_in_process, run_ranks, write_config, write_model_dir
+from cli_helpers import REPO, RULEBOOKS, SGD, run_in_process, run_ranks, write_config, write_model_dir
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.process]
@@ -52,7 +52,7 @@ def test_float32_adapters_on_two_ranks_give_the_one_rank_adapter(tmp_path):
     """Float32 adapters, as on every real run (a bf16 base; here a float32 one, which CPUs run faster): FSDP reduces
     float32 gradients, where it would use PREMUL_SUM (which gloo refuses) unless told to sum only. One pack per
     rank: the two ranks' sum is the one rank's accumulation, bit for bit."""
-    cfg = write_config(tmp_path, model={"dtype": "float32"}, optim={"name": "sgd", "lr": 0.5, "max_grad_norm": None},
+    cfg = write_config(tmp_path, model={"dtype": "float32"}, optim=SGD,
                        train={"max_steps": 2, "packs_per_step": 2}, data={"eval": None})
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
     run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
