@@ -199,6 +199,12 @@ class TrainConfig:
     # attention pair on the GPU
     cost_per_position: float | None = None
     cost_per_pair: float | None = None
+    # Target rows per chunk of lm_head + cross-entropy: each chunk's logits are recomputed in backward, so nothing
+    # larger than [rows, vocabulary] exists (packtrain/packed/loss.py); 0: all target rows in one chunk.
+    loss_chunk_rows: int = 1024
+    # Buffer rows per tile of a forward's dense MLP, each tile checkpointed so that its [rows, intermediate]
+    # activations live only while it runs; null: the device's default (packtrain/packed/kernels); 0: whole.
+    mlp_chunk_rows: int | None = None
 
 
 @dataclass
@@ -304,6 +310,8 @@ _BOUNDS = [
     ("ops.host_memory_per_node_gib", lambda v: v > 0, "must be positive"),
     ("train.max_nonfinite_skips", lambda v: v >= 0, "must be >= 0"),
     ("train.keep_checkpoints", lambda v: v is None or v >= 1, "must be at least 1 (or null: keep all)"),
+    ("train.loss_chunk_rows", lambda v: v >= 0, "must be >= 0 (0: one chunk)"),
+    ("train.mlp_chunk_rows", lambda v: v is None or v >= 0, "must be >= 0 (0: whole; null: the device's default)"),
 ]
 
 
