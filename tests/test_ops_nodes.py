@@ -122,3 +122,38 @@ def test_fla_pinning_note():
     fields["FLA default configs"] = "3 kernels, digest 0123456789ab"
     assert nodes.fla_pinning_note(fields) is None
     assert nodes.fla_pinning_note({**fields, "fla": "not installed", "FLA_CACHE_MODE": "disabled"}) is None
+
+
+def test_check_nodes_shows_and_refuses_ranks_with_different_configs(monkeypatch, tmp_path):
+    # two machines started with different --set options: a row per differing key, and a refusal naming key and ranks
+    from cli_helpers import write_config
+
+    from packtrain.config import load_config
+
+    cfg = load_config(write_config(tmp_path))
+    mine = nodes.config_settings(cfg)
+    other = NodeReport(1, {}, machine=1, settings={**mine, "optim.lr": "0.5"})
+    other_fields = nodes.node_report(0, torch.device("cpu"), cfg).fields
+    other.fields = {**other_fields, "config": "0123456789ab"}
+    monkeypatch.setattr(nodes, "gather_objects", lambda report, info: [report, other])
+    lines = []
+    with pytest.raises(nodes.ConfigMismatchError) as e:
+        nodes.check_nodes(ONE, lines.append, cfg)
+    assert str(e.value).startswith("ranks were started with different configs, refusing to start (1 key): "
+                                   "optim.lr: 0.001 on rank 0 (machine 0), 0.5 on rank 1 (machine 1);")
+    assert "\n" not in str(e.value) and e.value.keys == {"optim.lr": [("0.001", [0]), ("0.5", [1])]}
+    rows = [line.split() for line in lines[0].splitlines()]
+    assert ["config:", "optim.lr", "!", "0.001", "0"] in rows and ["!", "0.5", "1"] in rows
+    assert ["config", "!", other_fields["config"], "0"] in rows and ["data", other_fields["data"], "all"] in rows
+
+
+def test_the_same_data_path_with_other_contents_is_a_config_difference(tmp_path):
+    from cli_helpers import write_config
+
+    from packtrain.config import load_config
+
+    cfg = load_config(write_config(tmp_path))
+    before = nodes.config_settings(cfg)
+    Path(cfg.data.train).write_text(Path(cfg.data.train).read_text().replace("red", "pink"))
+    after = nodes.config_settings(cfg)
+    assert {k for k in before if before[k] != after[k]} == {"data.train contents"}

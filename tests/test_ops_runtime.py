@@ -116,7 +116,7 @@ def test_start_checks_nodes_only_across_ranks(tmp_path, monkeypatch):
     from packtrain.ops import nodes
 
     checked = []
-    monkeypatch.setattr(nodes, "check_nodes", lambda info, log: checked.append(info.world_size) or [])
+    monkeypatch.setattr(nodes, "check_nodes", lambda info, log, cfg=None: checked.append(info.world_size) or [])
     cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "ops": {"hang_timeout": None}})
     two = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     for info, off in ((ONE, False), (two, True), (two, False)):

@@ -1,5 +1,6 @@
 """`packtrain check-nodes CONFIG`, under the training launcher: every rank reports what it imports; rank 0 prints
-one table; any difference exits 2 on every rank, naming the field and the ranks on each side
+one table; any difference (in what they import, or in their resolved config and data) exits 2 on every rank,
+naming the field or config key and the ranks on each side
 (:mod:`packtrain.ops.nodes`). ``packtrain train`` runs the same check before step 0 unless ``ops.check_nodes: false``.
 """
 
@@ -14,7 +15,7 @@ def run_check_nodes(args) -> int:
     cfg = load_config(args.config, args.overrides)
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     try:
-        check_nodes(info)
+        check_nodes(info, cfg=cfg)
     finally:
         shutdown()
     return 0

@@ -9,6 +9,11 @@ versions *and* their install folders (the same version from another folder is an
 checkout of packtrain: its sources are also hashed), CUDA and NCCL versions, the GPU name, and the FLA autotune
 cache fla will use (mode, folder, a digest of the pinned default configs). Not compared: the host name.
 
+The config too: every rank's resolved config, key by key, and the contents of the data files it names
+(:func:`check_same_config`, before ``train`` writes anything). Why: two machines launched with different ``--set``
+options (``optim.lr=0.5`` on one) trained together silently, each rank stepping with its own learning rate; the run
+directory recorded rank 0's. The table shows a ``config`` and a ``data`` digest, and a row per differing key.
+
 Test hook (:mod:`packtrain.faults`): ``PACKTRAIN_TEST_OVERRIDE_RANK<N>="field=value"`` makes rank N report ``value``
 for ``field`` (an existing field, else an error); the table marks it.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import importlib.util
 import os
 import platform
@@ -50,6 +56,16 @@ class NodeReport:
     overridden: list[str] = field(default_factory=list)
     # the launcher's machine (node) rank: GROUP_RANK, which torchrun and accelerate launch set for every worker
     machine: int = 0
+    # the resolved config (dotted key -> value) and its data files' digests (:func:`config_settings`)
+    settings: dict[str, str] = field(default_factory=dict)
+
+
+class ConfigMismatchError(ValueError):
+    """Ranks were started with different configs or data; ``keys`` maps each differing key to [(value, ranks)]."""
+
+    def __init__(self, message: str, keys: dict[str, list[tuple[str, list[int]]]]):
+        super().__init__(message)
+        self.keys = keys
 
 
 def _package(name: str) -> tuple[str, str]:
@@ -128,16 +144,62 @@ def fla_cache_fields(fla_version: str) -> dict[str, str]:
     return fields
 
 
-def node_report(rank: int, device=None) -> NodeReport:
+DATA_FILES = ("train", "eval", "chat_template")  # data.* files whose contents every rank must share
+
+
+def _file_digest(path: Path) -> str:
+    if not path.is_file():
+        return "missing"
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:12]
+
+
+def config_settings(cfg) -> dict[str, str]:
+    """The resolved config as dotted key -> value (JSON text; ``model.config`` key by key), plus
+    ``data.train contents`` etc.: the digest of each data file, so the same path holding other data differs."""
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = json.dumps(value, sort_keys=True, default=str)
+
+    walk("", cfg.to_dict())
+    for name in DATA_FILES:
+        path = cfg.resolve_path(getattr(cfg.data, name))
+        if path is not None:
+            flat[f"data.{name} contents"] = _file_digest(path)
+    return flat
+
+
+def _settings_digest(settings: dict[str, str], contents: bool) -> str:
+    chosen = {k: v for k, v in settings.items() if k.endswith(" contents") == contents}
+    return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:12] if chosen else "-"
+
+
+def node_report(rank: int, device=None, cfg=None) -> NodeReport:
     fields = {"host": socket.gethostname(), "python": platform.python_version()}
     for name in PACKAGES:
         fields[name], fields[f"{name} path"] = _package(name)
     fields["packtrain source"] = _source_digest()
     fields.update(_gpu_fields(device))
     fields.update(fla_cache_fields(fields["fla"]))
-    report = NodeReport(rank, fields, machine=int(os.environ.get("GROUP_RANK", "0") or 0))
+    settings = config_settings(cfg) if cfg is not None else {}
+    if settings:
+        fields["config"] = _settings_digest(settings, contents=False)
+        fields["data"] = _settings_digest(settings, contents=True)
+    report = NodeReport(rank, fields, machine=_machine(), settings=settings)
     apply_test_override(report)
     return report
+
+
+def _machine() -> int:
+    return int(os.environ.get("GROUP_RANK", "0") or 0)
 
 
 def apply_test_override(report: NodeReport) -> None:
@@ -255,12 +317,71 @@ def mismatch_error(diff: dict[str, list[tuple[str, list[int]]]]) -> NodeMismatch
     return NodeMismatchError("\n".join(lines), diff)
 
 
-def check_nodes(info, log=print) -> list[NodeReport]:
-    """Gather, print the table on rank 0, and raise :class:`NodeMismatchError` on every rank if any field differs."""
+def config_differences(reports: list[NodeReport]) -> dict[str, list[tuple[str, list[int]]]]:
+    """Each config key (or data file) whose value is not the same on every rank: [(value, ranks)], majority first."""
+    keys = list(dict.fromkeys(k for r in reports for k in r.settings))
+    out = {}
+    for key in keys:
+        by_value: dict[str, list[int]] = {}
+        for r in reports:
+            by_value.setdefault(r.settings.get(key, "(not set)"), []).append(r.rank)
+        if len(by_value) > 1:
+            out[key] = sorted(by_value.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    return out
+
+
+def config_mismatch_error(diff: dict[str, list[tuple[str, list[int]]]], reports: list[NodeReport]) -> ConfigMismatchError:
+    """One line: every differing key, its values and the ranks (and machines, when there are several) holding each."""
+    machine_of = {r.rank: r.machine for r in reports}
+    several = len(set(machine_of.values())) > 1
+
+    def where(ranks: list[int]) -> str:
+        text = f"rank{'s' if len(ranks) > 1 else ''} {rank_list(ranks)}"
+        if several:
+            machines = sorted({machine_of[r] for r in ranks})
+            text += f" (machine{'s' if len(machines) > 1 else ''} {rank_list(machines)})"
+        return text
+
+    def short(value: str) -> str:
+        return value if len(value) <= 60 else value[:57] + "..."
+
+    parts = [f"{key}: " + ", ".join(f"{short(v)} on {where(ranks)}" for v, ranks in groups)
+             for key, groups in diff.items()]
+    return ConfigMismatchError(
+        f"ranks were started with different configs, refusing to start ({_count(len(diff), 'key')}): "
+        + "; ".join(parts) + "; give every machine the same config file, data and --set options", diff)
+
+
+def check_same_config(cfg, info) -> None:
+    """Every rank's resolved config and data digests, compared; :class:`ConfigMismatchError` on every rank when any
+    differ. One all-gather, before anything is written."""
+    if not info.enabled:
+        return
+    mine = NodeReport(info.rank, {}, machine=_machine(), settings=config_settings(cfg))
+    reports = gather_objects(mine, info)
+    diff = config_differences(reports)
+    if diff:
+        raise config_mismatch_error(diff, reports)
+
+
+def _config_rows(reports: list[NodeReport], diff: dict) -> None:
+    """Each differing config key as a row of the table (``config: optim.lr``), beside the digests."""
+    for key in diff:
+        for r in reports:
+            r.fields[f"config: {key}"] = r.settings.get(key, "(not set)")
+
+
+def check_nodes(info, log=print, cfg=None) -> list[NodeReport]:
+    """Gather, print the table on rank 0, and raise on every rank if anything differs: the config
+    (:class:`ConfigMismatchError`, with ``cfg``) first, then what the ranks import (:class:`NodeMismatchError`)."""
     # every rank gets every report, so every rank reaches the same verdict and none is left waiting
-    reports = gather_objects(node_report(info.rank, info.device), info)
+    reports = gather_objects(node_report(info.rank, info.device, cfg), info)
+    config_diff = config_differences(reports)
+    _config_rows(reports, config_diff)
     if info.is_main:
         log(format_table(reports))
+    if config_diff:
+        raise config_mismatch_error(config_diff, reports)
     diff = differences(reports)
     if diff:
         raise mismatch_error(diff)

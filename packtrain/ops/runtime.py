@@ -55,7 +55,7 @@ class RunOps:
             require_wandb(wandb_mode)
         if self.cfg.ops.check_nodes:
             # one process has nothing to compare: no table, only the FLA note below
-            reports = (nodes.check_nodes(self.info, self.log) if self.info.enabled
+            reports = (nodes.check_nodes(self.info, self.log, self.cfg) if self.info.enabled
                        else [nodes.node_report(self.info.rank, self.info.device)])
             fla_possible = self.cfg.model.kernels != "torch" and self.info.device.type == "cuda"
             note = nodes.fla_pinning_note(reports[0].fields) if fla_possible else None

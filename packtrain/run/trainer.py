@@ -29,6 +29,7 @@ from packtrain.distributed import DistInfo, all_reduce_max_tensor, all_reduce_su
 from packtrain.exits import NonFiniteError, Preempted
 from packtrain.models.build import build_base_model
 from packtrain.models.wrap import prepare_from_config
+from packtrain.ops.nodes import check_same_config
 from packtrain.ops.runtime import RunOps
 from packtrain.packed.families import check_model
 from packtrain.packed.loss import CUT_OFF, ZeroGradientError
@@ -94,6 +95,8 @@ class Trainer:
         self.log = log
         self.dist: DistInfo = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
         self.out = Path(cfg.output_dir)
+        # every rank runs the same config on the same data, or none starts: checked before anything is written
+        check_same_config(cfg, self.dist)
         # One run per directory: the lock, and a previous run is only continued (--resume) or removed (--overwrite).
         self.lock = rundir.claim(self.out, resume, overwrite, self.dist, log)
         # check-nodes (refuses mismatched ranks before step 0), hang watchdog, SIGUSR1 stacks, wandb; it goes
