@@ -92,6 +92,31 @@ def test_a_scorer_that_raises_names_itself_and_the_example(tmp_path):
     assert "python:broken:score" in line and "KeyError" in line and "r0-3" in line, line
 
 
+
+def test_a_scorer_that_exits_during_training_stops_the_run_naming_it(tmp_path):
+    # sys.exit() in a scorer at step 2's generation: before, the run ended with exit 0, no adapter and no message
+    (tmp_path / "exiting.py").write_text("calls = []\n\ndef score(p, t, e):\n    calls.append(e.id)\n"
+                                         "    if len(calls) > 1:\n        raise SystemExit(0)\n    return 0.5\n")
+    cfg = write_config(tmp_path, generate={"metric": "python:exiting:score", "max_new_tokens": 2, "every": 2,
+                                           "examples": 1},
+                       train={"max_steps": 3, "packs_per_step": 1, "save_every": 1})
+    proc = run_in_process("train", cfg, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("packtrain train: error: generate.metric python:exiting:score: the scorer raised "
+                           "SystemExit: 0 on example "), line
+    run = tmp_path / "run"
+    assert not (run / "adapter").exists() and sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
+
+
+def test_a_scorer_may_return_a_torch_scalar_as_it_may_a_bool(tmp_path):
+    from packtrain.run.scoring import load_scorer
+
+    (tmp_path / "tensorscore.py").write_text("import torch\n\ndef score(p, t, e):\n"
+                                             "    return torch.tensor(p == t, dtype=torch.float64)\n")
+    scorer = load_scorer("python:tensorscore:score", [tmp_path])
+    assert scorer.score("x", "x", None) == (1.0, True) and scorer.score("x", "y", None) == (0.0, True)
+
 @pytest.mark.process
 @pytest.mark.distributed
 @pytest.mark.parametrize("sampling", [False, True])

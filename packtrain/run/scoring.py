@@ -72,9 +72,14 @@ class Scorer:
         example_id = getattr(example, "id", None)
         try:
             value = self.fn(prediction, target, example)
-        except Exception as e:
+        except KeyboardInterrupt:  # Ctrl-C stays the stop it is
+            raise
+        except BaseException as e:  # SystemExit included: it ended a run with exit 0, no adapter and no message
             raise ScorerError(f"generate.metric {self.spec}: the scorer raised {type(e).__name__}: {e} "
                               f"on example {example_id}") from e
+        if not isinstance(value, numbers.Real) and callable(getattr(value, "item", None)) \
+                and getattr(value, "ndim", None) == 0:  # a torch or numpy scalar, as a bool or a float is taken
+            value = value.item()
         if isinstance(value, numbers.Real) and math.isfinite(value) and 0 <= value <= 1:
             return float(value)  # a bool is a Real: True -> 1.0
         raise ScorerError(f"generate.metric {self.spec}: the scorer returned {value!r} ({type(value).__name__}) "
@@ -96,7 +101,9 @@ def load_scorer(spec: str, search_dirs: Sequence[str | Path] = ()) -> Scorer:
     sys.path[:0] = [str(d) for d in search_dirs]
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # a module that calls sys.exit() at import is that scorer's error too
         if isinstance(e, ModuleNotFoundError) and e.name and (module_name + ".").startswith(e.name + "."):
             where = f"{', '.join(str(d) for d in search_dirs)}, then sys.path" if search_dirs else "sys.path"
             raise ScorerError(f"generate.metric: {spec!r}: module {module_name} not found (searched {where})") from e
