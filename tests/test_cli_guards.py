@@ -274,3 +274,32 @@ def test_a_truncated_base_checkpoint_or_config_is_named_by_train_and_eval(tmp_pa
     (base / "config.json").write_text("{")
     line = _one_line(run_in_process("train", cfg, check=False))
     assert f"model.path: {base / 'config.json'}: unreadable" in line, line
+
+
+def test_outputs_that_are_or_lie_inside_an_input_are_refused_before_the_work(trained, tmp_path):
+    """`eval --out` equal to data.eval replaced the eval data with loss lines (exit 0); `--generate --out
+    ADAPTER/adapter_config.json` left an adapter that no longer loads."""
+    finished = trained()
+    run = tmp_path / "run"
+    shutil.copytree(finished.run, run)
+    cfg = write_config(tmp_path)
+    eval_data, adapter_config = tmp_path / "eval.jsonl", run / "adapter" / "adapter_config.json"
+    before = {p: p.read_bytes() for p in (eval_data, adapter_config, tmp_path / "train.jsonl")}
+    line = _one_line(run_in_process("eval", cfg, "--adapter", run / "adapter", "--out", eval_data, check=False), "eval")
+    assert line == (f"packtrain eval: error: --out {eval_data}: is data.eval {eval_data}, which this command reads; "
+                    "writing there would overwrite it: choose another path")
+    line = _one_line(run_in_process("eval", cfg, "--adapter", run / "adapter", "--generate", "--out", adapter_config,
+                                    check=False), "eval")
+    assert f"--out {adapter_config}: lies inside --adapter {run / 'adapter'}, which this command reads" in line, line
+    line = _one_line(run_in_process("export", run, "--merged", run / "adapter" / "merged", check=False), "export")
+    assert f"--merged {run / 'adapter' / 'merged'}: lies inside --adapter {run / 'adapter'}" in line, line
+    line = _one_line(run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'train.jsonl'}", check=False),
+                     "train")
+    assert f"output_dir {tmp_path / 'train.jsonl'}: is data.train" in line, line
+    inside = tmp_path / "bench"
+    inside.mkdir()
+    shutil.copy(tmp_path / "train.jsonl", inside / "bench.json")
+    proc = run_in_process("bench", cfg, "--set", f"data.train={inside / 'bench.json'}", "--out", inside, check=False)
+    assert f"data.train {inside / 'bench.json'} is where this command writes bench.json" in _one_line(proc, "bench")
+    assert "repeat" not in proc.stdout
+    assert all(p.read_bytes() == b for p, b in before.items()) and not (run / "adapter" / "merged").exists()

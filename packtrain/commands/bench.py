@@ -116,7 +116,7 @@ def run_bench(args) -> int:
     from packtrain.bench.variants import VARIANTS, Models, Workload
     from packtrain.data.planner import plan_for, plan_stats, target_count
     from packtrain.distributed import init_distributed
-    from packtrain.rundir.disk import check_output_path
+    from packtrain.rundir.disk import check_not_an_input, check_output_path, config_inputs
 
     check_output_path(args.out, "--out", directory=True)  # before the models are built and timed
     load_before = os.getloadavg()[0]
@@ -128,6 +128,7 @@ def run_bench(args) -> int:
     if repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {repeats}")
     cfg, text, examples, data, shape = _config_and_data(args, preset)
+    check_not_an_input(args.out, "--out", config_inputs(cfg, args.config), writes=("bench.json", "bench.png"))
     plan = plan_for(cfg, examples)
     stats = plan_stats(plan, examples)
     device = init_distributed(cfg.train.device).device

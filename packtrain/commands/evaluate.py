@@ -13,7 +13,7 @@ from pathlib import Path
 
 from packtrain.config import load_config
 from packtrain.distributed import init_distributed, shutdown
-from packtrain.rundir.disk import check_output_path
+from packtrain.rundir.disk import check_not_an_input, check_output_path, config_inputs
 
 
 def run_eval(args) -> int:
@@ -25,12 +25,15 @@ def run_eval(args) -> int:
     from packtrain.packed.lm import PackedLM
     from packtrain.packed.patch import patch_model
     from packtrain.run.evaluate import evaluate, mean_loss
-    from packtrain.run.task import task_start
+    from packtrain.run.task import errors_path_for, task_start
     from packtrain.run.units import UnitSetup, image_loader
 
     cfg = load_config(args.config, args.overrides)
     check_output_path(args.out, "--out", directory=False)
     adapter = None if args.adapter == "none" else Path(args.adapter)
+    inputs = [*config_inputs(cfg, args.config), ("--adapter", adapter)]
+    for written in (Path(args.out), errors_path_for(Path(args.out))) if args.generate else (Path(args.out),):
+        check_not_an_input(written, "--out", inputs)
     if adapter is not None and not (adapter / "adapter_config.json").is_file():
         raise ValueError(f"--adapter: {adapter} is not a PEFT adapter directory (no adapter_config.json; "
                          "`--adapter none` evaluates the base model)")

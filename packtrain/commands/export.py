@@ -30,7 +30,7 @@ def run_export(args) -> int:
     from packtrain.data.examples import BUNDLED_TOKENIZER
     from packtrain.data.images import BUNDLED_PROCESSOR
     from packtrain.models.export import export_merged
-    from packtrain.rundir.disk import check_output_path
+    from packtrain.rundir.disk import check_not_an_input, check_output_path
 
     output = Path(args.output_dir)
     check_output_path(args.merged, "--merged", directory=True)
@@ -47,5 +47,8 @@ def run_export(args) -> int:
     extra = [Path(p) for p in (data.get("tokenizer"), data.get("processor")) if p]
     if (run.get("model") or {}).get("config") is not None:
         extra += [BUNDLED_TOKENIZER, BUNDLED_PROCESSOR]
+    inputs = [("the run's config", run_config), ("--adapter", adapter), ("the base", base),
+              *((f"data.{k}", Path(data[k])) for k in ("tokenizer", "processor") if data.get(k))]
+    check_not_an_input(args.merged, "--merged", inputs)
     export_merged(base, adapter, Path(args.merged), extra_dirs=extra)
     return 0

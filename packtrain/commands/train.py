@@ -6,7 +6,8 @@ from pathlib import Path
 
 from packtrain.config import load_config
 from packtrain.distributed import shutdown
-from packtrain.rundir.disk import check_writable, output_errors
+from packtrain.rundir.directory import OUTPUTS
+from packtrain.rundir.disk import check_not_an_input, check_writable, config_inputs, output_errors
 
 
 def run_train(args) -> int:
@@ -14,6 +15,9 @@ def run_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     out = Path(cfg.output_dir)
+    check_not_an_input(out, "output_dir", config_inputs(cfg, args.config))
+    # and no data, model or tokenizer where train writes (the config may be a run's own config.yaml: a resume)
+    check_not_an_input(out, "output_dir", config_inputs(cfg), writes=OUTPUTS)
     try:
         # Trainer closes its ops hooks (watchdog, wandb), signal handlers and the output_dir lock itself
         with output_errors(out):  # a full or read-only output_dir: one line naming the path, not a traceback

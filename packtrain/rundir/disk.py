@@ -82,6 +82,36 @@ def check_output_path(path: Path, flag: str, directory: bool) -> None:
         raise OutputDirError(f"{flag} {path}: is a directory; give a file name")
 
 
+def config_inputs(cfg, config_path=None) -> list[tuple[str, Path | None]]:
+    """What a command reads because of its config: (label, path), a path None where unset."""
+    d = cfg.data
+    return [("the config", Path(config_path) if config_path is not None else None),
+            ("data.train", cfg.resolve_path(d.train)), ("data.eval", cfg.resolve_path(d.eval)),
+            ("data.chat_template", cfg.resolve_path(d.chat_template)), ("data.tokenizer", cfg.resolve_path(d.tokenizer)),
+            ("data.processor", cfg.resolve_path(d.processor)), ("model.path", cfg.resolve_path(cfg.model.path))]
+
+
+def check_not_an_input(path, flag: str, inputs, writes: tuple[str, ...] = ()) -> None:
+    """An output that is, or lies inside, one of the command's ``inputs`` ((label, path) pairs) is refused before
+    any work: ``eval --out`` equal to ``data.eval`` replaced the eval data by loss lines, and ``--out
+    ADAPTER/adapter_config.json`` left an adapter that no longer loads. For an output folder, ``writes`` names what
+    the command writes inside it; an input there is refused too. Paths are compared resolved (links followed)."""
+    out = Path(os.path.abspath(Path(path).expanduser())).resolve()
+    written = [out / name for name in writes]
+    for label, source in inputs:
+        if source is None:
+            continue
+        src = Path(os.path.abspath(Path(source).expanduser())).resolve()
+        if out == src or src in out.parents:
+            where = "is" if out == src else "lies inside"
+            raise OutputDirError(f"{flag} {path}: {where} {label} {source}, which this command reads; writing there "
+                                 "would overwrite it: choose another path")
+        for w in written:
+            if src == w or w in src.parents:
+                raise OutputDirError(f"{flag} {path}: {label} {source} is where this command writes {w.name}; "
+                                     "writing there would overwrite it: move it, or choose another path")
+
+
 def _under(path, out: Path) -> bool:
     try:
         Path(os.path.abspath(path)).relative_to(os.path.abspath(out))
