@@ -200,3 +200,36 @@ def test_a_reused_pid_is_told_by_its_process_start_not_the_clock(tmp_path):
     said = []
     claim(tmp_path, False, False, ONE, log=said.append).release()
     assert any("taking over the stale lock" in s for s in said), said
+
+
+def test_a_directory_that_holds_no_run_is_never_taken_over(tmp_path):
+    """Before, its config.yaml was overwritten, and --overwrite deleted whole base/, ops/ and adapter/ folders of
+    files packtrain never wrote."""
+    cfg = write_config(tmp_path, train={"max_steps": 1}, data={"eval": None})
+    run = tmp_path / "run"
+    for name in ("base/weights.bin", "ops/notes.txt", "adapter/mine.txt", "config.yaml"):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(name)
+    for flags in ((), ("--overwrite",), ("--resume",)):
+        proc = run_in_process("train", cfg, *flags, check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip() == (f"packtrain train: error: {run} is not empty and holds no packtrain run (no "
+                                       f"packtrain-run.json; it holds adapter/, base/, config.yaml, ops/): choose an "
+                                       f"empty or new output_dir (a run directory of a packtrain from before the "
+                                       f"marker: write {{}} to {run / 'packtrain-run.json'})")
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == [
+        "adapter", "adapter/mine.txt", "base", "base/weights.bin", "config.yaml", "ops", "ops/notes.txt"]
+    assert (run / "config.yaml").read_text() == "config.yaml"
+
+
+def test_overwrite_removes_only_what_the_run_marker_lists(tmp_path):
+    cfg = write_config(tmp_path, train={"max_steps": 1}, data={"eval": None})
+    run = tmp_path / "run"
+    run_in_process("train", cfg)
+    assert json.loads((run / "packtrain-run.json").read_text())["wrote"][:3] == ["adapter", "checkpoints",
+                                                                                 "metrics.jsonl"]
+    (run / "mine.txt").write_text("kept")
+    (run / "packtrain-run.json").write_text(json.dumps({"wrote": ["adapter", "metrics.jsonl", "loss.png"]}))
+    proc = run_in_process("train", cfg, "--overwrite")
+    assert f"--overwrite: removing adapter/, metrics.jsonl, loss.png from {run}" in proc.stdout
+    assert (run / "mine.txt").read_text() == "kept" and (run / "adapter").is_dir()

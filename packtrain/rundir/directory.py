@@ -11,6 +11,10 @@ Why: re-running a finished config without ``--resume`` silently replaced its ada
   tests/test_rundir.py), now exactly one does and the other is refused naming it.
 - A directory holding a previous run's ``adapter/``, ``checkpoints/step-N`` or ``metrics.jsonl`` is refused unless
   ``--resume`` (continue it) or ``--overwrite`` (remove :data:`OUTPUTS` first, listed in the log).
+- A run directory carries :data:`MARKER`, written by the first run in it, listing what packtrain writes there. A
+  non-empty directory without it is not packtrain's and is refused, ``--overwrite`` included: its ``config.yaml``
+  was overwritten, and ``--overwrite`` deleted whole ``base/``, ``ops/`` and ``adapter/`` folders packtrain never
+  wrote. ``--overwrite`` removes only what the marker lists.
 - Leftover temporaries of interrupted writes (``.tmp-*``, ``.old-*``) are removed once the lock is held.
 - After each successful save, checkpoints beyond the newest ``train.keep_checkpoints`` are removed.
 
@@ -42,8 +46,54 @@ OUTPUTS = ("adapter", "checkpoints", "metrics.jsonl", "loss.png", "config.yaml",
            "generations", "wandb-run-id")
 
 
+MARKER = "packtrain-run.json"
+# packtrain's own entries a directory may hold before a run marks it: the lock, temporaries of interrupted writes,
+# check_writable's probe, and the folders `smoke` and `pretune-fla` write under OUTPUT by default
+OWN = (LOCK, "smoke", "fla-configs")
+OWN_PREFIXES = (".tmp-", ".old-", ".write-probe-")
+
+
 class RunDirError(ValueError):
     pass
+
+
+def foreign_entries(out: Path) -> list[str]:
+    """What makes ``out`` a directory packtrain may not take: its entries, when it has no :data:`MARKER` (nothing
+    for a missing or empty directory, or one holding only packtrain's own :data:`OWN` entries)."""
+    if not out.is_dir() or (out / MARKER).exists():
+        return []
+    return sorted(p.name + "/" * p.is_dir() for p in out.iterdir()
+                  if p.name not in OWN and not p.name.startswith(OWN_PREFIXES))
+
+
+def check_not_foreign(out: Path) -> None:
+    found = foreign_entries(out)
+    if found:
+        shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+        raise RunDirError(f"{out} is not empty and holds no packtrain run (no {MARKER}; it holds {shown}): choose "
+                          f"an empty or new output_dir (a run directory of a packtrain from before the marker: "
+                          f"write {{}} to {out / MARKER})")
+
+
+def manifest(out: Path) -> tuple[str, ...]:
+    """What :data:`MARKER` says packtrain writes in ``out`` (a marker without the list, written by hand: all of
+    :data:`OUTPUTS`); never a name outside OUTPUTS."""
+    try:
+        raw = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        raise RunDirError(f"{out / MARKER}: unreadable run marker; if this is a packtrain run directory, write {{}} "
+                          "to it") from None
+    wrote = raw.get("wrote") if isinstance(raw, dict) else None
+    if not isinstance(wrote, list):
+        return OUTPUTS
+    return tuple(name for name in OUTPUTS if name in wrote)
+
+
+def _mark(out: Path) -> None:
+    if not (out / MARKER).exists():
+        (out / MARKER).write_text(json.dumps({"run directory of": "packtrain train", "wrote": list(OUTPUTS),
+                                              "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                                  + "\n")
 
 
 def previous_outputs(out: Path) -> list[str]:
@@ -68,7 +118,7 @@ def _policy(out: Path, resume: bool, overwrite: bool, log) -> None:
     if not overwrite:
         raise RunDirError(f"{out} holds a previous run ({', '.join(found)}): continue it with --resume, start over "
                           "with --overwrite (removes it), or choose another output_dir")
-    removed = [name for name in OUTPUTS if (out / name).exists()]
+    removed = [name for name in manifest(out) if (out / name).exists()]
     log(f"--overwrite: removing {', '.join(n + '/' * (out / n).is_dir() for n in removed)} from {out}")
     for name in removed:
         path = out / name
@@ -218,8 +268,11 @@ def claim(out: Path, resume: bool, overwrite: bool, info: DistInfo, log) -> RunL
     if info.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
+            check_not_foreign(out)  # before the lock: nothing is written into a directory that is not ours
             lock = RunLock.acquire(out, log)
+            check_not_foreign(out)
             _policy(out, resume, overwrite, log)
+            _mark(out)
             clean_temporaries(out, log)
         except (RunDirError, OSError) as e:
             refusal = str(e)
