@@ -19,7 +19,7 @@ from packtrain.packed.layout import Continuation, build_pack_layout
 from packtrain.packed.lm import PackedLM
 from packtrain.packed.patch import patch_model, vision_spec
 from packtrain.packed.prefix import PrefixCall
-from packtrain.run.generate import GenerateSpec, choose, decode_rows
+from packtrain.run.generate import GenerateSpec, choose, decode_rows, nucleus, stop_ids
 
 L, F = "linear_attention", "full_attention"
 ONE = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -159,6 +159,38 @@ def test_top_p_keeps_the_nucleus():
     assert drawn == {0, 1}  # the two most likely tokens make the smallest set with mass >= 0.7
     greedy = GenerateSpec(1, frozenset())
     assert int(choose(logits, greedy, [None])) == 0
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.5, 0.7, 0.86, 0.95, 0.999])
+def test_top_p_is_transformers_top_p_warper(top_p):
+    """A hand-made distribution in shuffled order, one row per shuffle: the tokens kept (and their scores) are
+    those of transformers' TopPLogitsWarper, so the most likely token is never the one dropped."""
+    from transformers import TopPLogitsWarper
+
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.03, 0.01])
+    rows = [torch.randperm(len(probs), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    scores = torch.stack([probs[r].log() for r in rows])
+    ours, theirs = nucleus(scores, top_p), TopPLogitsWarper(top_p)(None, scores.clone())
+    assert torch.equal(ours.isinf(), theirs.isinf()) and torch.equal(ours, theirs)
+    kept = ours.isfinite()
+    assert bool(kept[torch.arange(4), scores.argmax(-1)].all())  # the most likely token always stays
+    assert kept.sum(-1).tolist() == [int(kept[0].sum())] * 4  # the same tokens whatever their order
+
+
+def test_stop_ids_hold_im_end_when_the_models_eos_is_another_token():
+    from transformers import AutoTokenizer
+
+    from packtrain.data.examples import BUNDLED_TOKENIZER
+
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_TOKENIZER)
+    tokenizer.eos_token = "<|endoftext|>"  # a base model's tokenizer: its eos is not the end of a chat turn
+    model = tiny_lora_model(["full_attention"])
+    model.config.eos_token_id = 7
+    model.generation_config.eos_token_id = 7
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert len({im_end, 7, tokenizer.eos_token_id}) == 3
+    assert stop_ids(model, tokenizer) == {7, im_end, tokenizer.eos_token_id}
+    assert stop_ids(model) == {7}
 
 
 @needs_interpreter

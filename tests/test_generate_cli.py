@@ -188,3 +188,24 @@ def test_pretokenized_data_without_a_tokenizer_compares_ids(tmp_path):
     refused = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", out, "--set",
                              "generate.metric=json", check=False)
     assert refused.returncode == 2 and "no tokenizer" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_the_line_of_a_prediction_that_is_not_json_says_parsed_false(tmp_path):
+    """generate.metric json: a prediction that does not parse scores 0 and its JSON line carries "parsed": false
+    (the summary's unparsed count is the number of such lines); a parsed one carries no "parsed" key."""
+    from packtrain.run.scoring import load_scorer
+
+    data = tmp_path / "json.jsonl"
+    data.write_text("".join(json.dumps({"id": f"j{i}", "system": "Answer in JSON.", "item": f"Colour {i}",
+                                        "target": json.dumps({"code": i})}) + "\n" for i in range(3)))
+    cfg = write_config(tmp_path, data={"train": str(data), "eval": str(data)},
+                       generate={"metric": "json", "max_new_tokens": 3})
+    out = tmp_path / "g.jsonl"
+    proc = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", out)
+    lines = read_lines(out)
+    unparsed = [r for r in lines if r.get("parsed") is False]
+    assert unparsed and all(r["score"] == 0.0 for r in unparsed)
+    for r in lines:
+        parses = load_scorer("json").score(strip_thinking(r["prediction"]), strip_thinking(r["target"]), None)[1]
+        assert ("parsed" in r) is (not parses), r
+    assert f"{len(unparsed)} predictions not JSON" in proc.stdout

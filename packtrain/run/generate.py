@@ -76,17 +76,23 @@ def example_generator(seed: int, example_id: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(example_id.encode()))
 
 
+def nucleus(scores_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """transformers' ``TopPLogitsWarper``: the least likely tokens whose mass together is at most ``1 - top_p`` set
+    to -inf; the most likely token always stays."""
+    ordered, index = scores_BV.sort(-1)  # ascending: the tail comes first
+    drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
+    drop[..., -1] = False
+    return scores_BV.masked_fill(drop.scatter(-1, index, drop), float("-inf"))
+
+
 def choose(logits_BV: torch.Tensor, spec: GenerateSpec, generators: list[torch.Generator | None]) -> torch.Tensor:
     """The next token of every row [B]."""
     scores = logits_BV.float()
     if spec.temperature == 0:
         return scores.argmax(-1)
     scores = scores / spec.temperature
-    if spec.top_p < 1.0:  # transformers' TopPLogitsWarper: drop the low tail whose mass is at most 1 - top_p
-        ordered, index = scores.sort(-1)
-        drop = ordered.softmax(-1).cumsum(-1) <= 1 - spec.top_p
-        drop[..., -1] = False  # at least one token is kept
-        scores = scores.masked_fill(drop.scatter(-1, index, drop), float("-inf"))
+    if spec.top_p < 1.0:
+        scores = nucleus(scores, spec.top_p)
     probs = scores.softmax(-1).cpu()
     picks = [torch.multinomial(probs[b], 1, generator=g) if g is not None else probs[b].argmax()[None]
              for b, g in enumerate(generators)]
