@@ -132,3 +132,43 @@ def test_every_process_computes_the_same_schedule(tmp_path):
                               capture_output=True, text=True, env=env, cwd=REPO, check=True)
         outs.append(json.loads(proc.stdout)["schedule"])
     assert outs[0] == outs[1]
+
+
+def _prompts_plan(prompts: str):
+    """A plan stand-in: pack i has prompt prompts[i] (all the step rules read of a plan)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(packs=[SimpleNamespace(prompt=p) for p in prompts], seed=0)
+
+
+def test_packs_go_to_ranks_costliest_first():
+    from packtrain.run.balance import _to_ranks
+
+    # costliest first to the least loaded rank: 10 | 3, then 2 to the lighter rank 1, and 1 to rank 0 (rank 1 full)
+    assert _to_ranks([0, 1, 2, 3], [1.0, 2.0, 3.0, 10.0], 2) == [[3, 0], [2, 1]]
+    # 5 packs on 2 ranks: the first rank takes the extra one
+    assert _to_ranks([0, 1, 2, 3, 4], [5.0, 4.0, 3.0, 2.0, 1.0], 2) == [[0, 3, 4], [1, 2]]
+
+
+def test_the_diversity_rule_allows_exactly_per_step_minus_distinct_repeats():
+    from packtrain.run.balance import _similar_cost_steps
+
+    # prompts in cost order A A A A B C D E, 4 packs a step, 3 distinct: one repeat of A per step, the other As wait
+    plan, costs = _prompts_plan("AAAABCDE"), [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]
+    assert _similar_cost_steps(plan, list(range(8)), costs, 4, 3) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert _similar_cost_steps(plan, list(range(8)), costs, 4, 2) == [[0, 1, 2, 4], [3, 5, 6, 7]]
+    assert _similar_cost_steps(plan, list(range(8)), costs, 4, 1) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_step_keeps_the_ceiling_of_85_percent_of_round_robins_prompts(seed):
+    # two prompts, the As costlier: round robin's steps hold 1 or 2 prompts, on average more than 1 / 0.85, so each
+    # step must hold ceil(0.85 x that) = 2 prompts, where cost order alone would give A A A A, then B B B B
+    from packtrain.data.planner import epoch_order
+
+    plan, costs = _prompts_plan("AAAABBBB"), [9.0, 8.0, 7.0, 6.0, 4.0, 3.0, 2.0, 1.0]
+    order = epoch_order(plan, 0, seed)
+    rounds = [{plan.packs[i].prompt for i in order[k:k + 4]} for k in (0, 4)]
+    assert sum(map(len, rounds)) / 2 > 1 / 0.85
+    schedule = epoch_schedule(plan, costs, 0, seed, per_step=4, world=2)
+    assert [len({plan.packs[i].prompt for r in step for i in r}) for step in schedule] == [2, 2]
