@@ -233,3 +233,38 @@ def test_overwrite_removes_only_what_the_run_marker_lists(tmp_path):
     proc = run_in_process("train", cfg, "--overwrite")
     assert f"--overwrite: removing adapter/, metrics.jsonl, loss.png from {run}" in proc.stdout
     assert (run / "mine.txt").read_text() == "kept" and (run / "adapter").is_dir()
+
+
+def test_release_leaves_a_lock_another_process_took(tmp_path):
+    from packtrain.rundir.directory import RunLock
+
+    lock = RunLock.acquire(tmp_path, log=print)
+    other = {"pid": _dead_pid(), "host": socket.gethostname(), "started": time.time()}
+    (tmp_path / LOCK).write_text(json.dumps(other))  # taken over meanwhile (this process looked dead)
+    lock.release()
+    assert json.loads((tmp_path / LOCK).read_text()) == other
+
+
+def test_a_refused_claim_leaves_no_lock(tmp_path):
+    (tmp_path / "packtrain-run.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")  # a previous run, and neither --resume nor --overwrite
+    with pytest.raises(RunDirError, match="holds a previous run"):
+        claim(tmp_path, False, False, ONE, log=print)
+    assert not (tmp_path / LOCK).exists()
+
+
+@pytest.mark.process
+def test_a_zombie_holder_has_exited_and_its_lock_is_taken_over(tmp_path):
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30  # the child exits at once; it stays a zombie until waited for
+        while (tmp := open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0]) != "Z":
+            assert time.monotonic() < deadline, f"the child is still {tmp!r} after 30 s"
+            time.sleep(0.01)
+        _write_lock(tmp_path, zombie.pid)
+        said = []
+        lock = claim(tmp_path, False, False, ONE, log=said.append)
+        assert any(f"taking over the stale lock {tmp_path / LOCK}: pid {zombie.pid}" in s for s in said), said
+        lock.release()
+    finally:
+        zombie.wait()
