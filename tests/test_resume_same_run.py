@@ -30,6 +30,10 @@ def test_epochs_may_change_except_under_a_cosine_schedule():
     refused, _ = compare(cosine, {**cosine, "train": {"epochs": 3}}, 12, 18)
     assert len(refused) == 1 and "total steps: 12 -> 18" in refused[0]
     assert compare(cosine, {**cosine, "train": {"epochs": 3}}, 12, 12)[0] == []  # max_steps held it at 12
+    refused, _ = compare(cosine, {**cosine, "train": {"epochs": 1}}, 12, 6)  # a shorter run: the rate would jump too
+    assert len(refused) == 1 and "total steps: 12 -> 6" in refused[0]
+    refused, _ = compare(cosine, {**cosine, "train": {"epochs": 2, "max_steps": 11}}, 12, 11)
+    assert refused and "total steps: 12 -> 11" in refused[-1]
 
 
 def test_another_lr_seed_split_rank_or_optimizer_is_refused_naming_each(tmp_path):
