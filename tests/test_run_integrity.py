@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from cli_helpers import RESUMED, run_in_process
+from cli_helpers import RESUMED, run_in_process, write_config
 from safetensors.torch import load_file
 
 from packtrain.exits import PREEMPTED_EXIT
@@ -147,3 +147,21 @@ def test_two_ranks_both_refuse_a_resume_below_what_was_trained(trained, tmp_path
                      check=False, timeout=120)
     assert proc.returncodes == [2, 2], (proc.returncodes, proc.stderr[-3000:])
     assert proc.stderr.count("its final adapter is from step 3") == 2, proc.stderr[-3000:]
+
+
+def test_a_stop_where_a_generation_is_owed_runs_it_on_resume(tmp_path):
+    """SIGTERM during step 2 with generate.every: 2: the checkpoint is written before step 2's generation and owes
+    it; the resumed run writes the generations/step-2.jsonl of an uninterrupted run before its next step."""
+    sections = dict(generate={"every": 2, "examples": 2, "max_new_tokens": 3},
+                    train={"max_steps": 3, "packs_per_step": 1, "save_every": 100})
+    cfg = write_config(tmp_path, **sections)
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    run_in_process("train", cfg, "--set", f"output_dir={straight}")
+    stopped = run_in_process("train", cfg, env={SIGTERM_IN_STEP: "2"}, check=False)
+    assert stopped.returncode == PREEMPTED_EXIT, stopped.stderr[-3000:]
+    assert verify_checkpoint(checkpoints(run)[0])["owed"] == ["generate"]
+    assert sorted(p.name for p in (run / "generations").glob("*.jsonl")) == ["step-0.jsonl"]
+    run_in_process("train", cfg, "--resume")
+    for step in (0, 2, 3):
+        name = f"generations/step-{step}.jsonl"
+        assert (run / name).read_text() == (straight / name).read_text(), name
