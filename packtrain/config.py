@@ -7,6 +7,7 @@ its dotted path, in one :class:`ConfigError`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -282,8 +283,8 @@ class Config:
 # Bounds checked after types: (dotted path, predicate, message).
 _BOUNDS = [
     ("packing.token_budget", lambda v: v >= 2, "must be at least 2"),
-    ("train.cost_per_position", lambda v: v >= 0, "must not be negative"),
-    ("train.cost_per_pair", lambda v: v >= 0, "must not be negative"),
+    ("train.cost_per_position", lambda v: math.isfinite(v) and v >= 0, "must be a finite number, not negative"),
+    ("train.cost_per_pair", lambda v: math.isfinite(v) and v >= 0, "must be a finite number, not negative"),
     ("packing.max_continuations", lambda v: v >= 1, "must be at least 1"),
     ("packing.walk.chunk", lambda v: v >= 1, "must be at least 1"),
     ("packing.continuation_groups", lambda v: v >= 1, "must be at least 1"),
@@ -424,12 +425,48 @@ def _validate(cfg: Config) -> list[str]:
                         f"targeted parameter), got {cfg.lora.dropout!r}")
     if cfg.generate.every is not None and not cfg.data.eval:
         problems.append("generate.every: generates on data.eval, which is not set")
-    reserved = sorted(set(cfg.data.template_kwargs or {}) & TEMPLATE_ARGUMENTS)
-    if reserved:
-        problems.append(f"data.template_kwargs: {', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} set by "
-                        "packtrain for each render (tools come from each example's `tools`)")
+    if cfg.train.cost_per_position == 0 and cfg.train.cost_per_pair == 0:
+        problems.append("train.cost_per_position, train.cost_per_pair: both 0 gives every pack cost 0 (and the "
+                        "utilisation 0/0); set one above 0, or leave one null for the model's figure")
+    problems += _template_kwargs_problems(cfg.data.template_kwargs)
     if cfg.model.kernels == "fla" and cfg.model.dtype == "float64":  # fla's kernels are float32/bf16 only
         problems.append("model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)")
+    return problems
+
+
+# data.template_kwargs is rendered into every example: bounded before anything walks it whole (a YAML alias bomb of
+# a few lines is billions of nodes once expanded; `plan` grew to 5 GB and hung)
+TEMPLATE_KWARGS_NODES = 10_000
+TEMPLATE_KWARGS_DEPTH = 16
+# template switches the chat templates read as booleans: a string such as "no" is truthy in Jinja
+TEMPLATE_BOOLEANS = ("enable_thinking", "add_vision_id")
+
+
+def _template_kwargs_problems(kwargs: dict | None) -> list[str]:
+    if not kwargs:
+        return []
+    nodes, stack = 0, [(kwargs, 1)]
+    while stack:  # counts every node as often as aliases repeat it, and stops at the bound: never expands a bomb
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > TEMPLATE_KWARGS_NODES or depth > TEMPLATE_KWARGS_DEPTH:
+            return [f"data.template_kwargs: more than {TEMPLATE_KWARGS_NODES} values or {TEMPLATE_KWARGS_DEPTH} "
+                    "levels deep (YAML aliases count each time they are used); template switches are a few "
+                    "scalars"]
+        if isinstance(value, dict):
+            stack += [(v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            stack += [(v, depth + 1) for v in value]
+    problems = []
+    reserved = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
+    if reserved:
+        remark = " (tools come from each example's `tools`)" if "tools" in reserved else ""
+        problems.append(f"data.template_kwargs: {', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} set by "
+                        f"packtrain for each render{remark}")
+    for key in TEMPLATE_BOOLEANS:
+        if key in kwargs and not isinstance(kwargs[key], bool):
+            problems.append(f"data.template_kwargs.{key}: expected true or false, got {kwargs[key]!r} (a template "
+                            "reads any non-empty string as true)")
     return problems
 
 

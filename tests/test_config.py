@@ -154,3 +154,53 @@ def test_every_shipped_config_starts_with_its_command_and_loads(path):
     first = path.read_text().splitlines()[0]
     assert first.startswith("# ") and path.relative_to(REPO).as_posix() in first, first
     load_config(path)
+
+
+def _plan_refusal(tmp_path, *overrides):
+    from cli_helpers import run_in_process, write_config
+
+    proc = run_in_process("plan", write_config(tmp_path), *overrides, check=False)
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    return proc.stderr
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_a_cost_must_be_finite(tmp_path, value):
+    # cost_per_position=.inf gave utilisation NaN, and `plan --json` printed NaN / Infinity (not JSON)
+    err = _plan_refusal(tmp_path, "--json", "--set", f"train.cost_per_position={value}")
+    assert "train.cost_per_position: must be a finite number, not negative" in err, err
+
+
+def test_both_costs_zero_are_refused(tmp_path):
+    err = _plan_refusal(tmp_path, "--set", "train.cost_per_position=0", "--set", "train.cost_per_pair=0")
+    assert "train.cost_per_position, train.cost_per_pair: both 0 gives every pack cost 0" in err, err
+    assert config_from_dict({"train": {"cost_per_position": 0}}).train.cost_per_pair is None  # one 0 is fine
+
+
+@pytest.mark.parametrize("value", ["'no'", "'false'", "0", "1"])
+def test_enable_thinking_must_be_a_boolean(tmp_path, value):
+    # "no" was rendered as thinking on: a template reads a non-empty string as true
+    err = _plan_refusal(tmp_path, "--set", f"data.template_kwargs={{enable_thinking: {value}}}")
+    assert "data.template_kwargs.enable_thinking: expected true or false, got " in err, err
+
+
+def test_an_alias_bomb_in_template_kwargs_is_refused_without_expanding_it(tmp_path):
+    # 6 levels of 10 aliases: 10^6 values once expanded (a few more lines make it 10^9: `plan` grew to 5 GB and hung)
+    lines = ["data:", "  template_kwargs:", "    a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 7)]
+    path = write_yaml(tmp_path, "\n".join(lines) + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert e.value.problems == ["data.template_kwargs: more than 10000 values or 16 levels deep (YAML aliases count "
+                                "each time they are used); template switches are a few scalars"]
+    deep = {"k": "v"}
+    for _ in range(20):
+        deep = {"k": deep}
+    assert problems_of({"data": {"template_kwargs": deep}})[0].startswith("data.template_kwargs: more than")
+
+
+def test_only_tools_gets_the_tools_remark():
+    assert problems_of({"data": {"template_kwargs": {"add_generation_prompt": True}}}) == [
+        "data.template_kwargs: add_generation_prompt is set by packtrain for each render"]
+    assert problems_of({"data": {"template_kwargs": {"tools": []}}}) == [
+        "data.template_kwargs: tools is set by packtrain for each render (tools come from each example's `tools`)"]

@@ -209,3 +209,18 @@ def test_the_line_of_a_prediction_that_is_not_json_says_parsed_false(tmp_path):
         parses = load_scorer("json").score(strip_thinking(r["prediction"]), strip_thinking(r["target"]), None)[1]
         assert ("parsed" in r) is (not parses), r
     assert f"{len(unparsed)} predictions not JSON" in proc.stdout
+
+
+def test_max_new_tokens_beyond_the_models_positions_is_refused(tmp_path):
+    """generate.max_new_tokens=1e9 asked the allocator for 256 GB (a traceback); now the model's
+    max_position_embeddings bounds P + item + the new tokens, checked before any row is allocated."""
+    from cli_helpers import TINY_MODEL
+
+    cfg = write_config(tmp_path, model={"config": {**TINY_MODEL, "max_position_embeddings": 64}},
+                       generate={"max_new_tokens": 50})
+    proc = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", tmp_path / "g.jsonl", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("packtrain eval: error: generate.max_new_tokens: 50 new tokens after a prompt of up to "), line
+    assert "exceed the model's 64 positions (max_position_embeddings); at most " in line, line
+    assert not (tmp_path / "g.jsonl").exists()

@@ -80,7 +80,25 @@ def prepare_task(cfg, model, examples: list, scorer: Scorer, tokenizer, split: s
     chosen = examples[:cfg.generate.examples] if cfg.generate.examples else list(examples)
     check_text(scorer, tokenizer)
     spec = GenerateSpec.from_config(cfg.generate, stop_ids(model, tokenizer))
-    return Task(plan_for(cfg, chosen), chosen, spec, scorer, cfg.generate.strip_thinking, tokenizer, split)
+    plan = plan_for(cfg, chosen)
+    check_positions(model, plan, chosen, cfg.generate.max_new_tokens)
+    return Task(plan, chosen, spec, scorer, cfg.generate.strip_thinking, tokenizer, split)
+
+
+def check_positions(model, plan: Plan, examples: list, max_new_tokens: int) -> None:
+    """The longest P + item + ``generate.max_new_tokens`` within the model's positions (``max_position_embeddings``),
+    before any row is allocated: 1e9 new tokens asked the allocator for 256 GB, a traceback."""
+    from packtrain.packed.patch import unwrap
+
+    positions = getattr(unwrap(model).config.get_text_config(), "max_position_embeddings", None)
+    if positions is None or not plan.packs:
+        return
+    longest = max(len(plan.prompts[pack.prompt]) + len(examples[e].item_ids) for pack in plan.packs
+                  for e in pack.examples)
+    if longest + max_new_tokens > positions:
+        raise ValueError(f"generate.max_new_tokens: {max_new_tokens} new tokens after a prompt of up to {longest} "
+                         f"tokens exceed the model's {positions} positions (max_position_embeddings); at most "
+                         f"{max(positions - longest, 0)} fit")
 
 
 def _until_stop(ids, stops) -> list[int]:
