@@ -155,9 +155,24 @@ def main(argv: list[str] | None = None) -> int:
         if not e.quiet:
             print(f"packtrain {args.command}: {e}", file=sys.stderr)
         return e.exit_code
+    except RuntimeError as e:  # a collective whose peer died (its machine lost): a retryable stop, one line (train
+        # says so itself, with what to resume)
+        lost = _lost_peer(e)
+        if lost is None:
+            raise
+        from packtrain.exits import PeerLost
+
+        print(f"packtrain {args.command}: {lost}; run it again on every machine (exit {PeerLost.exit_code})",
+              file=sys.stderr)
+        return PeerLost.exit_code
     except KeyboardInterrupt:  # Ctrl-C before training started (during training it stops at a step boundary)
         print(f"packtrain {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _lost_peer(e: RuntimeError) -> str | None:
+    distributed = sys.modules.get("packtrain.distributed")  # only a command that started ranks has peers to lose
+    return distributed.lost_peer(e) if distributed is not None else None
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,6 +20,13 @@ import torch.distributed as dist
 import torch.distributed.nn
 
 from packtrain.exits import Stalled
+
+# What gloo and NCCL say when the other end of a collective went away (its process killed, its machine lost)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+             "NCCL communicator was aborted", "remote process exited")
+# every rank's (rank, machine, host, pid), gathered once the group is up: who a failed collective was waiting for
+_peers: list[tuple[int, int, str, int]] = []
+PEER_EXIT_WAIT = 5.0  # seconds a lost peer of this host may take to finish exiting
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,41 @@ def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) 
             raise Stalled(f"rank {rank}: the {world} ranks did not meet within ops.collective_timeout="
                           f"{timeout_s} s at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
                           f"({e}); check that every rank started and can reach that address") from None
+        mine = (rank, int(os.environ.get("GROUP_RANK", "0") or 0), socket.gethostname(), os.getpid())
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        _peers[:] = gathered
     return DistInfo(rank, world, local_rank, device)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host has exited (gone, or a zombie not yet reaped)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """"rank N on machine M stopped answering ..." when ``e`` is a collective failing because a peer went away, else
+    None. Ranks of this host are looked up by pid; a peer elsewhere is named by the address gloo gives."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not _peers or not any(t in text for t in PEER_GONE):
+        return None
+    host = socket.gethostname()
+    here = [(r, m, pid) for r, m, h, pid in _peers if h == host and pid != os.getpid()]
+    deadline = time.monotonic() + (PEER_EXIT_WAIT if here else 0)
+    # the connection closes while the killed process is still exiting: give it a moment to show as gone
+    while not (gone := [(r, m, pid) for r, m, pid in here if process_gone(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if gone:
+        return "; ".join(f"rank {r} on machine {m} stopped answering (pid {pid} on this host is gone)"
+                         for r, m, pid in gone)
+    where = text.split(" by peer ", 1)[1].split()[0].rstrip(".") if " by peer " in text else "another host"
+    machines = sorted({m for r, m, h, _ in _peers if h != host})
+    on = f" on machine {', '.join(map(str, machines))}" if len(machines) == 1 else ""
+    return f"a rank{on} stopped answering (its connection at {where} closed)"
 
 
 def all_reduce_max_tensor(t: torch.Tensor, info: DistInfo) -> torch.Tensor:

@@ -31,3 +31,9 @@ class Preempted(RunStopped):
 
 class Stalled(RunStopped):
     exit_code = STALLED_EXIT
+
+
+class PeerLost(RunStopped):
+    """A collective failed because another rank went away (killed, its machine lost): retryable, like a stall."""
+
+    exit_code = STALLED_EXIT

@@ -65,3 +65,24 @@ def test_a_stopped_rank_makes_the_other_abort_after_its_stacks(tmp_path):
     assert "(ops.hang_timeout=8 + ops.hang_abort=4)" in err  # the timing itself: the in-process test above
     stacks = (run / "hang" / "rank-0.txt").read_text()
     assert "no step completed for" in stacks  # the evidence came first
+
+
+@pytest.mark.process
+@pytest.mark.distributed
+def test_a_killed_rank_ends_its_peer_with_one_line_and_the_retryable_code(tmp_path):
+    """SIGKILL on rank 1 mid-run (its machine lost): rank 0's next collective fails. Before, that was gloo's
+    "Connection closed by peer" traceback with exit 1, which a restart script must not retry, and rank 1's empty
+    stacks file stayed in OUTPUT/hang/."""
+    cfg = write_config(tmp_path, train={"epochs": 4, "packs_per_step": 2}, data={"eval": None})
+    run = tmp_path / "run"
+    proc = start_cli("train", str(cfg), ranks=2)
+    killed = wait_for(lambda: steps_logged(run) >= 1 and rank_pid(run, 1), proc, "step 1 and rank 1's pid")
+    os.kill(killed, signal.SIGKILL)
+    _, _, err = finish(proc, timeout=120)
+    assert proc.returncodes == [STALLED_EXIT, -signal.SIGKILL], (proc.returncodes, err[-3000:])
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert lines == [f"packtrain train: rank 1 on machine 0 stopped answering (pid {killed} on this host is gone); "
+                     "the checkpoints so far are kept: restart every machine with `packtrain train CONFIG --resume` "
+                     f"(exit {STALLED_EXIT})"], err[-3000:]
+    left = sorted((str(p.relative_to(run)), p.stat().st_size) for p in run.rglob("*") if p.parent.name in ("hang", "ops"))
+    assert not (run / "hang").exists() and not (run / "ops").exists(), left

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from packtrain.distributed import process_gone
 from packtrain.exits import STALLED_EXIT
 from packtrain.ops import nodes
 from packtrain.ops.wandb_mirror import WandbMirror, require_wandb
@@ -102,11 +103,29 @@ class RunOps:
             stacks = stacks_file(self.out, self.info.rank)
             if stacks.exists() and stacks.stat().st_size == 0:  # no dump was taken: leave no empty evidence
                 stacks.unlink()
+            self._forget_gone_ranks()
             for folder in (stacks.parent, rank_file(self.out, 0).parent):
                 try:
                     folder.rmdir()
                 except OSError:  # not empty: a dump, or another rank still running
                     pass
+
+    def _forget_gone_ranks(self) -> None:
+        """The entries of this host's ranks that died without closing (SIGKILL, a lost machine's peers): their
+        ``ops/rank-N.json`` and, when no dump was taken, their empty stacks file."""
+        host = socket.gethostname()
+        for entry in rank_file(self.out, 0).parent.glob("rank-*.json"):
+            try:
+                rec = json.loads(entry.read_text())
+                rank, pid = int(rec["rank"]), int(rec["pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if rec.get("host") != host or pid == os.getpid() or not process_gone(pid):
+                continue
+            stacks = stacks_file(self.out, rank)
+            if stacks.exists() and stacks.stat().st_size == 0:
+                stacks.unlink()
+            entry.unlink(missing_ok=True)
 
     def _register(self) -> None:
         rank = self.info.rank

@@ -25,8 +25,9 @@ from packtrain import faults
 from packtrain.config import Config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_fingerprint, plan_for
-from packtrain.distributed import DistInfo, all_reduce_max_tensor, all_reduce_sum, barrier, init_distributed
-from packtrain.exits import NonFiniteError, Preempted
+from packtrain.distributed import (DistInfo, all_reduce_max_tensor, all_reduce_sum, barrier, init_distributed,
+                                   lost_peer)
+from packtrain.exits import NonFiniteError, PeerLost, Preempted
 from packtrain.models.build import build_base_model
 from packtrain.models.wrap import prepare_from_config
 from packtrain.ops.nodes import check_same_config
@@ -107,9 +108,11 @@ class Trainer:
         try:
             self.ops.start()
             self._setup(cfg, resume)
-        except BaseException:
-            self._close()
-            raise
+        except BaseException as e:
+            stop = self._fail(e)
+            if stop is e:
+                raise
+            raise stop from None
 
     # -- setup --------------------------------------------------------------------------------------------------
     def _setup(self, cfg: Config, resume: bool) -> None:
@@ -177,11 +180,23 @@ class Trainer:
         except Preempted:
             self._close(keep_signal_handlers=True)  # a second signal while exiting must not kill the exit code
             raise
-        except BaseException:
-            self._close()
-            raise
+        except BaseException as e:
+            stop = self._fail(e)
+            if stop is e:
+                raise
+            raise stop from None
         self._close()
         return summary
+
+    def _fail(self, e: BaseException) -> BaseException:
+        """Close after ``e``; what to raise: for a collective whose peer died, one retryable line
+        (:class:`PeerLost`) in place of gloo's traceback."""
+        lost = lost_peer(e)  # first: it waits (bounded) for a peer of this host to finish exiting
+        self._close()
+        if lost is None:
+            return e
+        return PeerLost(f"{lost}; the checkpoints so far are kept: restart every machine with `packtrain train "
+                        f"CONFIG --resume` (exit {PeerLost.exit_code})")
 
     def _close(self, keep_signal_handlers: bool = False) -> None:
         self.ops.close()
