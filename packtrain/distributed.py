@@ -101,6 +101,57 @@ def lost_peer(e: BaseException) -> str | None:
     return f"a rank{on} stopped answering (its connection at {where} closed)"
 
 
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
+
+
+def apply_launcher_settings(cfg, environ=os.environ, log=print) -> list[str]:
+    """What ``accelerate launch`` passes on from its config file (as environment variables) and packtrain has an
+    equivalent for, applied to ``cfg``; what would conflict is a :class:`ValueError` naming the packtrain key.
+    Returns one note per setting applied (rank 0 logs them). Why: an accelerate config with ``distributed_type: FSDP``,
+    ``fsdp_activation_checkpointing`` or ``mixed_precision: bf16`` trained as if absent. packtrain shards with FSDP2
+    itself, never autocasts, and reads only these (docs/distributed.md):
+
+    - ``ACCELERATE_MIXED_PRECISION`` (``mixed_precision``): ``bf16`` is ``model.dtype: bfloat16`` (a float32
+      ``model.dtype`` is set to it; any other is refused), ``fp16`` / ``fp8`` are refused, ``no`` is nothing;
+    - ``FSDP_ACTIVATION_CHECKPOINTING``: true is ``train.activation_checkpointing: true``;
+    - ``FSDP_SHARDING_STRATEGY`` other than full sharding, and ``FSDP_OFFLOAD_PARAMS``, are refused (packtrain shards
+      every layer fully; ``train.offload`` keeps layer inputs, not parameters, in host memory).
+    """
+    notes = []
+    precision = (environ.get("ACCELERATE_MIXED_PRECISION") or "no").strip().lower()
+    if precision == "bf16":
+        if cfg.model.dtype == "float32":
+            cfg.model.dtype = "bfloat16"
+            notes.append("model.dtype: bfloat16, from accelerate's mixed_precision: bf16 (ACCELERATE_MIXED_PRECISION; "
+                         "packtrain keeps the weights in bf16 instead of autocasting)")
+        elif cfg.model.dtype != "bfloat16":
+            raise ValueError(f"model.dtype: {cfg.model.dtype} conflicts with accelerate's mixed_precision: bf16 "
+                             "(ACCELERATE_MIXED_PRECISION=bf16): packtrain never autocasts; set model.dtype: bfloat16, "
+                             "or mixed_precision: 'no' in the accelerate config")
+    elif precision not in ("no", ""):
+        raise ValueError(f"model.dtype: accelerate's mixed_precision: {precision} (ACCELERATE_MIXED_PRECISION) has no "
+                         "packtrain equivalent (model.dtype takes float32, bfloat16 or float64; packtrain never "
+                         "autocasts); set mixed_precision: 'no' in the accelerate config")
+    if _truthy(environ.get("FSDP_ACTIVATION_CHECKPOINTING")) and not cfg.train.activation_checkpointing:
+        cfg.train.activation_checkpointing = True
+        notes.append("train.activation_checkpointing: true, from accelerate's fsdp_activation_checkpointing "
+                     "(FSDP_ACTIVATION_CHECKPOINTING)")
+    strategy = (environ.get("FSDP_SHARDING_STRATEGY") or "FULL_SHARD").strip().upper()
+    if strategy not in ("FULL_SHARD", "1"):
+        raise ValueError(f"train: accelerate's fsdp_sharding_strategy {strategy} (FSDP_SHARDING_STRATEGY) has no "
+                         "packtrain equivalent: packtrain shards every layer fully with FSDP2 itself; remove it "
+                         "from the accelerate config")
+    if _truthy(environ.get("FSDP_OFFLOAD_PARAMS")):
+        raise ValueError("train.offload: accelerate's fsdp_offload_params (FSDP_OFFLOAD_PARAMS) keeps parameters in "
+                         "host memory, which packtrain does not do; train.offload keeps layer inputs there instead: "
+                         "remove fsdp_offload_params from the accelerate config")
+    if environ.get("RANK", "0") == "0":
+        for note in notes:
+            log(note)
+    return notes
+
+
 def all_reduce_max_tensor(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -303,3 +303,31 @@ def test_outputs_that_are_or_lie_inside_an_input_are_refused_before_the_work(tra
     assert f"data.train {inside / 'bench.json'} is where this command writes bench.json" in _one_line(proc, "bench")
     assert "repeat" not in proc.stdout
     assert all(p.read_bytes() == b for p, b in before.items()) and not (run / "adapter" / "merged").exists()
+
+
+@pytest.mark.parametrize("env, key", [
+    ({"ACCELERATE_MIXED_PRECISION": "bf16"}, "model.dtype: float64 conflicts with accelerate's mixed_precision: bf16"),
+    ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "model.dtype: accelerate's mixed_precision: fp16"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"},
+     "train: accelerate's fsdp_sharding_strategy SHARD_GRAD_OP"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}, "train.offload: accelerate's fsdp_offload_params"),
+])
+def test_an_accelerate_setting_packtrain_cannot_honour_is_refused_naming_the_key(tmp_path, env, key):
+    # before: an accelerate config with mixed_precision or FSDP settings trained as if they were absent, exit 0
+    proc = run_in_process("train", write_config(tmp_path), env=env, check=False)
+    line = _one_line(proc, "train")
+    assert line.startswith(f"packtrain train: error: {key}"), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_accelerates_activation_checkpointing_and_bf16_become_packtrains_keys(tmp_path):
+    cfg = write_config(tmp_path, train={"max_steps": 1}, data={"eval": None})
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_SHARDING_STRATEGY": "1",
+           "ACCELERATE_MIXED_PRECISION": "bf16"}
+    proc = run_in_process("train", cfg, "--set", "model.dtype=float32", env=env)
+    assert "train.activation_checkpointing: true, from accelerate's fsdp_activation_checkpointing" in proc.stdout
+    assert "model.dtype: bfloat16, from accelerate's mixed_precision: bf16" in proc.stdout
+    import yaml
+
+    written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert written["train"]["activation_checkpointing"] is True and written["model"]["dtype"] == "bfloat16"

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from packtrain.config import load_config
-from packtrain.distributed import init_distributed, shutdown
+from packtrain.distributed import apply_launcher_settings, init_distributed, shutdown
 from packtrain.ops.nodes import gather_objects
 
 OUT_OF_MEMORY_EXIT = 3
@@ -54,6 +54,7 @@ def run_smoke(args) -> int:
     from packtrain.rundir import checkpoint as ckpt
 
     cfg = load_config(args.config, args.overrides)
+    apply_launcher_settings(cfg)  # accelerate's own config, where packtrain has an equivalent
     examples = load_split(cfg, "train")
     if examples is None:
         raise ValueError("data.train: not set (smoke runs its largest pack)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from packtrain.config import load_config
-from packtrain.distributed import shutdown
+from packtrain.distributed import apply_launcher_settings, shutdown
 from packtrain.rundir.directory import OUTPUTS
 from packtrain.rundir.disk import check_not_an_input, check_writable, config_inputs, output_errors
 
@@ -14,6 +14,7 @@ def run_train(args) -> int:
     from packtrain.run.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    apply_launcher_settings(cfg)  # accelerate's own config, where packtrain has an equivalent
     out = Path(cfg.output_dir)
     check_not_an_input(out, "output_dir", config_inputs(cfg, args.config))
     # and no data, model or tokenizer where train writes (the config may be a run's own config.yaml: a resume)
