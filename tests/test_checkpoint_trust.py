@@ -110,7 +110,8 @@ def test_damaged_checkpoints_fall_back_to_the_newest_valid_one_and_no_pickle_run
     proc = run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", "--set", "train.save_every=2")
     out = proc.stdout
     assert not marker.exists(), "torch.load ran the pickle's code"
-    assert "step-5 is damaged" in out and "scheduler.pt: unreadable" in out, out
+    assert "step-5 is damaged" in out and "scheduler.pt: unreadable (a pickle that holds more than tensors" in out, out
+    assert "weights_only" not in out and "will likely succeed" not in out  # torch's advice, without its warning
     assert "step-4 is damaged" in out and "trainable.safetensors: contents differ from the digest" in out
     assert "falling back to step-3" in out and "continuing from" in out and "step-3 (step 3" in out
     assert "changed since the checkpoint (allowed)" in out and "train.save_every: 1 -> 2" in out

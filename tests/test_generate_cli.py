@@ -181,9 +181,11 @@ def test_pretokenized_data_without_a_tokenizer_compares_ids(tmp_path):
     cfg = write_config(tmp_path, data={"train": str(data), "eval": str(data), "format": "pretokenized"},
                        generate={"max_new_tokens": 3})
     out = tmp_path / "g.jsonl"
-    run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", out)
+    proc = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", out)
     lines = read_lines(out)
     assert [sorted(r) for r in lines] == [["id", "match", "prediction_ids", "score", "stop"]] * 4
+    # the tiny config has no eos_token_id and there is no tokenizer: no stop token, said rather than silent
+    assert all(r["stop"] == "length" for r in lines) and "warning: no stop token" in proc.stderr, proc.stderr
     assert all(r["match"] is (r["prediction_ids"] == [5, 6]) for r in lines)
     refused = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", out, "--set",
                              "generate.metric=json", check=False)
@@ -224,3 +226,43 @@ def test_max_new_tokens_beyond_the_models_positions_is_refused(tmp_path):
     assert line.startswith("packtrain eval: error: generate.max_new_tokens: 50 new tokens after a prompt of up to "), line
     assert "exceed the model's 64 positions (max_position_embeddings); at most " in line, line
     assert not (tmp_path / "g.jsonl").exists()
+
+
+def test_the_watchdog_says_a_generation_is_still_running(tmp_path):
+    """Stacks written while step 0's generation runs: they said "last completed: generation at step 0", as if it had
+    finished. The scorer holds the generation until the watchdog has written more stacks (bounded): the setup may
+    have had its own dump, and the generation's beats re-armed the watchdog."""
+    stacks = tmp_path / "run" / "hang" / "rank-0.txt"
+    (tmp_path / "waiting.py").write_text(
+        "import os, time\n\ndef score(p, t, e):\n    size = os.path.getsize(STACKS)\n"
+        "    deadline = time.monotonic() + 60\n    while os.path.getsize(STACKS) == size:\n"
+        "        if time.monotonic() > deadline:\n            raise TimeoutError('no stacks after 60 s')\n"
+        f"        time.sleep(0.02)\n    return 1.0\n\nSTACKS = {str(stacks)!r}\n")
+    cfg = write_config(tmp_path, generate={"metric": "python:waiting:score", "max_new_tokens": 2, "every": 1,
+                                           "examples": 1}, train={"max_steps": 1}, ops={"hang_timeout": 0.5})
+    run_in_process("train", cfg)
+    text = stacks.read_text()
+    assert "last completed: a generation pack at step 0 (the generation still running)" in text, text[-3000:]
+
+
+def test_a_generation_whose_files_were_not_written_leaves_no_metrics_line(tmp_path, monkeypatch):
+    """A full disk while step 1's generations are written: the run stops naming it, and metrics.jsonl has no line
+    for a generation whose file does not exist (it had one before)."""
+    import errno
+
+    from packtrain.run import trainer
+
+    written = trainer.write_task
+
+    def full_at_step_1(result, lines, *args):
+        if lines.name == "step-1.jsonl":
+            raise OSError(errno.ENOSPC, "No space left on device", str(lines))
+        written(result, lines, *args)
+
+    monkeypatch.setattr(trainer, "write_task", full_at_step_1)
+    cfg = write_config(tmp_path, generate={"max_new_tokens": 2, "every": 1, "examples": 1}, train={"max_steps": 2})
+    proc = run_in_process("train", cfg, check=False)
+    assert proc.returncode == 2 and "no space left on device" in proc.stderr, proc.stderr[-2000:]
+    run = tmp_path / "run"
+    steps = [x["step"] for x in read_lines(run / "metrics.jsonl") if x.get("split") == "generate"]
+    assert steps == [0] and sorted(p.name for p in (run / "generations").glob("*.jsonl")) == ["step-0.jsonl"]

@@ -156,12 +156,17 @@ def test_a_stop_where_a_generation_is_owed_runs_it_on_resume(tmp_path):
                     train={"max_steps": 3, "packs_per_step": 1, "save_every": 100})
     cfg = write_config(tmp_path, **sections)
     straight, run = tmp_path / "straight", tmp_path / "run"
-    run_in_process("train", cfg, "--set", f"output_dir={straight}")
+    uninterrupted = run_in_process("train", cfg, "--set", f"output_dir={straight}")
     stopped = run_in_process("train", cfg, env={SIGTERM_IN_STEP: "2"}, check=False)
     assert stopped.returncode == PREEMPTED_EXIT, stopped.stderr[-3000:]
     assert verify_checkpoint(checkpoints(run)[0])["owed"] == ["generate"]
     assert sorted(p.name for p in (run / "generations").glob("*.jsonl")) == ["step-0.jsonl"]
-    run_in_process("train", cfg, "--resume")
+    resumed = run_in_process("train", cfg, "--resume")
     for step in (0, 2, 3):
         name = f"generations/step-{step}.jsonl"
         assert (run / name).read_text() == (straight / name).read_text(), name
+
+    def footer(proc):  # the resumed run's footer dropped both lines: step 0 ran before the stop
+        return [x for x in proc.stdout.splitlines() if x.startswith(("eval loss: ", "task score: "))]
+
+    assert len(footer(uninterrupted)) == 2 and footer(resumed) == footer(uninterrupted)

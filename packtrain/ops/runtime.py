@@ -80,7 +80,8 @@ class RunOps:
         self._done(record, f"step {record['step']}")
 
     def eval_done(self, record: dict) -> None:
-        self._done(record, f"eval at step {record['step']}")
+        what = "generation" if record.get("split") == "generate" else "eval"
+        self._done(record, f"{what} at step {record['step']}")
 
     def _done(self, record: dict, label: str) -> None:
         if self.watchdog is not None:

@@ -3,6 +3,9 @@ where the outputs are). Printed by rank 0 only."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from packtrain.data.planner import plan_stats
 from packtrain.run.balance import BALANCES, epoch_schedule, utilisation
 from packtrain.packed.families import describe as describe_model
@@ -53,12 +56,33 @@ def header(trainer) -> list[str]:
     return lines
 
 
+def _at_step_0(metrics_path, split: str, key: str) -> float | None:
+    """``key`` of the step-0 ``split`` line of metrics.jsonl: what a resumed run evaluated before it stopped."""
+    try:
+        text = Path(metrics_path).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("split") == split and rec.get("step") == 0:
+            return rec.get(key)
+    return None
+
+
 def footer(summary: dict, metrics_path) -> list[str]:
+    """The eval loss and task score from step 0 to the end (a resumed run's step 0 read back from metrics.jsonl:
+    its lines were dropped from the footer before), then where the outputs are."""
     lines = []
-    if summary["eval_before"] is not None:
-        lines.append(f"eval loss: {summary['eval_before']:.4f} at step 0 -> {summary['eval_after']:.4f} "
+    before = summary["eval_before"] if summary["eval_before"] is not None else _at_step_0(metrics_path, "eval", "loss")
+    if before is not None and summary["eval_after"] is not None:
+        lines.append(f"eval loss: {before:.4f} at step 0 -> {summary['eval_after']:.4f} "
                      f"at step {summary['eval_after_step']}")
-    if summary.get("task_before") is not None:
-        lines.append(f"task score: {summary['task_before']:.4f} at step 0 -> {summary['task_after']:.4f} "
+    task = summary.get("task_before")
+    task = task if task is not None else _at_step_0(metrics_path, "generate", "mean_score")
+    if task is not None and summary.get("task_after") is not None:
+        lines.append(f"task score: {task:.4f} at step 0 -> {summary['task_after']:.4f} "
                      f"at step {summary['task_after_step']}")
     return lines + [f"adapter: {summary['adapter']}", f"loss plot: {summary['plot']}", f"metrics: {metrics_path}"]

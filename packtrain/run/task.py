@@ -12,6 +12,8 @@ only the ``exact`` metric applies. The mismatches go to a Markdown report next t
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +84,10 @@ def prepare_task(cfg, model, examples: list, scorer: Scorer, tokenizer, split: s
     spec = GenerateSpec.from_config(cfg.generate, stop_ids(model, tokenizer))
     plan = plan_for(cfg, chosen)
     check_positions(model, plan, chosen, cfg.generate.max_new_tokens)
+    if not spec.stop_ids and os.environ.get("RANK", "0") == "0":
+        print(f"packtrain: warning: no stop token (the model config has no eos_token_id and there is no tokenizer): "
+              f"every prediction runs to generate.max_new_tokens={cfg.generate.max_new_tokens}, so an exact match "
+              "needs a target of exactly that length; set eos_token_id in the model config", file=sys.stderr)
     return Task(plan, chosen, spec, scorer, cfg.generate.strip_thinking, tokenizer, split)
 
 

@@ -398,7 +398,8 @@ class Trainer:
         bar = tqdm(total=None, desc="eval", unit="unit", leave=False,  # a terminal only: it would litter logs
                    disable=not (info.is_main and self.cfg.logging.progress and sys.stderr.isatty()))
         rows = evaluate(self.lm, self.eval_plan, self.eval_examples, self.setup, info,
-                        progress=_Beating(bar, lambda: self.ops.progress(f"eval unit at step {step}")))
+                        progress=_Beating(bar, lambda: self.ops.progress(f"an eval unit at step {step} (the "
+                                                                         "evaluation still running)")))
         bar.close()
         loss = mean_loss(rows)
         if not finite.is_finite(loss):  # the same on every rank: the rows are gathered everywhere
@@ -419,19 +420,21 @@ class Trainer:
         bar = tqdm(total=None, desc="generate", unit="pack", leave=False,
                    disable=not (info.is_main and self.cfg.logging.progress and sys.stderr.isatty()))
         result = run_task(self.lm, self.task, self.setup, info,
-                          progress=_Beating(bar, lambda: self.ops.progress(f"generation at step {step}")))
+                          progress=_Beating(bar, lambda: self.ops.progress(f"a generation pack at step {step} (the "
+                                                                            "generation still running)")))
         bar.close()
         s = result.summary
         self.last_task_step = step
         record = {"split": "generate", "step": step, "exact_match": s["exact_match"], "mean_score": s["mean_score"],
                   "examples": s["examples"], "unparsed": s["unparsed"], "tokens": s["tokens"],
                   "tokens_per_second": s["tokens_per_second"]}
+        lines = self.out / "generations" / f"step-{step}.jsonl"
+        if info.is_main:  # the files first: a metrics line never names generations that were not written
+            write_task(result, lines, lines.with_name(f"step-{step}.errors.md"), self.task,
+                       f"generations at step {step} of {self.out}")
         self.metrics.write(record)
         self.ops.eval_done(record)
         if info.is_main:
-            lines = self.out / "generations" / f"step-{step}.jsonl"
-            write_task(result, lines, lines.with_name(f"step-{step}.errors.md"), self.task,
-                       f"generations at step {step} of {self.out}")
             tqdm.write(f"generate step {step}: {describe_task(s)} -> {lines}")
         return s["mean_score"]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -294,9 +295,22 @@ def verify_checkpoint(ckpt: Path) -> dict:
                 _safe_torch_load(ckpt / rel)
             elif rel.endswith(".json"):
                 json.loads((ckpt / rel).read_text())
+        except pickle.UnpicklingError as e:  # torch's text advises weights_only=False: code would run
+            raise CheckpointDamaged(f"{ckpt / rel}: unreadable (a pickle that holds more than tensors and plain "
+                                    f"containers: {_unpickler_reason(e)}; loading it otherwise could run code, so "
+                                    "packtrain never does)") from None
         except Exception as e:  # noqa: BLE001 - any failure to read means: do not resume from here
             raise CheckpointDamaged(f"{ckpt / rel}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
     return state
+
+
+def _unpickler_reason(e: Exception) -> str:
+    """What torch's weights-only unpickler refused ("Unsupported global: ..."), without its advice to re-run with
+    weights_only=False."""
+    text = str(e)
+    reason = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else ""
+    reason = " ".join(reason.split("Check the documentation", 1)[0].split())
+    return reason[:200] or "refused by torch.load(weights_only=True)"
 
 
 def load_checkpoint(ckpt: Path, lm, optimizer, scheduler, info: DistInfo) -> dict:
