@@ -102,6 +102,28 @@ def test_dropout_gradient_is_the_plain_formula_with_the_same_mask():
         assert rel(a, b) < 1e-12 and rel(a, c) < 1e-12
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_the_rng_moves_as_under_peft(dropout):
+    """Forward draws what nn.Dropout draws (nothing with dropout 0, or in eval mode) and backward draws nothing
+    from the global stream, so every later draw of a run (the next adapter's mask) is the one peft's run makes."""
+    layer = _attention(torch.float64, dropout=dropout).q_proj
+    x, g = _inputs(layer, torch.float64)
+    after = {}
+    for name, forward in (("packtrain", lora_forward), ("peft", PeftLoraLinear.forward)):
+        torch.manual_seed(11)
+        y = forward(layer, x.detach().requires_grad_())
+        torch.rand(1)  # a later draw (another layer's mask) between this forward and its backward
+        y.backward(g)
+        after[name] = torch.get_rng_state()
+    assert torch.equal(after["packtrain"], after["peft"])
+    torch.manual_seed(11)
+    torch.rand(1)
+    assert torch.equal(after["packtrain"], torch.get_rng_state()) == (dropout == 0)
+    seeded = torch.manual_seed(11).get_state()
+    _run(layer.eval(), lora_forward, x, g)
+    assert torch.equal(torch.get_rng_state(), seeded)
+
+
 def _qkv(attn, x):
     return torch.cat([getattr(attn, name)(x) for name in QKV], dim=-1)
 
