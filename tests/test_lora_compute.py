@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from packtrain.config import config_from_dict
 from packtrain.models.build import apply_lora, build_base_model
-from packtrain.models.lora_compute import lora_forward
+from packtrain.models.lora_compute import describe, lora_forward
 
 U = 2.0**-8  # bf16's unit roundoff
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -251,3 +251,13 @@ def test_two_active_adapters_and_what_goes_to_peft():
     x, g = _inputs(layer, torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(_run(layer, lora_forward, x, g),
                                                  _run(layer, PeftLoraLinear.forward, x, g)))
+
+
+def test_the_run_header_says_how_lora_computes(trained):
+    """7 adapted linears: q, k, v, o of the one attention layer and gate_proj of each of the three layers."""
+    assert ("LoRA compute: 7 adapted linears in float64 (float64 weights and gradients; no float32 input copies), "
+            "no dropout") in trained().stdout
+    cfg = config_from_dict({"model": {"config": TINY_MODEL, "dtype": "bfloat16"}, "lora": {"dropout": 0.05}})
+    assert describe(apply_lora(build_base_model(cfg), cfg)) == (
+        "LoRA compute: 7 adapted linears in bfloat16 (float32 weights and gradients; no float32 input copies), "
+        "dropout 0.05, masks drawn again in backward")

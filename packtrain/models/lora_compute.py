@@ -43,6 +43,21 @@ def install(model: nn.Module) -> int:
     return len(layers)
 
 
+def describe(model: nn.Module) -> str | None:
+    """One header line: how many adapted linears compute here, in what dtype, and their dropout."""
+    layers = [m for m in model.modules() if type(m) is PeftLoraLinear]
+    if not layers:
+        return None
+    first = layers[0]
+    name = first.active_adapters[0]
+    weight, compute = first.lora_A[name].weight.dtype, first.base_layer.weight.dtype
+    dropout = first.lora_dropout[name]
+    p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
+    masks = f"dropout {p:g}, masks drawn again in backward" if p else "no dropout"
+    return (f"LoRA compute: {len(layers)} adapted linears in {str(compute)[6:]} ({str(weight)[6:]} weights and "
+            f"gradients; no float32 input copies), {masks}")
+
+
 def lora_forward(self: PeftLoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's ``lora.Linear.forward`` for a plain active adapter, computed by :class:`LoraDelta`."""
     if not _covered(self, kwargs):
