@@ -29,18 +29,19 @@ from __future__ import annotations
 import types
 
 import torch
+from peft.tuners.lora.layer import VARIANT_KWARG_KEYS
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
 
 from packtrain.packed.walk import _replay, _rng_state
 
 
-def install(model: nn.Module) -> int:
-    """Every peft ``lora.Linear`` of ``model`` runs :func:`lora_forward`; returns how many. Idempotent."""
-    layers = [m for m in model.modules() if type(m) is PeftLoraLinear]
-    for layer in layers:
-        layer.forward = types.MethodType(lora_forward, layer)
-    return len(layers)
+def install(model: nn.Module) -> None:
+    """Every peft ``lora.Linear`` of ``model`` runs :func:`lora_forward` (called once, before anything wraps those
+    forwards: kv_only's row-sparse backward wraps the one installed here)."""
+    for layer in model.modules():
+        if type(layer) is PeftLoraLinear:
+            layer.forward = types.MethodType(lora_forward, layer)
 
 
 def describe(model: nn.Module) -> str | None:
@@ -73,7 +74,7 @@ def lora_forward(self: PeftLoraLinear, x: torch.Tensor, *args, **kwargs) -> torc
 
 
 def _covered(self: PeftLoraLinear, kwargs: dict) -> bool:
-    if self.disable_adapters or self.merged or kwargs.keys() & {"adapter_names", "alora_offsets"}:
+    if self.disable_adapters or self.merged or kwargs.keys() & {"adapter_names", *VARIANT_KWARG_KEYS}:
         return False
     for name in self.active_adapters:
         if name in self.lora_A and (name in self.lora_variant or self.lora_B[name].bias is not None
