@@ -150,6 +150,29 @@ def test_dropout_is_seeded_and_replayed_in_a_checkpoint_recompute():
     assert not torch.equal(first[1], other[1])  # the masks are live: another seed, other gradients
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_masks_are_seeded_replayed_and_give_the_plain_gradient():
+    """CUDA's generator: the same seed gives the same masks, a checkpoint's recompute and backward draw them again,
+    and the gradient is the plain formula's with the mask drawn as lora_compute draws it (``bernoulli_``; CUDA's
+    fused ``F.dropout`` draws another one). float32, TF32 off (torch's default for matmul)."""
+    attn = _attention(torch.float32, dropout=0.2).cuda()
+    x, _ = _inputs(attn.q_proj, torch.float32, rows=30)
+    x, g = x.cuda(), torch.randn(1, 30, sum(getattr(attn, n).out_features for n in QKV)).cuda()
+    first, again = _qkv_grads(attn, x, g, seed=3), _qkv_grads(attn, x, g, seed=3)
+    recomputed = _qkv_grads(attn, x, g, seed=3, checkpointed=True)
+    for a, b, c in zip(first, again, recomputed):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    layer, g = attn.q_proj, g[..., :attn.q_proj.out_features].contiguous()
+    torch.manual_seed(7)
+    ours = _run(layer, lora_forward, x, g)
+    torch.manual_seed(7)
+    mask = torch.empty_like(x).bernoulli_(0.8).div_(0.8)
+    plain = _run(layer, lambda m, x: _plain(m, x, mask), x, g)
+    for a, b in zip(ours, plain):
+        assert rel(a, b) < 1e-5
+
+
 def _saved(fn, params):
     """Every tensor autograd saves while ``fn()`` runs, parameters left out: (storage key, shape, dtype, bytes)."""
     saved = []
