@@ -17,7 +17,8 @@ def header(trainer) -> list[str]:
              f"  mode {t.setup.mode}, kernels: {t.backend.describe()}, device {t.dist.device}, "
              f"world size {t.dist.world_size}, dtype {cfg.model.dtype}",
              f"  {describe_model(t.model)}",
-             f"  context_grad {t.lm.context.describe()}"]
+             f"  context_grad {t.lm.context.describe()}",
+             f"  loss: {t.lm.describe_loss()}"]
     if cfg.data.train_on != "last" or s["turns"] != s["examples"]:
         lines.append(f"  data.train_on {cfg.data.train_on}: {s['conversations']:,} conversations, {s['turns']:,} "
                      f"assistant turns trained, {s['target_tokens']:,} target tokens")
