@@ -9,8 +9,12 @@ rows blocks its sums otherwise; the head's gradients are summed over chunks): lo
 of logits is ever made, forward or backward.
 """
 
+import json
+import random
+
 import pytest
 import torch
+from cli_helpers import TINY_MODEL, peak_rss_cli, write_config
 import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -129,3 +133,40 @@ def test_no_tensor_larger_than_one_chunk_of_logits(rows):
     assert 3 * chunk * 8 <= logits.peak <= 4 * chunk * 8
     if rows:
         assert M * V not in logits.numels
+
+
+# -- the memory goal, measured from outside the process -------------------------------------------------------------
+VOCAB = 248_320  # Qwen3.5/3.6's
+GiB = 2**30
+
+
+def _one_step(tmp, targets_each: int, name: str, *sets: str) -> list[str]:
+    """``packtrain train`` arguments for one step of one pack: P + 8 continuations of 4 item tokens and
+    ``targets_each`` target tokens, on a float32 2-layer model of hidden size 32 at vocabulary 248,320."""
+    rng = random.Random(0)
+    ids = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
+    prefix = ids(8)
+    data = tmp / f"{name}.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "prefix_ids": prefix, "item_ids": ids(4),
+                                        "target_ids": ids(targets_each)}) + "\n" for i in range(8)))
+    model = {**TINY_MODEL, "vocab_size": VOCAB, "num_hidden_layers": 2,
+             "layer_types": ["linear_attention", "full_attention"]}
+    cfg = write_config(tmp, f"{name}.yaml", model={"config": model, "dtype": "float32"},
+                       data={"train": str(data), "eval": None},
+                       packing={"token_budget": 8 + 8 * (4 + targets_each), "max_continuations": 8},
+                       train={"max_steps": 1, "packs_per_step": 1}, output_dir=str(tmp / name))
+    return ["train", str(cfg), *sets]
+
+
+@pytest.mark.process
+def test_4096_targets_take_at_most_1_5_gib_above_one_target_per_continuation(tmp_path):
+    """The issue's CPU goal, with the shipped train.loss_chunk_rows; peak RSS read from outside each run's process
+    (the three run at once). The control, the loss in one chunk (1,024 targets, a quarter of the goal's, to keep
+    the suite's memory small): three float32 [M, V] tensors, far above."""
+    runs = peak_rss_cli(_one_step(tmp_path, 1, "one"), _one_step(tmp_path, 512, "chunked"),
+                        _one_step(tmp_path, 128, "whole", "--set", "train.loss_chunk_rows=0"))
+    for proc, _ in runs:
+        assert "1 packs" in proc.stdout, proc.stdout  # each run's step is one pack
+    (_, base), (_, chunked), (_, whole) = runs
+    assert chunked - base <= 1.5 * GiB, (chunked - base) / GiB
+    assert whole - base >= 0.8 * 3 * 1024 * VOCAB * 4, (whole - base) / GiB
