@@ -14,12 +14,13 @@ import random
 
 import pytest
 import torch
-from cli_helpers import TINY_MODEL, peak_rss_cli, write_config
+from cli_helpers import TINY_MODEL, peak_rss_cli, run_in_process, write_config
 import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from packtrain.packed import loss
 from packtrain.packed.loss import target_losses
 
 M, D, V = 23, 4, 1000  # V far above M and D: a [rows, V] tensor is the largest the loss makes
@@ -133,6 +134,26 @@ def test_no_tensor_larger_than_one_chunk_of_logits(rows):
     assert 3 * chunk * 8 <= logits.peak <= 4 * chunk * 8
     if rows:
         assert M * V not in logits.numels
+
+
+def test_train_and_eval_take_train_loss_chunk_rows(tmp_path, monkeypatch):
+    """The chunk size is chosen once, from the config, for training and for `packtrain eval`; the run header says
+    which."""
+    seen = []
+    original = loss.target_losses
+
+    def recorded(*args, chunk_rows, **kwargs):
+        seen.append(chunk_rows)
+        return original(*args, chunk_rows=chunk_rows, **kwargs)
+
+    monkeypatch.setattr(loss, "target_losses", recorded)
+    cfg = write_config(tmp_path, train={"max_steps": 1, "loss_chunk_rows": 3}, data={"eval": None})
+    train = run_in_process("train", cfg)
+    assert "  loss: lm_head + cross-entropy in chunks of 3 target rows (recomputed in backward)" in train.stdout
+    run_in_process("eval", cfg, "--adapter", str(tmp_path / "run" / "adapter"), "--out", tmp_path / "eval.jsonl")
+    assert seen and set(seen) == {3}
+    whole = run_in_process("train", cfg, "--set", "train.loss_chunk_rows=0", "--set", f"output_dir={tmp_path / 'b'}")
+    assert "  loss: lm_head + cross-entropy in one chunk (train.loss_chunk_rows 0)" in whole.stdout
 
 
 # -- the memory goal, measured from outside the process -------------------------------------------------------------
