@@ -140,7 +140,7 @@ def _checked(proc: subprocess.CompletedProcess, args, check: bool) -> subprocess
 def run_cli(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """`packtrain ARGS` in a fresh interpreter, with one torch thread like every run of the suite (conftest.py)."""
     proc = subprocess.run([sys.executable, "-m", "packtrain", *args], capture_output=True, text=True,
-                          env=_cli_env(env), cwd=REPO)
+                          env=_cli_env(env), cwd=REPO, check=False)
     return _checked(proc, args, check)
 
 
@@ -151,21 +151,21 @@ def peak_rss_cli(*runs: list[str], env: dict | None = None, check: bool = True
     largest of every child this process ever waited for)."""
     import tempfile
 
-    started = []
-    for args in runs:
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        child = subprocess.Popen([sys.executable, "-m", "packtrain", *args], stdout=out, stderr=err, text=True,
-                                 env=_cli_env(env), cwd=REPO)
-        started.append((args, child, out, err))
-    results = []
-    for args, child, out, err in started:
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
-        with out, err:
+    with contextlib.ExitStack() as files:
+        started = []
+        for args in runs:
+            out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
+            child = subprocess.Popen([sys.executable, "-m", "packtrain", *args], stdout=out, stderr=err, text=True,
+                                     env=_cli_env(env), cwd=REPO)
+            started.append((args, child, out, err))
+        results = []
+        for args, child, out, err in started:
+            _, status, usage = os.wait4(child.pid, 0)
+            child.returncode = os.waitstatus_to_exitcode(status)
             out.seek(0)
             err.seek(0)
             proc = subprocess.CompletedProcess(child.args, child.returncode, out.read(), err.read())
-        results.append((_checked(proc, args, check), usage.ru_maxrss * 1024))  # kilobytes on Linux
+            results.append((_checked(proc, args, check), usage.ru_maxrss * 1024))  # kilobytes on Linux
     return results
 
 

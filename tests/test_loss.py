@@ -14,8 +14,8 @@ import random
 
 import pytest
 import torch
-from cli_helpers import TINY_MODEL, peak_rss_cli, run_in_process, write_config
 import torch.nn.functional as F
+from cli_helpers import TINY_MODEL, peak_rss_cli, run_in_process, write_config
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -165,7 +165,7 @@ def _one_step(tmp, targets_each: int, name: str, *sets: str) -> list[str]:
     """``packtrain train`` arguments for one step of one pack: P + 8 continuations of 4 item tokens and
     ``targets_each`` target tokens, on a float32 2-layer model of hidden size 32 at vocabulary 248,320."""
     rng = random.Random(0)
-    ids = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
+    ids = lambda n: [rng.randrange(VOCAB) for _ in range(n)]
     prefix = ids(8)
     data = tmp / f"{name}.jsonl"
     data.write_text("".join(json.dumps({"id": f"c{i}", "prefix_ids": prefix, "item_ids": ids(4),

@@ -33,7 +33,9 @@ def target_losses(lm_head: nn.Module, hidden_MD: torch.Tensor, target_ids: torch
     :func:`packtrain.models.wrap.prepare` runs this whole function as that unit's forward, so its weight is gathered
     once for all chunks and once for all their recomputes in backward, not once per chunk."""
     rows = chunk_rows or max(hidden_MD.shape[0], 1)
-    hidden = hidden_MD.split(rows)  # one backward node for all chunks: their gradients meet once, not in M x D sums
+    # one backward node for all chunks, which concatenates their gradients once (a slice per chunk would add up a
+    # zero-padded [M, D] gradient per chunk)
+    hidden = hidden_MD.split(rows)
     flags = constant.split(rows) if constant is not None else [None] * len(hidden)
     chunks = zip(hidden, target_ids.split(rows), flags)
     return torch.cat([checkpoint(_chunk_losses, lm_head, h, t, c, use_reentrant=False) for h, t, c in chunks])
