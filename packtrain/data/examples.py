@@ -37,6 +37,7 @@ the tokenizer merges across a boundary is refused, naming its file, line and fie
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +82,9 @@ class Example:
     # the tokens before the first span, so a target starts with a loss token.
     spans: tuple[tuple[int, int], ...] = ()
     turns: int = 1  # assistant turns whose tokens carry loss
+    # Text and chat: the item and the target, tokenized apart as when the model generates the target, are other
+    # tokens than the whole render tokenized at once (a merge across the boundary, as Qwen's "\n\n" after <think>).
+    whole_differs: bool = False
 
     @property
     def continuation_ids(self) -> tuple[int, ...]:
@@ -337,17 +341,30 @@ def _tools(value: Any, source: Path, line: int) -> list[dict]:
 
 
 def _tool_calls(value: Any, field: str, source: Path, line: int) -> list[dict]:
+    """The calls with their arguments as objects: arguments given as JSON text (the OpenAI wire format) are parsed
+    here, since Qwen's templates iterate ``arguments|items`` and fail on a string."""
     if not isinstance(value, list) or not value:
         raise DataError(source, line, field, "expected a non-empty list of tool calls")
+    calls = []
     for j, call in enumerate(value):
         where = f"{field}[{j}]"
         fn = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise DataError(source, line, where, 'expected {"type": "function", "function": {"name": str, '
                                                  '"arguments": object}}')
-        if not isinstance(fn.get("arguments", {}), (dict, str)):
-            raise DataError(source, line, f"{where}.arguments", "expected a JSON object (or its text)")
-    return value
+        where += ".function.arguments" if "function" in call else ".arguments"
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise DataError(source, line, where, f"not valid JSON text: {e.msg} (column {e.colno})") from None
+        if not isinstance(arguments, dict):
+            raise DataError(source, line, where, "expected a JSON object (or its text), got "
+                                                 f"{json.dumps(arguments)[:60]}")
+        fn = {**fn, "arguments": arguments}
+        calls.append({**call, "function": fn} if "function" in call else fn)
+    return calls
 
 
 def _order_problem(role: str, previous: dict) -> str | None:
@@ -422,50 +439,115 @@ def _chat_conversation(record: dict, line: int, source: Path) -> _Conversation:
 
 @dataclass
 class _Render:
-    """One example's texts before tokenization: P, the whole, and per trained turn the text before it (through its
-    generation prompt) and, unless it ends the whole, the text through it."""
+    """One example's texts before tokenization: P, the whole, and per trained turn its prompt (the conversation
+    before it, through the generation prompt) and the text through it (the whole, for the last message)."""
     conv: _Conversation
     id: str
     p: str
     whole: str
-    turns: list[tuple[int, str, str | None]]  # (message index, text before, text through or None)
+    turns: list[tuple[int, str, str]]  # (message index, prompt, text through the turn)
     n_images: int
 
 
-def _render(tokenizer, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, source: Path,
-            line: int, template_kwargs: dict) -> str:
-    """``template_kwargs``: ``data.template_kwargs``, and ``chat_template`` when ``data.chat_template`` replaces
-    the tokenizer's."""
+@dataclass
+class _Template:
+    """The chat template as packtrain calls it: the tokenizer, ``data.template_kwargs`` (with ``data.chat_template``'s
+    text when it replaces the tokenizer's), the template's name for errors, and P's text per system text and tools."""
+    tokenizer: Any
+    kwargs: dict
+    name: str
+    prefixes: dict = field(default_factory=dict)
+
+    def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt, **self.kwargs)
+
+
+def _template_name(tokenizer, chat_template: str | Path | None) -> str:
+    if isinstance(chat_template, Path):
+        return str(chat_template)
+    if chat_template is not None:
+        return "data.chat_template"
+    own = Path(tokenizer.name_or_path or ".") / "chat_template.jinja"
+    return str(own) if own.is_file() else f"the chat template of the tokenizer {tokenizer.name_or_path}"
+
+
+def _refusal(t: _Template, c: _Conversation, upto: int, error: Exception, source: Path) -> DataError:
+    """The template's own error, on the first message whose addition makes it raise (the conversation through the
+    first user message is the shortest a template must accept)."""
+    from jinja2 import TemplateError
+
+    failed, where = upto - 1, "with the generation prompt after"
+    for i in range(2, upto + 1):
+        try:
+            t.render(c.messages[:i], c.tools)
+        except (TemplateError, TypeError):
+            failed, where = i - 1, "on"
+            break
+    return DataError(source, c.line, f"messages[{failed}]", f"the chat template {t.name} raised {where} "
+                                                            f"messages[{failed}]: {error}")
+
+
+def _render(t: _Template, c: _Conversation, upto: int, generation_prompt: bool, source: Path) -> str:
+    """``c.messages[:upto]`` as the template renders it."""
     from jinja2 import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=generation_prompt, **template_kwargs)
+        return t.render(c.messages[:upto], c.tools, generation_prompt)
     except (TemplateError, TypeError) as e:  # TypeError: a string-only template given a list of parts
-        raise DataError(source, line, "tools" if tools and "tool" in str(e).lower() else "messages",
-                        f"the chat template refused it: {e}") from None
+        raise _refusal(t, c, upto, e, source) from None
 
 
-def _renders(c: _Conversation, tokenizer, source: Path, train_on: str, kwargs: dict) -> list[_Render]:
+def _prefix_text(t: _Template, c: _Conversation, tools: list[dict] | None, source: Path) -> str:
+    """P's text: what the template writes before the first user turn, found without rendering the system message
+    alone (Qwen's official templates refuse a conversation without a user query). Two renders that differ only in
+    the first user message's text agree up to that text: the system block and the user turn's header; the header
+    is what they agree on without the system message and tools. One per system text and tools: they share P."""
+    from jinja2 import TemplateError
+
+    key = (c.messages[0]["content"], json.dumps(tools, sort_keys=True) if tools else None)
+    if key in t.prefixes:
+        return t.prefixes[key]
+
+    def before_user(head: list[dict], tools) -> str:
+        a, b = (t.render([*head, {"role": "user", "content": text}], tools) for text in ("a", "b"))
+        return os.path.commonprefix([a, b])
+
+    try:
+        block = before_user(c.messages[:1], tools)
+        header = before_user([], None)
+    except (TemplateError, TypeError) as e:
+        raise DataError(source, c.line, "tools" if tools else c.system_field,
+                        f"the chat template {t.name} raised on the system message{' and tools' * bool(tools)} "
+                        f"followed by a user message: {e}") from None
+    shared = len(os.path.commonprefix([block[::-1], header[::-1]]))
+    t.prefixes[key] = block[: len(block) - shared]
+    return t.prefixes[key]
+
+
+def _renders(c: _Conversation, t: _Template, source: Path, train_on: str) -> list[_Render]:
     """The examples of one conversation under ``data.train_on``, as texts."""
     def render(upto: int, prompt: bool = False) -> str:
-        return _render(tokenizer, c.messages[:upto], c.tools, prompt, source, c.line, kwargs)
+        return _render(t, c, upto, prompt, source)
 
-    p = render(1)
-    if c.tools is not None and p == _render(tokenizer, c.messages[:1], None, False, source, c.line, kwargs):
-        raise DataError(source, c.line, "tools", f"the chat template of {tokenizer.name_or_path or 'the tokenizer'} "
-                                                 "does not render tools: P would silently lose them (use a template "
-                                                 "that renders `tools`, as Qwen's does)")
+    p = _prefix_text(t, c, c.tools, source)
+    if c.tools is not None and p == _prefix_text(t, c, None, source):
+        raise DataError(source, c.line, "tools", f"the chat template {t.name} does not render tools: P would "
+                                                 "silently lose them (use a template that renders `tools`, as "
+                                                 "Qwen's does)")
     assistant = [i for i, m in enumerate(c.messages) if m["role"] == "assistant"]
     last = len(c.messages) - 1
-    if train_on == "last":
-        return [_Render(c, c.id, p, render(last + 1), [(last, render(last, True), None)], len(c.images))]
     if train_on == "each":
         several = len(assistant) > 1
-        return [_Render(c, f"{c.id}#{n}" if several else c.id, p, render(k + 1), [(k, render(k, True), None)],
-                        c.images_through[k]) for n, k in enumerate(assistant, 1)]
+        out = []
+        for n, k in enumerate(assistant, 1):
+            through = render(k + 1)
+            out.append(_Render(c, f"{c.id}#{n}" if several else c.id, p, through, [(k, render(k, True), through)],
+                               c.images_through[k]))
+        return out
     whole = render(last + 1)
-    turns = [(k, render(k, True), None if k == last else render(k + 1)) for k in assistant]
+    trained = assistant if train_on == "all" else [last]
+    turns = [(k, render(k, True), whole if k == last else render(k + 1)) for k in trained]
     return [_Render(c, c.id, p, whole, turns, len(c.images))]
 
 
@@ -477,8 +559,26 @@ def _turn_field(c: _Conversation, k: int) -> str:
 def _history_rewritten(k: int) -> str:
     return (f"train_on: all cannot find assistant turn messages[{k}] in the whole conversation: the chat template "
             "renders the conversation up to it differently once later turns follow (it rewrites history, as Qwen's "
-            "does with reasoning before the last user message); use data.train_on: each (one example per turn, its "
-            "history rendered as when generating it)")
+            "does with reasoning before the last user message); data.train_on: each trains it (one example per "
+            "turn, its history rendered as when generating it)")
+
+
+def _has_reasoning(message: dict) -> bool:
+    return bool((message.get("reasoning_content") or "").strip()) or "</think>" in message["content"]
+
+
+def _prompt_conflict(c: _Conversation, k: int, kwargs: dict, name: str, source: Path) -> DataError:
+    """Why assistant turn ``k``'s text does not start with its generation prompt."""
+    m = c.messages[k]
+    if kwargs.get("enable_thinking") is False and _has_reasoning(m):
+        where = f"messages[{k}].reasoning_content" if (m.get("reasoning_content") or "").strip() \
+            else f"{_turn_field(c, k)}" + (".content" if _turn_field(c, k).startswith("messages") else "")
+        return DataError(source, c.line, where, "this assistant turn carries reasoning, but data.template_kwargs "
+                                                  "sets enable_thinking: false (its generation prompt closes an empty "
+                                                  "think block): drop the reasoning, or train it with thinking on")
+    return DataError(source, c.line, _turn_field(c, k), f"the chat template {name} renders this assistant turn "
+                                                          "without its own generation prompt before it: no split into "
+                                                          "prompt and target is what the model reads")
 
 
 def _image_grids(conversations: list[_Conversation], processor, source: Path) -> dict[str, tuple[int, int, int]]:
@@ -520,11 +620,13 @@ def _expand_images(ids: list[int], images: list[tuple[str, str]], grids: dict, p
 
 
 def _tokenize(conversations: list[_Conversation], tokenizer, source: Path, processor=None, train_on: str = "last",
-              template_kwargs: dict | None = None, chat_template: str | None = None) -> list[Example]:
+              template_kwargs: dict | None = None, chat_template: str | Path | None = None) -> list[Example]:
     if not (chat_template or tokenizer.chat_template):
         raise ValueError(f"the tokenizer {tokenizer.name_or_path} has no chat template: text and chat data need one "
                          "(or data.chat_template)")
-    template_kwargs = {**(template_kwargs or {}), **({"chat_template": chat_template} if chat_template else {})}
+    text = chat_template.read_text() if isinstance(chat_template, Path) else chat_template
+    t = _Template(tokenizer, {**(template_kwargs or {}), **({"chat_template": text} if text else {})},
+                  _template_name(tokenizer, chat_template))
     if train_on not in TRAIN_ON:
         raise ValueError(f"unknown data.train_on {train_on!r} (known: {', '.join(TRAIN_ON)})")
     grids: dict = {}
@@ -539,48 +641,63 @@ def _tokenize(conversations: list[_Conversation], tokenizer, source: Path, proce
         processor = processor if processor is not None else load_image_processor(None)
         grids = _image_grids(conversations, processor, source)
 
-    renders = [r for c in conversations for r in _renders(c, tokenizer, source, train_on, template_kwargs or {})]
+    renders = [r for c in conversations for r in _renders(c, t, source, train_on)]
     for r in renders:  # text first: cheap, and a rewritten history is named before anything is tokenized
         c = r.conv
         if not r.whole.startswith(r.p):
             raise DataError(source, c.line, c.system_field, "the chat template renders the system turn differently "
                                                             "inside the whole conversation")
-        for k, before, through in r.turns:
-            if train_on == "all" and not (r.whole.startswith(before) and (through is None
-                                                                           or r.whole.startswith(through))):
+        for k, prompt, through in r.turns:
+            if not through.startswith(prompt):
+                raise _prompt_conflict(c, k, t.kwargs, t.name, source)
+            if not prompt.startswith(r.p):
+                raise DataError(source, c.line, c.system_field, "the chat template renders the system turn "
+                                                                f"differently in the prompt of messages[{k}]")
+            if train_on == "all" and not r.whole.startswith(through):
                 raise DataError(source, c.line, _turn_field(c, k), _history_rewritten(k))
-            if not before.startswith(r.p) or not r.whole.startswith(before):
-                raise DataError(source, c.line, c.system_field, "the chat template renders the system turn or the "
-                                                                "prompt differently inside the whole conversation")
     # One tokenization per distinct text: equal P's (and histories) share the resulting tuple.
-    texts = sorted({t for r in renders for t in (r.p, r.whole, *(x for turn in r.turns for x in turn[1:] if x))})
+    texts = sorted({x for r in renders for x in (r.p, r.whole, *(piece for k, prompt, through in r.turns
+                                                                  for piece in (prompt, through[len(prompt):])))})
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     ids = {text: tuple(e) for text, e in zip(texts, encoded)}
-    return [_example(r, ids, train_on, source, pad_id, grids, processor) for r in renders]
+    return [_example(r, ids, t, source, pad_id, grids, processor) for r in renders]
 
 
-def _example(r: _Render, ids: dict, train_on: str, source: Path, pad_id, grids, processor) -> Example:
-    c, prefix, whole = r.conv, ids[r.p], ids[r.whole]
-    if whole[: len(prefix)] != prefix:
-        raise DataError(source, c.line, c.system_field, "the system turn's tokens are not a prefix of the whole "
-                                                        "example's tokens (the tokenizer merges across the end of "
-                                                        "the system turn)")
-    spans = []
-    for k, before, through in r.turns:
-        start, end = len(ids[before]), len(ids[through]) if through else len(whole)
-        if whole[:start] != ids[before]:
-            raise DataError(source, c.line, _turn_field(c, k), "the prompt's tokens are not a prefix of the whole "
-                                                        "example's tokens (the tokenizer merges across the start of "
-                                                        "the target)")
-        if through and whole[:end] != ids[through]:
-            raise DataError(source, c.line, _turn_field(c, k), "the tokens through this assistant turn are not a "
-                                                              "prefix of the whole example's tokens (the tokenizer "
-                                                              "merges across the end of the turn)")
-        if end <= start:
+def _merge_fix(c: _Conversation, j: int, kwargs: dict) -> str:
+    """What trains a conversation whose turn ``j`` tokenizes differently inside a later turn's prompt."""
+    fix = "data.train_on: each trains it (one example per turn, each tokenized as the model reads it then)"
+    if kwargs.get("enable_thinking") is not False and not _has_reasoning(c.messages[j]):
+        fix += ("; or data.template_kwargs: {enable_thinking: false}, which puts the empty think block of a turn "
+                "without reasoning in its prompt")
+    return fix
+
+
+def _example(r: _Render, ids: dict, t: _Template, source: Path, pad_id, grids, processor) -> Example:
+    """Each trained turn as the model reads it when generating it: its prompt tokenized alone (as at inference),
+    then what it generates tokenized as its own piece. Under ``all`` one sequence holds every turn, so each turn's
+    sequence must also be how the next turn's prompt tokenizes."""
+    c, prefix = r.conv, ids[r.p]
+    seq: tuple[int, ...] = ()
+    spans, previous = [], None
+    for k, prompt, through in r.turns:
+        read = ids[prompt]
+        if read[: len(prefix)] != prefix:
+            raise DataError(source, c.line, c.system_field, "the system turn's tokens are not a prefix of the "
+                                                            "prompt's tokens (the tokenizer merges across the end of "
+                                                            "the system turn)")
+        if read[: len(seq)] != seq:
+            raise DataError(source, c.line, _turn_field(c, previous), (
+                f"data.train_on: all cannot train this turn in the sequence that messages[{k}]'s prompt is: the "
+                f"tokenizer merges across its end once messages[{k}]'s prompt follows (tokenized whole, as the model "
+                f"reads it then, it is other tokens than this turn's own); {_merge_fix(c, previous, t.kwargs)}"))
+        generated = ids[through[len(prompt):]]
+        if not generated:
             raise DataError(source, c.line, _turn_field(c, k), "the chat template renders nothing for this "
                                                               "assistant turn")
-        spans.append((start, end))
-    cont = list(whole[len(prefix):])
+        spans.append((len(read), len(read) + len(generated)))
+        seq, previous = read + generated, k
+    whole_differs = seq != ids[r.whole]
+    cont = list(seq[len(prefix):])
     spans = [(a - len(prefix), b - len(prefix)) for a, b in spans]
     images = c.images[: r.n_images]
     refs: tuple[ImageRef, ...] = ()
@@ -597,12 +714,12 @@ def _example(r: _Render, ids: dict, train_on: str, source: Path, pad_id, grids, 
     first = spans[0][0]
     item, target = tuple(cont[:first]), tuple(cont[first:])
     explicit = tuple(spans) if spans != [(first, len(cont))] else ()
-    return Example(r.id, prefix, item, target, str(source), c.line, refs, explicit, len(spans))
+    return Example(r.id, prefix, item, target, str(source), c.line, refs, explicit, len(spans), whole_differs)
 
 
 def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, processor=None,
                   vocab_size: int | None = None, max_line_bytes: int | None = None, train_on: str = "last",
-                  template_kwargs: dict | None = None, chat_template: str | None = None) -> list[Example]:
+                  template_kwargs: dict | None = None, chat_template: str | Path | None = None) -> list[Example]:
     """Every example of a JSONL file, or a DataError for the first bad one.
 
     ``tokenizer``: a tokenizer, the directory of one, or None. Text and chat need one (None: the bundled one); it is
@@ -611,7 +728,8 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
     the image processor for examples with images (an object, a local directory, or None: the bundled tiny one).
     ``max_line_bytes``: longer lines are refused unread (see :data:`LINE_BYTES_PER_TOKEN`). ``train_on`` and
     ``template_kwargs``: ``data.train_on`` and ``data.template_kwargs`` (text and chat; see the module docstring);
-    ``chat_template``: a template's text to use instead of the tokenizer's (``data.chat_template``).
+    ``chat_template``: a template to use instead of the tokenizer's (``data.chat_template``): its file (named in
+    errors), or its text.
     """
     path = Path(path)
     records = list(_records(path, max_line_bytes))
@@ -678,14 +796,14 @@ def load_split(cfg: Config, split: str, tokenizer=None) -> list[Example] | None:
                          template_kwargs=cfg.data.template_kwargs, chat_template=chat_template_of(cfg))
 
 
-def chat_template_of(cfg: Config) -> str | None:
-    """The text of ``data.chat_template`` (None: the tokenizer's own template)."""
+def chat_template_of(cfg: Config) -> Path | None:
+    """The file of ``data.chat_template`` (None: the tokenizer's own template)."""
     path = cfg.resolve_path(cfg.data.chat_template)
     if path is None:
         return None
     if not path.is_file():
         raise ValueError(f"data.chat_template: no such file {path}")
-    return path.read_text()
+    return path
 
 
 def model_vocab_size(cfg: Config) -> int | None:
