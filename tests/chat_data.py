@@ -16,10 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 QWEN_LIKE = REPO / "packtrain" / "assets" / "qwen_tokenizer"
 
 
-def official_template(version: str) -> str:
-    """The text of Qwen's official chat template (``qwen3.5`` or ``qwen3.6``), read where it lives beside the
-    checkout (``../shared/templates/``; from a git worktree, beside its main checkout). Never copied into the
-    project; missing is a failure, not a skip: the folder exists wherever the suite runs."""
+def official_template_path(version: str) -> Path:
+    """Qwen's official chat template (``qwen3.5`` or ``qwen3.6``), where it lives beside the checkout
+    (``../shared/templates/``; from a git worktree, beside its main checkout). Never copied into the project;
+    missing is a failure, not a skip: the folder exists wherever the suite runs."""
     places = [REPO.parent / "shared" / "templates"]
     git = REPO / ".git"
     if git.is_file():  # a worktree: .git names <main>/.git/worktrees/<name>
@@ -27,8 +27,9 @@ def official_template(version: str) -> str:
         places.append(main.parent / "shared" / "templates")
     for place in places:
         if (place / f"{version}.jinja").is_file():
-            return (place / f"{version}.jinja").read_text()
+            return place / f"{version}.jinja"
     pytest.fail(f"Qwen's official {version}.jinja not found in {' or '.join(map(str, places))}")
+
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city today.",
@@ -188,7 +189,7 @@ def official_generated_text(version: str):
     return turn_text
 
 
-def _as_objects(messages: list[dict]) -> list[dict]:
+def as_objects(messages: list[dict]) -> list[dict]:
     """Tool-call arguments given as JSON text, parsed: what they mean (the official templates need objects)."""
     out = []
     for m in messages:
@@ -211,7 +212,7 @@ def reference_examples(tokenizer, record: dict, train_on: str, thinking: bool = 
     the model reads, the turn what it generates. Under ``all`` the pieces before turn k must also be the prompt of
     turn k tokenized whole (:class:`NotOneSequence` when not).
     """
-    messages, tools = _as_objects(record["messages"]), record.get("tools")
+    messages, tools = as_objects(record["messages"]), record.get("tools")
     kwargs = {**template_kwargs, **({} if thinking else {"enable_thinking": False}),
               **({"chat_template": chat_template} if chat_template else {})}
     assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]

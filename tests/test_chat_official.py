@@ -18,7 +18,7 @@ from chat_data import (
     cjk,
     official_generated_text,
     official_records,
-    official_template,
+    official_template_path,
     reference_examples,
     single,
     tool_loop,
@@ -38,15 +38,9 @@ def toks():
 
 
 @pytest.fixture(scope="module")
-def templates(tmp_path_factory):
-    """Each official template's text, and a file holding it (data.chat_template names a file; a temporary copy for
-    the test's run, outside the project)."""
-    out = {}
-    for version in VERSIONS:
-        path = tmp_path_factory.mktemp("templates") / f"{version}.jinja"
-        path.write_text(official_template(version))
-        out[version] = (path.read_text(), path)
-    return out
+def templates():
+    """Each official template's text and file (data.chat_template names the file)."""
+    return {v: (official_template_path(v).read_text(), official_template_path(v)) for v in VERSIONS}
 
 
 def _load(tmp_path, rows, tok, template, train_on, thinking=True, **kwargs):
