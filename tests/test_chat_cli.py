@@ -171,8 +171,11 @@ def _vlm_chat(i, images):
         {"role": "assistant", "content": "up", "reasoning_content": "The second sign is a blue square."}]}
 
 
-def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path):
-    """Qwen3_5ForConditionalGeneration, train_on each: images in the history and in the turn's own question."""
+@pytest.mark.parametrize("template", ["bundled", "qwen3.6"])
+def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path, template):
+    """Qwen3_5ForConditionalGeneration, train_on each: images in the history and in the turn's own question. Under
+    Qwen's official Qwen3.6 template (with the Qwen-like tokenizer, whose vision tokens the model config names) the
+    packed run also trains what standalone examples train."""
     from peft import PeftModel
     from transformers import AutoImageProcessor, Qwen3_5ForConditionalGeneration
 
@@ -186,12 +189,24 @@ def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path):
     sets = ["--set", f"data.train={data}", "--set", f"data.eval={data}", "--set", "data.format=chat",
             "--set", "data.train_on=each", "--set", f"output_dir={tmp_path / 'run'}", "--set", "train.max_steps=1",
             "--set", "logging.progress=false", "--set", "model.dtype=float64"]
+    tok = load_tokenizer(REPO / "packtrain" / "assets" / "vlm")
+    reference = {}
+    if template != "bundled":
+        tok = load_tokenizer(QWEN_LIKE)
+        reference = {"turn_text": official_generated_text(template),
+                     "chat_template": official_template_path(template).read_text()}
+        ids = tok.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
+        sets += ["--set", f"data.tokenizer={QWEN_LIKE}", "--set", f"data.chat_template={official_template_path(template)}",
+                 "--set", "model.config.text_config.vocab_size=1024", "--set", "model.config.video_token_id=1023",
+                 *(x for key, i in zip(("image", "vision_start", "vision_end"), ids)
+                   for x in ("--set", f"model.config.{key}_token_id={i}")),
+                 *(x for k, v in SGD.items() for x in ("--set", f"optim.{k}={'null' if v is None else v}")),
+                 "--set", "train.epochs=1", "--set", "train.packs_per_step=100"]  # one step: all the data
     cfg = str(REPO / "configs" / "vlm_demo.yaml")
     run_in_process("train", cfg, *sets)
     run_in_process("eval", cfg, *sets, "--adapter", tmp_path / "run" / "adapter", "--out", tmp_path / "e.jsonl")
     got = {r["id"]: r for r in map(json.loads, (tmp_path / "e.jsonl").read_text().splitlines())}
 
-    tok = load_tokenizer(REPO / "packtrain" / "assets" / "vlm")
     processor = AutoImageProcessor.from_pretrained(str(REPO / "packtrain" / "assets" / "vlm"))
     base = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "run" / "base", dtype=torch.float64)
     model = PeftModel.from_pretrained(base, tmp_path / "run" / "adapter").eval()
@@ -199,7 +214,7 @@ def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path):
     assert sorted(got) == ["vlm0#1", "vlm0#2", "vlm1#1", "vlm1#2"]
     with torch.no_grad():
         for row in rows:
-            for name, ids, labels in reference_examples(tok, row, "each"):
+            for name, ids, labels in reference_examples(tok, row, "each", **reference):
                 shown = [p["image"] for m in row["messages"][:{"1": 2, "2": 4}[name[-1]]]
                          if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
                 vision = processor(images=[open_image(tmp_path / n) for n in shown], return_tensors="pt")
@@ -216,3 +231,8 @@ def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path):
                 assert got[name]["target_tokens"] == sum(t != -100 for t in labels), name
                 # float64 as shipped: the VLM's float32 casts (tests/test_vlm.py: 1.1e-5 vs transformers)
                 assert got[name]["loss"] == pytest.approx(loss, rel=3e-5), name
+    if template != "bundled":  # the run above was packed, SGD, one step over all the data
+        alone = tmp_path / "alone"
+        run_in_process("train", cfg, *sets, "--set", f"output_dir={alone}", "--set", "packing.mode=standalone")
+        # float64 as shipped: the VLM's float32 casts (tests/test_vlm.py)
+        assert max_rel(adapter_of(tmp_path / "run"), adapter_of(alone)) < 1e-5
