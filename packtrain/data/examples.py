@@ -9,19 +9,20 @@ Three formats (``data.format``; detected from the first line when omitted):
   message carries a tool's result and follows an assistant message with tool calls (or another tool message).
 - pretokenized: ``{"id"?, "prefix_ids": [int], "item_ids": [int], "target_ids": [int]}``
 
-Text and chat go through the tokenizer's chat template, with ``data.template_kwargs`` (e.g. ``enable_thinking``) in
-every render and the example's tools in P. P is the system turn rendered alone (tools included); the continuation
-is the rest of the conversation as the template renders it whole. Which assistant turns carry loss is
-``data.train_on``:
+Text and chat go through the tokenizer's chat template (or ``data.chat_template``), with ``data.template_kwargs``
+(e.g. ``enable_thinking``) in every render and the example's tools in P. P is the system block: what the template
+writes before the first user turn, tools included, found without rendering the system message alone (Qwen's
+official templates refuse a conversation without a user query; see :func:`_prefix_text`). Tool-call arguments
+given as JSON text are parsed first (Qwen's templates iterate ``arguments|items``). Which assistant turns carry
+loss is ``data.train_on``:
 
 - ``last``: the final assistant message. The item is everything after P up to and including the generation prompt
   (``<|im_start|>assistant\n`` and whatever the template adds, e.g. ``<think>\n``); the target is the rest, so it
   includes the closing ``<|im_end|>`` and newline: the model learns to stop. Earlier turns are item.
-- ``all``: one example per conversation with loss on every assistant turn as rendered in the whole conversation.
-  Turn k starts where the conversation up to it, rendered with the generation prompt, ends, and ends where the
-  conversation through it, rendered alone, ends; both must be token prefixes of the whole. A template that renders
-  an earlier turn differently once later turns follow (Qwen's drops reasoning before the last user message) is
-  refused for that example, naming the turn: use ``each``.
+- ``all``: one example per conversation with loss on every assistant turn as rendered in the whole conversation,
+  each turn as under ``last``, in one sequence. A template that renders an earlier turn differently once later
+  turns follow (Qwen's drops reasoning before the last user message), or a turn whose tokens the next prompt,
+  tokenized whole, merges otherwise, is refused for that example, naming the turn: use ``each``.
 - ``each``: one example per assistant turn (ids ``ID#1``, ``ID#2``, ... when there are several), its history
   rendered as the template renders it when generating that turn: ``last`` on the conversation cut after the turn.
   All of them share P.
@@ -29,9 +30,11 @@ is the rest of the conversation as the template renders it whole. Which assistan
 A text example is the chat [system, user=item, assistant=target]. The per-example loss is the mean over its target
 tokens (all of its assistant turns' under ``all``).
 
-Each piece is tokenized on its own, so the pieces must concatenate to the tokens of the whole example: P's tokens
-and the tokens before and through each trained turn must be prefixes of the whole conversation's. An example where
-the tokenizer merges across a boundary is refused, naming its file, line and field.
+Tokenized as the model reads and generates it: a trained turn's prompt (through the generation prompt) is tokenized
+alone, as at inference, and the turn's own text as its own piece, as generated; the example is their
+concatenation. Where that differs from tokenizing the whole render (Qwen's ``\n\n`` token across ``<think>\n`` +
+``\n</think>``) the example says so (:attr:`Example.whole_differs`; ``plan`` counts them). P's tokens must be a
+prefix of every prompt's, or the example is refused, naming its file, line and field.
 """
 
 from __future__ import annotations
