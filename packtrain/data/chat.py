@@ -63,8 +63,8 @@ def _refusal(t: _Template, c: Conversation, upto: int, error: Exception, source:
         except (TemplateError, TypeError):
             failed, where = i - 1, "on"
             break
-    return DataError(source, c.line, f"messages[{failed}]", f"the chat template {t.name} raised {where} "
-                                                            f"messages[{failed}]: {error}")
+    name = _message_field(c, failed)
+    return DataError(source, c.line, name, f"the chat template {t.name} raised {where} {name}: {error}")
 
 
 def _render(t: _Template, c: Conversation, upto: int, generation_prompt: bool, source: Path) -> str:
@@ -135,6 +135,13 @@ def _turn_field(c: Conversation, k: int) -> str:
     return c.target_field if k == len(c.messages) - 1 else f"messages[{k}]"
 
 
+def _message_field(c: Conversation, k: int) -> str:
+    """The field of message ``k`` as the file names it (a text record's are system, item and target)."""
+    if k == 0:
+        return c.system_field
+    return "item" if c.system_field == "system" and k == 1 else _turn_field(c, k)
+
+
 def _history_rewritten(k: int) -> str:
     return (f"train_on: all cannot find assistant turn messages[{k}] in the whole conversation: the chat template "
             "renders the conversation up to it differently once later turns follow (it rewrites history, as Qwen's "
@@ -150,8 +157,8 @@ def _prompt_conflict(c: Conversation, k: int, kwargs: dict, name: str, source: P
     """Why assistant turn ``k``'s text does not start with its generation prompt."""
     m = c.messages[k]
     if kwargs.get("enable_thinking") is False and _has_reasoning(m):
-        where = f"messages[{k}].reasoning_content" if (m.get("reasoning_content") or "").strip() \
-            else f"{_turn_field(c, k)}" + (".content" if _turn_field(c, k).startswith("messages") else "")
+        where = (f"messages[{k}].reasoning_content" if (m.get("reasoning_content") or "").strip() else
+                 c.target_field if c.system_field == "system" else f"messages[{k}].content")  # inline <think>
         return DataError(source, c.line, where, "this assistant turn carries reasoning, but data.template_kwargs "
                                                   "sets enable_thinking: false (its generation prompt closes an empty "
                                                   "think block): drop the reasoning, or train it with thinking on")
@@ -266,9 +273,9 @@ def _example(r: _Render, ids: dict, t: _Template, source: Path, pad_id, grids, p
                                                             "the system turn)")
         if read[: len(seq)] != seq:
             raise DataError(source, c.line, _turn_field(c, previous), (
-                f"data.train_on: all cannot train this turn in the sequence that messages[{k}]'s prompt is: the "
-                f"tokenizer merges across its end once messages[{k}]'s prompt follows (tokenized whole, as the model "
-                f"reads it then, it is other tokens than this turn's own); {_merge_fix(c, previous, t.kwargs)}"))
+                "data.train_on: all needs one sequence that is what the model reads at every turn, but this turn "
+                f"as generated is other tokens than in the prompt of messages[{k}] tokenized whole (the tokenizer "
+                f"merges across an edge of this turn); {_merge_fix(c, previous, t.kwargs)}"))
         generated = ids[through[len(prompt):]]
         if not generated:
             raise DataError(source, c.line, _turn_field(c, k), "the chat template renders nothing for this "
