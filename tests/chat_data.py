@@ -119,6 +119,34 @@ def records(train_on: str, n: int = 2, reasoning: bool = True) -> list[dict]:
     return out
 
 
+def edge_cases() -> list[dict]:
+    """Conversations at the edges of the official format: whitespace the templates trim, a call with no content and
+    empty arguments, a flat call (no "function" wrapper) with nested arguments, user content as text parts, a tool
+    loop after a second question with inline reasoning in CJK, an empty system message."""
+    system = {"role": "system", "content": "  Be brief.\n"}
+    tool = [{"type": "function", "function": {"name": "wx", "parameters": {}}}]
+    return [
+        {"id": "space", "messages": [system, {"role": "user", "content": "\n hi \n"},
+                                     {"role": "assistant", "content": "\n\n hello \n", "reasoning_content": "  r  \n"}]},
+        {"id": "bare", "tools": tool, "messages": [
+            system, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [call("wx", "{}")]},
+            {"role": "tool", "content": "r1", "name": "wx"}, {"role": "tool", "content": "r2"},
+            {"role": "assistant", "content": "done"}]},
+        {"id": "flat", "tools": tool, "messages": [
+            system, {"role": "user", "content": [{"type": "text", "text": "one "}, {"type": "text", "text": "two"}]},
+            {"role": "assistant", "content": "x", "tool_calls": [{"name": "wx", "arguments": {"n": [1, {"a": False}]}}]},
+            {"role": "tool", "content": "{}"}, {"role": "assistant", "content": "y"}]},
+        {"id": "again", "tools": tool, "messages": [
+            system, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "rb"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "", "tool_calls": [call("wx", {"city": "東京"})]},
+            {"role": "tool", "content": "晴れ"}, {"role": "assistant", "content": "<think>\nok\n</think>\n\n晴れです"}]},
+        {"id": "blank", "messages": [{"role": "system", "content": ""}, {"role": "user", "content": "a"},
+                                     {"role": "assistant", "content": "b"}]},
+    ]
+
+
 def official_records(train_on: str, n: int = 2, reasoning: bool = True) -> list[dict]:
     """:func:`records` and the conversations only the official templates' tests take."""
     return records(train_on, n, reasoning) + [f(i, reasoning) for f in (typed_calls, cjk) for i in range(n)]
@@ -191,13 +219,12 @@ def official_generated_text(version: str):
 
 def as_objects(messages: list[dict]) -> list[dict]:
     """Tool-call arguments given as JSON text, parsed: what they mean (the official templates need objects)."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(a) if isinstance(
-                a := c["function"]["arguments"], str) else a}} for c in m["tool_calls"]]}
-        out.append(m)
-    return out
+    def parsed(fn: dict) -> dict:
+        a = fn.get("arguments", {})
+        return {**fn, "arguments": json.loads(a) if isinstance(a, str) else a}
+
+    return [{**m, "tool_calls": [{**c, "function": parsed(c["function"])} if "function" in c else parsed(c)
+                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
 
 
 class NotOneSequence(AssertionError):

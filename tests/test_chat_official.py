@@ -16,6 +16,7 @@ from chat_data import (
     NotOneSequence,
     assert_examples_are,
     cjk,
+    edge_cases,
     official_generated_text,
     official_records,
     official_template_path,
@@ -93,6 +94,15 @@ def test_loss_tokens_equal_the_reference(tmp_path, toks, templates, version, tok
     by_id = {ex.id: ex for ex in examples}
     loop = by_id["loop0"] if train_on != "each" else by_id["loop0#3"]
     assert tok.decode(loop.prefix_ids).endswith(f"{AGENT}<|im_end|>\n")  # the system block, tools first in it
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_edge_cases_equal_the_reference(tmp_path, toks, templates, version):
+    text, path = templates[version]
+    rows = edge_cases()
+    for train_on in ("last", "each"):
+        examples = _load(tmp_path, rows, toks["qwen-like"], path, train_on)
+        _assert_matches_reference(examples, toks["qwen-like"], rows, train_on, version, text)
 
 
 @pytest.mark.parametrize("train_on", ["last", "all", "each"])
