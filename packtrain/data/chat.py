@@ -31,11 +31,13 @@ class _Render:
 @dataclass
 class _Template:
     """The chat template as packtrain calls it: the tokenizer, ``data.template_kwargs`` (with ``data.chat_template``'s
-    text when it replaces the tokenizer's), the template's name for errors, and P's text per system text and tools."""
+    text when it replaces the tokenizer's), the template's name for errors, and P's text per system text and tools
+    (and the user turn's header that P ends before)."""
     tokenizer: Any
     kwargs: dict
     name: str
     prefixes: dict = field(default_factory=dict)
+    user_header: str | None = None
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
@@ -94,12 +96,13 @@ def _prefix_text(t: _Template, c: Conversation, tools: list[dict] | None, source
 
     try:
         block = before_user(c.messages[:1], tools)
-        header = before_user([], None)
+        if t.user_header is None:
+            t.user_header = before_user([], None)
     except (TemplateError, TypeError) as e:
         raise DataError(source, c.line, "tools" if tools else c.system_field,
                         f"the chat template {t.name} raised on the system message{' and tools' * bool(tools)} "
                         f"followed by a user message: {e}") from None
-    shared = len(os.path.commonprefix([block[::-1], header[::-1]]))
+    shared = len(os.path.commonprefix([block[::-1], t.user_header[::-1]]))
     t.prefixes[key] = block[: len(block) - shared]
     return t.prefixes[key]
 
