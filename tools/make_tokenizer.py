@@ -67,9 +67,9 @@ def train(texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 def chat_texts(paths: list[Path]) -> list[str]:
-    """The demo examples rendered whole by the bundled template, thinking on and off, with and without a tool
-    call: the think blocks and newline runs of chat data."""
-    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
+    """Each demo example rendered by the bundled template whole (reasoning and a tool call) and as a prompt with
+    thinking off (the empty think block): the think blocks and newline runs of chat data."""
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))  # transformers renders through one
     template = TEMPLATE_FILE.read_text()
     texts = []
     for path in paths:
