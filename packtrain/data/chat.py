@@ -38,6 +38,7 @@ class _Template:
     name: str
     prefixes: dict = field(default_factory=dict)
     user_header: str | None = None
+    owners: dict = field(default_factory=dict)  # P's text -> the first (system text, tools) and line rendering it
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
@@ -107,6 +108,27 @@ def _prefix_text(t: _Template, c: Conversation, tools: list[dict] | None, source
     return t.prefixes[key]
 
 
+def _check_prefix(t: _Template, c: Conversation, p: str, source: Path) -> None:
+    """P must hold the system text it was given, and different system texts (or tools) must not share one P: a
+    template that drops the system message would train every prompt as one, with nothing of any."""
+    system = c.messages[0]["content"].strip()  # the official templates trim it
+    if not p:
+        raise DataError(source, c.line, c.system_field, f"the chat template {t.name} renders nothing before the "
+                                                        "first user turn: P (the system block) would be empty "
+                                                        "(a template that drops the system message?)")
+    if system not in p:
+        raise DataError(source, c.line, c.system_field, f"the chat template {t.name} does not render this system "
+                                                        "text before the first user turn: P would lose it (a "
+                                                        "template that drops or rewrites the system message?)")
+    key = (system, json.dumps(c.tools, sort_keys=True) if c.tools else None)
+    first_key, first_line = t.owners.setdefault(p, (key, c.line))
+    if first_key != key:
+        what = "system text" if first_key[0] != key[0] else "tools"
+        raise DataError(source, c.line, c.system_field if what == "system text" else "tools",
+                        f"the chat template {t.name} renders this example's P as line {first_line}'s, whose {what} "
+                        "differs: different prompts would train as one")
+
+
 def _renders(c: Conversation, t: _Template, source: Path, train_on: str) -> list[_Render]:
     """The examples of one conversation under ``data.train_on``, as texts."""
     def render(upto: int, prompt: bool = False) -> str:
@@ -117,6 +139,7 @@ def _renders(c: Conversation, t: _Template, source: Path, train_on: str) -> list
         raise DataError(source, c.line, "tools", f"the chat template {t.name} does not render tools: P would "
                                                  "silently lose them (use a template that renders `tools`, as "
                                                  "Qwen's does)")
+    _check_prefix(t, c, p, source)
     assistant = [i for i, m in enumerate(c.messages) if m["role"] == "assistant"]
     last = len(c.messages) - 1
     if train_on == "each":
@@ -214,6 +237,9 @@ def tokenize(conversations: list[Conversation], tokenizer, source: Path, process
         raise ValueError(f"the tokenizer {tokenizer.name_or_path} has no chat template: text and chat data need one "
                          "(or data.chat_template)")
     text = chat_template.read_text() if isinstance(chat_template, Path) else chat_template
+    if text is not None and not text.strip():  # else the tokenizer's own template would be used, silently
+        raise ValueError(f"data.chat_template: {_template_name(tokenizer, chat_template)} is empty: give a Jinja "
+                         "chat template, or leave data.chat_template unset for the tokenizer's own")
     t = _Template(tokenizer, {**(template_kwargs or {}), **({"chat_template": text} if text else {})},
                   _template_name(tokenizer, chat_template))
     if train_on not in TRAIN_ON:
