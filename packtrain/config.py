@@ -401,10 +401,35 @@ def _get(cfg: Config, dotted: str):
     return obj
 
 
-# apply_chat_template's own arguments: packtrain sets them per render, data.template_kwargs may not
-TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-                                "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                                "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+# apply_chat_template's own arguments: packtrain sets them per render, data.template_kwargs may not; where each
+# comes from instead
+_RENDERS_TEXT = "packtrain renders text and tokenizes it itself"
+TEMPLATE_ARGUMENTS = {
+    "conversation": "the example's messages", "tools": "each example's `tools`",
+    "documents": "no documents are rendered: put them in the messages",
+    "chat_template": "data.chat_template", "add_generation_prompt": "packtrain adds it to each trained turn's prompt",
+    "continue_final_message": "every turn is rendered whole", "tokenize": _RENDERS_TEXT, "padding": _RENDERS_TEXT,
+    "truncation": "nothing is truncated: packing.token_budget bounds an example",
+    "max_length": "nothing is truncated: packing.token_budget bounds an example", "return_tensors": _RENDERS_TEXT,
+    "return_dict": _RENDERS_TEXT, "return_assistant_tokens_mask": "data.train_on picks the trained turns",
+    "tokenizer_kwargs": _RENDERS_TEXT}
+# Qwen's chat-template switches and the test their templates make of each: only a boolean passes `is false`, so
+# enable_thinking "no" would leave thinking on
+BOOLEAN_TEMPLATE_KWARGS = {"enable_thinking": "is false", "preserve_thinking": "is true"}
+
+
+def _template_kwargs_problems(kwargs: dict) -> list[str]:
+    problems = []
+    reserved = sorted(set(kwargs) & set(TEMPLATE_ARGUMENTS))
+    if reserved:
+        where = "; ".join(f"{k}: {TEMPLATE_ARGUMENTS[k]}" for k in reserved)
+        problems.append(f"data.template_kwargs: {', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} set by "
+                        f"packtrain for each render ({where})")
+    for key, test in BOOLEAN_TEMPLATE_KWARGS.items():
+        if key in kwargs and not isinstance(kwargs[key], bool):
+            problems.append(f"data.template_kwargs.{key}: expected true or false (unquoted), got {kwargs[key]!r}: "
+                            f"Qwen's templates test `{key} {test}`, which no other value passes")
+    return problems
 
 
 def _validate(cfg: Config) -> list[str]:
@@ -425,10 +450,7 @@ def _validate(cfg: Config) -> list[str]:
                         f"targeted parameter), got {cfg.lora.dropout!r}")
     if cfg.generate.every is not None and not cfg.data.eval:
         problems.append("generate.every: generates on data.eval, which is not set")
-    reserved = sorted(set(cfg.data.template_kwargs or {}) & TEMPLATE_ARGUMENTS)
-    if reserved:
-        problems.append(f"data.template_kwargs: {', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} set by "
-                        "packtrain for each render (tools come from each example's `tools`)")
+    problems += _template_kwargs_problems(cfg.data.template_kwargs or {})
     if cfg.model.kernels == "fla" and cfg.model.dtype == "float64":  # fla's kernels are float32/bf16 only
         problems.append("model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)")
     return problems

@@ -86,3 +86,24 @@ def test_the_tools_check_names_the_template_in_use(tmp_path):
     line = _one_line(err)
     assert f"{path}:2: field 'tools': the chat template {jinja} does not render tools" in line
     assert "tokenizer" not in line
+
+
+# --- data.template_kwargs ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key,value", [("enable_thinking", "no"), ("preserve_thinking", "yes"),
+                                       ("enable_thinking", 0)])
+def test_thinking_switches_must_be_booleans(tmp_path, key, value):
+    code, err, _, _ = _plan(tmp_path, [single(0)], template_kwargs={key: value})
+    assert code == 2
+    assert f"data.template_kwargs.{key}: expected true or false (unquoted), got {value!r}" in err
+
+
+def test_each_reserved_template_argument_says_where_it_comes_from(tmp_path):
+    code, err, _, _ = _plan(tmp_path, [single(0)], template_kwargs={"documents": [], "add_generation_prompt": True,
+                                                                    "max_length": 10})
+    assert code == 2
+    assert ("data.template_kwargs: add_generation_prompt, documents, max_length are set by packtrain for each render "
+            "(add_generation_prompt: packtrain adds it to each trained turn's prompt; documents: no documents are "
+            "rendered: put them in the messages; max_length: nothing is truncated: packing.token_budget bounds an "
+            "example)") in err
+    assert "tools" not in err
