@@ -3,7 +3,7 @@ CLI (`packtrain plan`, in process) in one line naming the template, the file, th
 (docs/design.md, "Chat data")."""
 
 import pytest
-from chat_data import CALC, TOOLS, WEATHER, single, tool_loop, write_jsonl
+from chat_data import CALC, TOOLS, WEATHER, call, single, tool_loop, tutoring, write_jsonl
 from cli_helpers import run_in_process, write_config
 from test_chat import CHATML
 
@@ -107,3 +107,23 @@ def test_each_reserved_template_argument_says_where_it_comes_from(tmp_path):
             "rendered: put them in the messages; max_length: nothing is truncated: packing.token_budget bounds an "
             "example)") in err
     assert "tools" not in err
+
+
+# --- tool calls and rewritten history ---------------------------------------------------------------------------
+
+def test_tool_call_arguments_that_are_not_json_are_refused(tmp_path):
+    row = tool_loop(0)
+    row["messages"][2]["tool_calls"] = [call("get_weather", '{"city": "Paris"')]
+    code, err, path, _ = _plan(tmp_path, [single(0), row])
+    assert code == 2
+    assert f"{path}:2: field 'messages[2].tool_calls[0].function.arguments': not valid JSON text" in _one_line(err)
+
+
+def test_all_on_a_template_that_rewrites_an_earlier_turn_names_that_turn(tmp_path):
+    """The earlier turn's prompt is still a prefix of the whole conversation; the turn itself is not."""
+    code, err, path, jinja = _plan(tmp_path, [single(0), tutoring(0, turns=3)], REASONING_LAST, train_on="all")
+    assert code == 2
+    assert f"{path}:2: field 'messages[2]': train_on: all cannot find assistant turn messages[2] in the whole " \
+        f"conversation: the chat template {jinja} renders the conversation up to it differently" in _one_line(err)
+    assert "rewrites history" in err and "data.train_on: each trains it" in err
+    assert _plan(tmp_path, [single(0), tutoring(0, turns=3)], REASONING_LAST, train_on="each")[0] == 0

@@ -168,11 +168,11 @@ def _message_field(c: Conversation, k: int) -> str:
     return "item" if c.system_field == "system" and k == 1 else _turn_field(c, k)
 
 
-def _history_rewritten(k: int) -> str:
+def _history_rewritten(k: int, name: str) -> str:
     return (f"train_on: all cannot find assistant turn messages[{k}] in the whole conversation: the chat template "
-            "renders the conversation up to it differently once later turns follow (it rewrites history, as Qwen's "
-            "does with reasoning before the last user message); data.train_on: each trains it (one example per "
-            "turn, its history rendered as when generating it)")
+            f"{name} renders the conversation up to it differently once later turns follow (it rewrites history, as "
+            "Qwen's does with reasoning before the last user message); data.train_on: each trains it (one example "
+            "per turn, its history rendered as when generating it)")
 
 
 def _has_reasoning(message: dict) -> bool:
@@ -269,7 +269,7 @@ def tokenize(conversations: list[Conversation], tokenizer, source: Path, process
                 raise DataError(source, c.line, c.system_field, "the chat template renders the system turn "
                                                                 f"differently in the prompt of messages[{k}]")
             if train_on == "all" and not r.whole.startswith(through):
-                raise DataError(source, c.line, _turn_field(c, k), _history_rewritten(k))
+                raise DataError(source, c.line, _turn_field(c, k), _history_rewritten(k, t.name))
     # One tokenization per distinct text: equal P's (and histories) share the resulting tuple.
     texts = sorted({x for r in renders for x in (r.p, r.whole, *(piece for k, prompt, through in r.turns
                                                                   for piece in (prompt, through[len(prompt):])))})
