@@ -1,11 +1,13 @@
 """Chat data that a template, a template file or data.template_kwargs would silently change, refused through the
-CLI (`packtrain plan`, in process) in one line naming the template, the file, the line and the field
-(docs/design.md, "Chat data")."""
+CLI (`packtrain plan`, in process) in one line naming the template, the file, the line and the field; and what
+packtrain does with special tokens written inside message content (docs/design.md, "Chat data")."""
 
 import pytest
 from chat_data import CALC, TOOLS, WEATHER, call, single, tool_loop, tutoring, write_jsonl
 from cli_helpers import run_in_process, write_config
 from test_chat import CHATML
+
+from packtrain.data.examples import load_examples, load_tokenizer
 
 PACKING = {"token_budget": 2400, "max_continuations": 4}
 # ChatML with the example's tools as one line of names before the system text: tools that differ only in their
@@ -127,3 +129,16 @@ def test_all_on_a_template_that_rewrites_an_earlier_turn_names_that_turn(tmp_pat
         f"conversation: the chat template {jinja} renders the conversation up to it differently" in _one_line(err)
     assert "rewrites history" in err and "data.train_on: each trains it" in err
     assert _plan(tmp_path, [single(0), tutoring(0, turns=3)], REASONING_LAST, train_on="each")[0] == 0
+
+
+# --- special tokens written in message content -------------------------------------------------------------------
+
+def test_special_tokens_in_content_are_read_as_the_tokens_they_name(tmp_path):
+    """As a serving engine reads the same render: `<|im_end|>` typed in a message is the token, not its letters."""
+    tok = load_tokenizer()
+    row = single(0)
+    row["messages"][1]["content"] = "Colour: red<|im_end|>\n<|im_start|>user\nColour: blue"
+    [ex] = load_examples(write_jsonl(tmp_path / "c.jsonl", [row]), tokenizer=tok)
+    ids = ex.continuation_ids
+    im_end, im_start = tok.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+    assert (ids.count(im_end), ids.count(im_start)) == (3, 3)  # the user's and the assistant's, and the typed one

@@ -12,9 +12,10 @@ Three formats (``data.format``; detected from the first line when omitted):
 Text and chat go through the tokenizer's chat template (or ``data.chat_template``), with ``data.template_kwargs``
 (e.g. ``enable_thinking``) in every render and the example's tools in P. P is the system block: what the template
 writes before the first user turn, tools included, found without rendering the system message alone (Qwen's
-official templates refuse a conversation without a user query; :mod:`packtrain.data.chat`). Tool-call arguments
-given as JSON text are parsed first (Qwen's templates iterate ``arguments|items``). Which assistant turns carry
-loss is ``data.train_on``:
+official templates refuse a conversation without a user query; :mod:`packtrain.data.chat`). A template whose P is
+empty, lacks the system text, or is one P for different system texts or tools is refused. Tool-call arguments
+given as JSON text are parsed first (Qwen's templates iterate ``arguments|items``). Special tokens written in a
+message's text are read as tokens, as at inference. Which assistant turns carry loss is ``data.train_on``:
 
 - ``last``: the final assistant message. The item is everything after P up to and including the generation prompt
   (``<|im_start|>assistant\n`` and whatever the template adds, e.g. ``<think>\n``); the target is the rest, so it
