@@ -112,6 +112,15 @@ def _check_prefix(t: _Template, c: Conversation, p: str, source: Path) -> None:
     """P must hold the system text it was given, and different system texts (or tools) must not share one P: a
     template that drops the system message would train every prompt as one, with nothing of any."""
     system = c.messages[0]["content"].strip()  # the official templates trim it
+    key = (system, json.dumps(c.tools, sort_keys=True) if c.tools else None)
+    first = t.owners.get(p)
+    if first is not None:
+        if first[0] != key:
+            what = "system text" if first[0][0] != system else "tools"
+            raise DataError(source, c.line, c.system_field if what == "system text" else "tools",
+                            f"the chat template {t.name} renders this example's P as line {first[1]}'s, whose "
+                            f"{what} differs: different prompts would train as one")
+        return
     if not p:
         raise DataError(source, c.line, c.system_field, f"the chat template {t.name} renders nothing before the "
                                                         "first user turn: P (the system block) would be empty "
@@ -120,13 +129,7 @@ def _check_prefix(t: _Template, c: Conversation, p: str, source: Path) -> None:
         raise DataError(source, c.line, c.system_field, f"the chat template {t.name} does not render this system "
                                                         "text before the first user turn: P would lose it (a "
                                                         "template that drops or rewrites the system message?)")
-    key = (system, json.dumps(c.tools, sort_keys=True) if c.tools else None)
-    first_key, first_line = t.owners.setdefault(p, (key, c.line))
-    if first_key != key:
-        what = "system text" if first_key[0] != key[0] else "tools"
-        raise DataError(source, c.line, c.system_field if what == "system text" else "tools",
-                        f"the chat template {t.name} renders this example's P as line {first_line}'s, whose {what} "
-                        "differs: different prompts would train as one")
+    t.owners[p] = (key, c.line)
 
 
 def _renders(c: Conversation, t: _Template, source: Path, train_on: str) -> list[_Render]:
