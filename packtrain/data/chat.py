@@ -116,10 +116,10 @@ def _check_prefix(t: _Template, c: Conversation, p: str, source: Path) -> None:
     first = t.owners.get(p)
     if first is not None:
         if first[0] != key:
-            what = "system text" if first[0][0] != system else "tools"
-            raise DataError(source, c.line, c.system_field if what == "system text" else "tools",
-                            f"the chat template {t.name} renders this example's P as line {first[1]}'s, whose "
-                            f"{what} differs: different prompts would train as one")
+            where, what = ((c.system_field, "system text differs") if first[0][0] != system else
+                           ("tools", "tools differ"))
+            raise DataError(source, c.line, where, f"the chat template {t.name} renders this example's P as line "
+                                                   f"{first[1]}'s, whose {what}: different prompts would train as one")
         return
     if not p:
         raise DataError(source, c.line, c.system_field, f"the chat template {t.name} renders nothing before the "
