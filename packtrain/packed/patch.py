@@ -9,10 +9,12 @@
   to both. Which layer is which comes from the text config's ``layer_types``; a kind the family's row does not
   list is refused.
 
-- Dense MLPs: with a back end's ``mlp_rows`` (CPU), a packed forward runs each decoder layer's dense MLP in
-  blocks of that many rows (token by token the same computation; the blocks' activations stay in the cache). The
-  decoder layer's forward marks whether its call carries a pack layout, so unpacked forwards, and routed-expert
-  blocks, are never split.
+- Dense MLPs: each decoder layer's dense MLP runs in tiles of the back end's ``mlp_rows`` (``train.mlp_chunk_rows``),
+  each tile checkpointed (:func:`packtrain.packed.recompute.tiled_mlp`), in every forward that builds a graph (packs,
+  standalone examples, walk windows) and in a pack's no-grad forward; a no-grad unpacked forward (transformers' own
+  forward, as the tests' references run it) and a mixture of experts (routed experts and shared expert) run whole.
+  The decoder layer's forward marks which, per call, from its arguments.
+- RMSNorms of the text stack keep only their inputs for backward and recompute (:mod:`packtrain.packed.recompute`).
 
 Works on peft-wrapped models (LoRA layers are injected in place) and under activation checkpointing (the
 recompute receives the same layout through the same kwargs).
@@ -20,7 +22,6 @@ recompute receives the same layout through the same kwargs).
 
 from __future__ import annotations
 
-import contextvars
 import types
 
 import torch
@@ -33,6 +34,7 @@ from packtrain.packed.families import FULL, LINEAR, UnsupportedModelError, check
 from packtrain.packed.gdn import packed_gdn_forward
 from packtrain.packed.kernels import Backend
 from packtrain.packed.kernels.hf_route import route_unpacked_kernels
+from packtrain.packed.recompute import is_rmsnorm, recomputed_norm, tiled_mlp
 from packtrain.packed.rows import Rows, gdn_step
 
 LAYOUT_KWARG = "packtrain_pack"
@@ -93,29 +95,17 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
 
 
 def _layer_forward(self, *args, **kwargs):
-    # the mark is set again when activation checkpointing recomputes the layer (same kwargs), so the recompute
-    # splits the MLP as the forward did
-    self.mlp.packtrain_rows = self.packtrain_backend.mlp_rows if kwargs.get(LAYOUT_KWARG) is not None else None
+    # the mark is set again when activation checkpointing recomputes the layer (same kwargs and grad mode), so the
+    # recompute tiles the MLP as the forward did
+    tiled = kwargs.get(LAYOUT_KWARG) is not None or torch.is_grad_enabled()
+    self.mlp.packtrain_rows = self.packtrain_backend.mlp_rows if tiled else None
     return self._packtrain_original_forward(*args, **kwargs)
 
 
-# The buffer row the dense-MLP block running now starts at: a row-sparse backward (packing.context_grad kv_only,
-# packtrain.packed.context) counts its kept rows from the block's own first row.
-MLP_BLOCK_OFFSET: contextvars.ContextVar[int] = contextvars.ContextVar("packtrain_mlp_block_offset", default=0)
-
-
 def _mlp_forward(self, x):
-    rows = self.packtrain_rows
-    if not rows or x.shape[-2] <= rows:
+    if not self.packtrain_rows:
         return self._packtrain_original_forward(x)
-    out = []
-    for offset, block in zip(range(0, x.shape[-2], rows), x.split(rows, dim=-2)):
-        token = MLP_BLOCK_OFFSET.set(offset)
-        try:
-            out.append(self._packtrain_original_forward(block))
-        finally:
-            MLP_BLOCK_OFFSET.reset(token)
-    return torch.cat(out, dim=-2)
+    return tiled_mlp(self._packtrain_original_forward, x, self.packtrain_rows)
 
 
 def _is_dense_mlp(module: nn.Module) -> bool:
@@ -149,6 +139,9 @@ def patch_model(model: nn.Module, backend: Backend) -> nn.Module:
             gdn.packtrain_backend = backend
         elif kind == FULL:
             layer.self_attn.packtrain_backend = backend
+    for module in text_model.modules():
+        if is_rmsnorm(module):
+            _patch_forward(module, recomputed_norm)
     text_model.packtrain_backend = backend
     return model
 
