@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 from packtrain.packed.kernels import torch_ref
 from packtrain.packed.layout import build_pack_layout, build_standalone_layout
 from packtrain.packed.lm import PackedLM
+from packtrain.packed.patch import patch_model, text_parts
 
 
 @dataclass
@@ -69,10 +71,25 @@ def compare(model, prefix, conts, vision=None, pixels=None, context_grad="full")
     return Diff(loss=loss, grad=max(rel(ga[n], gb[n]) for n in ga), losses_a=la, losses_b=lb)
 
 
+@contextlib.contextmanager
+def transformers_mlp(model):
+    """For a reference computation: the dense MLPs as transformers wrote them, in one piece (the back end's tiles,
+    packtrain/packed/recompute.py, set aside by patching again with ``mlp_rows`` off; then put back)."""
+    backend = getattr(text_parts(model)[0], "packtrain_backend", None)
+    if backend is None:
+        yield
+        return
+    patch_model(model, dataclasses.replace(backend, mlp_rows=None))
+    try:
+        yield
+    finally:
+        patch_model(model, backend)
+
+
 def hf_losses(model, prefix, conts):
     """transformers' own forward with labels on concat(P, Ci), one example at a time (no packtrain code)."""
     out = []
-    with torch.no_grad():
+    with torch.no_grad(), transformers_mlp(model):
         for c in conts:
             ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
             labels = torch.full_like(ids, -100)

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F_
-from parity import compare, packed_run, rel, standalone_run, trainable_grads, without_float32_casts
+from parity import compare, packed_run, rel, standalone_run, trainable_grads, transformers_mlp, without_float32_casts
 from test_fla_plumbing import fake_fla  # noqa: F401 - the fixture, used by name
 from tiny_models import random_pack, tiny_lora_model
 
@@ -86,13 +86,14 @@ def _hf_frozen(model, prefix, conts, with_grad=False):
     ``allow_mutation_on_saved_tensors`` lets transformers update its cache in place (FACTS.md) while autograd keeps
     what it saved. Returns (per-example losses, per-continuation logits, summed gradients or None)."""
     model.zero_grad(set_to_none=True)
-    with torch.no_grad():
+    with torch.no_grad(), transformers_mlp(model):
         first = model(input_ids=torch.tensor([prefix]), use_cache=True)
     losses, logits = [], []
     for c in conts:
         cache = copy.deepcopy(first.cache)
         ids = torch.tensor([list(c.item_ids) + list(c.target_ids)])
-        with torch.autograd.graph.allow_mutation_on_saved_tensors() if with_grad else torch.no_grad():
+        with torch.autograd.graph.allow_mutation_on_saved_tensors() if with_grad else torch.no_grad(), \
+                transformers_mlp(model):
             out = model(input_ids=ids, cache=cache, use_cache=True)
             rows = torch.cat([first.logits[0, -1:], out.logits[0]])  # row j predicts token j of the continuation
             loss = _targets_from(rows, len(c.item_ids), list(c.target_ids))
@@ -136,12 +137,13 @@ def _hook_cut_reference(model, prefix, conts):
     handles = [layer.register_forward_pre_hook(detach_prefix) for layer in layers]
     try:
         losses = []
-        for c in conts:
-            ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
-            logits = model(input_ids=ids).logits[0, p - 1:]  # row j predicts token j of the continuation
-            loss = _targets_from(logits, len(c.item_ids), list(c.target_ids))
-            loss.backward()
-            losses.append(loss.item())
+        with transformers_mlp(model):
+            for c in conts:
+                ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
+                logits = model(input_ids=ids).logits[0, p - 1:]  # row j predicts token j of the continuation
+                loss = _targets_from(logits, len(c.item_ids), list(c.target_ids))
+                loss.backward()
+                losses.append(loss.item())
     finally:
         for h in handles:
             h.remove()

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from packtrain.models.wrap import checkpoint_decoder_layers
 from packtrain.packed.kernels import CPU_MLP_ROWS, CUDA_MLP_ROWS, Backend, select_backend
-from packtrain.packed.layout import build_pack_layout
+from packtrain.packed.layout import build_pack_layout, build_standalone_layout
 from packtrain.packed.lm import PackedLM
 from packtrain.packed.patch import UnsupportedModelError, patch_model
 
@@ -124,11 +124,11 @@ def test_text_stack_of_vision_language_model(monkeypatch):
     assert d.loss < 1e-13 and d.grad < 5e-7, d  # float64 throughout: test_parity.py's exact bounds
 
 
-def test_mlp_tiles_in_every_forward_with_grad_and_survive_checkpointing():
-    """With ``mlp_rows`` every forward that builds a graph runs each dense MLP in checkpointed tiles of that many
-    rows, packed and standalone alike (each tile runs again in backward); a no-grad unpacked forward (transformers'
-    own, the tests' reference) runs it in one piece. Activation checkpointing's recompute tiles as the forward did
-    (the same losses and gradients, bit for bit), and the tiles give the whole MLP's results (float64, 1e-13)."""
+def test_mlp_tiles_in_every_forward_and_survive_checkpointing():
+    """With ``mlp_rows`` every forward runs each dense MLP in tiles of that many rows, packed and standalone, with
+    grad (each tile checkpointed: it runs again in backward) and without; the tests' transformers reference sets the
+    tiles aside (parity.transformers_mlp). Activation checkpointing's recompute tiles as the forward did (the same
+    losses and gradients, bit for bit), and the tiles give the whole MLP's results (float64, 1e-13)."""
     specs = [(0, 1), (70, 5), (10, 2)]
     prefix, conts = random_pack(65, specs, seed=7)
     tiles = Backend(gdn="torch", attention="batched", mlp_rows=16)
@@ -153,6 +153,13 @@ def test_mlp_tiles_in_every_forward_with_grad_and_survive_checkpointing():
     assert max(seen_alone) == 16 and sum(seen_alone) == 2 * 3 * sum(lengths)
     _, seen_hf = mlp_rows_seen(model(tiles), hf_losses)
     assert sorted(seen_hf) == sorted(lengths * 3)
+
+    def no_grad_run(m, prefix, conts):
+        with torch.no_grad():
+            return PackedLM(m)(build_standalone_layout(prefix, conts[1]))
+
+    _, seen_no_grad = mlp_rows_seen(model(tiles), no_grad_run)
+    assert max(seen_no_grad) == 16 and sum(seen_no_grad) == 3 * lengths[1]
     (lc, gc), seen_ckpt = mlp_rows_seen(model(tiles, checkpointing=True), packed_run)
     assert max(seen_ckpt) == 16 and sum(seen_ckpt) > 2 * 3 * rows  # the layer's recompute tiles again
     assert lc == lb

@@ -9,11 +9,11 @@
   to both. Which layer is which comes from the text config's ``layer_types``; a kind the family's row does not
   list is refused.
 
-- Dense MLPs: each decoder layer's dense MLP runs in tiles of the back end's ``mlp_rows`` (``train.mlp_chunk_rows``),
-  each tile checkpointed (:func:`packtrain.packed.recompute.tiled_mlp`), in every forward that builds a graph (packs,
-  standalone examples, walk windows) and in a pack's no-grad forward; a no-grad unpacked forward (transformers' own
-  forward, as the tests' references run it) and a mixture of experts (routed experts and shared expert) run whole.
-  The decoder layer's forward marks which, per call, from its arguments.
+- Dense MLPs: each decoder layer's dense MLP runs in tiles of the back end's ``mlp_rows`` (``train.mlp_chunk_rows``)
+  in every forward (packs, standalone examples, walk windows), with grad and without alike: the walk draws a
+  chunk's dropout masks under no_grad and again with grad, so both must tile the same. With grad each tile is
+  recomputed in backward (:func:`packtrain.packed.recompute.tiled_mlp`). A mixture of experts (routed experts and
+  shared expert) runs as transformers wrote it.
 - RMSNorms of the text stack keep only their inputs for backward and recompute (:mod:`packtrain.packed.recompute`).
 
 Works on peft-wrapped models (LoRA layers are injected in place) and under activation checkpointing (the
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import types
 
-import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -94,18 +93,11 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     return packed_gdn_forward(self, hidden_states, layout, self.packtrain_backend)
 
 
-def _layer_forward(self, *args, **kwargs):
-    # the mark is set again when activation checkpointing recomputes the layer (same kwargs and grad mode), so the
-    # recompute tiles the MLP as the forward did
-    tiled = kwargs.get(LAYOUT_KWARG) is not None or torch.is_grad_enabled()
-    self.mlp.packtrain_rows = self.packtrain_backend.mlp_rows if tiled else None
-    return self._packtrain_original_forward(*args, **kwargs)
-
-
 def _mlp_forward(self, x):
-    if not self.packtrain_rows:
+    rows = self.packtrain_backend.mlp_rows
+    if not rows:
         return self._packtrain_original_forward(x)
-    return tiled_mlp(self._packtrain_original_forward, x, self.packtrain_rows)
+    return tiled_mlp(self, self._packtrain_original_forward, x, rows)
 
 
 def _is_dense_mlp(module: nn.Module) -> bool:
@@ -129,9 +121,7 @@ def patch_model(model: nn.Module, backend: Backend) -> nn.Module:
     for layer, kind in zip(text_model.layers, layer_types):
         if _is_dense_mlp(getattr(layer, "mlp", None)):
             _patch_forward(layer.mlp, _mlp_forward)
-            _patch_forward(layer, _layer_forward)
-            layer.mlp.packtrain_rows = None
-            layer.packtrain_backend = backend
+            layer.mlp.packtrain_backend = backend
         if kind == LINEAR:
             gdn = layer.linear_attn
             _patch_forward(gdn, _gdn_forward)
