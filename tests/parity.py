@@ -7,11 +7,13 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
+from packtrain.models.lora_compute import lora_forward
 from packtrain.packed.kernels import torch_ref
 from packtrain.packed.layout import build_pack_layout, build_standalone_layout
 from packtrain.packed.lm import PackedLM
@@ -72,6 +74,19 @@ def compare(model, prefix, conts, vision=None, pixels=None, context_grad="full")
 
 
 @contextlib.contextmanager
+def peft_lora_forward(model):
+    """peft's own ``lora.Linear.forward`` inside, where packtrain installed its own (``lora_compute.install``)."""
+    layers = [m for m in model.modules()
+              if isinstance(m, PeftLoraLinear) and getattr(vars(m).get("forward"), "__func__", None) is lora_forward]
+    installed = [vars(m).pop("forward") for m in layers]
+    try:
+        yield
+    finally:
+        for m, forward in zip(layers, installed):
+            m.forward = forward
+
+
+@contextlib.contextmanager
 def transformers_mlp(model):
     """For a reference computation: the dense MLPs as transformers wrote them, in one piece (the back end's tiles,
     packtrain/packed/recompute.py, set aside by patching again with ``mlp_rows`` off; then put back)."""
@@ -87,9 +102,10 @@ def transformers_mlp(model):
 
 
 def hf_losses(model, prefix, conts):
-    """transformers' own forward with labels on concat(P, Ci), one example at a time (no packtrain code)."""
+    """transformers' own forward with labels on concat(P, Ci), one example at a time (no packtrain code: peft's LoRA
+    forward, the MLPs whole)."""
     out = []
-    with torch.no_grad(), transformers_mlp(model):
+    with torch.no_grad(), peft_lora_forward(model), transformers_mlp(model):
         for c in conts:
             ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
             labels = torch.full_like(ids, -100)
