@@ -19,16 +19,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from packtrain.packed.rng import replay, rng_state
 from packtrain.packed.rowsparse import active_start, rows_from, tile_at
 
 
 def _tile(forward, x, offset: int, start: int | None):
     with tile_at(offset), rows_from(start):
         return forward(x)
-
-
-def _rng_state(device: torch.device):
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
 
 class _Tiles(torch.autograd.Function):
@@ -40,7 +37,7 @@ class _Tiles(torch.autograd.Function):
         ctx.forward, ctx.rows, ctx.start, ctx.rng = forward, rows, start, []
         out = []
         for offset in range(0, x.shape[-2], rows):  # under no_grad, as a Function's forward runs: nothing kept
-            ctx.rng.append(_rng_state(x.device))
+            ctx.rng.append(rng_state(x.device))
             out.append(_tile(forward, _rows(x, offset, rows), offset, start))
         ctx.save_for_backward(x, *params)
         return torch.cat(out, dim=-2)
@@ -53,11 +50,7 @@ class _Tiles(torch.autograd.Function):
         dparams = [None] * len(params)
         for i, offset in enumerate(range(0, x.shape[-2], ctx.rows)):
             tile = _rows(x.detach(), offset, ctx.rows).requires_grad_(need_x)
-            cpu, cuda = ctx.rng[i]
-            with torch.random.fork_rng(devices=[x.device] if cuda is not None else []), torch.enable_grad():
-                torch.set_rng_state(cpu)
-                if cuda is not None:
-                    torch.cuda.set_rng_state(cuda, x.device)
+            with replay(ctx.rng[i], x.device), torch.enable_grad():
                 y = _tile(ctx.forward, tile, offset, ctx.start)
             inputs = ([tile] if need_x else []) + list(params)
             grads = torch.autograd.grad(y, inputs, _rows(grad, offset, ctx.rows), allow_unused=True)
