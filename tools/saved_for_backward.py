@@ -1,5 +1,5 @@
 """What one packed forward keeps for backward, by kind: the bytes of the activations autograd holds when the forward
-ends (distinct storages, parameters left out), on a two-layer hybrid (Gated DeltaNet + attention) at a moderate
+ends (distinct storages, the weights' own left out), on a two-layer hybrid (Gated DeltaNet + attention) at a moderate
 width, LoRA r 8 with dropout 0.05 on q, k, v, o and gate_proj. Runs against an older checkout too
 (``PYTHONPATH=CHECKOUT``), where the MLP's ``mlp_rows`` blocks kept every activation and the norms their float32
 copies.
@@ -23,6 +23,11 @@ from packtrain.packed.layout import Continuation, build_pack_layout
 from packtrain.packed.lm import PackedLM
 from packtrain.packed.patch import patch_model
 
+try:
+    from packtrain.models import lora_compute  # LoRA in the model's dtype, as apply_lora installs it
+except ImportError:  # an older checkout: peft's own forward
+    lora_compute = None
+
 
 def model(args) -> torch.nn.Module:
     heads = args.hidden // 128
@@ -36,7 +41,10 @@ def model(args) -> torch.nn.Module:
     base = Qwen3_5ForCausalLM(config).to(torch.bfloat16)
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"])
-    return get_peft_model(base, lora)
+    model = get_peft_model(base, lora)
+    if lora_compute is not None:
+        lora_compute.install(model)
+    return model
 
 
 class _Held:
@@ -46,28 +54,33 @@ class _Held:
         self.t = t
 
 
-def saved_bytes(lm: PackedLM, layout, intermediate: int) -> dict[str, int]:
-    """Bytes of the distinct storages autograd holds at the end of one forward, by kind."""
+def saved_bytes(lm: PackedLM, layout, intermediate: int, top: int) -> dict[str, int]:
+    """Bytes of the distinct storages autograd holds at the end of one forward, by kind (and the ``top`` largest
+    (shape, dtype) groups)."""
     held = weakref.WeakSet()
 
     def pack(t):
         h = _Held(t)
-        if not isinstance(t, torch.nn.Parameter):
-            held.add(h)
+        held.add(h)
         return h
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
         out = lm(layout)
+    weights = {p.untyped_storage().data_ptr() for p in lm.parameters()}  # views of them are no extra memory
     storages = {h.t.untyped_storage().data_ptr(): h.t for h in held}
-    kinds = defaultdict(int)
+    storages = {ptr: t for ptr, t in storages.items() if ptr not in weights}
+    kinds, groups = defaultdict(int), defaultdict(int)
     for t in storages.values():
         n = t.untyped_storage().nbytes()
+        dtype = str(t.dtype).removeprefix("torch.")
         kinds["total"] += n
-        kinds[f"{str(t.dtype).removeprefix('torch.')}"] += n
+        kinds[dtype] += n
         if t.shape and t.shape[-1] == intermediate:
             kinds["[rows, intermediate]"] += n
+        groups[f"{list(t.shape)} {dtype}"] += n
     del out
-    return dict(kinds)
+    largest = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
+    return dict(kinds) | {f"  {k}": v for k, v in largest}
 
 
 def main() -> None:
@@ -78,6 +91,7 @@ def main() -> None:
     ap.add_argument("--continuations", default="8x256", help="COUNTxLEN, half item, half target")
     ap.add_argument("--rows", type=int, nargs="*", default=[0, 512],
                     help="the back end's mlp_rows to measure (0: whole)")
+    ap.add_argument("--top", type=int, default=0, help="also the N largest (shape, dtype) groups")
     args = ap.parse_args()
     torch.set_num_threads(2)
     count, length = (int(v) for v in args.continuations.split("x"))
@@ -86,11 +100,12 @@ def main() -> None:
     layout = build_pack_layout(tokens(args.prefix), [Continuation(tokens(length // 2), tokens(length - length // 2))
                                                      for _ in range(count)])
     positions = args.prefix + count * length
+    lora = "packtrain's LoRA compute" if lora_compute is not None else "peft's LoRA forward"
     print(f"hidden {args.hidden}, intermediate {args.intermediate}, bf16, {positions:,} positions "
-          f"(P {args.prefix:,} + {count} x {length}); MiB saved for backward at the end of the forward")
+          f"(P {args.prefix:,} + {count} x {length}), {lora}; MiB saved for backward at the end of the forward")
     for rows in args.rows:
         lm = PackedLM(patch_model(model(args), Backend(gdn="torch", attention="batched", mlp_rows=rows or None)))
-        kinds = saved_bytes(lm, layout, args.intermediate)
+        kinds = saved_bytes(lm, layout, args.intermediate, args.top)
         print(f"  mlp_rows {rows or 'whole':>5}: " + ", ".join(f"{k} {v / 2**20:,.1f}" for k, v in kinds.items()))
 
 
