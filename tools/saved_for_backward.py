@@ -96,7 +96,7 @@ def main() -> None:
     torch.set_num_threads(2)
     count, length = (int(v) for v in args.continuations.split("x"))
     rng = random.Random(0)
-    tokens = lambda n: [rng.randrange(1024) for _ in range(n)]  # noqa: E731
+    tokens = lambda n: [rng.randrange(1024) for _ in range(n)]
     layout = build_pack_layout(tokens(args.prefix), [Continuation(tokens(length // 2), tokens(length - length // 2))
                                                      for _ in range(count)])
     positions = args.prefix + count * length
