@@ -45,8 +45,9 @@ CASES = [
 IDS = [f"P{c[0]}-n{len(c[1])}" for c in CASES]
 
 
-def _model(layer_types, seed=0, attention="batched"):
-    return patch_model(tiny_lora_model(layer_types, seed=seed), Backend(gdn="torch", attention=attention))
+def _model(layer_types, seed=0, attention="batched", mlp_rows=None):
+    return patch_model(tiny_lora_model(layer_types, seed=seed), Backend(gdn="torch", attention=attention,
+                                                                        mlp_rows=mlp_rows))
 
 
 def _max_rel(ga, gb):
@@ -216,12 +217,14 @@ def test_kv_only_cuts_the_embedding_rows_of_p():
     assert _prefix_embedding_grad(model, prefix, conts, "kv_only") == 0.0
 
 
+@pytest.mark.parametrize("mlp_rows", [None, 7], ids=["mlp-whole", "mlp-tiles-7"])
 @pytest.mark.parametrize("mode", ["kv_only", "frozen"])
 @pytest.mark.parametrize("wrap", ["checkpoint", "offload"])
-def test_checkpointing_and_offload_change_nothing(mode, wrap):
+def test_checkpointing_and_offload_change_nothing(mode, wrap, mlp_rows):
+    """Bit for bit; with MLP tiles, each tile's recompute runs inside the layer's."""
     prefix, conts = random_pack(65, [(0, 1), (70, 5), (10, 2)], seed=7)
-    plain = _model([L, F, L], seed=3)
-    wrapped = _model([L, F, L], seed=3)
+    plain = _model([L, F, L], seed=3, mlp_rows=mlp_rows)
+    wrapped = _model([L, F, L], seed=3, mlp_rows=mlp_rows)
     if wrap == "checkpoint":
         checkpoint_decoder_layers(wrapped)
     else:

@@ -13,7 +13,7 @@
 Every back end runs the dense MLPs in checkpointed tiles of ``mlp_rows`` buffer rows (``train.mlp_chunk_rows``;
 :mod:`packtrain.packed.recompute`): a tile's [rows, intermediate] activations exist only while it runs. The
 device's default: on CPU a tile that stays in a core's cache, where a whole pack's activations outgrow it
-(docs/performance.md, "MLP blocks"); on CUDA one large enough that the tiles' matmuls stay efficient.
+(docs/performance.md, "MLP blocks"); on CUDA tiles of thousands of rows, whose matmuls are large.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def fla_available() -> bool:
 
 
 # The MLP tile's rows by device. CPU: one [rows, intermediate] activation stays in a core's cache (the bench model's
-# [512, 768] float32 is 1.5 MiB, under a 2 MiB L2); other sizes: docs/performance.md, "MLP blocks". CUDA: matmuls
-# of this many rows keep the GPU busy, while a tile's activations are a small part of a long pack's (the 27B's
-# [8192, 17408] bf16 is 272 MiB); docs/performance.md, "Memory".
+# [512, 768] float32 is 1.5 MiB, under a 2 MiB L2); other sizes: docs/performance.md, "MLP blocks". CUDA: the tile
+# the memory measurement of the seed pack took (a 27B tile's [8192, 17408] bf16 is 272 MiB against 4.3 GiB for the
+# whole pack's); docs/performance.md, "Memory", "Tiled MLP and norms".
 CPU_MLP_ROWS = 512
 CUDA_MLP_ROWS = 8192
 
