@@ -44,16 +44,16 @@ def _with_pixels(layout, conts, pixels):
     return layout
 
 
-def packed_run(model, prefix, conts, vision=None, pixels=None, context_grad="full"):
+def packed_run(model, prefix, conts, vision=None, pixels=None, context_grad="full", loss_chunk_rows=0):
     model.zero_grad(set_to_none=True)
-    out = PackedLM(model, context_grad)(_with_pixels(build_pack_layout(prefix, conts, vision), conts, pixels))
+    out = PackedLM(model, context_grad, loss_chunk_rows)(_with_pixels(build_pack_layout(prefix, conts, vision), conts, pixels))
     out.loss_sum.backward()
     return out.per_example.tolist(), trainable_grads(model)
 
 
-def standalone_run(model, prefix, conts, vision=None, pixels=None, context_grad="full"):
+def standalone_run(model, prefix, conts, vision=None, pixels=None, context_grad="full", loss_chunk_rows=0):
     model.zero_grad(set_to_none=True)
-    lm = PackedLM(model, context_grad)
+    lm = PackedLM(model, context_grad, loss_chunk_rows)
     losses = []
     for i, c in enumerate(conts):
         layout = build_standalone_layout(prefix, c, vision)
@@ -63,9 +63,10 @@ def standalone_run(model, prefix, conts, vision=None, pixels=None, context_grad=
     return losses, trainable_grads(model)
 
 
-def compare(model, prefix, conts, vision=None, pixels=None, context_grad="full") -> Diff:
-    la, ga = packed_run(model, prefix, conts, vision, pixels, context_grad)
-    lb, gb = standalone_run(model, prefix, conts, vision, pixels, context_grad)
+def compare(model, prefix, conts, vision=None, pixels=None, context_grad="full", loss_chunk_rows=0) -> Diff:
+    """``loss_chunk_rows`` (train.loss_chunk_rows) for both; 0, one chunk, is the loss as one cross-entropy."""
+    la, ga = packed_run(model, prefix, conts, vision, pixels, context_grad, loss_chunk_rows)
+    lb, gb = standalone_run(model, prefix, conts, vision, pixels, context_grad, loss_chunk_rows)
     assert ga.keys() == gb.keys() and ga
     for name, g in gb.items():  # a zero gradient would make the comparison vacuous
         assert g.abs().max() > 0, f"zero gradient for {name}"

@@ -18,7 +18,8 @@ def header(trainer) -> list[str]:
              f"  mode {t.setup.mode}, kernels: {t.backend.describe()}, device {t.dist.device}, "
              f"world size {t.dist.world_size}, dtype {cfg.model.dtype}",
              f"  {describe_model(t.model)}",
-             f"  context_grad {t.lm.context.describe()}"]
+             f"  context_grad {t.lm.context.describe()}",
+             f"  loss: {t.lm.describe_loss()}"]
     lora = describe_lora(t.model)
     if lora is not None:
         lines.append(f"  {lora}")
