@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from packtrain.models.lora_compute import lora_forward
 from packtrain.packed.kernels import torch_ref
 from packtrain.packed.layout import build_pack_layout, build_standalone_layout
 from packtrain.packed.lm import PackedLM
+from packtrain.packed.patch import patch_model, text_parts
 
 
 @dataclass
@@ -85,11 +87,26 @@ def peft_lora_forward(model):
             m.forward = forward
 
 
+@contextlib.contextmanager
+def transformers_mlp(model):
+    """For a reference computation: the dense MLPs as transformers wrote them, in one piece (the back end's tiles,
+    packtrain/packed/recompute.py, set aside by patching again with ``mlp_rows`` off; then put back)."""
+    backend = getattr(text_parts(model)[0], "packtrain_backend", None)
+    if backend is None:
+        yield
+        return
+    patch_model(model, dataclasses.replace(backend, mlp_rows=None))
+    try:
+        yield
+    finally:
+        patch_model(model, backend)
+
+
 def hf_losses(model, prefix, conts):
     """transformers' own forward with labels on concat(P, Ci), one example at a time (no packtrain code: peft's LoRA
-    forward)."""
+    forward, the MLPs whole)."""
     out = []
-    with torch.no_grad(), peft_lora_forward(model):
+    with torch.no_grad(), peft_lora_forward(model), transformers_mlp(model):
         for c in conts:
             ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
             labels = torch.full_like(ids, -100)

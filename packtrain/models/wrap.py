@@ -147,7 +147,7 @@ def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool 
         def fill(lm, kept):
             lm.load_report = materialize(lm, kept, names, weights, device)
     model = apply_lora(base_model, cfg)
-    backend = select_backend(cfg.model.kernels, device)
+    backend = select_backend(cfg.model.kernels, device, mlp_chunk_rows=cfg.train.mlp_chunk_rows)
     t = cfg.train
     lm = prepare(model, backend, checkpointing=t.activation_checkpointing, offload=t.offload, shard=shard,
                  device=device, context_grad=cfg.packing.context_grad, loss_chunk_rows=t.loss_chunk_rows, fill=fill)
