@@ -33,7 +33,7 @@ from peft.tuners.lora.layer import VARIANT_KWARG_KEYS
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
 
-from packtrain.packed.walk import _replay, _rng_state
+from packtrain.packed.rng import replay, rng_state
 
 
 def install(model: nn.Module) -> None:
@@ -96,7 +96,7 @@ class LoraDelta(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, result, A, B, scaling: float, p: float):
         dtype = x.dtype
-        ctx.rng = _rng_state(x.device) if p > 0 else None
+        ctx.rng = rng_state(x.device) if p > 0 else None
         x_in = _mask(x, p).mul_(x) if p > 0 else x
         u = x_in @ A.to(dtype).T
         del x_in
@@ -117,7 +117,7 @@ class LoraDelta(torch.autograd.Function):
         dx = dA = dB = None
         mask = None
         if p > 0:
-            with _replay(ctx.rng, x.device):
+            with replay(ctx.rng, x.device):
                 mask = _mask(x, p)
         if ctx.needs_input_grad[0]:
             dx = (gu @ A.to(dtype)).view(x.shape)

@@ -22,7 +22,6 @@ window's graph (chunk + horizon), never the whole example's.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from packtrain.config import WalkSpec
 from packtrain.data.walk_schedule import Schedule, chunk_bounds, cuts, windows
 from packtrain.packed.layout import PackLayout
 from packtrain.packed.prefix import Pairs, PrefixState, backward_through, run_span
+from packtrain.packed.rng import replay, rng_state
 
 
 @dataclass
@@ -63,21 +63,6 @@ def run_window(lm, win: Window) -> WindowOut:
 
 
 # -- the walk ---------------------------------------------------------------------------------------------------
-def _rng_state(device: torch.device):
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-@contextlib.contextmanager
-def _replay(state, device: torch.device):
-    """Draw the random numbers (LoRA dropout) a chunk drew in its no_grad forward again in its recompute, as
-    torch.utils.checkpoint does, so the recomputed chunk is the one whose caches the later chunks read."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield
-
-
 @dataclass
 class WalkResult:
     loss: float  # the example's mean target loss
@@ -140,7 +125,7 @@ class _Walk:
         device, rng = self.lay.input_ids.device, []
         with torch.no_grad():
             for a, e in chunks:
-                rng.append(_rng_state(device))
+                rng.append(rng_state(device))
                 out = self.call(a, e, e, self.before(a, bounds[-1]))
                 self.store_kv(out, a)
                 bounds.append(out.state.gdn)
@@ -152,7 +137,7 @@ class _Walk:
             a, e = chunks[c]
             gdn_in = {i: (t.clone().requires_grad_(), s.clone().requires_grad_()) for i, (t, s) in bounds[c].items()}
             state_in = self.before(a, gdn_in, leaf=True)
-            with _replay(rng[c], device):
+            with replay(rng[c], device):
                 out = self.call(a, e, a, state_in)
             self.backward(out, {i: (gk[..., a:e, :], gv[..., a:e, :]) for i, (gk, gv) in g_kv.items()}, g_gdn)
             self.total += float(out.loss.detach())
