@@ -41,7 +41,7 @@ from packtrain.ops.memory import CUDA_MLP_CHUNK_ROWS, FULL, MOE, kind_name, redu
 _MASK_OPS = {torch.ops.aten.bernoulli_.float, torch.ops.aten.bernoulli_.Tensor, torch.ops.aten.bernoulli.p,
              torch.ops.aten.bernoulli.default}
 _SCALAR_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
-WEIGHTS, GRADS, STATES = "weights", "grads", "states"
+WEIGHTS, GRADS, STATES, INDEX = "weights", "grads", "states", "index"
 
 
 def _is_fake(t) -> bool:
@@ -59,10 +59,13 @@ class LiveBytes(TorchDispatchMode):
         self.host = host
         self.live: dict[int, int] = {}
         self.tags: dict[int, str] = {}
-        self.tagged = {WEIGHTS: 0, GRADS: 0, STATES: 0}
+        self.tagged = {WEIGHTS: 0, GRADS: 0, STATES: 0, INDEX: 0}
+        self.index_peak = 0  # real tensors: the layout's index tensors, built once per pack
         self.total = 0
         self.phase = "setup"
         self.peaks: dict[str, int] = {}
+        self.layer: int | None = None  # the decoder layer whose forward runs now
+        self.owner: dict[int, int] = {}  # storage -> the layer whose forward made it
 
     # -- what is alive
     def activations(self) -> int:
@@ -79,12 +82,19 @@ class LiveBytes(TorchDispatchMode):
         n = storage.nbytes() if nbytes is None else nbytes
         self.live[key] = n
         self.total += n
+        if self.layer is not None:
+            self.owner[key] = self.layer
         weakref.finalize(storage, self._free, key)
+        if not _is_fake(t):
+            self.tags[key] = INDEX
+            self.tagged[INDEX] += n
+            self.index_peak = max(self.index_peak, self.tagged[INDEX])
         self._peak()
 
     def _free(self, key: int) -> None:
         n = self.live.pop(key, 0)
         self.total -= n
+        self.owner.pop(key, None)
         tag = self.tags.pop(key, None)
         if tag is not None:
             self.tagged[tag] -= n
@@ -98,6 +108,11 @@ class LiveBytes(TorchDispatchMode):
                 self.tagged[self.tags[key]] -= self.live[key]
             self.tags[key] = what
             self.tagged[what] += self.live[key]
+
+    def owned(self, layer: int, but=None) -> int:
+        """Bytes alive now that ``layer``'s forward made (``but``: a tensor not to count)."""
+        skip = None if but is None else self._key(but.untyped_storage())
+        return sum(self.live[k] for k, o in self.owner.items() if o == layer and k != skip and k not in self.tags)
 
     def _as_mask(self, t: torch.Tensor) -> None:
         """A dropout mask: one byte per element, as CUDA keeps it."""
@@ -141,7 +156,8 @@ class LiveBytes(TorchDispatchMode):
 class LayerRecord:
     kind: tuple
     before: int = 0  # activation bytes when its forward starts
-    after: int = 0  # ... when it ends: after - before stays alive (its output, the next layer's checkpointed input)
+    kept: int = 0  # what its forward made that is alive when the final norm starts (what it keeps for backward:
+    # the next layer's checkpointed input, or all its saved tensors without checkpointing)
     peak: int = 0  # the peak during its forward
     host: int = 0  # host bytes its forward added (train.offload: its input's chunks)
     weights: int = 0  # its parameters' bytes (frozen)
@@ -157,6 +173,7 @@ class Measured:
     adapters: int  # trainable parameter bytes of the reduced model
     states: int  # optimizer state bytes after the step
     head_weights: int  # the embedding / head: the largest vocabulary matrix (a gathered unit under FSDP)
+    index: int = 0  # the layout's index tensors at most (built once per pack, kept with it)
     notes: list[str] = field(default_factory=list)
 
 
@@ -246,7 +263,8 @@ def measure(cfg, plan, examples) -> Measured:
         weights = _storage_bytes(p for p in lm.parameters() if not p.requires_grad)
         adapters = _storage_bytes(params)
         head = max(_storage_bytes(text_model.embed_tokens.parameters()), _storage_bytes(lm_head.parameters()))
-        hooks = _phase_hooks(counter, layers, records, text, cfg.train.activation_checkpointing or cfg.train.offload)
+        hooks = _phase_hooks(counter, layers, records, text, cfg.train.activation_checkpointing or cfg.train.offload,
+                             text_model.norm)
         with counter:
             for p in lm.parameters():
                 counter.tag(p, WEIGHTS)
@@ -276,20 +294,33 @@ def measure(cfg, plan, examples) -> Measured:
             optimizer.zero_grad(set_to_none=True)
         for h in hooks:
             h.remove()
-    return Measured(dict(counter.peaks), records, weights, adapters, states, head, notes)
+    return Measured(dict(counter.peaks), records, weights, adapters, states, head, counter.index_peak, notes)
 
 
-def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool) -> list:
+def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool, final_norm) -> list:
+    from packtrain.models.offload import OffloadedCheckpoint
+
     """Forward hooks on each decoder layer (its wrapper: the recompute calls what is inside) that keep its
-    record, and a hook on its output's gradient that starts its backward phase."""
+    record, and a hook on its output's gradient that starts its backward phase. A layer's input is alive until its
+    call returns, so what it leaves is read when the next layer (or the final norm) starts."""
     hooks = []
     name = "recompute" if recompute else "backward"
+
+    def at_norm(module, args):
+        if torch._C._current_graph_task_id() != -1:
+            return
+        for i, rec in enumerate(records):
+            rec.kept = counter.owned(i, but=args[0])
+        if recompute and not any(isinstance(l, OffloadedCheckpoint) for l in layers):
+            # the last layer's output is the final norm's input here; inside a whole model the next layer keeps it
+            records[-1].kept += args[0].untyped_storage().nbytes()
 
     def pre(i):
         def hook(module, args, kwargs):
             if torch._C._current_graph_task_id() != -1:  # a recompute inside backward
                 return
             counter.set_phase("forward")
+            counter.layer = i
             records[i].before = counter.activations()
             records[i].host = counter.host()
             counter.peaks["_layer"] = records[i].before
@@ -301,8 +332,8 @@ def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool) -> 
             if torch._C._current_graph_task_id() != -1:
                 return
             rec = records[i]
+            counter.layer = None
             rec.peak = counter.peaks.pop("_layer", counter.activations())
-            rec.after = counter.activations()
             rec.host = counter.host() - rec.host
             counter.phase = "forward"
             counter.peaks["forward"] = max(counter.peaks.get("forward", 0), rec.peak)
@@ -314,6 +345,7 @@ def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool) -> 
                 counter.set_phase("loss")
         return hook
 
+    hooks.append(final_norm.register_forward_pre_hook(at_norm))
     for i, layer in enumerate(layers):
         hooks.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
         hooks.append(layer.register_forward_hook(post(i), with_kwargs=True))
@@ -340,7 +372,7 @@ def extrapolate(m: Measured, text: dict, world: int) -> WholeModel:
     """From the reduced model's phases to the model's ``text["kinds"]``, per GPU at ``world`` FSDP ranks."""
     kinds = [tuple(k) for k in text["kinds"]]
     rec = {r.kind: r for r in m.layers}
-    kept = {k: r.after - r.before for k, r in rec.items()}
+    kept = {k: r.kept - r.host for k, r in rec.items()}  # its host chunks are not device memory
     base = m.layers[0].before
     before_full, before_measured = [], []  # what earlier layers leave alive when layer j starts
     acc = 0
@@ -374,7 +406,8 @@ def extrapolate(m: Measured, text: dict, world: int) -> WholeModel:
     if world > 1:  # FSDP: two decoder layers (one running, one prefetched), or the head and one layer
         gathered = {p: (0 if p == "optimizer" else m.head_weights + layer if p == "loss" else 2 * layer)
                     for p in phases}
-    total = {p: v + static["weights"] + static["adapters"] + gathered[p] for p, v in phases.items()}
+    total = {p: v + static["weights"] + static["adapters"] + gathered[p] + (0 if p == "optimizer" else m.index)
+             for p, v in phases.items()}
     host = sum(rec[k].host for k in kinds)
     static["gathered"] = max(gathered.values())
     return WholeModel(total, host, static)

@@ -470,11 +470,13 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
 
     rows = min(savings.loss_rows, M) if savings.loss_rows else M
     chunk = f" in chunks of {rows:,} rows, recomputed in backward" if savings.loss_rows else ""
-    # the head's output, its float32 copy for the loss, and the log-softmax the loss keeps (per chunk when chunked)
-    terms.append(Term("logits", f"target-only logits {_shape(rows, V)}{chunk}: {dtype} + 2 float32",
-                      rows * V * (b + 4 + 4)))
-    terms.append(Term("loss_hidden", f"the target rows' hidden states and their gradient: 2 x {_shape(M, H)}",
-                      2 * M * H * b))
+    # the head's output, and three float32 [rows, V] alive in the log-softmax's backward (per chunk when chunked)
+    terms.append(Term("logits", f"target-only logits {_shape(rows, V)}{chunk}: {dtype} + 3 float32 in backward",
+                      rows * V * (b + 3 * 4)))
+    final_norm = T * H * (b + (0 if savings.norms_recomputed else 4))
+    terms.append(Term("loss_hidden", f"the final norm's output{'' if savings.norms_recomputed else ' + float32 copy'} "
+                      f"{_shape(T, H)}, the target rows' hidden states + gradient 2 x {_shape(M, H)}",
+                      final_norm + 2 * M * H * b))
     terms.append(Term("logits_full", f"not needed: logits at every position {_shape(positions, V)} {dtype}",
                       positions * V * b, where="compare"))
 
@@ -482,8 +484,11 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
         return sum(t.bytes for t in terms if t.key in keys and t.where == "device")
 
     base = alive(static)
-    phases = {"forward": base + gathered.get("layer", 0) + alive(carried)
-              + max(layer_total([t for t in per_kind[k] if t.key not in _BACKWARD]) for k in kinds),
+    # the forward: a checkpointed layer keeps nothing, so its peak is a layer's transients (an adapter's output
+    # beside the MLP's first intermediate); without checkpointing, every layer's saved tensors
+    mlp_out = T * text.get("intermediate_size", 0) * b
+    transient = max(sum(t.bytes for t in per_kind[k] if t.key == "lora_out") for k in kinds) + mlp_out
+    phases = {"forward": base + gathered.get("layer", 0) + alive(carried) + alive(["residual"]) + transient,
               "loss": base + gathered.get("loss", 0) + alive(carried) + alive(["residual", "logits", "loss_hidden"])}
     for k in kinds:
         phases[f"{'recompute' if checkpointing else 'backward'} {kind_name(text, k)}"] = (
