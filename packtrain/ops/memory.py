@@ -261,7 +261,9 @@ def lora_output_term(text: dict, layer_type, T: int, a: int, targets: list[str],
                  2 * rows * out * a, approx=True, depth=1)]
 
 
-def mixer_term(text: dict, layer_type, T: int, b: int, norms_recomputed: bool = False) -> Term:
+def mixer_term(text: dict, layer_type, T: int, b: int, norms_recomputed: bool = False,
+               continuations: float = 0.5) -> Term:
+    """``continuations``: the continuations' share of the T positions (the GDN conv gathers a copy of their rows)."""
     mixer, _ = _kind(layer_type)
     if mixer == FULL:
         q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
@@ -274,9 +276,11 @@ def mixer_term(text: dict, layer_type, T: int, b: int, norms_recomputed: bool = 
         value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
         conv_dim = 2 * key + value
         HV = text["linear_num_value_heads"]
-        # what fla's kernels save: the conv's input (P's rows and the continuations' gathered copy) and output
-        # (v reads it), l2-normed q and k, the WY blocks (64 per value head); z, the gated norm's float32 copies
-        per = b * (3 * conv_dim + 2 * key + 64 * HV + 2 * value) + 4 * (2 * HV + (0 if norms_recomputed else 3 * value))
+        # what fla's kernels save: the conv's input (the projection's output, and a gathered copy of the
+        # continuations' rows) and output (v reads it), l2-normed q and k, the WY blocks (64 per value head); the
+        # gated norm's output and its float32 copies
+        per = (b * ((2 + continuations) * conv_dim + 2 * key + 64 * HV + value)
+               + 4 * (2 * HV + (0 if norms_recomputed else 3 * value)))
         label = "Gated DeltaNet (fla's saved tensors): conv in/out, q/k l2-normed, WY blocks, z, gated norm"
     return Term("mixer", label, T * per, approx=True, depth=1)
 
@@ -294,9 +298,11 @@ def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=(), mlp_
             R = min(mlp_rows, T)
             return [Term("mlp", f"tiled MLP: its input {_shape(T, H)}, one tile's 3 x {_shape(R, I)}",
                          T * H * b + 3 * R * I * b, depth=1),
+                    Term("mlp_first", f"gate_proj's output {_shape(R, I)} (one tile)", R * I * b, depth=1),
                     Term("workspace", f"backward workspace: 2 x {_shape(R, I)} SwiGLU gradients (one tile)",
                          2 * R * I * b, approx=True, depth=1)]
         return [Term("mlp", f"MLP intermediates: 3 x {_shape(T, I)} (gate, SiLU(gate), up)", 3 * T * I * b, depth=1),
+                Term("mlp_first", f"gate_proj's output {_shape(T, I)} (in the recompute)", T * I * b, depth=1),
                 Term("workspace", f"backward workspace: 2 x {_shape(T, I)} SwiGLU gradients",
                      2 * T * I * b, approx=True, depth=1)]
     k, E, Ie, Is = (text["num_experts_per_tok"], text["num_experts"], text["moe_intermediate_size"],
@@ -316,7 +322,8 @@ def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=(), mlp_
 
 
 def layer_recompute(text: dict, layer_type, T: int, b: int, a: int, r: int, targets: list[str],
-                    dropout: float, mask_bytes: int = 1, target_parameters=(), savings=None) -> list[Term]:
+                    dropout: float, mask_bytes: int = 1, target_parameters=(), savings=None,
+                    continuations: float = 0.5) -> list[Term]:
     """One decoder layer's saved tensors while its backward runs, plus the largest transient (the backward
     workspace, or the widest adapter's output): see :func:`layer_total`."""
     savings = savings or StepSavings()
@@ -328,7 +335,7 @@ def layer_recompute(text: dict, layer_type, T: int, b: int, a: int, r: int, targ
     return [
         *mlp,
         *adapter_terms(text, layer_type, T, b, a, r, targets, dropout, mask_bytes, savings.masks_regenerated, rows),
-        mixer_term(text, layer_type, T, b, savings.norms_recomputed),
+        mixer_term(text, layer_type, T, b, savings.norms_recomputed, continuations),
         *norms,
         workspace,
         *lora_output_term(text, layer_type, T, a, targets, rows),
@@ -336,10 +343,17 @@ def layer_recompute(text: dict, layer_type, T: int, b: int, a: int, r: int, targ
 
 
 def layer_total(terms: list[Term]) -> int:
-    """What is alive at a layer's peak: everything it saves, plus the larger of its transients (the backward
-    workspace and an adapter's output are never alive together)."""
-    return (sum(t.bytes for t in terms if t.key not in _TRANSIENT)
-            + max((t.bytes for t in terms if t.key in _TRANSIENT), default=0))
+    """What is alive at a layer's peak, the larger of two moments: its backward (everything it saves, plus the
+    backward workspace), and the widest adapter's forward in the recompute (what the layer saved before its MLP,
+    the MLP's first output, and that adapter's output)."""
+    saved = sum(t.bytes for t in terms if t.key not in _TRANSIENT | {"mlp_first"})
+    backward = saved + sum(t.bytes for t in terms if t.key == "workspace")
+    before_mlp = sum(t.bytes for t in terms if t.key not in _TRANSIENT | _AFTER_GATE)
+    forward = before_mlp + sum(t.bytes for t in terms if t.key in ("mlp_first", "lora_out"))
+    return max(backward, forward)
+
+
+_AFTER_GATE = {"mlp", "mlp_first", "experts_adapted", "lora:up_proj", "lora:down_proj"}
 
 
 @dataclass(frozen=True)
@@ -438,8 +452,10 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
 
     layer_input = T * H * b
     kinds = sorted(set(text["kinds"]))
+    share = (T_layer - prefix) / T_layer if prefix and context_grad != "frozen" else 1.0
     per_kind = {k: layer_recompute(text, k, T_layer, b, a, lora_r, targets_list, lora_dropout,
-                                   target_parameters=lora_parameters_targets, savings=savings) for k in kinds}
+                                   target_parameters=lora_parameters_targets, savings=savings, continuations=share)
+                for k in kinds}
     kind = max(kinds, key=lambda k: layer_total(per_kind[k]))
     carried: list[str] = []  # alive from the end of the forward to the end of backward
     if offload:
@@ -456,7 +472,8 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     else:
         graph = per_kind if T == T_layer else {
             k: layer_recompute(text, k, T, b, a, lora_r, targets_list, lora_dropout,
-                               target_parameters=lora_parameters_targets, savings=savings) for k in kinds}
+                               target_parameters=lora_parameters_targets, savings=savings, continuations=share)
+            for k in kinds}
         saved = sum(sum(t.bytes for t in graph[k] if t.key not in _TRANSIENT) for k in text["kinds"])
         terms.append(Term("all_layers", f"saved activations of all {L} layers (no checkpointing)", saved,
                           approx=True))
@@ -470,9 +487,10 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
 
     rows = min(savings.loss_rows, M) if savings.loss_rows else M
     chunk = f" in chunks of {rows:,} rows, recomputed in backward" if savings.loss_rows else ""
-    # the head's output, and three float32 [rows, V] alive in the log-softmax's backward (per chunk when chunked)
-    terms.append(Term("logits", f"target-only logits {_shape(rows, V)}{chunk}: {dtype} + 3 float32 in backward",
-                      rows * V * (b + 3 * 4)))
+    # three float32 [rows, V] alive in the log-softmax's backward (per chunk when chunked), the head's own output
+    # freed by then
+    terms.append(Term("logits", f"target-only logits {_shape(rows, V)}{chunk}: 3 float32 in the log-softmax's "
+                      "backward", rows * V * 3 * 4))
     final_norm = T * H * (b + (0 if savings.norms_recomputed else 4))
     terms.append(Term("loss_hidden", f"the final norm's output{'' if savings.norms_recomputed else ' + float32 copy'} "
                       f"{_shape(T, H)}, the target rows' hidden states + gradient 2 x {_shape(M, H)}",
@@ -486,8 +504,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     base = alive(static)
     # the forward: a checkpointed layer keeps nothing, so its peak is a layer's transients (an adapter's output
     # beside the MLP's first intermediate); without checkpointing, every layer's saved tensors
-    mlp_out = T * text.get("intermediate_size", 0) * b
-    transient = max(sum(t.bytes for t in per_kind[k] if t.key == "lora_out") for k in kinds) + mlp_out
+    transient = max(sum(t.bytes for t in per_kind[k] if t.key in ("lora_out", "mlp_first")) for k in kinds)
     phases = {"forward": base + gathered.get("layer", 0) + alive(carried) + alive(["residual"]) + transient,
               "loss": base + gathered.get("loss", 0) + alive(carried) + alive(["residual", "logits", "loss_hidden"])}
     for k in kinds:
@@ -503,7 +520,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                                  f"tokens; world size {W}{mode}", phases, savings)
 
 
-_TRANSIENT = {"workspace", "lora_out"}  # alive only while the layer's backward (or one linear) runs
+_TRANSIENT = {"workspace", "lora_out", "mlp_first"}  # alive only for a moment of the layer's recompute or backward
 _BACKWARD = {"workspace"}
 
 
@@ -708,3 +725,22 @@ def available_host_memory() -> int | None:
     except OSError:
         return None
     return None
+
+
+def memory_line(cfg, est: MemoryEstimate) -> str:
+    """The run header's memory line: the estimate's peak and which savings are on."""
+    t = cfg.train
+    keep = "checkpointing + offload" if t.offload else "checkpointing" if t.activation_checkpointing else \
+        "no checkpointing"
+    return (f"memory: about {est.total() / GiB:.1f} GiB per GPU at the largest pack (the estimate, peak in "
+            f"{est.peak_phase}; `packtrain plan --memory --measure` counts the step); {keep}; "
+            + "; ".join(est.savings.describe()))
+
+
+def fit_warning(est: MemoryEstimate, device_bytes: int, token_budget: int) -> str | None:
+    """A warning when the estimate's peak does not fit the device's memory, else None."""
+    if est.total() <= device_bytes:
+        return None
+    return (f"warning: packing.token_budget {token_budget:,} does not fit this GPU: the estimate's peak "
+            f"{est.total() / GiB:.1f} GiB ({est.peak_phase}) is over its {device_bytes / GiB:.1f} GiB; "
+            "`packtrain plan --memory --gpu-memory GIB` gives the largest budget that fits")
