@@ -187,28 +187,43 @@ def _storage_bytes(tensors) -> int:
     return n
 
 
-def measure_backend(cfg, backend):
+def measure_backend(cfg):
     """The kernels the step would run on CUDA, on this CPU: fla's GDN (stand-ins), attention through the CPU flash
     kernels, and the dense MLP in the tiles ``train.mlp_chunk_rows`` resolves to on CUDA."""
+    from packtrain.packed.kernels import select_backend
+
     rows = cfg.train.mlp_chunk_rows
     rows = CUDA_MLP_CHUNK_ROWS if rows is None else (rows or None)
-    return dataclasses.replace(backend, gdn="fla", attention="batched", mlp_rows=rows)
+    return dataclasses.replace(select_backend("torch", "cpu"), gdn="fla", attention="batched", mlp_rows=rows)
 
 
 @contextlib.contextmanager
-def _set_data_for_swap():
-    """``nn.Module.to`` swaps a fake parameter for its converted copy, and the swap refuses a tensor the fake mode
-    holds a weak reference to: set ``.data`` instead (the same parameter object, its new fake value)."""
-    swap = torch.utils.swap_tensors
+def _fake_build():
+    """Building and wrapping a model of fake tensors, two places of torch that read a tensor's memory are steered
+    off it: ``nn.Module.to`` swaps a fake parameter for its converted copy, and the swap refuses a tensor the fake mode
+    holds a weak reference to, so ``.data`` is set instead (the same parameter, its new fake value); and
+    ``copy.deepcopy`` (peft's ``modules_to_save``) copies a fake tensor's storage bytes, which do not exist, so it
+    clones instead."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    swap, deepcopy = torch.utils.swap_tensors, FakeTensor.__deepcopy__
 
     def set_data(t1, t2):
-        t1.data = t2.data if isinstance(t2, torch.nn.Parameter) else t2
+        if t2.untyped_storage()._cdata != t1.untyped_storage()._cdata:  # .to to the same dtype returns the tensor
+            t1.data = t2.data if isinstance(t2, torch.nn.Parameter) else t2
 
-    torch.utils.swap_tensors = set_data
+    def clone(self, memo):
+        new = self.detach().clone().requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
+        memo[id(self)] = new
+        return new
+
+    torch.utils.swap_tensors, FakeTensor.__deepcopy__ = set_data, clone
     try:
         yield
     finally:
-        torch.utils.swap_tensors = swap
+        torch.utils.swap_tensors, FakeTensor.__deepcopy__ = swap, deepcopy
 
 
 def _reduced_cfg(cfg):
@@ -243,12 +258,9 @@ def measure(cfg, plan, examples) -> Measured:
     unit = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
     setup = UnitSetup(cfg.packing.mode, cfg.packing.continuation_groups, cfg.walk_spec())
     prepared = prepare(unit, plan, examples, setup)  # real index tensors, built before the fake mode
-    with FakeTensorMode(allow_non_fake_inputs=True), fla_shapes.installed(), _set_data_for_swap():
+    with FakeTensorMode(allow_non_fake_inputs=True), fla_shapes.installed(), _fake_build():
         base = build_base_model(small)
-        model, lm, backend = prepare_from_config(base, small, "cpu")
-        from packtrain.packed.patch import patch_model
-
-        patch_model(model, measure_backend(cfg, backend))
+        model, lm, _ = prepare_from_config(base, small, "cpu", backend=measure_backend(cfg))
         text_model, lm_head = text_parts(model)
         layers = list(text_model.layers)
         params = [p for p in lm.parameters() if p.requires_grad]

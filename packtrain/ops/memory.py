@@ -530,11 +530,16 @@ def frozen_prefix_terms(text: dict, prefix: int, b: int) -> list[Term]:
     types = text["layer_types"]
     full, linear = sum(t == FULL for t in types), sum(t != FULL for t in types)
     kv = 2 * prefix * text["num_key_value_heads"] * text["head_dim"] * b
-    key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
-    conv_dim = 2 * key + text["linear_num_value_heads"] * text["linear_value_head_dim"]
-    state = text["linear_num_value_heads"] * text["linear_key_head_dim"] * text["linear_value_head_dim"] * 4
-    gdn = state + conv_dim * text["linear_conv_kernel_dim"] * b
-    H, I = text["hidden_size"], text["intermediate_size"]
+    gdn = 0
+    if linear:  # a family without Gated DeltaNet layers has none of their widths
+        key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
+        conv_dim = 2 * key + text["linear_num_value_heads"] * text["linear_value_head_dim"]
+        state = text["linear_num_value_heads"] * text["linear_key_head_dim"] * text["linear_value_head_dim"] * 4
+        gdn = state + conv_dim * text["linear_conv_kernel_dim"] * b
+    H = text["hidden_size"]
+    # a routed layer's widths per token: its shared expert and the k experts it routes to
+    I = text.get("intermediate_size") or (text.get("shared_expert_intermediate_size", 0)
+                                          + text.get("num_experts_per_tok", 0) * text.get("moe_intermediate_size", 0))
     return [
         Term("prefix_cache", f"P's cache: {full} x K/V {_shape(prefix, 2 * text['num_key_value_heads'] * text['head_dim'])}"
                              f" + {linear} GDN states", full * kv + linear * gdn),
