@@ -12,7 +12,7 @@ from tiny_models import FAMILY_CONFIGS
 
 from packtrain.config import load_config
 from packtrain.ops import memory
-from packtrain.ops.measure import GDN_NOTE, LiveBytes
+from packtrain.run.measure import GDN_NOTE, LiveBytes
 
 SEED_LORA = {"r": 8, "dropout": 0.05, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]}
 

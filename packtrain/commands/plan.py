@@ -1,9 +1,10 @@
 """`packtrain plan CONFIG [--set ...] [--json] [--world-size N] [--memory]`: plan the training data's packs and
 print the statistics, the steps' utilisation at N ranks under both ``train.balance`` settings
 (:mod:`packtrain.run.balance`); with ``--memory``, the per-GPU memory estimate for the largest pack
-(:mod:`packtrain.ops.memory`).
+(:mod:`packtrain.ops.memory`), and with ``--gpu-memory GIB`` the largest budget that fits it.
 
-Nothing touches torch or a model: this is how to size ``packing.token_budget`` before a run.
+Nothing touches torch or a model: this is how to size ``packing.token_budget`` before a run. ``--measure`` is the
+exception: it runs the training step under fake tensors (:mod:`packtrain.run.measure`), seconds and no memory.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def run_plan(args) -> int:
     est = memory.estimate_for_plan(cfg, plan, examples, args.world_size) if args.memory else None
     measured = None
     if args.measure:
-        from packtrain.ops.measure import measure_whole
+        from packtrain.run.measure import measure_whole
 
         measured = measure_whole(cfg, plan, examples, args.world_size)
     budget = None
