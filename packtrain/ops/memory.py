@@ -367,10 +367,16 @@ class StepSavings:
     lora_in_model_dtype: bool = False
     masks_regenerated: bool = False
     norms_recomputed: bool = False
+    missing: tuple[str, ...] = ()  # asked for by the config, not in this step's code (STEP_HAS)
 
     def describe(self) -> list[str]:
-        return [f"chunked loss: {f'{self.loss_rows:,} rows' if self.loss_rows else 'off (one chunk)'}",
-                f"tiled MLP: {f'{self.mlp_rows:,} rows' if self.mlp_rows else 'off (whole)'}",
+        def rows(n, what):
+            if n:
+                return f"{n:,} rows"
+            return f"off ({what}: not in this step)" if what in self.missing else "off"
+
+        return [f"chunked loss: {rows(self.loss_rows, 'train.loss_chunk_rows')}",
+                f"tiled MLP: {rows(self.mlp_rows, 'train.mlp_chunk_rows')}",
                 f"LoRA in the model's dtype: {'on' if self.lora_in_model_dtype else 'off (float32 copies)'}",
                 f"dropout masks regenerated: {'on' if self.masks_regenerated else 'off (kept)'}",
                 f"norms recomputed: {'on' if self.norms_recomputed else 'off (float32 copies kept)'}"]
@@ -387,8 +393,11 @@ def savings_for(cfg, device: str = "cuda") -> StepSavings:
     """The savings a config's step has on ``device`` (``train.mlp_chunk_rows`` null: the device's default)."""
     t = cfg.train
     mlp = t.mlp_chunk_rows if t.mlp_chunk_rows is not None else (CUDA_MLP_CHUNK_ROWS if device == "cuda" else 512)
+    missing = tuple(key for key, code, rows in (("train.loss_chunk_rows", "chunked_loss", t.loss_chunk_rows),
+                                                ("train.mlp_chunk_rows", "tiled_mlp", mlp))
+                    if rows and not STEP_HAS[code])
     return StepSavings(loss_rows=t.loss_chunk_rows if STEP_HAS["chunked_loss"] else 0,
-                       mlp_rows=mlp if STEP_HAS["tiled_mlp"] else 0,
+                       mlp_rows=mlp if STEP_HAS["tiled_mlp"] else 0, missing=missing,
                        lora_in_model_dtype=STEP_HAS["lora_in_model_dtype"],
                        masks_regenerated=STEP_HAS["masks_regenerated"], norms_recomputed=STEP_HAS["norms_recomputed"])
 
