@@ -163,3 +163,22 @@ def test_the_fit_warning_names_the_budget_and_the_device():
     warning = memory.fit_warning(est, 40 * memory.GiB, 150_000)
     assert warning.startswith("warning: packing.token_budget 150,000 does not fit this GPU")
     assert "50.0 GiB (loss)" in warning and "40.0 GiB" in warning
+
+
+def test_the_run_header_says_which_savings_are_on(tmp_path):
+    from types import SimpleNamespace
+
+    from packtrain.data.examples import load_split
+    from packtrain.data.planner import plan_for
+    from packtrain.run import report
+
+    model, prefix, conts, _ = SHAPES["small, checkpointed"]
+    cfg = load_config(write_config(tmp_path, model, {"offload": True}))
+    examples = load_split(cfg, "train")
+    trainer = SimpleNamespace(cfg=cfg, plan=plan_for(cfg, examples), train_examples=examples,
+                              dist=SimpleNamespace(device=torch.device("cpu"), world_size=1))
+    (line,) = report.memory_lines(trainer)  # one memory line, and no device check off CUDA
+    assert line.startswith("  memory: about ") and "checkpointing + offload" in line
+    for saving in ("chunked loss:", "tiled MLP:", "LoRA in the model's dtype:", "dropout masks regenerated:",
+                   "norms recomputed:"):
+        assert saving in line

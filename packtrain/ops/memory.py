@@ -17,8 +17,15 @@ backward time), so its estimate is full's; ``frozen`` keeps nothing of P for bac
 the recomputed layer span the continuations only, plus P's cache (attention K/V of P in every full-attention layer,
 each GDN layer's float32 state and conv tail), and P's no_grad pass peaks before the continuations run.
 
-Approximate terms (marked ~): what the attention / Gated DeltaNet kernels and the RMSNorms save, the backward
-workspace, and FSDP's gathered weights. They depend on kernels; use ``packtrain smoke`` for the measured peak.
+Approximate terms (marked ~): what the attention / Gated DeltaNet kernels (fla's) and the RMSNorms save, the backward
+workspace, an adapter's output while its linear runs, and FSDP's gathered weights. They depend on kernels:
+``plan --memory --measure`` counts the step itself (:mod:`packtrain.run.measure`; tests/test_measure.py holds the
+estimate within 10% of it), ``packtrain smoke`` measures it on the device.
+
+The peak is the largest phase (:attr:`MemoryEstimate.phases`): the forward, the loss, one layer's recompute (the
+larger of its backward and its widest adapter's forward), the optimizer step; a phase's transients are never added to
+another's. Which of the step's savings the terms count (:class:`StepSavings`: the chunked loss, the tiled MLP, LoRA
+in the model's dtype, regenerated dropout masks, recomputed norms) follows the config and ``STEP_HAS``.
 """
 
 from __future__ import annotations
