@@ -182,3 +182,27 @@ def test_the_run_header_says_which_savings_are_on(tmp_path):
     for saving in ("chunked loss:", "tiled MLP:", "LoRA in the model's dtype:", "dropout masks regenerated:",
                    "norms recomputed:"):
         assert saving in line
+
+
+@pytest.mark.parametrize("loss_rows, mlp_rows", [(1024, None), (0, 0), (5, 7)])
+def test_the_estimate_follows_the_configs_chunks_once_the_step_has_them(tmp_path, monkeypatch, loss_rows, mlp_rows):
+    from packtrain.data.examples import load_split
+    from packtrain.data.planner import plan_for
+
+    model = hybrid(128, 384, vocab=1000)
+    train = {"activation_checkpointing": True, "loss_chunk_rows": loss_rows, "mlp_chunk_rows": mlp_rows}
+    cfg = load_config(write_config(tmp_path, model, train,
+                                   data=pretokenized(tmp_path / "train.jsonl", 1500, 8, 1000, (400, 700), (200, 400))))
+    examples = load_split(cfg, "train")
+    plan = plan_for(cfg, examples)
+    before = memory.estimate_for_plan(cfg, plan, examples, 1)
+    monkeypatch.setitem(memory.STEP_HAS, "chunked_loss", True)
+    monkeypatch.setitem(memory.STEP_HAS, "tiled_mlp", True)
+    after = memory.estimate_for_plan(cfg, plan, examples, 1)
+    M = sum(memory.unit_shape(cfg, plan, examples)["targets"])
+    rows = min(loss_rows, M) if loss_rows else M
+    assert after.get("logits").bytes == rows * 1000 * 3 * 4 and before.get("logits").bytes == M * 1000 * 3 * 4
+    tile = memory.CUDA_MLP_CHUNK_ROWS if mlp_rows is None else mlp_rows
+    assert ("tiled MLP" in after.get("mlp").label) == bool(tile) and "tiled" not in before.get("mlp").label
+    assert after.savings.loss_rows == loss_rows and after.savings.mlp_rows == tile
+    assert "not in this step" in " ".join(before.savings.describe()) or not (loss_rows or tile)
