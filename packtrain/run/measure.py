@@ -109,6 +109,13 @@ class LiveBytes(TorchDispatchMode):
             self.tags[key] = what
             self.tagged[what] += self.live[key]
 
+    def tag_index(self, tensors) -> None:
+        """Count ``tensors`` (what a layout caches for every layer: index tensors, masks) once, apart from any
+        layer."""
+        for t in tensors:
+            self.tag(t, INDEX)
+        self.index_peak = max(self.index_peak, self.tagged[INDEX])
+
     def owned(self, layer: int, but=None) -> int:
         """Bytes alive now that ``layer``'s forward made (``but``: a tensor not to count)."""
         skip = None if but is None else self._key(but.untyped_storage())
@@ -309,18 +316,38 @@ def measure(cfg, plan, examples) -> Measured:
     return Measured(dict(counter.peaks), records, weights, adapters, states, head, counter.index_peak, notes)
 
 
+def _cached_tensors(layouts) -> list[torch.Tensor]:
+    """The tensors layouts cache for their layers (``PackLayout._cache``: index tensors, bucket masks)."""
+    found, todo = [], [lay._cache for lay in layouts]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif dataclasses.is_dataclass(x):
+            todo.extend(vars(x).values())
+    return found
+
+
 def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool, final_norm) -> list:
     from packtrain.models.offload import OffloadedCheckpoint
 
     """Forward hooks on each decoder layer (its wrapper: the recompute calls what is inside) that keep its
     record, and a hook on its output's gradient that starts its backward phase. A layer's input is alive until its
     call returns, so what it leaves is read when the next layer (or the final norm) starts."""
+    from packtrain.packed.patch import LAYOUT_KWARG
+
     hooks = []
     name = "recompute" if recompute else "backward"
+    layouts = {}  # the layouts the layers run on (the unit runner's, moved to the device)
 
     def at_norm(module, args):
         if torch._C._current_graph_task_id() != -1:
             return
+        counter.tag_index(_cached_tensors(layouts.values()))  # built by the first layer of a kind, kept for all
         for i, rec in enumerate(records):
             rec.kept = counter.owned(i, but=args[0])
         if recompute and not any(isinstance(l, OffloadedCheckpoint) for l in layers):
@@ -332,6 +359,9 @@ def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool, fin
             if torch._C._current_graph_task_id() != -1:  # a recompute inside backward
                 return
             counter.set_phase("forward")
+            layout = kwargs.get(LAYOUT_KWARG)
+            if hasattr(layout, "_cache"):
+                layouts[id(layout)] = layout
             counter.layer = i
             records[i].before = counter.activations()
             records[i].host = counter.host()
