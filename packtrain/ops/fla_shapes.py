@@ -92,16 +92,29 @@ def causal_conv1d(x, weight=None, bias=None, activation=None, cu_seqlens=None, *
     return _Conv.apply(x, weight, bias), None
 
 
+def hf_causal_conv1d_fn(x, weight, bias=None, activation=None, **unused):
+    """transformers' conv kernel name (x [B, D, T], as the causal_conv1d package takes it): the same saved tensors."""
+    return _Conv.apply(x, weight, bias)
+
+
 @contextlib.contextmanager
 def installed():
-    """fla's GDN kernels replaced by the stand-ins where packtrain calls them, restored on exit."""
-    from packtrain.packed.kernels import fla_backend, fla_frozen
+    """fla's GDN kernels replaced by the stand-ins where packtrain calls them (its packed GDN, and transformers' own
+    forward for an unpacked call: a standalone example), restored on exit."""
+    import importlib
 
-    saved = [(m, name, getattr(m, name)) for m, name in
-             ((fla_backend, "causal_conv1d"), (fla_backend, "chunk_gated_delta_rule"),
-              (fla_frozen, "chunk_gated_delta_rule"))]
-    for m, name, _ in saved:
-        setattr(m, name, globals()[name])
+    from packtrain.packed.kernels import fla_backend, fla_frozen
+    from packtrain.packed.kernels.hf_route import MODULES
+
+    places = [(fla_backend, "causal_conv1d", causal_conv1d), (fla_backend, "chunk_gated_delta_rule",
+              chunk_gated_delta_rule), (fla_frozen, "chunk_gated_delta_rule", chunk_gated_delta_rule)]
+    for name in MODULES:
+        hf = importlib.import_module(name)
+        places += [(hf, "torch_chunk_gated_delta_rule", chunk_gated_delta_rule),
+                   (hf, "causal_conv1d_fn", hf_causal_conv1d_fn)]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in places]
+    for m, name, fn in places:
+        setattr(m, name, fn)
     try:
         yield
     finally:
