@@ -212,3 +212,15 @@ def test_the_estimate_follows_the_configs_chunks_once_the_step_has_them(tmp_path
     assert ("tiled MLP" in after.get("mlp").label) == bool(tile) and "tiled" not in before.get("mlp").label
     assert after.savings.loss_rows == loss_rows and after.savings.mlp_rows == tile
     assert "not in this step" in " ".join(before.savings.describe()) or not (loss_rows or tile)
+
+
+def test_the_seed_data_is_seeded_and_seed_shaped():
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from make_seed_data import seed_records
+
+    first, again = list(seed_records(640, 8, 248_320, 0)), list(seed_records(640, 8, 248_320, 0))
+    assert first == again and first != list(seed_records(640, 8, 248_320, 1))
+    assert {len(r["prefix_ids"]) for r in first} == {640}
+    assert all(400 <= len(r["item_ids"]) <= 700 and 200 <= len(r["target_ids"]) <= 400 for r in first)
