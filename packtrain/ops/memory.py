@@ -276,7 +276,7 @@ def mixer_term(text: dict, layer_type, T: int, b: int, norms_recomputed: bool = 
         q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
         gate = FAMILIES[text["family"]].attention_gate
         # q/k RMSNorm float32 copies; rotated q, k; attention's q, k, v, output; the output gate and its sigmoid
-        per = 4 * (q + kv) + b * ((5 if gate else 3) * q + 3 * kv)
+        per = (0 if norms_recomputed else 4 * (q + kv)) + b * ((5 if gate else 3) * q + 3 * kv)
         label = "attention: q/k norms, rotary, kernel in/out" + (", output gate" if gate else "")
     else:
         key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
