@@ -200,8 +200,9 @@ class TrainConfig:
     cost_per_position: float | None = None
     cost_per_pair: float | None = None
     # Target rows per chunk of lm_head + cross-entropy: each chunk's logits are recomputed in backward, so nothing
-    # larger than [rows, vocabulary] exists (packtrain/packed/loss.py); 0: all target rows in one chunk.
-    loss_chunk_rows: int = 1024
+    # larger than [rows, vocabulary] exists (packtrain/packed/loss.py); 0: all target rows in one chunk. The loss's
+    # peak is about 3 float32 [rows, vocabulary] (docs/performance.md, "Chunked loss").
+    loss_chunk_rows: int = 256
     # Buffer rows per tile of a forward's dense MLP, each tile checkpointed so that its [rows, intermediate]
     # activations live only while it runs; null: the device's default (packtrain/packed/kernels); 0: whole.
     mlp_chunk_rows: int | None = None

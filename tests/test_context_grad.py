@@ -64,6 +64,17 @@ def test_each_mode_packed_equals_the_same_mode_standalone(mode, prefix_len, spec
     assert d.grad < 5e-7, d
 
 
+@pytest.mark.parametrize("mode", ["kv_only", "frozen"])
+def test_each_mode_with_the_loss_in_chunks_of_5_rows(mode, monkeypatch):
+    """train.loss_chunk_rows 5; frozen's constant rows (targets read off P's last row) inside the chunks."""
+    prefix_len, specs, layer_types = CASES[3]
+    with without_float32_casts(monkeypatch):
+        model = _model(layer_types, seed=prefix_len)
+        prefix, conts = random_pack(prefix_len, specs, seed=prefix_len)
+        d = compare(model, prefix, conts, context_grad=mode, loss_chunk_rows=5)
+    assert d.loss < 1e-13 and d.grad < 5e-7, d
+
+
 @pytest.mark.parametrize("attention", ["dense", "batched"])
 def test_kv_only_and_frozen_with_the_dense_reference_attention(attention, monkeypatch):
     with without_float32_casts(monkeypatch):

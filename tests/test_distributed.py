@@ -64,6 +64,21 @@ def test_float32_adapters_on_two_ranks_give_the_one_rank_adapter(tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)  # float32 norms of other shards
 
 
+def test_chunked_loss_with_a_trained_head_on_two_ranks_gives_the_one_rank_adapter(tmp_path):
+    """train.loss_chunk_rows 3 with the untied head trained (modules_to_save): under FSDP2 the head's chunks run as
+    that unit's forward, so its weight is gathered around every chunk and its recompute, and its gradient, summed
+    over the chunks, is reduced once."""
+    cfg = write_config(tmp_path, train={"max_steps": 2, "packs_per_step": 2, "loss_chunk_rows": 3},
+                       lora={"modules_to_save": ["lm_head"]}, data={"eval": None})
+    one = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
+    assert "loss: lm_head + cross-entropy in chunks of 3 target rows (recomputed in backward)" in one.stdout
+    run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
+    one, two = _adapter(tmp_path / "one"), _adapter(tmp_path / "two")
+    assert any("lm_head" in name for name in one)
+    _assert_same(one, two)
+    _assert_same_steps(_steps(tmp_path / "one"), _steps(tmp_path / "two"))
+
+
 def _assert_same_steps(one, two):
     """The logged loss and gradient norm per step: FSDP left averaging instead of summing halves grad_norm on
     2 ranks, which AdamW's normalisation hides from the adapter (6.5e-6 after 3 steps)."""

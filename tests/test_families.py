@@ -65,6 +65,19 @@ def test_packed_equals_standalone_and_transformers(model_type, layer_types, pref
     assert ((packed - reference).abs() / reference.abs()).max() < 1e-13
 
 
+@pytest.mark.parametrize("case", [1, 2], ids=[IDS[1], IDS[2]])
+def test_loss_in_chunks_of_5_rows_equals_standalone_and_transformers(case, monkeypatch):
+    model_type, layer_types, prefix_len, specs = CASES[case]
+    prefix, conts = random_pack(prefix_len, specs, seed=prefix_len)
+    with without_float32_casts(monkeypatch):
+        model = _model(model_type, layer_types)
+        d = compare(model, prefix, conts, loss_chunk_rows=5)
+        reference = hf_float64_losses(model, prefix, conts)
+    assert d.loss < 1e-13 and d.grad < 5e-7, d
+    packed = torch.tensor(d.losses_a, dtype=torch.float64)
+    assert ((packed - reference).abs() / reference.abs()).max() < 1e-13
+
+
 @pytest.mark.parametrize("model_type,layer_types,prefix_len,specs", CASES[::2], ids=IDS[::2])
 def test_as_shipped_equals_transformers(model_type, layer_types, prefix_len, specs):
     prefix, conts = random_pack(prefix_len, specs, seed=prefix_len)

@@ -21,7 +21,7 @@ pack is split), the standalone and transformers references in one piece.
 
 import pytest
 import torch
-from parity import compare, hf_losses, without_float32_casts
+from parity import compare, hf_losses, packed_run, rel, without_float32_casts
 from tiny_models import random_pack, tiny_lora_model
 
 from packtrain.packed.kernels import Backend
@@ -69,6 +69,21 @@ def test_float64_as_shipped_equals_standalone_and_transformers(prefix_len, specs
     reference = torch.tensor(hf_losses(model, prefix, conts), dtype=torch.float64)
     packed = torch.tensor(d.losses_a, dtype=torch.float64)
     assert ((packed - reference).abs() / reference.abs()).max() < 5e-6
+
+
+def test_loss_in_chunks_of_5_rows_packed_equals_standalone_and_one_chunk(monkeypatch):
+    """train.loss_chunk_rows 5: chunks within an example's targets and across examples. Packed == standalone with
+    the parity bounds; == the loss in one chunk within summation order (1e-13)."""
+    prefix_len, specs, layer_types = CASES[2]
+    with without_float32_casts(monkeypatch):
+        model = _model(layer_types, torch.float64)
+        prefix, conts = random_pack(prefix_len, specs, seed=prefix_len)
+        d = compare(model, prefix, conts, loss_chunk_rows=5)
+        one_losses, one_grads = packed_run(model, prefix, conts)
+        losses, grads = packed_run(model, prefix, conts, loss_chunk_rows=5)
+    assert d.loss < 1e-13 and d.grad < 5e-7, d
+    assert rel(torch.tensor(losses), torch.tensor(one_losses)) < 1e-13
+    assert max(rel(grads[n], one_grads[n]) for n in one_grads) < 1e-13
 
 
 @pytest.mark.parametrize("prefix_len,specs,layer_types", CASES[::2], ids=IDS[::2])

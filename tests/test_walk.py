@@ -45,9 +45,9 @@ def _model(layer_types, seed):
     return patch_model(tiny_lora_model(layer_types, seed=seed), Backend(gdn="torch", attention="batched"))
 
 
-def walk_run(model, prefix, cont, spec, context_grad="full"):
+def walk_run(model, prefix, cont, spec, context_grad="full", loss_chunk_rows=0):
     model.zero_grad(set_to_none=True)
-    lm = PackedLM(model, context_grad)
+    lm = PackedLM(model, context_grad, loss_chunk_rows)
     layout = build_standalone_layout(prefix, cont)
     sched = schedule(len(prefix), len(cont.item_ids), len(cont), spec, context_grad == "frozen")
     out = train_walk(lm, layout, spec, 1.0, sched)
@@ -102,6 +102,21 @@ def test_horizon_all_equals_the_whole_example_standalone(p, item, target, chunk,
         prefix, (cont,) = random_pack(p, [(item, target)], seed=p)
         la, ga = walk_run(model, prefix, cont, WalkSpec(chunk, None))
         (lb,), gb = standalone_run(model, prefix, [cont])
+    _check(la, ga, lb, gb, 1e-12, 1e-10)
+
+
+@pytest.mark.parametrize("horizon", [None, 5])
+def test_windows_with_the_loss_in_chunks_of_5_rows(horizon, monkeypatch):
+    """train.loss_chunk_rows 5: a window's targets in several chunks (and a window with none)."""
+    p, item, target, chunk, layer_types = CASES[4]
+    with without_float32_casts(monkeypatch):
+        model = _model(layer_types, seed=p)
+        prefix, (cont,) = random_pack(p, [(item, target)], seed=p)
+        la, ga = walk_run(model, prefix, cont, WalkSpec(chunk, horizon), loss_chunk_rows=5)
+        if horizon is None:
+            (lb,), gb = standalone_run(model, prefix, [cont])
+        else:
+            lb, gb = truncated_reference(model, prefix, cont, chunk, horizon)
     _check(la, ga, lb, gb, 1e-12, 1e-10)
 
 

@@ -40,6 +40,9 @@ def format_table(stats: dict, title: str) -> str:
         f"  examples   {s['examples']:,}{skipped}",
         (f"  data       {s['conversations']:,} conversation{'s' * (s['conversations'] != 1)}, {s['turns']:,} "
          f"assistant turn{'s' * (s['turns'] != 1)} trained, {s['target_tokens']:,} target tokens"),
+        *([(f"  tokens     {s['whole_differs']:,} example{'s' * (s['whole_differs'] != 1)} tokenized as generated "
+            "(the prompt, then the target apart) differ from the whole render tokenized at once")]
+          if s["whole_differs"] else []),
         f"  prompts    {s['prompts']:,}",
         f"  packs      {s['packs']:,}  (continuations per pack: {per_pack})",
         f"  budget     {s['token_budget']:,} positions per pack, {s['budget_utilisation']:.1%} used",

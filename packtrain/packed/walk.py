@@ -31,8 +31,6 @@ import torch
 from packtrain.config import WalkSpec
 from packtrain.data.walk_schedule import Schedule, chunk_bounds, cuts, windows
 from packtrain.packed.layout import PackLayout
-from packtrain.packed.loss import target_cross_entropy
-from packtrain.packed.patch import text_parts
 from packtrain.packed.prefix import Pairs, PrefixState, backward_through, run_span
 
 
@@ -56,13 +54,11 @@ class WindowOut:
 
 def run_window(lm, win: Window) -> WindowOut:
     """Called by :meth:`PackedLM.forward` for a :class:`Window` (inside the FSDP root's hooks)."""
-    _, lm_head = text_parts(lm.model)
     lay, s, e = win.layout, win.start, win.end
     hidden, state = run_span(lm, lay, s, e, win.before)
     pos = lay.target_positions
     chosen = ((pos >= win.loss_from) & (pos < e)).nonzero()[:, 0]
-    logits = lm_head(hidden[0].index_select(0, pos[chosen] - s))
-    loss = target_cross_entropy(logits, lay.target_ids[chosen], reduction="sum")
+    loss = lm.target_losses(hidden[0].index_select(0, pos[chosen] - s), lay.target_ids[chosen]).sum()
     return WindowOut(loss / win.n_targets, state)
 
 

@@ -4,6 +4,7 @@ where the outputs are). Printed by rank 0 only."""
 from __future__ import annotations
 
 from packtrain.data.planner import plan_stats
+from packtrain.models.lora_compute import describe as describe_lora
 from packtrain.ops import memory
 from packtrain.run.balance import BALANCES, epoch_schedule, utilisation
 from packtrain.packed.families import describe as describe_model
@@ -18,7 +19,11 @@ def header(trainer) -> list[str]:
              f"  mode {t.setup.mode}, kernels: {t.backend.describe()}, device {t.dist.device}, "
              f"world size {t.dist.world_size}, dtype {cfg.model.dtype}",
              f"  {describe_model(t.model)}",
-             f"  context_grad {t.lm.context.describe()}"]
+             f"  context_grad {t.lm.context.describe()}",
+             f"  loss: {t.lm.describe_loss()}"]
+    lora = describe_lora(t.model)
+    if lora is not None:
+        lines.append(f"  {lora}")
     if cfg.data.train_on != "last" or s["turns"] != s["examples"]:
         lines.append(f"  data.train_on {cfg.data.train_on}: {s['conversations']:,} conversations, {s['turns']:,} "
                      f"assistant turns trained, {s['target_tokens']:,} target tokens")
