@@ -201,6 +201,8 @@ def test_the_estimate_follows_the_configs_chunks_once_the_step_has_them(tmp_path
                                    data=pretokenized(tmp_path / "train.jsonl", 1500, 8, 1000, (400, 700), (200, 400))))
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
+    monkeypatch.setitem(memory.STEP_HAS, "chunked_loss", False)
+    monkeypatch.setitem(memory.STEP_HAS, "tiled_mlp", False)
     before = memory.estimate_for_plan(cfg, plan, examples, 1)
     monkeypatch.setitem(memory.STEP_HAS, "chunked_loss", True)
     monkeypatch.setitem(memory.STEP_HAS, "tiled_mlp", True)

@@ -82,7 +82,7 @@ def test_shipped_27b_config_is_the_seed_setup():
     assert (cfg.model.dtype, cfg.packing.token_budget, cfg.packing.max_continuations) == ("bfloat16", 150000, 90)
     assert (cfg.lora.r, cfg.lora.dropout, cfg.lora.target_modules) == (8, 0.05, SEED_LORA)
     assert cfg.train.activation_checkpointing and cfg.train.offload
-    assert (cfg.train.loss_chunk_rows, cfg.train.mlp_chunk_rows) == (1024, None)  # the chunked loss, CUDA's tiles
+    assert (cfg.train.loss_chunk_rows, cfg.train.mlp_chunk_rows) == (256, None)  # the chunked loss, CUDA's tiles
 
 
 def test_text_defaults_are_transformers_defaults():

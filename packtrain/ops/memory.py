@@ -390,9 +390,9 @@ class StepSavings:
 
 
 # Which of those savings packtrain's step has (the chunked loss: packtrain/packed/loss.py; the tiled MLP and the
-# recomputed norms: packtrain/packed/patch.py; LoRA's dtype and masks: packtrain/models/build.py). Each is True
+# recomputed norms: packtrain/packed/patch.py; LoRA's dtype and masks: packtrain/models/lora_compute.py). Each is True
 # once its code is in; the estimate then takes its rows from train.loss_chunk_rows / train.mlp_chunk_rows.
-STEP_HAS = {"chunked_loss": False, "tiled_mlp": False, "lora_in_model_dtype": False, "masks_regenerated": False,
+STEP_HAS = {"chunked_loss": True, "tiled_mlp": False, "lora_in_model_dtype": True, "masks_regenerated": True,
             "norms_recomputed": False}
 
 
