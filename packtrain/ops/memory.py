@@ -256,16 +256,18 @@ def adapter_terms(text: dict, layer_type, T: int, b: int, a: int, r: int, target
 
 
 def lora_output_term(text: dict, layer_type, T: int, a: int, targets: list[str],
-                     mlp_rows: int | None = None) -> list[Term]:
-    """The widest adapter's output while its linear runs (lora_B's output and its scaled copy, in the adapter's
-    compute dtype): alive for a moment, not saved."""
+                     mlp_rows: int | None = None, copies: int = 2) -> list[Term]:
+    """The widest adapter's output while its linear runs, alive for a moment, not saved: peft's lora_B output and
+    its scaled copy (``copies`` 2, in the adapter's dtype); packtrain's LoRA in the model's dtype adds one delta into
+    the base output in place (1)."""
     widths = [(mlp_rows if mlp_rows and group in ("post_norm", "mlp_product") else T, out, name)
               for name, (_, out, group) in linears(text, layer_type).items() if name in targets]
     if not widths:
         return []
     rows, out, name = max(widths, key=lambda w: w[0] * w[1])
-    return [Term("lora_out", f"{name} adapter output + its scaling: 2 x {_shape(rows, out)} ({a}-byte)",
-                 2 * rows * out * a, approx=True, depth=1)]
+    what = "output + its scaling: 2" if copies == 2 else "delta: 1"
+    return [Term("lora_out", f"{name} adapter {what} x {_shape(rows, out)} ({a}-byte)",
+                 copies * rows * out * a, approx=True, depth=1)]
 
 
 def mixer_term(text: dict, layer_type, T: int, b: int, norms_recomputed: bool = False,
@@ -345,7 +347,7 @@ def layer_recompute(text: dict, layer_type, T: int, b: int, a: int, r: int, targ
         mixer_term(text, layer_type, T, b, savings.norms_recomputed, continuations),
         *norms,
         workspace,
-        *lora_output_term(text, layer_type, T, a, targets, rows),
+        *lora_output_term(text, layer_type, T, a, targets, rows, 1 if savings.lora_in_model_dtype else 2),
     ]
 
 
@@ -507,10 +509,14 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     # freed by then
     terms.append(Term("logits", f"target-only logits {_shape(rows, V)}{chunk}: 3 float32 in the log-softmax's "
                       "backward", rows * V * 3 * 4))
-    final_norm = T * H * (b + (0 if savings.norms_recomputed else 4))
-    terms.append(Term("loss_hidden", f"the final norm's output{'' if savings.norms_recomputed else ' + float32 copy'} "
-                      f"{_shape(T, H)}, the target rows' hidden states + gradient 2 x {_shape(M, H)}",
-                      final_norm + 2 * M * H * b))
+    terms.append(Term("loss_hidden", f"the target rows' hidden states and their gradient: 2 x {_shape(M, H)}",
+                      2 * M * H * b))
+    # after the chunks, the final RMSNorm's backward runs in float32 over the whole buffer: its saved float32 copy,
+    # the incoming gradient and its intermediate gradients
+    terms.append(Term("final_norm", f"the final norm's backward: 6 x {_shape(T, H)} float32", 6 * T * H * 4,
+                      approx=True))
+    if offload:  # the embedding's output stays alive (the first layer's input); checkpointed inputs hold it else
+        terms.append(Term("embedding_out", f"the embedding's output {_shape(T, H)}", layer_input))
     terms.append(Term("logits_full", f"not needed: logits at every position {_shape(positions, V)} {dtype}",
                       positions * V * b, where="compare"))
 
@@ -522,7 +528,8 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     # beside the MLP's first intermediate); without checkpointing, every layer's saved tensors
     transient = max(sum(t.bytes for t in per_kind[k] if t.key in ("lora_out", "mlp_first")) for k in kinds)
     phases = {"forward": base + gathered.get("layer", 0) + alive(carried) + alive(["residual"]) + transient,
-              "loss": base + gathered.get("loss", 0) + alive(carried) + alive(["residual", "logits", "loss_hidden"])}
+              "loss": base + gathered.get("loss", 0) + alive(carried) + alive(["embedding_out", "loss_hidden"])
+              + max(alive(["logits"]), alive(["final_norm"]))}
     for k in kinds:
         phases[f"{'recompute' if checkpointing else 'backward'} {kind_name(text, k)}"] = (
             base + gathered.get("layer", 0) + alive(carried) + alive(["residual"]) + layer_totals[k])
