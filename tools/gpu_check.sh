@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one run on a bare machine with one CUDA GPU: at most 8 minutes on one H200 (each step has its
+# Every GPU check in one run on a bare machine with one CUDA GPU: at most 12 minutes on one H200 (each step has its
 # own time limit), a JSON summary in $OUT/gpu_check.json, exit status 1 when any step fails or runs out of time.
 #   bash tools/fetch_gpu_wheels.sh     # here, once: fla wheels into .whl/ (carry .whl to the GPU machine)
 #   bash tools/gpu_check.sh            # there
@@ -42,7 +42,7 @@ step report 75 python3 tools/gpu_report.py
 step bench 75 python3 -m packtrain bench --preset gpu --out "$OUT/bench"
 if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   # the seed's pack at the 27B's widths (2 layers): max_memory_allocated per phase vs --measure and the estimate
-  step memory 200 python3 tools/gpu_memory_check.py
+  step memory 240 python3 tools/gpu_memory_check.py
 else
   echo "memory: skipped (no CUDA)"
 fi
