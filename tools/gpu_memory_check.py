@@ -83,10 +83,10 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     from packtrain.models.build import build_base_model
     from packtrain.models.wrap import prepare_from_config
     from packtrain.packed.patch import text_parts
-    from packtrain.run.harness import largest_unit
+    from packtrain.run.harness import largest_unit, one_update
     from packtrain.run.measure import _phase_hooks
     from packtrain.run.optim import build_optimizer
-    from packtrain.run.units import UnitSetup, prepare, run_unit, step_scale
+    from packtrain.run.units import UnitSetup, prepare
 
     device = torch.device("cuda")
     with device:
@@ -106,8 +106,7 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     hooks = _phase_hooks(counter, layers, records, text, True, text_model.norm)
     hooks.append(optimizer.register_step_pre_hook(lambda *_: counter.set_phase("optimizer")))
     counter.set_phase("forward")
-    run_unit(lm, prepared, setup, device, step_scale(len(unit.examples)))
-    optimizer.step()
+    one_update(lm, prepared, setup, optimizer, device)
     counter.set_phase(None)
     for h in hooks:
         h.remove()

@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from packtrain.ops.memory import CUDA_MLP_CHUNK_ROWS, FULL, MOE, kind_name, reduced_config, text_config
+from packtrain.ops.memory import CUDA_MLP_CHUNK_ROWS, FULL, config_dict_of, kind_name, reduced_config, text_config
 
 _MASK_OPS = {torch.ops.aten.bernoulli_.float, torch.ops.aten.bernoulli_.Tensor, torch.ops.aten.bernoulli.p,
              torch.ops.aten.bernoulli.default}
@@ -303,14 +303,9 @@ def measure(cfg, plan, examples) -> Measured:
 
             hooks += [optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_step)]
             counter.set_phase("forward")
-            n = len(prepared.unit.examples)
-            from packtrain.run.units import run_unit, step_scale
-
-            run_unit(lm, prepared, setup, "cpu", step_scale(n))
-            optimizer.step()
+            one_update(lm, prepared, setup, optimizer, "cpu")
             states = sum(_storage_bytes([v]) for s in optimizer.state.values() for v in s.values()
                          if isinstance(v, torch.Tensor))
-            optimizer.zero_grad(set_to_none=True)
         for h in hooks:
             h.remove()
     return Measured(dict(counter.peaks), records, weights, adapters, states, head, counter.index_peak, notes)
@@ -477,8 +472,6 @@ class MeasuredStep:
 
 def measure_whole(cfg, plan, examples, world: int) -> MeasuredStep:
     m = measure(cfg, plan, examples)
-    from packtrain.ops.memory import config_dict_of
-
     whole = extrapolate(m, text_config(config_dict_of(cfg)), world)
     notes = list(m.notes)
     if any(k[0] != FULL for k in (r.kind for r in m.layers)):
