@@ -103,8 +103,13 @@ def installed():
     forward for an unpacked call: a standalone example), restored on exit."""
     import importlib
 
-    from packtrain.packed.kernels import fla_backend, fla_frozen
     from packtrain.packed.kernels.hf_route import MODULES
+
+    try:  # the stand-ins take the place of fla's functions where packtrain's fla back end calls them
+        from packtrain.packed.kernels import fla_backend, fla_frozen
+    except ImportError as e:
+        raise ValueError(f"plan --measure: counts fla's GDN kernels and needs the fla package ({e}; pip install "
+                         "'packtrain[fla]')") from None
 
     places = [(fla_backend, "causal_conv1d", causal_conv1d), (fla_backend, "chunk_gated_delta_rule",
               chunk_gated_delta_rule), (fla_frozen, "chunk_gated_delta_rule", chunk_gated_delta_rule)]
