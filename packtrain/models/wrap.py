@@ -129,15 +129,17 @@ def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, 
     return lm
 
 
-def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool = False
-                        ) -> tuple[nn.Module, PackedLM, Backend]:
+def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool = False,
+                        backend: Backend | None = None) -> tuple[nn.Module, PackedLM, Backend]:
     """The whole order from a config: LoRA (``lora.*``), the back end (``model.kernels``, chosen for ``device``),
     patch, checkpointing / offload and the loss's chunks (``train.*``), ``packing.context_grad`` and, with ``shard``,
     FSDP. Returns (peft model, root, back end).
 
     A base built on the meta device (``build_base_model(..., meta=True)``) is filled last from ``model.path``,
     each rank reading only its shards; the load report is left on the root as ``lm.load_report``. On the CPU the
-    process's heap is then kept between steps (:func:`packtrain.models.loading.keep_heap_between_steps`)."""
+    process's heap is then kept between steps (:func:`packtrain.models.loading.keep_heap_between_steps`).
+    ``backend``: kernels chosen by the caller instead of ``model.kernels`` (``plan --measure`` runs CUDA's on the
+    CPU under fake tensors)."""
     fill = None
     if is_meta(base_model):
         fix_mmap_threshold()
@@ -147,7 +149,7 @@ def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool 
         def fill(lm, kept):
             lm.load_report = materialize(lm, kept, names, weights, device)
     model = apply_lora(base_model, cfg)
-    backend = select_backend(cfg.model.kernels, device, mlp_chunk_rows=cfg.train.mlp_chunk_rows)
+    backend = backend or select_backend(cfg.model.kernels, device, mlp_chunk_rows=cfg.train.mlp_chunk_rows)
     t = cfg.train
     lm = prepare(model, backend, checkpointing=t.activation_checkpointing, offload=t.offload, shard=shard,
                  device=device, context_grad=cfg.packing.context_grad, loss_chunk_rows=t.loss_chunk_rows, fill=fill)

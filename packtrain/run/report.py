@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from packtrain.data.planner import plan_stats
 from packtrain.models.lora_compute import describe as describe_lora
+from packtrain.ops import memory
 from packtrain.run.balance import BALANCES, epoch_schedule, utilisation
 from packtrain.packed.families import describe as describe_model
 
@@ -52,9 +53,25 @@ def header(trainer) -> list[str]:
         lines.append(f"  generate: every {g.every} steps (and at step 0 and the end) on {len(t.task.examples)} "
                      f"examples of data.eval, metric {g.metric}, up to {g.max_new_tokens} new tokens; predictions "
                      f"in {t.out / 'generations'}/step-N.jsonl, mismatches in step-N.errors.md")
+    lines += memory_lines(t)
     trainable = sum(p.numel() for p in t.params)
     lines.append(f"  {t.total_steps} steps ({t.steps_per_epoch} per epoch, {cfg.train.packs_per_step} "
                  f"packs per step), {trainable:,} trainable parameters, output {t.out}")
+    return lines
+
+
+def memory_lines(t) -> list[str]:
+    """The estimate's peak and the savings on; on CUDA, a warning when the budget does not fit the device."""
+    import torch
+
+    cfg = t.cfg
+    est = memory.estimate_for_plan(cfg, t.plan, t.train_examples, t.dist.world_size)
+    lines = [f"  {memory.memory_line(cfg, est)}"]
+    if t.dist.device.type == "cuda":
+        total = torch.cuda.get_device_properties(t.dist.device).total_memory
+        warning = memory.fit_warning(est, total, cfg.packing.token_budget)
+        if warning is not None:
+            lines.append(f"  {warning}")
     return lines
 
 
