@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "with train.device cpu)")
     p.add_argument("--host-memory-per-node", type=float, default=None, metavar="GIB",
                    help="with --memory: one node's host memory in GiB: whether the offload pools fit")
+    p.add_argument("--measure", action="store_true",
+                   help="with --memory: also run the training step under fake tensors (one layer of each kind) and "
+                        "count its memory per phase")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="with --memory: the largest packing.token_budget whose estimate fits GIB per GPU")
 
     p = sub.add_parser("train", help="train a LoRA adapter (single process, or under torchrun / accelerate launch)")
     _add_config_args(p)

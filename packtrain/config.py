@@ -201,8 +201,9 @@ class TrainConfig:
     cost_per_position: float | None = None
     cost_per_pair: float | None = None
     # Target rows per chunk of lm_head + cross-entropy: each chunk's logits are recomputed in backward, so nothing
-    # larger than [rows, vocabulary] exists (packtrain/packed/loss.py); 0: all target rows in one chunk.
-    loss_chunk_rows: int = 1024
+    # larger than [rows, vocabulary] exists (packtrain/packed/loss.py); 0: all target rows in one chunk. The loss's
+    # peak is about 3 float32 [rows, vocabulary] (docs/performance.md, "Chunked loss").
+    loss_chunk_rows: int = 256
     # Buffer rows per tile of a forward's dense MLP, each tile checkpointed so that its [rows, intermediate]
     # activations live only while it runs; null: the device's default (packtrain/packed/kernels); 0: whole.
     mlp_chunk_rows: int | None = None
@@ -401,10 +402,60 @@ def _get(cfg: Config, dotted: str):
     return obj
 
 
-# apply_chat_template's own arguments: packtrain sets them per render, data.template_kwargs may not
-TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-                                "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                                "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+# apply_chat_template's own arguments: packtrain sets them per render, data.template_kwargs may not; where each
+# comes from instead
+_RENDERS_TEXT = "packtrain renders text and tokenizes it itself"
+TEMPLATE_ARGUMENTS = {
+    "conversation": "the example's messages", "tools": "each example's `tools`",
+    "documents": "no documents are rendered: put them in the messages",
+    "chat_template": "data.chat_template", "add_generation_prompt": "packtrain adds it to each trained turn's prompt",
+    "continue_final_message": "every turn is rendered whole", "tokenize": _RENDERS_TEXT, "padding": _RENDERS_TEXT,
+    "truncation": "nothing is truncated: packing.token_budget bounds an example",
+    "max_length": "nothing is truncated: packing.token_budget bounds an example", "return_tensors": _RENDERS_TEXT,
+    "return_dict": _RENDERS_TEXT, "return_assistant_tokens_mask": "data.train_on picks the trained turns",
+    "tokenizer_kwargs": _RENDERS_TEXT}
+# Qwen's chat-template switches and the test their templates make of each: only a boolean passes `is false`, so
+# enable_thinking "no" would leave thinking on
+BOOLEAN_TEMPLATE_KWARGS = {"enable_thinking": "is false", "preserve_thinking": "is true"}
+
+
+# data.template_kwargs is rendered into every example: bounded before anything walks it whole (a YAML alias bomb of
+# a few lines is billions of values once expanded; `plan` grew to 5 GB and hung)
+TEMPLATE_KWARGS_VALUES = 10_000
+TEMPLATE_KWARGS_DEPTH = 16
+
+
+def _too_large(kwargs: dict) -> bool:
+    """More than TEMPLATE_KWARGS_VALUES values or TEMPLATE_KWARGS_DEPTH levels; a value an alias repeats counts
+    each time, and the count stops at the bound, so a bomb is never expanded."""
+    values, stack = 0, [(kwargs, 1)]
+    while stack:
+        value, depth = stack.pop()
+        values += 1
+        if values > TEMPLATE_KWARGS_VALUES or depth > TEMPLATE_KWARGS_DEPTH:
+            return True
+        if isinstance(value, dict):
+            stack += [(v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            stack += [(v, depth + 1) for v in value]
+    return False
+
+
+def _template_kwargs_problems(kwargs: dict) -> list[str]:
+    if _too_large(kwargs):
+        return [f"data.template_kwargs: more than {TEMPLATE_KWARGS_VALUES} values or {TEMPLATE_KWARGS_DEPTH} levels "
+                "deep (YAML aliases count each time they are used); template switches are a few scalars"]
+    problems = []
+    reserved = sorted(set(kwargs) & set(TEMPLATE_ARGUMENTS))
+    if reserved:
+        where = "; ".join(f"{k}: {TEMPLATE_ARGUMENTS[k]}" for k in reserved)
+        problems.append(f"data.template_kwargs: {', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} set by "
+                        f"packtrain for each render ({where})")
+    for key, test in BOOLEAN_TEMPLATE_KWARGS.items():
+        if key in kwargs and not isinstance(kwargs[key], bool):
+            problems.append(f"data.template_kwargs.{key}: expected true or false (unquoted), got {kwargs[key]!r}: "
+                            f"Qwen's templates test `{key} {test}`, which no other value passes")
+    return problems
 
 
 def _validate(cfg: Config) -> list[str]:
@@ -428,45 +479,9 @@ def _validate(cfg: Config) -> list[str]:
     if cfg.train.cost_per_position == 0 and cfg.train.cost_per_pair == 0:
         problems.append("train.cost_per_position, train.cost_per_pair: both 0 gives every pack cost 0 (and the "
                         "utilisation 0/0); set one above 0, or leave one null for the model's figure")
-    problems += _template_kwargs_problems(cfg.data.template_kwargs)
+    problems += _template_kwargs_problems(cfg.data.template_kwargs or {})
     if cfg.model.kernels == "fla" and cfg.model.dtype == "float64":  # fla's kernels are float32/bf16 only
         problems.append("model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)")
-    return problems
-
-
-# data.template_kwargs is rendered into every example: bounded before anything walks it whole (a YAML alias bomb of
-# a few lines is billions of nodes once expanded; `plan` grew to 5 GB and hung)
-TEMPLATE_KWARGS_NODES = 10_000
-TEMPLATE_KWARGS_DEPTH = 16
-# template switches the chat templates read as booleans: a string such as "no" is truthy in Jinja
-TEMPLATE_BOOLEANS = ("enable_thinking", "add_vision_id")
-
-
-def _template_kwargs_problems(kwargs: dict | None) -> list[str]:
-    if not kwargs:
-        return []
-    nodes, stack = 0, [(kwargs, 1)]
-    while stack:  # counts every node as often as aliases repeat it, and stops at the bound: never expands a bomb
-        value, depth = stack.pop()
-        nodes += 1
-        if nodes > TEMPLATE_KWARGS_NODES or depth > TEMPLATE_KWARGS_DEPTH:
-            return [f"data.template_kwargs: more than {TEMPLATE_KWARGS_NODES} values or {TEMPLATE_KWARGS_DEPTH} "
-                    "levels deep (YAML aliases count each time they are used); template switches are a few "
-                    "scalars"]
-        if isinstance(value, dict):
-            stack += [(v, depth + 1) for v in value.values()]
-        elif isinstance(value, list):
-            stack += [(v, depth + 1) for v in value]
-    problems = []
-    reserved = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
-    if reserved:
-        remark = " (tools come from each example's `tools`)" if "tools" in reserved else ""
-        problems.append(f"data.template_kwargs: {', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} set by "
-                        f"packtrain for each render{remark}")
-    for key in TEMPLATE_BOOLEANS:
-        if key in kwargs and not isinstance(kwargs[key], bool):
-            problems.append(f"data.template_kwargs.{key}: expected true or false, got {kwargs[key]!r} (a template "
-                            "reads any non-empty string as true)")
     return problems
 
 

@@ -127,14 +127,46 @@ def run_in_process(*args: str, env: dict | None = None, check: bool = True) -> s
     return proc
 
 
-def run_cli(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """`packtrain ARGS` in a fresh interpreter, with one torch thread like every run of the suite (conftest.py)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "packtrain", *args], capture_output=True, text=True, env=full_env,
-                          cwd=REPO)
+def _cli_env(env: dict | None) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+
+
+def _checked(proc: subprocess.CompletedProcess, args, check: bool) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise AssertionError(f"packtrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def run_cli(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """`packtrain ARGS` in a fresh interpreter, with one torch thread like every run of the suite (conftest.py)."""
+    proc = subprocess.run([sys.executable, "-m", "packtrain", *args], capture_output=True, text=True,
+                          env=_cli_env(env), cwd=REPO, check=False)
+    return _checked(proc, args, check)
+
+
+def peak_rss_cli(*runs: list[str], env: dict | None = None, check: bool = True
+                 ) -> list[tuple[subprocess.CompletedProcess, int]]:
+    """Several `packtrain ARGS` at once, each as :func:`run_cli` runs one, and each process's peak resident set in
+    bytes as the kernel counted it for that process alone (``wait4``'s ``ru_maxrss``; RUSAGE_CHILDREN would be the
+    largest of every child this process ever waited for)."""
+    import tempfile
+
+    with contextlib.ExitStack() as files:
+        started = []
+        for args in runs:
+            out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
+            child = subprocess.Popen([sys.executable, "-m", "packtrain", *args], stdout=out, stderr=err, text=True,
+                                     env=_cli_env(env), cwd=REPO)
+            started.append((args, child, out, err))
+        results = []
+        for args, child, out, err in started:
+            _, status, usage = os.wait4(child.pid, 0)
+            child.returncode = os.waitstatus_to_exitcode(status)
+            out.seek(0)
+            err.seek(0)
+            proc = subprocess.CompletedProcess(child.args, child.returncode, out.read(), err.read())
+            results.append((_checked(proc, args, check), usage.ru_maxrss * 1024))  # kilobytes on Linux
+    return results
 
 
 def free_port() -> int:

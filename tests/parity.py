@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
+from packtrain.models.lora_compute import lora_forward
 from packtrain.packed.kernels import torch_ref
 from packtrain.packed.layout import build_pack_layout, build_standalone_layout
 from packtrain.packed.lm import PackedLM
+from packtrain.packed.patch import patch_model, text_parts
 
 
 @dataclass
@@ -40,16 +44,16 @@ def _with_pixels(layout, conts, pixels):
     return layout
 
 
-def packed_run(model, prefix, conts, vision=None, pixels=None, context_grad="full"):
+def packed_run(model, prefix, conts, vision=None, pixels=None, context_grad="full", loss_chunk_rows=0):
     model.zero_grad(set_to_none=True)
-    out = PackedLM(model, context_grad)(_with_pixels(build_pack_layout(prefix, conts, vision), conts, pixels))
+    out = PackedLM(model, context_grad, loss_chunk_rows)(_with_pixels(build_pack_layout(prefix, conts, vision), conts, pixels))
     out.loss_sum.backward()
     return out.per_example.tolist(), trainable_grads(model)
 
 
-def standalone_run(model, prefix, conts, vision=None, pixels=None, context_grad="full"):
+def standalone_run(model, prefix, conts, vision=None, pixels=None, context_grad="full", loss_chunk_rows=0):
     model.zero_grad(set_to_none=True)
-    lm = PackedLM(model, context_grad)
+    lm = PackedLM(model, context_grad, loss_chunk_rows)
     losses = []
     for i, c in enumerate(conts):
         layout = build_standalone_layout(prefix, c, vision)
@@ -59,9 +63,10 @@ def standalone_run(model, prefix, conts, vision=None, pixels=None, context_grad=
     return losses, trainable_grads(model)
 
 
-def compare(model, prefix, conts, vision=None, pixels=None, context_grad="full") -> Diff:
-    la, ga = packed_run(model, prefix, conts, vision, pixels, context_grad)
-    lb, gb = standalone_run(model, prefix, conts, vision, pixels, context_grad)
+def compare(model, prefix, conts, vision=None, pixels=None, context_grad="full", loss_chunk_rows=0) -> Diff:
+    """``loss_chunk_rows`` (train.loss_chunk_rows) for both; 0, one chunk, is the loss as one cross-entropy."""
+    la, ga = packed_run(model, prefix, conts, vision, pixels, context_grad, loss_chunk_rows)
+    lb, gb = standalone_run(model, prefix, conts, vision, pixels, context_grad, loss_chunk_rows)
     assert ga.keys() == gb.keys() and ga
     for name, g in gb.items():  # a zero gradient would make the comparison vacuous
         assert g.abs().max() > 0, f"zero gradient for {name}"
@@ -69,10 +74,39 @@ def compare(model, prefix, conts, vision=None, pixels=None, context_grad="full")
     return Diff(loss=loss, grad=max(rel(ga[n], gb[n]) for n in ga), losses_a=la, losses_b=lb)
 
 
+@contextlib.contextmanager
+def peft_lora_forward(model):
+    """peft's own ``lora.Linear.forward`` inside, where packtrain installed its own (``lora_compute.install``)."""
+    layers = [m for m in model.modules()
+              if isinstance(m, PeftLoraLinear) and getattr(vars(m).get("forward"), "__func__", None) is lora_forward]
+    installed = [vars(m).pop("forward") for m in layers]
+    try:
+        yield
+    finally:
+        for m, forward in zip(layers, installed):
+            m.forward = forward
+
+
+@contextlib.contextmanager
+def transformers_mlp(model):
+    """For a reference computation: the dense MLPs as transformers wrote them, in one piece (the back end's tiles,
+    packtrain/packed/recompute.py, set aside by patching again with ``mlp_rows`` off; then put back)."""
+    backend = getattr(text_parts(model)[0], "packtrain_backend", None)
+    if backend is None:
+        yield
+        return
+    patch_model(model, dataclasses.replace(backend, mlp_rows=None))
+    try:
+        yield
+    finally:
+        patch_model(model, backend)
+
+
 def hf_losses(model, prefix, conts):
-    """transformers' own forward with labels on concat(P, Ci), one example at a time (no packtrain code)."""
+    """transformers' own forward with labels on concat(P, Ci), one example at a time (no packtrain code: peft's LoRA
+    forward, the MLPs whole)."""
     out = []
-    with torch.no_grad():
+    with torch.no_grad(), peft_lora_forward(model), transformers_mlp(model):
         for c in conts:
             ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
             labels = torch.full_like(ids, -100)

@@ -12,6 +12,7 @@ import pytest
 from chat_data import (
     AGENT,
     TOOLS,
+    assert_examples_are,
     chatml_generated_text,
     records,
     reference_examples,
@@ -88,17 +89,7 @@ def test_the_vlm_tokenizer_has_the_same_template():
 
 def _assert_matches_reference(examples, tok, rows, train_on, thinking=True, turn_text=None):
     kw = {"turn_text": turn_text} if turn_text else {}
-    reference = [r for row in rows for r in reference_examples(tok, row, train_on, thinking, **kw)]
-    assert [ex.id for ex in examples] == [name for name, _, _ in reference]
-    for ex, (name, ids, labels) in zip(examples, reference):
-        assert list(ex.prefix_ids + ex.continuation_ids) == ids, name
-        p = len(ex.prefix_ids)
-        ours = [-100] * len(ids)
-        for a, b in ex.loss_spans:
-            ours[p + a: p + b] = ids[p + a: p + b]
-        assert ours == labels, name
-        assert ex.n_targets == sum(t != -100 for t in labels)
-        assert ex.item_ids and labels[p + len(ex.item_ids)] != -100  # the target starts with a loss token
+    assert_examples_are(examples, [r for row in rows for r in reference_examples(tok, row, train_on, thinking, **kw)])
 
 
 @pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])

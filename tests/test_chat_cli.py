@@ -12,8 +12,18 @@ import shutil
 
 import pytest
 import torch
-from chat_data import records, reference_examples, write_jsonl
-from cli_helpers import REPO, SGD, adapter_of, max_rel, run_in_process, write_config
+import yaml
+from chat_data import (
+    QWEN_LIKE,
+    as_objects,
+    official_generated_text,
+    official_records,
+    official_template_path,
+    records,
+    reference_examples,
+    write_jsonl,
+)
+from cli_helpers import REPO, SGD, TINY_MODEL, adapter_of, max_rel, run_in_process, write_config
 from test_families_cli import MOE
 
 from packtrain.data.examples import load_tokenizer
@@ -34,19 +44,20 @@ def _eval_rows(cfg, run, out):
     return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
 
 
-def _reference_losses(run, eval_path, train_on, moe=False):
-    """transformers + peft, one example at a time, on the conversation as the template renders it."""
+def _reference_losses(run, eval_path, train_on, moe=False, tok=None, adapter=True, **reference):
+    """transformers (+ peft: ``adapter``), one example at a time, on the conversation as the template renders it
+    (``reference``: :func:`chat_data.reference_examples`' template arguments)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     eager = {"experts_implementation": "eager"} if moe else {}
-    base = AutoModelForCausalLM.from_pretrained(run / "base", dtype=torch.float64, **eager)
-    model = PeftModel.from_pretrained(base, run / "adapter").eval()
-    tok = load_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(run / "base", dtype=torch.float64, **eager)
+    model = (PeftModel.from_pretrained(model, run / "adapter") if adapter else model).eval()
+    tok = tok or load_tokenizer()
     out = {}
     with torch.no_grad():
         for line in eval_path.read_text().splitlines():
-            for name, ids, labels in reference_examples(tok, json.loads(line), train_on):
+            for name, ids, labels in reference_examples(tok, json.loads(line), train_on, **reference):
                 loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss.item()
                 out[name] = (loss, sum(t != -100 for t in labels))
     return out
@@ -98,6 +109,46 @@ def test_packed_trains_what_standalone_examples_train(tmp_path, train_on):
         assert max_rel(packed, alone) > 1e-3  # the mode changes the gradient: the comparison can tell
 
 
+def test_the_27b_configs_data_settings_under_the_official_template_plan_train_and_eval(tmp_path):
+    """configs/qwen3.6-27b.yaml's data and packing (chat, the model's template: here Qwen's official Qwen3.6 one
+    as data.chat_template, with the Qwen-like tokenizer) on a tiny model: plan counts the examples the split
+    tokenization changes, two steps train, and eval (base model and adapter) equals transformers on the reference."""
+    raw = yaml.safe_load((REPO / "configs" / "qwen3.6-27b.yaml").read_text())
+    template = official_template_path("qwen3.6")
+    tok = load_tokenizer(QWEN_LIKE)
+    rows = official_records("last")
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    raw["model"] = {"config": TINY_MODEL, "dtype": "float64", "kernels": "torch", "seed": 0}
+    raw["data"] = {**raw["data"], "train": data, "eval": data, "chat_template": str(template),
+                   "tokenizer": str(QWEN_LIKE)}
+    raw["train"] = {**raw["train"], "max_steps": 2, "packs_per_step": 2, "device": "cpu", "offload": False}
+    raw["ops"] = {}
+    raw["logging"] = {"progress": False}
+    raw["output_dir"] = str(tmp_path / "run")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+
+    stats = json.loads(run_in_process("plan", cfg, "--json").stdout)
+    whole = [tok.apply_chat_template(as_objects(r["messages"]), tools=r.get("tools"), tokenize=False,
+                                     chat_template=template.read_text()) for r in rows]
+    differs = sum(ids != tok(text, add_special_tokens=False)["input_ids"] for r, text in zip(rows, whole)
+                  for _, ids, _ in reference_examples(tok, r, "last", True, official_generated_text("qwen3.6"),
+                                                      template.read_text()))
+    assert (stats["examples"], stats["whole_differs"]) == (len(rows), differs) and differs > 0
+    run_in_process("train", cfg)
+    for adapter in (tmp_path / "run" / "adapter", "none"):
+        out = tmp_path / f"eval-{adapter == 'none'}.jsonl"
+        run_in_process("eval", cfg, "--adapter", adapter, "--out", out)
+        got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+        reference = _reference_losses(tmp_path / "run", tmp_path / "chat.jsonl", "last", tok=tok,
+                                      adapter=adapter != "none", turn_text=official_generated_text("qwen3.6"),
+                                      chat_template=template.read_text())
+        assert got.keys() == reference.keys()
+        for name, (loss, targets) in reference.items():
+            assert got[name]["target_tokens"] == targets, name
+            assert got[name]["loss"] == pytest.approx(loss, rel=5e-6), name
+
+
 def test_moe_eval_losses_equal_transformers_and_peft(tmp_path):
     cfg = _config(tmp_path, "all", model={k: v for k, v in MOE.items() if v is not None},
                   lora={"target_modules": ["q_proj", "v_proj", "in_proj_qkv", "gate_proj", "down_proj"]},
@@ -120,8 +171,11 @@ def _vlm_chat(i, images):
         {"role": "assistant", "content": "up", "reasoning_content": "The second sign is a blue square."}]}
 
 
-def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path):
-    """Qwen3_5ForConditionalGeneration, train_on each: images in the history and in the turn's own question."""
+@pytest.mark.parametrize("template", ["bundled", "qwen3.6"])
+def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path, template):
+    """Qwen3_5ForConditionalGeneration, train_on each: images in the history and in the turn's own question. Under
+    Qwen's official Qwen3.6 template (with the Qwen-like tokenizer, whose vision tokens the model config names) the
+    packed run also trains what standalone examples train."""
     from peft import PeftModel
     from transformers import AutoImageProcessor, Qwen3_5ForConditionalGeneration
 
@@ -135,12 +189,24 @@ def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path):
     sets = ["--set", f"data.train={data}", "--set", f"data.eval={data}", "--set", "data.format=chat",
             "--set", "data.train_on=each", "--set", f"output_dir={tmp_path / 'run'}", "--set", "train.max_steps=1",
             "--set", "logging.progress=false", "--set", "model.dtype=float64"]
+    tok = load_tokenizer(REPO / "packtrain" / "assets" / "vlm")
+    reference = {}
+    if template != "bundled":
+        tok = load_tokenizer(QWEN_LIKE)
+        reference = {"turn_text": official_generated_text(template),
+                     "chat_template": official_template_path(template).read_text()}
+        ids = tok.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
+        sets += ["--set", f"data.tokenizer={QWEN_LIKE}", "--set", f"data.chat_template={official_template_path(template)}",
+                 "--set", "model.config.text_config.vocab_size=1024", "--set", "model.config.video_token_id=1023",
+                 *(x for key, i in zip(("image", "vision_start", "vision_end"), ids)
+                   for x in ("--set", f"model.config.{key}_token_id={i}")),
+                 *(x for k, v in SGD.items() for x in ("--set", f"optim.{k}={'null' if v is None else v}")),
+                 "--set", "train.epochs=1", "--set", "train.packs_per_step=100"]  # one step: all the data
     cfg = str(REPO / "configs" / "vlm_demo.yaml")
     run_in_process("train", cfg, *sets)
     run_in_process("eval", cfg, *sets, "--adapter", tmp_path / "run" / "adapter", "--out", tmp_path / "e.jsonl")
     got = {r["id"]: r for r in map(json.loads, (tmp_path / "e.jsonl").read_text().splitlines())}
 
-    tok = load_tokenizer(REPO / "packtrain" / "assets" / "vlm")
     processor = AutoImageProcessor.from_pretrained(str(REPO / "packtrain" / "assets" / "vlm"))
     base = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "run" / "base", dtype=torch.float64)
     model = PeftModel.from_pretrained(base, tmp_path / "run" / "adapter").eval()
@@ -148,7 +214,7 @@ def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path):
     assert sorted(got) == ["vlm0#1", "vlm0#2", "vlm1#1", "vlm1#2"]
     with torch.no_grad():
         for row in rows:
-            for name, ids, labels in reference_examples(tok, row, "each"):
+            for name, ids, labels in reference_examples(tok, row, "each", **reference):
                 shown = [p["image"] for m in row["messages"][:{"1": 2, "2": 4}[name[-1]]]
                          if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
                 vision = processor(images=[open_image(tmp_path / n) for n in shown], return_tensors="pt")
@@ -165,3 +231,8 @@ def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path):
                 assert got[name]["target_tokens"] == sum(t != -100 for t in labels), name
                 # float64 as shipped: the VLM's float32 casts (tests/test_vlm.py: 1.1e-5 vs transformers)
                 assert got[name]["loss"] == pytest.approx(loss, rel=3e-5), name
+    if template != "bundled":  # the run above was packed, SGD, one step over all the data
+        alone = tmp_path / "alone"
+        run_in_process("train", cfg, *sets, "--set", f"output_dir={alone}", "--set", "packing.mode=standalone")
+        # float64 as shipped: the VLM's float32 casts (tests/test_vlm.py)
+        assert max_rel(adapter_of(tmp_path / "run"), adapter_of(alone)) < 1e-5

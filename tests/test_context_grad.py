@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F_
-from parity import compare, packed_run, rel, standalone_run, trainable_grads, without_float32_casts
+from parity import compare, packed_run, rel, standalone_run, trainable_grads, transformers_mlp, without_float32_casts
 from test_fla_plumbing import fake_fla  # noqa: F401 - the fixture, used by name
 from tiny_models import random_pack, tiny_lora_model
 
@@ -45,8 +45,9 @@ CASES = [
 IDS = [f"P{c[0]}-n{len(c[1])}" for c in CASES]
 
 
-def _model(layer_types, seed=0, attention="batched"):
-    return patch_model(tiny_lora_model(layer_types, seed=seed), Backend(gdn="torch", attention=attention))
+def _model(layer_types, seed=0, attention="batched", mlp_rows=None):
+    return patch_model(tiny_lora_model(layer_types, seed=seed), Backend(gdn="torch", attention=attention,
+                                                                        mlp_rows=mlp_rows))
 
 
 def _max_rel(ga, gb):
@@ -62,6 +63,17 @@ def test_each_mode_packed_equals_the_same_mode_standalone(mode, prefix_len, spec
         d = compare(model, prefix, conts, context_grad=mode)
     assert d.loss < 1e-13, d
     assert d.grad < 5e-7, d
+
+
+@pytest.mark.parametrize("mode", ["kv_only", "frozen"])
+def test_each_mode_with_the_loss_in_chunks_of_5_rows(mode, monkeypatch):
+    """train.loss_chunk_rows 5; frozen's constant rows (targets read off P's last row) inside the chunks."""
+    prefix_len, specs, layer_types = CASES[3]
+    with without_float32_casts(monkeypatch):
+        model = _model(layer_types, seed=prefix_len)
+        prefix, conts = random_pack(prefix_len, specs, seed=prefix_len)
+        d = compare(model, prefix, conts, context_grad=mode, loss_chunk_rows=5)
+    assert d.loss < 1e-13 and d.grad < 5e-7, d
 
 
 @pytest.mark.parametrize("attention", ["dense", "batched"])
@@ -86,13 +98,14 @@ def _hf_frozen(model, prefix, conts, with_grad=False):
     ``allow_mutation_on_saved_tensors`` lets transformers update its cache in place (FACTS.md) while autograd keeps
     what it saved. Returns (per-example losses, per-continuation logits, summed gradients or None)."""
     model.zero_grad(set_to_none=True)
-    with torch.no_grad():
+    with torch.no_grad(), transformers_mlp(model):
         first = model(input_ids=torch.tensor([prefix]), use_cache=True)
     losses, logits = [], []
     for c in conts:
         cache = copy.deepcopy(first.cache)
         ids = torch.tensor([list(c.item_ids) + list(c.target_ids)])
-        with torch.autograd.graph.allow_mutation_on_saved_tensors() if with_grad else torch.no_grad():
+        with torch.autograd.graph.allow_mutation_on_saved_tensors() if with_grad else torch.no_grad(), \
+                transformers_mlp(model):
             out = model(input_ids=ids, cache=cache, use_cache=True)
             rows = torch.cat([first.logits[0, -1:], out.logits[0]])  # row j predicts token j of the continuation
             loss = _targets_from(rows, len(c.item_ids), list(c.target_ids))
@@ -136,12 +149,13 @@ def _hook_cut_reference(model, prefix, conts):
     handles = [layer.register_forward_pre_hook(detach_prefix) for layer in layers]
     try:
         losses = []
-        for c in conts:
-            ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
-            logits = model(input_ids=ids).logits[0, p - 1:]  # row j predicts token j of the continuation
-            loss = _targets_from(logits, len(c.item_ids), list(c.target_ids))
-            loss.backward()
-            losses.append(loss.item())
+        with transformers_mlp(model):
+            for c in conts:
+                ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
+                logits = model(input_ids=ids).logits[0, p - 1:]  # row j predicts token j of the continuation
+                loss = _targets_from(logits, len(c.item_ids), list(c.target_ids))
+                loss.backward()
+                losses.append(loss.item())
     finally:
         for h in handles:
             h.remove()
@@ -214,12 +228,14 @@ def test_kv_only_cuts_the_embedding_rows_of_p():
     assert _prefix_embedding_grad(model, prefix, conts, "kv_only") == 0.0
 
 
+@pytest.mark.parametrize("mlp_rows", [None, 7], ids=["mlp-whole", "mlp-tiles-7"])
 @pytest.mark.parametrize("mode", ["kv_only", "frozen"])
 @pytest.mark.parametrize("wrap", ["checkpoint", "offload"])
-def test_checkpointing_and_offload_change_nothing(mode, wrap):
+def test_checkpointing_and_offload_change_nothing(mode, wrap, mlp_rows):
+    """Bit for bit; with MLP tiles, each tile's recompute runs inside the layer's."""
     prefix, conts = random_pack(65, [(0, 1), (70, 5), (10, 2)], seed=7)
-    plain = _model([L, F, L], seed=3)
-    wrapped = _model([L, F, L], seed=3)
+    plain = _model([L, F, L], seed=3, mlp_rows=mlp_rows)
+    wrapped = _model([L, F, L], seed=3, mlp_rows=mlp_rows)
     if wrap == "checkpoint":
         checkpoint_decoder_layers(wrapped)
     else:

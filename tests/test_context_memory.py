@@ -61,11 +61,13 @@ def test_prefix_cache_term_equals_transformers_cache():
 def test_plan_memory_prints_every_mode(tmp_path, capsys):
     cfg = write_config(tmp_path, model={"dtype": "bfloat16"}, train={"activation_checkpointing": True},
                        packing={"context_grad": "frozen"})
-    run_plan(argparse.Namespace(config=str(cfg), overrides=[], world_size=1, memory=True, json=False))
+    run_plan(argparse.Namespace(config=str(cfg), overrides=[], world_size=1, memory=True, json=False,
+                                measure=False, gpu_memory=None))
     out = capsys.readouterr().out
     assert "context_grad frozen" in out and "P's cache:" in out  # the configured mode's terms
     assert [line.split()[0] for line in out.splitlines()[-3:]] == ["full", "kv_only", "frozen"]
-    run_plan(argparse.Namespace(config=str(cfg), overrides=[], world_size=1, memory=True, json=True))
+    run_plan(argparse.Namespace(config=str(cfg), overrides=[], world_size=1, memory=True, json=True,
+                                measure=False, gpu_memory=None))
     modes = json.loads(capsys.readouterr().out)["memory"]["context_grad"]
     totals = {m: v["total_device_bytes"] for m, v in modes.items()}
     assert totals["kv_only"] == totals["full"] > totals["frozen"] > 0

@@ -229,10 +229,17 @@ def test_p_that_is_not_a_token_prefix_is_refused(tmp_path, concat_tok):
     assert message.startswith(f"{path}:1: field 'system': the system turn's tokens are not a prefix")
 
 
-def test_target_that_merges_with_the_prompt_is_refused(tmp_path, concat_tok):
-    path = write_lines(tmp_path, [text_record(system="Rule.", item="ju", target="ru")])
-    message = load_error(path, tokenizer=concat_tok)
-    assert message.startswith(f"{path}:1: field 'target': the prompt's tokens are not a prefix")
+def test_a_target_that_merges_with_the_prompt_is_tokenized_as_generated(tmp_path, concat_tok):
+    """The prompt tokenized alone (as at inference), the target as its own piece: "Rule.ju" + "ru" is not
+    the tokens of "Rule.juru", and the example says so (plan counts it)."""
+    path = write_lines(tmp_path, [text_record(system="Rule.", item="ju", target="ru"),
+                                  text_record(system="Rule.", item="ju ", target="x")])
+    merged, apart = load_examples(path, tokenizer=concat_tok)
+    encode = concat_tok.encode
+    assert merged.prefix_ids + merged.item_ids == tuple(encode("Rule.ju", add_special_tokens=False))
+    assert merged.target_ids == tuple(encode("ru", add_special_tokens=False))
+    assert merged.prefix_ids + merged.continuation_ids != tuple(encode("Rule.juru", add_special_tokens=False))
+    assert (merged.whole_differs, apart.whole_differs) == (True, False)
 
 
 def test_duplicate_id(tmp_path):

@@ -34,11 +34,12 @@ def _assert_same(a, b, exact=False):
 
 
 # 3 ranks: a world size that is not a power of two, where a world factor in the loss scale changed the rounding at
-# the model's float32 casts (grad_norm 1e-8 apart from 1 rank; packtrain/models/wrap.py); and a dummy unit each step
+# the model's float32 casts (grad_norm 1e-8 apart from 1 rank; packtrain/models/wrap.py); and a dummy unit each step.
+# The MLPs in 7-row tiles: each tile's recompute under FSDP2's gathered parameters.
 @pytest.mark.parametrize("mode,world", [("shared_prefix", 2), ("standalone", 2), ("shared_prefix", 3)])
 def test_two_ranks_equal_one_rank(tmp_path, mode, world):
-    cfg = write_config(tmp_path, train={"max_steps": 3, "packs_per_step": 2}, packing={"mode": mode},
-                       data={"eval": None})
+    cfg = write_config(tmp_path, train={"max_steps": 3, "packs_per_step": 2, "mlp_chunk_rows": 7},
+                       packing={"mode": mode}, data={"eval": None})
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
     two = run_ranks(world, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
     line = next(x for x in two.stdout.splitlines() if f"FSDP2 over {world} ranks" in x)
@@ -62,6 +63,21 @@ def test_float32_adapters_on_two_ranks_give_the_one_rank_adapter(tmp_path):
     for a, b in zip(_steps(tmp_path / "one"), _steps(tmp_path / "two"), strict=True):
         assert a["loss"] == b["loss"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)  # float32 norms of other shards
+
+
+def test_chunked_loss_with_a_trained_head_on_two_ranks_gives_the_one_rank_adapter(tmp_path):
+    """train.loss_chunk_rows 3 with the untied head trained (modules_to_save): under FSDP2 the head's chunks run as
+    that unit's forward, so its weight is gathered around every chunk and its recompute, and its gradient, summed
+    over the chunks, is reduced once."""
+    cfg = write_config(tmp_path, train={"max_steps": 2, "packs_per_step": 2, "loss_chunk_rows": 3},
+                       lora={"modules_to_save": ["lm_head"]}, data={"eval": None})
+    one = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
+    assert "loss: lm_head + cross-entropy in chunks of 3 target rows (recomputed in backward)" in one.stdout
+    run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
+    one, two = _adapter(tmp_path / "one"), _adapter(tmp_path / "two")
+    assert any("lm_head" in name for name in one)
+    _assert_same(one, two)
+    _assert_same_steps(_steps(tmp_path / "one"), _steps(tmp_path / "two"))
 
 
 def _assert_same_steps(one, two):

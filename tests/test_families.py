@@ -14,14 +14,14 @@ split: losses 0.12).
 
 import pytest
 import torch
-from parity import compare, hf_losses, standalone_run, without_float32_casts
+from parity import compare, hf_losses, standalone_run, transformers_mlp, without_float32_casts
 from tiny_models import random_pack, tiny_family_model
 
 from packtrain.packed.kernels import Backend
 from packtrain.packed.patch import patch_model
 
 L, F = "linear_attention", "full_attention"
-BACKEND = Backend(gdn="torch", attention="batched")
+BACKEND = Backend(gdn="torch", attention="batched", mlp_rows=7)  # dense MLPs (Qwen3-Next, Qwen3) in 7-row tiles
 
 # (model type, layer types, prefix length, [(item length, target length), ...])
 CASES = [
@@ -39,7 +39,7 @@ def hf_float64_losses(model, prefix, conts):
     """transformers' own forward on concat(P, Ci), its logits' cross-entropy in float64 (its loss function casts
     logits to float32, which would bound the comparison at float32 rounding)."""
     out = []
-    with torch.no_grad():
+    with torch.no_grad(), transformers_mlp(model):
         for c in conts:
             ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
             logits = model(input_ids=ids).logits[0]
@@ -61,6 +61,19 @@ def test_packed_equals_standalone_and_transformers(model_type, layer_types, pref
         reference = hf_float64_losses(model, prefix, conts)
     assert d.loss < 1e-13, d
     assert d.grad < 5e-7, d
+    packed = torch.tensor(d.losses_a, dtype=torch.float64)
+    assert ((packed - reference).abs() / reference.abs()).max() < 1e-13
+
+
+@pytest.mark.parametrize("case", [1, 2], ids=[IDS[1], IDS[2]])
+def test_loss_in_chunks_of_5_rows_equals_standalone_and_transformers(case, monkeypatch):
+    model_type, layer_types, prefix_len, specs = CASES[case]
+    prefix, conts = random_pack(prefix_len, specs, seed=prefix_len)
+    with without_float32_casts(monkeypatch):
+        model = _model(model_type, layer_types)
+        d = compare(model, prefix, conts, loss_chunk_rows=5)
+        reference = hf_float64_losses(model, prefix, conts)
+    assert d.loss < 1e-13 and d.grad < 5e-7, d
     packed = torch.tensor(d.losses_a, dtype=torch.float64)
     assert ((packed - reference).abs() / reference.abs()).max() < 1e-13
 

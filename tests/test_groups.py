@@ -40,9 +40,9 @@ def grouped(prefix, conts, n_groups):
                   [1.0 if run else 0.0 for run in runs])
 
 
-def groups_run(model, prefix, conts, n_groups, mode="full"):
+def groups_run(model, prefix, conts, n_groups, mode="full", loss_chunk_rows=0):
     model.zero_grad(set_to_none=True)
-    total, _ = train_groups(PackedLM(model, mode), grouped(prefix, conts, n_groups), 1.0)
+    total, _ = train_groups(PackedLM(model, mode, loss_chunk_rows), grouped(prefix, conts, n_groups), 1.0)
     return total, trainable_grads(model)
 
 
@@ -62,6 +62,18 @@ def test_groups_equal_the_standalone_examples(case, n_groups, monkeypatch):
         model = patch_model(tiny_lora_model(layer_types, seed=case), BACKEND)
         total, ga = groups_run(model, prefix, conts, n_groups)
         losses, gb = standalone_run(model, prefix, conts)
+    assert abs(total - sum(losses)) < 1e-13 * abs(sum(losses))
+    assert max(rel(ga[n], gb[n]) for n in gb) < 5e-7
+
+
+@pytest.mark.parametrize("mode", ["full", "frozen"])
+def test_groups_with_the_loss_in_chunks_of_5_rows(mode, monkeypatch):
+    prefix_len, specs, layer_types = CASES[0]
+    prefix, conts = random_pack(prefix_len, specs, seed=0)
+    with without_float32_casts(monkeypatch):
+        model = patch_model(tiny_lora_model(layer_types, seed=0), BACKEND)
+        total, ga = groups_run(model, prefix, conts, 2, mode, loss_chunk_rows=5)
+        losses, gb = standalone_run(model, prefix, conts, context_grad=mode)
     assert abs(total - sum(losses)) < 1e-13 * abs(sum(losses))
     assert max(rel(ga[n], gb[n]) for n in gb) < 5e-7
 

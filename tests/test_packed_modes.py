@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from parity import packed_run, standalone_run
+from parity import hf_losses, packed_run, standalone_run
 from tiny_models import random_pack, tiny_lora_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from packtrain.models.wrap import checkpoint_decoder_layers
-from packtrain.packed.kernels import CPU_MLP_ROWS, Backend, select_backend
-from packtrain.packed.layout import build_pack_layout
+from packtrain.packed.kernels import CPU_MLP_ROWS, CUDA_MLP_ROWS, Backend, select_backend
+from packtrain.packed.layout import build_pack_layout, build_standalone_layout
 from packtrain.packed.lm import PackedLM
 from packtrain.packed.patch import UnsupportedModelError, patch_model
 
@@ -70,7 +70,11 @@ def test_unsupported_model_is_a_clear_error():
 
 def test_backend_choice_is_explicit():
     assert select_backend("auto", "cpu") == Backend(gdn="torch", attention="batched", mlp_rows=CPU_MLP_ROWS)
-    assert select_backend("torch", "cuda").mlp_rows is None  # MLP blocks are a CPU cache measure
+    assert select_backend("torch", "cuda").mlp_rows == CUDA_MLP_ROWS  # MLP tiles on every device
+    assert select_backend("torch", "cuda", mlp_chunk_rows=0).mlp_rows is None  # 0: whole
+    assert select_backend("torch", "cpu", mlp_chunk_rows=7).mlp_rows == 7
+    assert "mlp=checkpointed tiles of 512 rows" in select_backend("torch", "cpu").describe()
+    assert "mlp=whole" in select_backend("torch", "cpu", mlp_chunk_rows=0).describe()
     assert select_backend("torch", "cpu", attention="dense").attention == "dense"
     with pytest.raises(ValueError, match="unknown"):
         select_backend("triton", "cpu")
@@ -120,12 +124,14 @@ def test_text_stack_of_vision_language_model(monkeypatch):
     assert d.loss < 1e-13 and d.grad < 5e-7, d  # float64 throughout: test_parity.py's exact bounds
 
 
-def test_mlp_blocks_split_packed_forwards_only_and_survive_checkpointing():
-    """With ``mlp_rows`` a packed forward runs each dense MLP in blocks of that many rows, an unpacked forward in
-    one piece; activation checkpointing's recompute splits as the forward did (same losses and gradients as
-    without checkpointing, bit for bit), and the blocks give the unblocked pack's results (float64, 1e-13)."""
-    prefix, conts = random_pack(65, [(0, 1), (70, 5), (10, 2)], seed=7)
-    blocks = Backend(gdn="torch", attention="batched", mlp_rows=16)
+def test_mlp_tiles_in_every_forward_and_survive_checkpointing():
+    """With ``mlp_rows`` every forward runs each dense MLP in tiles of that many rows, packed and standalone, with
+    grad (each tile checkpointed: it runs again in backward) and without; the tests' transformers reference sets the
+    tiles aside (parity.transformers_mlp). Activation checkpointing's recompute tiles as the forward did (the same
+    losses and gradients, bit for bit), and the tiles give the whole MLP's results (float64, 1e-13)."""
+    specs = [(0, 1), (70, 5), (10, 2)]
+    prefix, conts = random_pack(65, specs, seed=7)
+    tiles = Backend(gdn="torch", attention="batched", mlp_rows=16)
 
     def model(backend, checkpointing=False):
         m = patch_model(tiny_lora_model([L, F, L], seed=3), backend)
@@ -139,20 +145,31 @@ def test_mlp_blocks_split_packed_forwards_only_and_survive_checkpointing():
             mlp._packtrain_original_forward = lambda x, inner=inner: (seen.append(x.shape[-2]), inner(x))[1]
         return run(m, prefix, conts), seen
 
-    (lb, gb), seen = mlp_rows_seen(model(blocks), packed_run)
-    rows = 65 + sum(i + t for i, t in [(0, 1), (70, 5), (10, 2)])
-    assert max(seen) == 16 and sum(seen) == 3 * rows  # every layer's MLP in blocks of at most 16 rows
-    _, seen_alone = mlp_rows_seen(model(blocks), standalone_run)
-    assert sorted(seen_alone) == sorted(65 + i + t for i, t in [(0, 1), (70, 5), (10, 2)] for _ in range(3))
-    (lc, gc), seen_ckpt = mlp_rows_seen(model(blocks, checkpointing=True), packed_run)
-    assert max(seen_ckpt) == 16 and sum(seen_ckpt) == 2 * 3 * rows  # forward and recompute both in blocks
+    (lb, gb), seen = mlp_rows_seen(model(tiles), packed_run)
+    rows = 65 + sum(i + t for i, t in specs)
+    assert max(seen) == 16 and sum(seen) == 2 * 3 * rows  # every layer's MLP in tiles, forward and recompute
+    lengths = [65 + i + t for i, t in specs]
+    (ls, gs), seen_alone = mlp_rows_seen(model(tiles), standalone_run)
+    assert max(seen_alone) == 16 and sum(seen_alone) == 2 * 3 * sum(lengths)
+    _, seen_hf = mlp_rows_seen(model(tiles), hf_losses)
+    assert sorted(seen_hf) == sorted(lengths * 3)
+
+    def no_grad_run(m, prefix, conts):
+        with torch.no_grad():
+            return PackedLM(m)(build_standalone_layout(prefix, conts[1]))
+
+    _, seen_no_grad = mlp_rows_seen(model(tiles), no_grad_run)
+    assert max(seen_no_grad) == 16 and sum(seen_no_grad) == 3 * lengths[1]
+    (lc, gc), seen_ckpt = mlp_rows_seen(model(tiles, checkpointing=True), packed_run)
+    assert max(seen_ckpt) == 16 and sum(seen_ckpt) > 2 * 3 * rows  # the layer's recompute tiles again
     assert lc == lb
     gc = {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in gc.items()}
     assert gc.keys() == gb.keys()
     for n, g in gb.items():
         assert torch.equal(g, gc[n]), n
-    la, ga = packed_run(model(BACKEND), prefix, conts)
-    assert torch.allclose(torch.tensor(la), torch.tensor(lb), rtol=1e-13, atol=0)
-    for n, g in ga.items():
-        assert (g - gb[n]).abs().max() <= 1e-13 * g.abs().max(), n
+    for run, (lt, gt) in ((packed_run, (lb, gb)), (standalone_run, (ls, gs))):
+        la, ga = run(model(BACKEND), prefix, conts)
+        assert torch.allclose(torch.tensor(la), torch.tensor(lt), rtol=1e-13, atol=0)
+        for n, g in ga.items():
+            assert (g - gt[n]).abs().max() <= 1e-13 * g.abs().max(), n
 

@@ -15,13 +15,13 @@ margin. Reproduce with the loop in `compare` over CASES.
 - float32: losses 2.9e-7 (3.8e-7 vs transformers), gradients 5.8e-5. Bounds 3e-6 and 2e-4.
 A leak is orders of magnitude above all of these (tests/test_leaks.py shows the check failing).
 
-The packed model runs its MLPs in blocks of 16 rows (the CPU back end's ``mlp_rows``, here small enough that every
-pack is split), the standalone and transformers references in one piece.
+The packed and standalone forwards run their MLPs in checkpointed tiles of 7 rows (the back end's ``mlp_rows``, here
+small enough that every buffer is split), transformers' no-grad reference in one piece.
 """
 
 import pytest
 import torch
-from parity import compare, hf_losses, without_float32_casts
+from parity import compare, hf_losses, packed_run, rel, without_float32_casts
 from tiny_models import random_pack, tiny_lora_model
 
 from packtrain.packed.kernels import Backend
@@ -46,7 +46,7 @@ IDS = [f"P{c[0]}-n{len(c[1])}" for c in CASES]
 
 def _model(layer_types, dtype, seed=0):
     model = tiny_lora_model(layer_types, dtype=dtype, seed=seed)
-    return patch_model(model, Backend(gdn="torch", attention="batched", mlp_rows=16))
+    return patch_model(model, Backend(gdn="torch", attention="batched", mlp_rows=7))
 
 
 @pytest.mark.parametrize("prefix_len,specs,layer_types", CASES, ids=IDS)
@@ -69,6 +69,21 @@ def test_float64_as_shipped_equals_standalone_and_transformers(prefix_len, specs
     reference = torch.tensor(hf_losses(model, prefix, conts), dtype=torch.float64)
     packed = torch.tensor(d.losses_a, dtype=torch.float64)
     assert ((packed - reference).abs() / reference.abs()).max() < 5e-6
+
+
+def test_loss_in_chunks_of_5_rows_packed_equals_standalone_and_one_chunk(monkeypatch):
+    """train.loss_chunk_rows 5: chunks within an example's targets and across examples. Packed == standalone with
+    the parity bounds; == the loss in one chunk within summation order (1e-13)."""
+    prefix_len, specs, layer_types = CASES[2]
+    with without_float32_casts(monkeypatch):
+        model = _model(layer_types, torch.float64)
+        prefix, conts = random_pack(prefix_len, specs, seed=prefix_len)
+        d = compare(model, prefix, conts, loss_chunk_rows=5)
+        one_losses, one_grads = packed_run(model, prefix, conts)
+        losses, grads = packed_run(model, prefix, conts, loss_chunk_rows=5)
+    assert d.loss < 1e-13 and d.grad < 5e-7, d
+    assert rel(torch.tensor(losses), torch.tensor(one_losses)) < 1e-13
+    assert max(rel(grads[n], one_grads[n]) for n in one_grads) < 1e-13
 
 
 @pytest.mark.parametrize("prefix_len,specs,layer_types", CASES[::2], ids=IDS[::2])

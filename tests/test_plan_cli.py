@@ -162,8 +162,8 @@ def test_p_that_is_not_a_token_prefix(tmp_path):
     config = write_config(tmp_path, [text_record(), text_record(system="jur", item="u", target="x")],
                           "  tokenizer: tokenizer\n")
     assert_one_clear_error(run_plan(config), f"{tmp_path / 'train.jsonl'}:2: field 'system': the system turn's tokens "
-                                             "are not a prefix of the whole example's tokens (the tokenizer merges "
-                                             "across the end of the system turn)")
+                                             "are not a prefix of the prompt's tokens (the tokenizer merges across "
+                                             "the end of the system turn)")
 
 
 def test_example_over_the_budget(tmp_path):

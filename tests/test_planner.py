@@ -180,6 +180,7 @@ def test_stats_of_a_small_plan():
         "conversations": 3,  # examples made in code (no line) each count as their own
         "turns": 3,
         "target_tokens": 3,  # one target token each
+        "whole_differs": 0,  # pretokenized: no render to differ from
         "skipped": 0,
         "walked": 0,
         "walk_chunks": 0,

@@ -15,7 +15,7 @@ Tolerances, measured over seeds 0-7 of these fixtures (reproduce: loop `compare`
 
 import pytest
 import torch
-from parity import compare, packed_run, without_float32_casts
+from parity import compare, packed_run, transformers_mlp, without_float32_casts
 from peft import LoraConfig, get_peft_model
 from tiny_models import EXPERTS, FAMILY_CONFIGS, tiny_text_config
 from transformers import (
@@ -66,7 +66,7 @@ def tiny_vlm(seed=0, moe=False):
             if p.requires_grad and "lora" in name:
                 p.normal_(0.0, 0.1)
     model.enable_input_require_grads()
-    return patch_model(model, Backend(gdn="torch", attention="batched"))
+    return patch_model(model, Backend(gdn="torch", attention="batched", mlp_rows=7))
 
 
 def image_item(text_before, grids, text_after, gen):
@@ -99,7 +99,7 @@ def vlm_pack(seed=0):
 def hf_vlm_losses(model, prefix, conts, pixels):
     """transformers' own forward with pixel_values, image_grid_thw and labels on each standalone example."""
     out = []
-    with torch.no_grad():
+    with torch.no_grad(), transformers_mlp(model):
         for c, px in zip(conts, pixels):
             ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
             labels = torch.full_like(ids, -100)

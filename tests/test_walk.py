@@ -15,7 +15,7 @@ differs: chunk boundaries, the loss summed per window); the leaks (a constant ca
 import pytest
 import torch
 import torch.nn.functional as F_
-from parity import rel, standalone_run, trainable_grads, without_float32_casts
+from parity import rel, standalone_run, trainable_grads, transformers_mlp, without_float32_casts
 from tiny_models import random_pack, tiny_lora_model
 
 from packtrain.data.examples import Example
@@ -42,12 +42,12 @@ IDS = [f"P{c[0]}-i{c[1]}-t{c[2]}-c{c[3]}" for c in CASES]
 
 
 def _model(layer_types, seed):
-    return patch_model(tiny_lora_model(layer_types, seed=seed), Backend(gdn="torch", attention="batched"))
+    return patch_model(tiny_lora_model(layer_types, seed=seed), Backend(gdn="torch", attention="batched", mlp_rows=7))
 
 
-def walk_run(model, prefix, cont, spec, context_grad="full"):
+def walk_run(model, prefix, cont, spec, context_grad="full", loss_chunk_rows=0):
     model.zero_grad(set_to_none=True)
-    lm = PackedLM(model, context_grad)
+    lm = PackedLM(model, context_grad, loss_chunk_rows)
     layout = build_standalone_layout(prefix, cont)
     sched = schedule(len(prefix), len(cont.item_ids), len(cont), spec, context_grad == "frozen")
     out = train_walk(lm, layout, spec, 1.0, sched)
@@ -56,33 +56,34 @@ def walk_run(model, prefix, cont, spec, context_grad="full"):
 
 def truncated_reference(model, prefix, cont, chunk, horizon, frozen=False):
     """Independent of packtrain's walk: transformers' DynamicCache, one no_grad prefill per segment."""
-    model.zero_grad(set_to_none=True)
-    body, head = text_parts(model)
-    ids = torch.tensor([list(prefix) + list(cont.item_ids) + list(cont.target_ids)])
-    p, n = len(prefix), len(cont.target_ids)
-    read = torch.arange(n) + p + len(cont.item_ids) - 1  # position whose logit predicts each target
-    targets = torch.tensor(list(cont.target_ids))
-    lo = p if frozen else 0
-    segments = [(0, p)] if not cont.item_ids and not frozen else []
-    segments += chunk_bounds(p, ids.shape[1] - 1, chunk)
-    total = 0.0
-    for a, e in segments:
-        w = max(lo, a - horizon)
-        cache = None
-        if w > 0:
+    with transformers_mlp(model):
+        model.zero_grad(set_to_none=True)
+        body, head = text_parts(model)
+        ids = torch.tensor([list(prefix) + list(cont.item_ids) + list(cont.target_ids)])
+        p, n = len(prefix), len(cont.target_ids)
+        read = torch.arange(n) + p + len(cont.item_ids) - 1  # position whose logit predicts each target
+        targets = torch.tensor(list(cont.target_ids))
+        lo = p if frozen else 0
+        segments = [(0, p)] if not cont.item_ids and not frozen else []
+        segments += chunk_bounds(p, ids.shape[1] - 1, chunk)
+        total = 0.0
+        for a, e in segments:
+            w = max(lo, a - horizon)
+            cache = None
+            if w > 0:
+                with torch.no_grad():
+                    cache = body(input_ids=ids[:, :w], use_cache=True).cache
+                context_module._differentiable(cache)
+            hidden = body(input_ids=ids[:, w:e], cache=cache, use_cache=True,
+                          position_ids=torch.arange(w, e)[None]).last_hidden_state[0]
+            mine = (read >= a) & (read < e)
+            loss = F_.cross_entropy(head(hidden[read[mine] - w]), targets[mine], reduction="sum") / n
+            loss.backward()
+            total += float(loss.detach())
+        if frozen and not cont.item_ids:  # the target read off P's last row: counted, no gradient
             with torch.no_grad():
-                cache = body(input_ids=ids[:, :w], use_cache=True).cache
-            context_module._differentiable(cache)
-        hidden = body(input_ids=ids[:, w:e], cache=cache, use_cache=True,
-                      position_ids=torch.arange(w, e)[None]).last_hidden_state[0]
-        mine = (read >= a) & (read < e)
-        loss = F_.cross_entropy(head(hidden[read[mine] - w]), targets[mine], reduction="sum") / n
-        loss.backward()
-        total += float(loss.detach())
-    if frozen and not cont.item_ids:  # the target read off P's last row: counted, no gradient
-        with torch.no_grad():
-            hidden = body(input_ids=ids[:, :p]).last_hidden_state[0]
-            total += float(F_.cross_entropy(head(hidden[p - 1:p]), targets[:1], reduction="sum")) / n
+                hidden = body(input_ids=ids[:, :p]).last_hidden_state[0]
+                total += float(F_.cross_entropy(head(hidden[p - 1:p]), targets[:1], reduction="sum")) / n
     return total, trainable_grads(model)
 
 
@@ -102,6 +103,21 @@ def test_horizon_all_equals_the_whole_example_standalone(p, item, target, chunk,
         prefix, (cont,) = random_pack(p, [(item, target)], seed=p)
         la, ga = walk_run(model, prefix, cont, WalkSpec(chunk, None))
         (lb,), gb = standalone_run(model, prefix, [cont])
+    _check(la, ga, lb, gb, 1e-12, 1e-10)
+
+
+@pytest.mark.parametrize("horizon", [None, 5])
+def test_windows_with_the_loss_in_chunks_of_5_rows(horizon, monkeypatch):
+    """train.loss_chunk_rows 5: a window's targets in several chunks (and a window with none)."""
+    p, item, target, chunk, layer_types = CASES[4]
+    with without_float32_casts(monkeypatch):
+        model = _model(layer_types, seed=p)
+        prefix, (cont,) = random_pack(p, [(item, target)], seed=p)
+        la, ga = walk_run(model, prefix, cont, WalkSpec(chunk, horizon), loss_chunk_rows=5)
+        if horizon is None:
+            (lb,), gb = standalone_run(model, prefix, [cont])
+        else:
+            lb, gb = truncated_reference(model, prefix, cont, chunk, horizon)
     _check(la, ga, lb, gb, 1e-12, 1e-10)
 
 

@@ -8,6 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+from packtrain.models import lora_compute
 from packtrain.packed.layout import Continuation
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -26,8 +27,8 @@ def tiny_text_config(layer_types, vocab=97, **over) -> Qwen3_5TextConfig:
 
 
 def tiny_lora_model(layer_types, dtype=torch.float64, seed=0, targets=ALL_PROJECTIONS, **config):
-    """A random model with random LoRA A *and* B (so adapters change the output and get real gradients).
-    ``config``: overrides of :func:`tiny_text_config`."""
+    """A random model with random LoRA A *and* B (so adapters change the output and get real gradients), computed as
+    packtrain computes it (:mod:`packtrain.models.lora_compute`). ``config``: overrides of :func:`tiny_text_config`."""
     torch.manual_seed(seed)
     return _random_lora(Qwen3_5ForCausalLM(tiny_text_config(layer_types, **config)).to(dtype), targets)
 
@@ -43,6 +44,7 @@ def _random_lora(model, targets, params=None):
         if p.requires_grad:
             with torch.no_grad():
                 p.normal_(0.0, 0.1)
+    lora_compute.install(model)
     model.enable_input_require_grads()
     return model
 

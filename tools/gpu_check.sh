@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Every GPU check in one run on a bare machine with one CUDA GPU: at most 8 minutes on one H200 (each step has its
+# Every GPU check in one run on a bare machine with one CUDA GPU: at most 12 minutes on one H200 (each step has its
 # own time limit), a JSON summary in $OUT/gpu_check.json, exit status 1 when any step fails or runs out of time.
 #   bash tools/fetch_gpu_wheels.sh     # here, once: fla wheels into .whl/ (carry .whl to the GPU machine)
 #   bash tools/gpu_check.sh            # there
 # Steps: the gpu-marked tests (fla + FlexAttention vs the torch reference in float32 with TF32 off, the bf16
 # criterion and the three broken plumbings, FlexAttention compilations counted; fla autotune pinning; the bench
-# preset shortened), then tools/gpu_report.py (bf16 parity, time and memory at P = 8192) and the gpu bench preset.
+# preset shortened), then tools/gpu_report.py (bf16 parity, time and memory at P = 8192), the gpu bench preset, and
+# tools/gpu_memory_check.py (the seed's pack at the 27B's widths, 2 layers: each phase's max_memory_allocated beside
+# `plan --memory --measure` and the estimate; $OUT/gpu_memory.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_check}"
@@ -35,9 +37,15 @@ step environment 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
   python3 -c \"import torch, transformers, triton, fla; print('torch', torch.__version__, 'transformers', \
   transformers.__version__, 'triton', triton.__version__, 'fla', fla.__version__)\""
 step tests 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_ops_fla_tune.py \
-  tests/test_bench.py --junitxml "$OUT/tests.xml"
+  tests/test_bench.py tests/test_lora_compute.py --junitxml "$OUT/tests.xml"
 step report 75 python3 tools/gpu_report.py
 step bench 75 python3 -m packtrain bench --preset gpu --out "$OUT/bench"
+if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  # the seed's pack at the 27B's widths (2 layers): max_memory_allocated per phase vs --measure and the estimate
+  step memory 240 python3 tools/gpu_memory_check.py
+else
+  echo "memory: skipped (no CUDA)"
+fi
 
 python3 - "$OUT" <<'EOF'
 import json, sys, xml.etree.ElementTree as ET

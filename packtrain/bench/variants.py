@@ -96,9 +96,9 @@ class Models:
         plain_base = copy.deepcopy(base)  # before packtrain patches anything
         model, self.lm, self.backend = prepare_from_config(base, cfg, work.device)
         self.lm.train()
-        # one root per context mode over the same (wrapped) model: the variants differ only in that mode
-        self.lms = {mode: PackedLM(model, mode) for mode in set(CONTEXT_GRAD.values())}
         t = cfg.train
+        # one root per context mode over the same (wrapped) model: the variants differ only in that mode
+        self.lms = {mode: PackedLM(model, mode, t.loss_chunk_rows) for mode in set(CONTEXT_GRAD.values())}
         if t.activation_checkpointing or t.offload:  # what a transformers user turns on
             plain_base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.plain = get_peft_model(plain_base, lora_config(cfg, plain_base)).to(work.device).train()

@@ -51,8 +51,9 @@ def run_eval(args) -> int:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
-        backend = select_backend(cfg.model.kernels, info.device)
-        lm = PackedLM(patch_model(model, backend), cfg.packing.context_grad).to(info.device)
+        backend = select_backend(cfg.model.kernels, info.device, mlp_chunk_rows=cfg.train.mlp_chunk_rows)
+        lm = PackedLM(patch_model(model, backend), cfg.packing.context_grad,
+                      cfg.train.loss_chunk_rows).to(info.device)
         setup = UnitSetup(cfg.packing.mode, walk_spec=cfg.walk_spec(), images=image_loader(cfg, model, examples))
         out = Path(args.out)
         if args.generate:

@@ -1,9 +1,10 @@
 """`packtrain plan CONFIG [--set ...] [--json] [--world-size N] [--memory]`: plan the training data's packs and
 print the statistics, the steps' utilisation at N ranks under both ``train.balance`` settings
 (:mod:`packtrain.run.balance`); with ``--memory``, the per-GPU memory estimate for the largest pack
-(:mod:`packtrain.ops.memory`).
+(:mod:`packtrain.ops.memory`), and with ``--gpu-memory GIB`` the largest budget that fits it.
 
-Nothing touches torch or a model: this is how to size ``packing.token_budget`` before a run.
+Nothing touches torch or a model: this is how to size ``packing.token_budget`` before a run. ``--measure`` is the
+exception: it runs the training step under fake tensors (:mod:`packtrain.run.measure`), seconds and no memory.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def format_table(stats: dict, title: str) -> str:
         f"  examples   {s['examples']:,}{skipped}",
         (f"  data       {s['conversations']:,} conversation{'s' * (s['conversations'] != 1)}, {s['turns']:,} "
          f"assistant turn{'s' * (s['turns'] != 1)} trained, {s['target_tokens']:,} target tokens"),
+        *([(f"  tokens     {s['whole_differs']:,} example{'s' * (s['whole_differs'] != 1)} tokenized as generated "
+            "(the prompt, then the target apart) differ from the whole render tokenized at once")]
+          if s["whole_differs"] else []),
         f"  prompts    {s['prompts']:,}",
         f"  packs      {s['packs']:,}  (continuations per pack: {per_pack})",
         f"  budget     {s['token_budget']:,} positions per pack, {s['budget_utilisation']:.1%} used",
@@ -100,7 +104,18 @@ def run_plan(args) -> int:
     if args.world_size < 1:
         raise ValueError(f"--world-size: must be at least 1, got {args.world_size}")
     steps = step_figures(cfg, plan, examples, args.world_size)
+    args.memory = args.memory or args.measure or args.gpu_memory is not None
     est = memory.estimate_for_plan(cfg, plan, examples, args.world_size) if args.memory else None
+    measured = None
+    if args.measure:
+        from packtrain.run.measure import measure_whole
+
+        measured = measure_whole(cfg, plan, examples, args.world_size)
+    budget = None
+    if args.gpu_memory is not None:
+        if args.gpu_memory <= 0:
+            raise ValueError(f"--gpu-memory: must be positive, got {args.gpu_memory}")
+        budget = memory.max_token_budget(cfg, plan, examples, args.world_size, args.gpu_memory)
     modes = ({m: memory.estimate_for_plan(cfg, plan, examples, args.world_size, m) for m in memory.CONTEXT_GRADS}
              if args.memory and packing.mode == "shared_prefix" else None)
     pool = None
@@ -114,7 +129,13 @@ def run_plan(args) -> int:
         if est is not None:
             stats["memory"] = {"terms": [dataclasses.asdict(t) for t in est.terms],
                                "total_device_bytes": est.total("device"), "total_host_bytes": est.total("host"),
-                               "node": pool}
+                               "phases": est.phases, "peak_phase": est.peak_phase,
+                               "savings": dataclasses.asdict(est.savings), "node": pool}
+            if measured is not None:
+                stats["memory"]["measured"] = measured.as_json()
+            if budget is not None:
+                stats["memory"]["max_token_budget"] = budget["token_budget"]
+                stats["memory"]["budget_search"] = budget
         if modes is not None:
             stats["memory"]["context_grad"] = {m: {"total_device_bytes": e.total("device"),
                                                    "terms": [dataclasses.asdict(t) for t in e.terms]}
@@ -127,6 +148,9 @@ def run_plan(args) -> int:
     if est is not None:
         print()
         print(memory.format_table(est))
+        print(memory.format_phases(est, measured))
+        if budget is not None:
+            print(memory.format_budget(budget))
         if pool is not None:
             print(memory.format_node_pool(pool))
     if modes is not None:

@@ -9,19 +9,21 @@ Three formats (``data.format``; detected from the first line when omitted):
   message carries a tool's result and follows an assistant message with tool calls (or another tool message).
 - pretokenized: ``{"id"?, "prefix_ids": [int], "item_ids": [int], "target_ids": [int]}``
 
-Text and chat go through the tokenizer's chat template, with ``data.template_kwargs`` (e.g. ``enable_thinking``) in
-every render and the example's tools in P. P is the system turn rendered alone (tools included); the continuation
-is the rest of the conversation as the template renders it whole. Which assistant turns carry loss is
-``data.train_on``:
+Text and chat go through the tokenizer's chat template (or ``data.chat_template``), with ``data.template_kwargs``
+(e.g. ``enable_thinking``) in every render and the example's tools in P. P is the system block: what the template
+writes before the first user turn, tools included, found without rendering the system message alone (Qwen's
+official templates refuse a conversation without a user query; :mod:`packtrain.data.chat`). A template whose P is
+empty, lacks the system text, or is one P for different system texts or tools is refused. Tool-call arguments
+given as JSON text are parsed first (Qwen's templates iterate ``arguments|items``). Special tokens written in a
+message's text are read as tokens, as at inference. Which assistant turns carry loss is ``data.train_on``:
 
 - ``last``: the final assistant message. The item is everything after P up to and including the generation prompt
   (``<|im_start|>assistant\n`` and whatever the template adds, e.g. ``<think>\n``); the target is the rest, so it
   includes the closing ``<|im_end|>`` and newline: the model learns to stop. Earlier turns are item.
-- ``all``: one example per conversation with loss on every assistant turn as rendered in the whole conversation.
-  Turn k starts where the conversation up to it, rendered with the generation prompt, ends, and ends where the
-  conversation through it, rendered alone, ends; both must be token prefixes of the whole. A template that renders
-  an earlier turn differently once later turns follow (Qwen's drops reasoning before the last user message) is
-  refused for that example, naming the turn: use ``each``.
+- ``all``: one example per conversation with loss on every assistant turn as rendered in the whole conversation,
+  each turn as under ``last``, in one sequence. A template that renders an earlier turn differently once later
+  turns follow (Qwen's drops reasoning before the last user message), or a turn whose tokens the next prompt,
+  tokenized whole, merges otherwise, is refused for that example, naming the turn: use ``each``.
 - ``each``: one example per assistant turn (ids ``ID#1``, ``ID#2``, ... when there are several), its history
   rendered as the template renders it when generating that turn: ``last`` on the conversation cut after the turn.
   All of them share P.
@@ -29,16 +31,17 @@ is the rest of the conversation as the template renders it whole. Which assistan
 A text example is the chat [system, user=item, assistant=target]. The per-example loss is the mean over its target
 tokens (all of its assistant turns' under ``all``).
 
-Each piece is tokenized on its own, so the pieces must concatenate to the tokens of the whole example: P's tokens
-and the tokens before and through each trained turn must be prefixes of the whole conversation's. An example where
-the tokenizer merges across a boundary is refused, naming its file, line and field.
+Tokenized as the model reads and generates it: a trained turn's prompt (through the generation prompt) is tokenized
+alone, as at inference, and the turn's own text as its own piece, as generated; the example is their
+concatenation. Where that differs from tokenizing the whole render (Qwen's ``\n\n`` token across ``<think>\n`` +
+``\n</think>``) the example says so (:attr:`Example.whole_differs`; ``plan`` counts them). P's tokens must be a
+prefix of every prompt's, or the example is refused, naming its file, line and field.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,71 +50,15 @@ if TYPE_CHECKING:
 
     from packtrain.config import Config
 
-from packtrain.data.images import IMAGE_PAD, ImageRef
+from packtrain.data.chat import tokenize
+from packtrain.data.example import Conversation, DataError, Example
 
 FORMATS = ("text", "chat", "pretokenized")
-TRAIN_ON = ("last", "all", "each")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 ROLES = ("system", "user", "assistant", "tool")
 # A JSON line holding an example that fits a pack of B tokens has fewer than this many bytes per token of B: text
 # averages about 4 bytes per token, JSON-escaped CJK (\\uXXXX) about 9, pre-tokenized ids ("12345, ") up to 8.
 LINE_BYTES_PER_TOKEN = 32
-
-
-class DataError(ValueError):
-    """An unusable example or data file; the message names the file, the line and the field."""
-
-    def __init__(self, source: str | Path, line: int | None, field: str | None, problem: str):
-        self.source, self.line, self.field = str(source), line, field
-        where = f"{source}:{line}" if line else str(source)
-        what = f" field '{field}':" if field else ""
-        super().__init__(f"{where}:{what} {problem}")
-
-
-@dataclass(frozen=True)
-class Example:
-    id: str
-    prefix_ids: tuple[int, ...]
-    item_ids: tuple[int, ...]
-    target_ids: tuple[int, ...]
-    source: str = ""
-    line: int = 0
-    images: tuple[ImageRef, ...] = ()  # images of the continuation, in order; their tokens are counted in the ids
-    # The loss spans [a, b) in continuation coordinates (item + target), in order; (): the whole target. The item is
-    # the tokens before the first span, so a target starts with a loss token.
-    spans: tuple[tuple[int, int], ...] = ()
-    turns: int = 1  # assistant turns whose tokens carry loss
-
-    @property
-    def continuation_ids(self) -> tuple[int, ...]:
-        return self.item_ids + self.target_ids
-
-    @property
-    def len_continuation(self) -> int:
-        return len(self.item_ids) + len(self.target_ids)
-
-    @property
-    def loss_spans(self) -> tuple[tuple[int, int], ...]:
-        return self.spans or ((len(self.item_ids), self.len_continuation),)
-
-    @property
-    def n_targets(self) -> int:
-        """Tokens that carry loss."""
-        return sum(b - a for a, b in self.loss_spans)
-
-
-@dataclass
-class _Conversation:
-    """A text or chat record before tokenization, with the names its pieces have in the file (for errors)."""
-
-    id: str
-    line: int
-    messages: list[dict]
-    system_field: str
-    target_field: str
-    images: list[tuple[str, str]] = field(default_factory=list)  # (resolved path, field) in order of appearance
-    tools: list[dict] | None = None
-    images_through: list[int] = field(default_factory=list)  # images in messages[: i + 1], per message i
 
 
 def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
@@ -286,7 +233,7 @@ def _image_path(value: Any, field: str, source: Path, line: int) -> str:
     return str(path if path.is_absolute() else (Path(source).parent / path))
 
 
-def _text_conversation(record: dict, line: int, source: Path) -> _Conversation:
+def _text_conversation(record: dict, line: int, source: Path) -> Conversation:
     system, item, target = (_field(record, k, "text", source, line) for k in ("system", "item", "target"))
     item = _string(item, "item", source, line)
     images = record.get("images", [])
@@ -301,7 +248,7 @@ def _text_conversation(record: dict, line: int, source: Path) -> _Conversation:
         {"role": "user", "content": user},
         {"role": "assistant", "content": _string(target, "target", source, line, nonempty=True)},
     ]
-    return _Conversation(_example_id(record, line, source), line, messages, "system", "target", paths,
+    return Conversation(_example_id(record, line, source), line, messages, "system", "target", paths,
                          images_through=[0, len(paths), len(paths)])
 
 
@@ -337,17 +284,30 @@ def _tools(value: Any, source: Path, line: int) -> list[dict]:
 
 
 def _tool_calls(value: Any, field: str, source: Path, line: int) -> list[dict]:
+    """The calls with their arguments as objects: arguments given as JSON text (the OpenAI wire format) are parsed
+    here, since Qwen's templates iterate ``arguments|items`` and fail on a string."""
     if not isinstance(value, list) or not value:
         raise DataError(source, line, field, "expected a non-empty list of tool calls")
+    calls = []
     for j, call in enumerate(value):
         where = f"{field}[{j}]"
         fn = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise DataError(source, line, where, 'expected {"type": "function", "function": {"name": str, '
                                                  '"arguments": object}}')
-        if not isinstance(fn.get("arguments", {}), (dict, str)):
-            raise DataError(source, line, f"{where}.arguments", "expected a JSON object (or its text)")
-    return value
+        where += ".function.arguments" if "function" in call else ".arguments"
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise DataError(source, line, where, f"not valid JSON text: {e.msg} (column {e.colno})") from None
+        if not isinstance(arguments, dict):
+            raise DataError(source, line, where, "expected a JSON object (or its text), got "
+                                                 f"{json.dumps(arguments)[:60]}")
+        fn = {**fn, "arguments": arguments}
+        calls.append({**call, "function": fn} if "function" in call else fn)
+    return calls
 
 
 def _order_problem(role: str, previous: dict) -> str | None:
@@ -361,7 +321,7 @@ def _order_problem(role: str, previous: dict) -> str | None:
     return None
 
 
-def _chat_conversation(record: dict, line: int, source: Path) -> _Conversation:
+def _chat_conversation(record: dict, line: int, source: Path) -> Conversation:
     messages = _field(record, "messages", "chat", source, line)
     if not isinstance(messages, list) or len(messages) < 2:
         raise DataError(source, line, "messages", "expected a list of at least a system and an assistant message")
@@ -416,193 +376,13 @@ def _chat_conversation(record: dict, line: int, source: Path) -> _Conversation:
     if clean[-1]["role"] != "assistant":
         raise DataError(source, line, f"messages[{last}].role", "the last message must be the assistant's (the "
                                                                 "target)")
-    return _Conversation(_example_id(record, line, source), line, clean, "messages[0]", f"messages[{last}]",
+    return Conversation(_example_id(record, line, source), line, clean, "messages[0]", f"messages[{last}]",
                          images, tools, through)
-
-
-@dataclass
-class _Render:
-    """One example's texts before tokenization: P, the whole, and per trained turn the text before it (through its
-    generation prompt) and, unless it ends the whole, the text through it."""
-    conv: _Conversation
-    id: str
-    p: str
-    whole: str
-    turns: list[tuple[int, str, str | None]]  # (message index, text before, text through or None)
-    n_images: int
-
-
-def _render(tokenizer, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, source: Path,
-            line: int, template_kwargs: dict) -> str:
-    """``template_kwargs``: ``data.template_kwargs``, and ``chat_template`` when ``data.chat_template`` replaces
-    the tokenizer's."""
-    from jinja2 import TemplateError
-
-    try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=generation_prompt, **template_kwargs)
-    except (TemplateError, TypeError) as e:  # TypeError: a string-only template given a list of parts
-        raise DataError(source, line, "tools" if tools and "tool" in str(e).lower() else "messages",
-                        f"the chat template refused it: {e}") from None
-
-
-def _renders(c: _Conversation, tokenizer, source: Path, train_on: str, kwargs: dict) -> list[_Render]:
-    """The examples of one conversation under ``data.train_on``, as texts."""
-    def render(upto: int, prompt: bool = False) -> str:
-        return _render(tokenizer, c.messages[:upto], c.tools, prompt, source, c.line, kwargs)
-
-    p = render(1)
-    if c.tools is not None and p == _render(tokenizer, c.messages[:1], None, False, source, c.line, kwargs):
-        raise DataError(source, c.line, "tools", f"the chat template of {tokenizer.name_or_path or 'the tokenizer'} "
-                                                 "does not render tools: P would silently lose them (use a template "
-                                                 "that renders `tools`, as Qwen's does)")
-    assistant = [i for i, m in enumerate(c.messages) if m["role"] == "assistant"]
-    last = len(c.messages) - 1
-    if train_on == "last":
-        return [_Render(c, c.id, p, render(last + 1), [(last, render(last, True), None)], len(c.images))]
-    if train_on == "each":
-        several = len(assistant) > 1
-        return [_Render(c, f"{c.id}#{n}" if several else c.id, p, render(k + 1), [(k, render(k, True), None)],
-                        c.images_through[k]) for n, k in enumerate(assistant, 1)]
-    whole = render(last + 1)
-    turns = [(k, render(k, True), None if k == last else render(k + 1)) for k in assistant]
-    return [_Render(c, c.id, p, whole, turns, len(c.images))]
-
-
-def _turn_field(c: _Conversation, k: int) -> str:
-    """The field of assistant turn ``k`` as the file names it."""
-    return c.target_field if k == len(c.messages) - 1 else f"messages[{k}]"
-
-
-def _history_rewritten(k: int) -> str:
-    return (f"train_on: all cannot find assistant turn messages[{k}] in the whole conversation: the chat template "
-            "renders the conversation up to it differently once later turns follow (it rewrites history, as Qwen's "
-            "does with reasoning before the last user message); use data.train_on: each (one example per turn, its "
-            "history rendered as when generating it)")
-
-
-def _image_grids(conversations: list[_Conversation], processor, source: Path) -> dict[str, tuple[int, int, int]]:
-    """The patch grid of every distinct image (each is read once); a missing or unreadable image is a DataError
-    naming the file, line and field of its first use."""
-    from packtrain.data.images import open_image
-
-    grids: dict[str, tuple[int, int, int]] = {}
-    for c in conversations:
-        for path, where in c.images:
-            if path in grids:
-                continue
-            if not Path(path).is_file():
-                raise DataError(source, c.line, where, f"image not found: {path}")
-            try:
-                image = open_image(path)
-                grid = processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
-            except Exception as e:  # noqa: BLE001 - any decoder error means the same thing to the user
-                raise DataError(source, c.line, where, f"cannot read image {path}: {e}") from None
-            grids[path] = tuple(int(v) for v in grid)
-    return grids
-
-
-def _expand_images(ids: list[int], images: list[tuple[str, str]], grids: dict, pad_id: int,
-                   merge: int) -> tuple[list[int], list[int]]:
-    """One image-pad token per image (as the template renders it) -> T*H*W/merge^2 of them; and where each index of
-    ``ids`` (and its end) lands in the result."""
-    out, where, k = [], [], 0
-    for t in ids:
-        where.append(len(out))
-        if t != pad_id:
-            out.append(t)
-            continue
-        gt, gh, gw = grids[images[k][0]]
-        out.extend([pad_id] * (gt * gh * gw // merge ** 2))
-        k += 1
-    where.append(len(out))
-    return out, where
-
-
-def _tokenize(conversations: list[_Conversation], tokenizer, source: Path, processor=None, train_on: str = "last",
-              template_kwargs: dict | None = None, chat_template: str | None = None) -> list[Example]:
-    if not (chat_template or tokenizer.chat_template):
-        raise ValueError(f"the tokenizer {tokenizer.name_or_path} has no chat template: text and chat data need one "
-                         "(or data.chat_template)")
-    template_kwargs = {**(template_kwargs or {}), **({"chat_template": chat_template} if chat_template else {})}
-    if train_on not in TRAIN_ON:
-        raise ValueError(f"unknown data.train_on {train_on!r} (known: {', '.join(TRAIN_ON)})")
-    grids: dict = {}
-    pad_id = None
-    if any(c.images for c in conversations):
-        from packtrain.data.images import load_image_processor
-
-        pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-        if pad_id is None or pad_id == tokenizer.unk_token_id or IMAGE_PAD not in tokenizer.get_vocab():
-            raise ValueError(f"the tokenizer {tokenizer.name_or_path} has no {IMAGE_PAD} token: examples with "
-                             "images need a vision-language tokenizer (data.tokenizer)")
-        processor = processor if processor is not None else load_image_processor(None)
-        grids = _image_grids(conversations, processor, source)
-
-    renders = [r for c in conversations for r in _renders(c, tokenizer, source, train_on, template_kwargs or {})]
-    for r in renders:  # text first: cheap, and a rewritten history is named before anything is tokenized
-        c = r.conv
-        if not r.whole.startswith(r.p):
-            raise DataError(source, c.line, c.system_field, "the chat template renders the system turn differently "
-                                                            "inside the whole conversation")
-        for k, before, through in r.turns:
-            if train_on == "all" and not (r.whole.startswith(before) and (through is None
-                                                                           or r.whole.startswith(through))):
-                raise DataError(source, c.line, _turn_field(c, k), _history_rewritten(k))
-            if not before.startswith(r.p) or not r.whole.startswith(before):
-                raise DataError(source, c.line, c.system_field, "the chat template renders the system turn or the "
-                                                                "prompt differently inside the whole conversation")
-    # One tokenization per distinct text: equal P's (and histories) share the resulting tuple.
-    texts = sorted({t for r in renders for t in (r.p, r.whole, *(x for turn in r.turns for x in turn[1:] if x))})
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    ids = {text: tuple(e) for text, e in zip(texts, encoded)}
-    return [_example(r, ids, train_on, source, pad_id, grids, processor) for r in renders]
-
-
-def _example(r: _Render, ids: dict, train_on: str, source: Path, pad_id, grids, processor) -> Example:
-    c, prefix, whole = r.conv, ids[r.p], ids[r.whole]
-    if whole[: len(prefix)] != prefix:
-        raise DataError(source, c.line, c.system_field, "the system turn's tokens are not a prefix of the whole "
-                                                        "example's tokens (the tokenizer merges across the end of "
-                                                        "the system turn)")
-    spans = []
-    for k, before, through in r.turns:
-        start, end = len(ids[before]), len(ids[through]) if through else len(whole)
-        if whole[:start] != ids[before]:
-            raise DataError(source, c.line, _turn_field(c, k), "the prompt's tokens are not a prefix of the whole "
-                                                        "example's tokens (the tokenizer merges across the start of "
-                                                        "the target)")
-        if through and whole[:end] != ids[through]:
-            raise DataError(source, c.line, _turn_field(c, k), "the tokens through this assistant turn are not a "
-                                                              "prefix of the whole example's tokens (the tokenizer "
-                                                              "merges across the end of the turn)")
-        if end <= start:
-            raise DataError(source, c.line, _turn_field(c, k), "the chat template renders nothing for this "
-                                                              "assistant turn")
-        spans.append((start, end))
-    cont = list(whole[len(prefix):])
-    spans = [(a - len(prefix), b - len(prefix)) for a, b in spans]
-    images = c.images[: r.n_images]
-    refs: tuple[ImageRef, ...] = ()
-    if pad_id is not None and (images or pad_id in cont):
-        for (a, b), (k, _, _) in zip(spans, r.turns):
-            if pad_id in cont[a:b]:
-                raise DataError(source, c.line, _turn_field(c, k), "an assistant turn holds an image placeholder")
-        if cont.count(pad_id) != len(images):
-            raise DataError(source, c.line, "messages", f"{len(images)} images but {cont.count(pad_id)} image "
-                                                        "placeholders after rendering the chat template")
-        cont, where = _expand_images(cont, images, grids, pad_id, processor.merge_size)
-        spans = [(where[a], where[b]) for a, b in spans]
-        refs = tuple(ImageRef(path, grids[path]) for path, _ in images)
-    first = spans[0][0]
-    item, target = tuple(cont[:first]), tuple(cont[first:])
-    explicit = tuple(spans) if spans != [(first, len(cont))] else ()
-    return Example(r.id, prefix, item, target, str(source), c.line, refs, explicit, len(spans))
 
 
 def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, processor=None,
                   vocab_size: int | None = None, max_line_bytes: int | None = None, train_on: str = "last",
-                  template_kwargs: dict | None = None, chat_template: str | None = None) -> list[Example]:
+                  template_kwargs: dict | None = None, chat_template: str | Path | None = None) -> list[Example]:
     """Every example of a JSONL file, or a DataError for the first bad one.
 
     ``tokenizer``: a tokenizer, the directory of one, or None. Text and chat need one (None: the bundled one); it is
@@ -611,7 +391,8 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
     the image processor for examples with images (an object, a local directory, or None: the bundled tiny one).
     ``max_line_bytes``: longer lines are refused unread (see :data:`LINE_BYTES_PER_TOKEN`). ``train_on`` and
     ``template_kwargs``: ``data.train_on`` and ``data.template_kwargs`` (text and chat; see the module docstring);
-    ``chat_template``: a template's text to use instead of the tokenizer's (``data.chat_template``).
+    ``chat_template``: a template to use instead of the tokenizer's (``data.chat_template``): its file (named in
+    errors), or its text.
     """
     path = Path(path)
     records = list(_records(path, max_line_bytes))
@@ -644,7 +425,7 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
             from packtrain.data.images import load_image_processor
 
             processor = load_image_processor(processor)
-        examples = _tokenize(conversations, tokenizer, path, processor, train_on, template_kwargs, chat_template)
+        examples = tokenize(conversations, tokenizer, path, processor, train_on, template_kwargs, chat_template)
     seen: dict[str, int] = {}
     for ex in examples:
         if ex.id in seen:
@@ -678,14 +459,14 @@ def load_split(cfg: Config, split: str, tokenizer=None) -> list[Example] | None:
                          template_kwargs=cfg.data.template_kwargs, chat_template=chat_template_of(cfg))
 
 
-def chat_template_of(cfg: Config) -> str | None:
-    """The text of ``data.chat_template`` (None: the tokenizer's own template)."""
+def chat_template_of(cfg: Config) -> Path | None:
+    """The file of ``data.chat_template`` (None: the tokenizer's own template)."""
     path = cfg.resolve_path(cfg.data.chat_template)
     if path is None:
         return None
     if not path.is_file():
         raise ValueError(f"data.chat_template: no such file {path}")
-    return path.read_text()
+    return path
 
 
 def model_vocab_size(cfg: Config) -> int | None:

@@ -208,6 +208,8 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         "conversations": len({(ex.source, ex.line) if getattr(ex, "line", 0) else i for i, ex in enumerate(planned)}),
         "turns": sum(getattr(ex, "turns", 1) for ex in planned),
         "target_tokens": sum(target_count(ex) for ex in planned),
+        # examples whose prompt and target, tokenized apart as at generation, are other tokens than the whole render
+        "whole_differs": sum(bool(getattr(ex, "whole_differs", False)) for ex in planned),
         "skipped": len(plan.skipped),
         "walked": len(walks),
         "walk_chunks": sum(pack.schedule.chunks for pack in walks),

@@ -14,6 +14,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from packtrain.config import Config
+from packtrain.models import lora_compute
 from packtrain.models.loading import SafetensorsCheckpoint
 from packtrain.packed.families import (
     ROUTER,
@@ -147,7 +148,7 @@ def _lora_targets(model: nn.Module, cfg: Config) -> list[str]:
 
 def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     """LoRA via peft, initialised from ``train.seed``; adapter weights in float32 (peft's autocast) whatever the
-    base dtype.
+    base dtype, computing in the base's dtype (:mod:`packtrain.models.lora_compute`).
 
     ``enable_input_require_grads`` marks the frozen embedding's output as requiring grad, so checkpointed layers
     see an input that needs gradients (without it a run trains with grad_norm exactly 0 on every step).
@@ -165,6 +166,7 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
             model = get_peft_model(model, lora_config(cfg, model), autocast_adapter_dtype=True)
     except ValueError as e:
         raise ValueError(f"lora: {e}") from None
+    lora_compute.install(model)
     router = [n for n, p in model.named_parameters() if p.requires_grad and f".{ROUTER}." in n]
     if router:
         # Without the router's auxiliary balance loss (never added: docs/families.md) a trained router drifts

@@ -22,7 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from packtrain.config import Config
+from packtrain.config import Config, TrainConfig
 from packtrain.models.build import apply_lora
 from packtrain.models.loading import (
     SafetensorsCheckpoint,
@@ -77,11 +77,24 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def head_unit_forward(lm_head: nn.Module, target_losses):
+    """``target_losses`` run as a forward of the FSDP unit ``lm_head``: its weight gathered once for all the
+    loss's chunks and once for all their recomputes in backward, its gradient reduced once (the chunks call the
+    head's own ``forward``, which runs no hooks). Calling the unit per chunk would gather the vocabulary-sized
+    matrix twice per chunk."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    lm_head.packtrain_target_losses = target_losses
+    register_fsdp_forward_method(lm_head, "packtrain_target_losses")
+    return lm_head.packtrain_target_losses
+
+
 def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, offload: bool = False,
             shard: bool = False, device=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-            context_grad: str = "full", fill=None) -> PackedLM:
+            context_grad: str = "full", loss_chunk_rows: int = TrainConfig.loss_chunk_rows, fill=None) -> PackedLM:
     """A LoRA-wrapped model -> the trainable root module. ``offload`` implies checkpointing; ``context_grad`` is
-    ``packing.context_grad`` (:mod:`packtrain.packed.context`).
+    ``packing.context_grad`` (:mod:`packtrain.packed.context`), ``loss_chunk_rows`` ``train.loss_chunk_rows``
+    (:mod:`packtrain.packed.loss`).
 
     ``fill(lm, kept)``: for a model built on the meta device, called last (after ``fully_shard``) to allocate and
     fill each rank's shards; ``kept`` are the tensors that already had values (see :mod:`packtrain.models.loading`)."""
@@ -91,14 +104,15 @@ def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, 
         offload_decoder_layers(model, ChunkPool(chunk_bytes, pin_memory=pin))
     elif checkpointing:
         checkpoint_decoder_layers(model)
-    lm = PackedLM(model, context_grad)
+    lm = PackedLM(model, context_grad, loss_chunk_rows)
     kept = real_tensors(lm) if fill is not None else None
     if device is not None and fill is None:
         lm = lm.to(device)
     if shard:
         from torch.distributed.fsdp import fully_shard
 
-        for unit in [*fsdp_units(model), lm]:
+        units = fsdp_units(model)
+        for unit in [*units, lm]:
             fully_shard(unit)
             # The ranks' gradients are summed, not averaged: every rank scales its units' losses by 1 / (the step's
             # examples) as one rank does (run.units.step_scale), so each pack's backward is the 1-rank one bit for
@@ -107,20 +121,25 @@ def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, 
             # reaches the collectives (gloo has no PREMUL_SUM).
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
+        _, lm_head = text_parts(model)
+        if lm_head in units:
+            lm.target_losses = head_unit_forward(lm_head, lm.target_losses)
     if fill is not None:
         fill(lm, kept)
     return lm
 
 
-def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool = False
-                        ) -> tuple[nn.Module, PackedLM, Backend]:
+def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool = False,
+                        backend: Backend | None = None) -> tuple[nn.Module, PackedLM, Backend]:
     """The whole order from a config: LoRA (``lora.*``), the back end (``model.kernels``, chosen for ``device``),
-    patch, checkpointing / offload (``train.*``), ``packing.context_grad`` and, with ``shard``, FSDP. Returns
-    (peft model, root, back end).
+    patch, checkpointing / offload and the loss's chunks (``train.*``), ``packing.context_grad`` and, with ``shard``,
+    FSDP. Returns (peft model, root, back end).
 
     A base built on the meta device (``build_base_model(..., meta=True)``) is filled last from ``model.path``,
     each rank reading only its shards; the load report is left on the root as ``lm.load_report``. On the CPU the
-    process's heap is then kept between steps (:func:`packtrain.models.loading.keep_heap_between_steps`)."""
+    process's heap is then kept between steps (:func:`packtrain.models.loading.keep_heap_between_steps`).
+    ``backend``: kernels chosen by the caller instead of ``model.kernels`` (``plan --measure`` runs CUDA's on the
+    CPU under fake tensors)."""
     fill = None
     if is_meta(base_model):
         fix_mmap_threshold()
@@ -130,10 +149,10 @@ def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool 
         def fill(lm, kept):
             lm.load_report = materialize(lm, kept, names, weights, device)
     model = apply_lora(base_model, cfg)
-    backend = select_backend(cfg.model.kernels, device)
+    backend = backend or select_backend(cfg.model.kernels, device, mlp_chunk_rows=cfg.train.mlp_chunk_rows)
     t = cfg.train
     lm = prepare(model, backend, checkpointing=t.activation_checkpointing, offload=t.offload, shard=shard,
-                 device=device, context_grad=cfg.packing.context_grad, fill=fill)
+                 device=device, context_grad=cfg.packing.context_grad, loss_chunk_rows=t.loss_chunk_rows, fill=fill)
     if torch.device(device).type == "cpu":  # activations are host memory: keep them between steps
         keep_heap_between_steps()
     return model, lm, backend

@@ -17,8 +17,15 @@ backward time), so its estimate is full's; ``frozen`` keeps nothing of P for bac
 the recomputed layer span the continuations only, plus P's cache (attention K/V of P in every full-attention layer,
 each GDN layer's float32 state and conv tail), and P's no_grad pass peaks before the continuations run.
 
-Approximate terms (marked ~): what the attention / Gated DeltaNet kernels and the RMSNorms save, the backward
-workspace, and FSDP's gathered weights. They depend on kernels; use ``packtrain smoke`` for the measured peak.
+Approximate terms (marked ~): what the attention / Gated DeltaNet kernels (fla's) and the RMSNorms save, the backward
+workspace, an adapter's output while its linear runs, and FSDP's gathered weights. They depend on kernels:
+``plan --memory --measure`` counts the step itself (:mod:`packtrain.run.measure`; tests/test_measure.py holds the
+estimate within 10% of it), ``packtrain smoke`` measures it on the device.
+
+The peak is the largest phase (:attr:`MemoryEstimate.phases`): the forward, the loss, one layer's recompute (the
+larger of its backward and its widest adapter's forward), the optimizer step; a phase's transients are never added to
+another's. Which of the step's savings the terms count (:class:`StepSavings`: the chunked loss, the tiled MLP, LoRA
+in the model's dtype, regenerated dropout masks, recomputed norms) follows the config.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from packtrain.packed.families import FAMILIES, check_config_dict, config_dict
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 OFFLOAD_CHUNK_BYTES = 64 * 2**20  # packtrain.models.offload.DEFAULT_CHUNK_BYTES (tested equal)
+# train.mlp_chunk_rows null: the MLP tile packtrain.packed.kernels takes by device (tested equal)
+MLP_TILE_ROWS = {"cpu": 512, "cuda": 8192}
 
 # Each family's text-config defaults for the fields used here (tested equal to transformers').
 _GDN = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
@@ -56,6 +65,9 @@ FULL, LINEAR = "full_attention", "linear_attention"
 DENSE, MOE = "dense", "moe"
 
 
+config_dict_of = config_dict  # ``model.config``, or ``config.json`` under ``model.path``
+
+
 def text_config(raw: dict) -> dict:
     """A config dict of a supported family (text, or vision-language with ``text_config``; without a model_type:
     Qwen3.5) -> the text fields, defaulted, with ``family`` (its row's model type) and ``kinds`` (per layer: mixer,
@@ -74,13 +86,38 @@ def text_config(raw: dict) -> dict:
     return text
 
 
+def kind_name(text: dict, kind) -> str:
+    """A layer kind as the output names it: its mixer, and its MLP in a family with routed experts."""
+    mixer, mlp = _kind(kind)
+    return f"{mixer}, {mlp}" if FAMILIES[text["family"]].moe else mixer
+
+
+def distinct_kinds(text: dict) -> list[tuple[str, str]]:
+    """The layer kinds of a text config, each once, in the order they first appear."""
+    return list(dict.fromkeys(text["kinds"]))
+
+
+def reduced_config(cfg) -> dict:
+    """The config dict of ``cfg``'s model with one decoder layer of each kind (``plan --measure``): the layer
+    types in the order they first appear, and dense MLPs where the full model has them (``mlp_only_layers``)."""
+    raw = dict(config_dict_of(cfg))
+    family = check_config_dict(raw)
+    kinds = distinct_kinds(text_config(raw))
+    small = {"num_hidden_layers": len(kinds), "layer_types": [mixer for mixer, _ in kinds]}
+    if family.moe:
+        small.update(mlp_only_layers=[i for i, (_, mlp) in enumerate(kinds) if mlp == DENSE], decoder_sparse_step=1)
+    if family.vision:
+        raw["text_config"] = {**raw.get("text_config", {}), **small}
+    else:
+        raw.update(small)
+    return raw
+
+
 def _routed(text: dict, family, i: int) -> bool:
     """Whether layer i has routed experts (Qwen3-Next: not in mlp_only_layers, every decoder_sparse_step-th)."""
     return (family.moe and text.get("num_experts", 0) > 0 and i not in text["mlp_only_layers"]
             and (i + 1) % text["decoder_sparse_step"] == 0)
 
-
-config_dict_of = config_dict  # ``model.config``, or ``config.json`` under ``model.path``
 
 
 def _kind(kind) -> tuple[str, str]:
@@ -172,12 +209,21 @@ class Term:
 class MemoryEstimate:
     terms: list[Term]
     title: str
+    phases: dict[str, int] = dataclasses.field(default_factory=dict)  # phase -> device bytes alive at its peak
+    savings: object = None  # the StepSavings it counted
 
     def get(self, key: str) -> Term:
         return next(t for t in self.terms if t.key == key)
 
     def total(self, where: str = "device") -> int:
+        """Device: the largest phase (never two phases' transients together); host: every host term."""
+        if where == "device" and self.phases:
+            return max(self.phases.values())
         return sum(t.bytes for t in self.terms if t.where == where and t.depth == 0)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
 
 
 def _shape(*dims: int) -> str:
@@ -185,54 +231,88 @@ def _shape(*dims: int) -> str:
 
 
 def adapter_terms(text: dict, layer_type, T: int, b: int, a: int, r: int, targets: list[str],
-                  dropout: float, mask_bytes: int = 1) -> list[Term]:
+                  dropout: float, mask_bytes: int = 1, masks_regenerated: bool = False,
+                  mlp_rows: int | None = None) -> list[Term]:
     """What each adapter of one layer saves for backward: its input (a copy when peft casts it to the adapter dtype
-    or drops it out, plus the dropout mask), and lora_A's [T, r] output. ``mask_bytes``: 1 on CUDA (the fused
-    dropout keeps a bool mask); CPU's unfused dropout keeps it in the input's dtype (``a``)."""
+    or drops it out, plus the dropout mask, unless the mask is regenerated in backward), and lora_A's [T, r] output.
+    ``mask_bytes``: 1 on CUDA (the fused dropout keeps a bool mask); CPU's unfused dropout keeps it in the input's
+    dtype (``a``). ``mlp_rows``: a tiled MLP's adapters hold one tile's rows at a time."""
     terms, shared = [], set()
-    own_copy = a != b or dropout > 0
+    own_copy = a != b or (dropout > 0 and not masks_regenerated)
+    mask = mask_bytes if dropout > 0 and not masks_regenerated else 0
     for name, (din, _, group) in linears(text, layer_type).items():
         if name not in targets:
             continue
+        rows = mlp_rows if mlp_rows and group in ("post_norm", "mlp_product") else T
         if own_copy:
-            n = T * din * (a + (mask_bytes if dropout > 0 else 0))
+            n = rows * din * (a + mask)
             kind = "float32" if a == 4 else f"{a}-byte"
-            what = f"{_shape(T, din)} {kind} copy" + (" + dropout mask" if dropout else "")
+            what = f"{_shape(rows, din)} {kind} copy" + (" + dropout mask" if mask else "")
         else:
-            n = 0 if group in shared else T * din * b
+            n = 0 if group in shared else rows * din * b
             shared.add(group)
-            what = f"{_shape(T, din)} input" + (" (shared with another adapter)" if n == 0 else "")
-        terms.append(Term(f"lora:{name}", f"{name} adapter input {what}", n + T * r * a, depth=1))
+            what = f"{_shape(rows, din)} input" + (" (shared with another adapter)" if n == 0 else "")
+        terms.append(Term(f"lora:{name}", f"{name} adapter input {what}", n + rows * r * a, depth=1))
     return terms
 
 
-def mixer_term(text: dict, layer_type, T: int, b: int) -> Term:
+def lora_output_term(text: dict, layer_type, T: int, a: int, targets: list[str],
+                     mlp_rows: int | None = None, copies: int = 2) -> list[Term]:
+    """The widest adapter's output while its linear runs, alive for a moment, not saved: peft's lora_B output and
+    its scaled copy (``copies`` 2, in the adapter's dtype); packtrain's LoRA in the model's dtype adds one delta into
+    the base output in place (1)."""
+    widths = [(mlp_rows if mlp_rows and group in ("post_norm", "mlp_product") else T, out, name)
+              for name, (_, out, group) in linears(text, layer_type).items() if name in targets]
+    if not widths:
+        return []
+    rows, out, name = max(widths, key=lambda w: w[0] * w[1])
+    what = "output + its scaling: 2" if copies == 2 else "delta: 1"
+    return [Term("lora_out", f"{name} adapter {what} x {_shape(rows, out)} ({a}-byte)",
+                 copies * rows * out * a, approx=True, depth=1)]
+
+
+def mixer_term(text: dict, layer_type, T: int, b: int, norms_recomputed: bool = False,
+               continuations: float = 0.5) -> Term:
+    """``continuations``: the continuations' share of the T positions (the GDN conv gathers a copy of their rows)."""
     mixer, _ = _kind(layer_type)
     if mixer == FULL:
         q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
         gate = FAMILIES[text["family"]].attention_gate
         # q/k RMSNorm float32 copies; rotated q, k; attention's q, k, v, output; the output gate and its sigmoid
-        per = 4 * (q + kv) + b * ((5 if gate else 3) * q + 3 * kv)
+        per = (0 if norms_recomputed else 4 * (q + kv)) + b * ((5 if gate else 3) * q + 3 * kv)
         label = "attention: q/k norms, rotary, kernel in/out" + (", output gate" if gate else "")
     else:
         key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
         value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
         conv_dim = 2 * key + value
-        # conv input and output; z, the delta-rule output, the gated norm's output; float32 WY blocks (64 per
-        # value head) and the gated norm's float32 copies
-        per = b * (2 * conv_dim + 3 * value) + 4 * (64 * text["linear_num_value_heads"] + 2 * value)
-        label = "Gated DeltaNet: conv in/out, z, delta rule, gated norm"
+        HV = text["linear_num_value_heads"]
+        # what fla's kernels save: the conv's input (the projection's output, and a gathered copy of the
+        # continuations' rows) and output (v reads it), l2-normed q and k, the WY blocks (64 per value head); the
+        # gated norm's output and its float32 copies
+        per = (b * ((2 + continuations) * conv_dim + 2 * key + 64 * HV + value)
+               + 4 * (2 * HV + (0 if norms_recomputed else 3 * value)))
+        label = "Gated DeltaNet (fla's saved tensors): conv in/out, q/k l2-normed, WY blocks, z, gated norm"
     return Term("mixer", label, T * per, approx=True, depth=1)
 
 
-def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=()) -> list[Term]:
-    """The MLP's saved intermediates and its backward workspace. Routed experts (approximate: the per-expert loop's
-    gathers and outputs) see T x k token rows of width I_e; targeted expert stacks are saved adapted (W + BA: peft's
-    parametrization makes a new [experts, out, in] tensor per stack)."""
+def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=(), mlp_rows: int | None = None
+              ) -> list[Term]:
+    """The MLP's saved intermediates and its backward workspace. A tiled dense MLP (``mlp_rows``) keeps its input
+    for the tiles' recompute and one tile's intermediates at a time. Routed experts (approximate: the per-expert
+    loop's gathers and outputs) see T x k token rows of width I_e; targeted expert stacks are saved adapted (W + BA:
+    peft's parametrization makes a new [experts, out, in] tensor per stack)."""
     H = text["hidden_size"]
     if _kind(layer_type)[1] == DENSE:
         I = text["intermediate_size"]
+        if mlp_rows:
+            R = min(mlp_rows, T)
+            return [Term("mlp", f"tiled MLP: its input {_shape(T, H)}, one tile's 3 x {_shape(R, I)}",
+                         T * H * b + 3 * R * I * b, depth=1),
+                    Term("mlp_first", f"gate_proj's output {_shape(R, I)} (one tile)", R * I * b, depth=1),
+                    Term("workspace", f"backward workspace: 2 x {_shape(R, I)} SwiGLU gradients (one tile)",
+                         2 * R * I * b, approx=True, depth=1)]
         return [Term("mlp", f"MLP intermediates: 3 x {_shape(T, I)} (gate, SiLU(gate), up)", 3 * T * I * b, depth=1),
+                Term("mlp_first", f"gate_proj's output {_shape(T, I)} (in the recompute)", T * I * b, depth=1),
                 Term("workspace", f"backward workspace: 2 x {_shape(T, I)} SwiGLU gradients",
                      2 * T * I * b, approx=True, depth=1)]
     k, E, Ie, Is = (text["num_experts_per_tok"], text["num_experts"], text["moe_intermediate_size"],
@@ -252,17 +332,68 @@ def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=()) -> l
 
 
 def layer_recompute(text: dict, layer_type, T: int, b: int, a: int, r: int, targets: list[str],
-                    dropout: float, mask_bytes: int = 1, target_parameters=()) -> list[Term]:
-    """One decoder layer's saved tensors while its backward runs, plus the backward workspace."""
+                    dropout: float, mask_bytes: int = 1, target_parameters=(), savings=None,
+                    continuations: float = 0.5) -> list[Term]:
+    """One decoder layer's saved tensors while its backward runs, plus the largest transient (the backward
+    workspace, or the widest adapter's output): see :func:`layer_total`."""
+    savings = savings or StepSavings()
     H = text["hidden_size"]
-    mlp, workspace = (lambda ts: (ts[:-1], ts[-1]))(mlp_terms(text, layer_type, T, b, target_parameters))
+    rows = savings.mlp_rows if _kind(layer_type)[1] == DENSE else 0
+    mlp, workspace = (lambda ts: (ts[:-1], ts[-1]))(mlp_terms(text, layer_type, T, b, target_parameters, rows))
+    norms = ([] if savings.norms_recomputed else
+             [Term("norms", f"RMSNorm float32 copies: 2 x {_shape(T, H)}", 2 * T * H * 4, approx=True, depth=1)])
     return [
         *mlp,
-        *adapter_terms(text, layer_type, T, b, a, r, targets, dropout, mask_bytes),
-        mixer_term(text, layer_type, T, b),
-        Term("norms", f"RMSNorm float32 copies: 2 x {_shape(T, H)}", 2 * T * H * 4, approx=True, depth=1),
+        *adapter_terms(text, layer_type, T, b, a, r, targets, dropout, mask_bytes, savings.masks_regenerated, rows),
+        mixer_term(text, layer_type, T, b, savings.norms_recomputed, continuations),
+        *norms,
         workspace,
+        *lora_output_term(text, layer_type, T, a, targets, rows, 1 if savings.lora_in_model_dtype else 2),
     ]
+
+
+def layer_total(terms: list[Term]) -> int:
+    """What is alive at a layer's peak, the larger of two moments: its backward (everything it saves, plus the
+    backward workspace), and the widest adapter's forward in the recompute (what the layer saved before its MLP,
+    the MLP's first output, and that adapter's output)."""
+    saved = sum(t.bytes for t in terms if t.key not in _TRANSIENT | {"mlp_first"})
+    backward = saved + sum(t.bytes for t in terms if t.key == "workspace")
+    before_mlp = sum(t.bytes for t in terms if t.key not in _TRANSIENT | _AFTER_GATE)
+    forward = before_mlp + sum(t.bytes for t in terms if t.key in ("mlp_first", "lora_out"))
+    return max(backward, forward)
+
+
+_AFTER_GATE = {"mlp", "mlp_first", "experts_adapted", "lora:up_proj", "lora:down_proj"}
+
+
+@dataclass(frozen=True)
+class StepSavings:
+    """What the training step keeps, as the estimate counts it: the chunked loss (``loss_rows`` target rows per
+    chunk of lm_head + cross-entropy, recomputed in backward; 0: all rows at once), the tiled dense MLP
+    (``mlp_rows`` buffer rows per checkpointed tile; 0: whole), LoRA computing in the model's dtype (no float32
+    copies), dropout masks regenerated in backward (no copy per adapter), RMSNorm recomputed (no float32 copies)."""
+    loss_rows: int = 0
+    mlp_rows: int = 0
+    lora_in_model_dtype: bool = False
+    masks_regenerated: bool = False
+    norms_recomputed: bool = False
+
+    def describe(self) -> list[str]:
+        def rows(n):
+            return f"{n:,} rows" if n else "off"
+
+        return [f"chunked loss: {rows(self.loss_rows)}", f"tiled MLP: {rows(self.mlp_rows)}",
+                f"LoRA in the model's dtype: {'on' if self.lora_in_model_dtype else 'off (float32 copies)'}",
+                f"dropout masks regenerated: {'on' if self.masks_regenerated else 'off (kept)'}",
+                f"norms recomputed: {'on' if self.norms_recomputed else 'off (float32 copies kept)'}"]
+
+
+def savings_for(cfg, device: str = "cuda") -> StepSavings:
+    """The savings a config's step has on ``device`` (``train.mlp_chunk_rows`` null: the device's default)."""
+    t = cfg.train
+    mlp = t.mlp_chunk_rows if t.mlp_chunk_rows is not None else MLP_TILE_ROWS[device]
+    return StepSavings(loss_rows=t.loss_chunk_rows, mlp_rows=mlp, lora_in_model_dtype=True, masks_regenerated=True,
+                       norms_recomputed=True)
 
 
 def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16", adapter_dtype: str | None = None,
@@ -270,8 +401,14 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
              momentum: float = 0.0, checkpointing: bool = True, offload: bool = False, world_size: int = 1,
              continuations: int | None = None, offload_chunk_bytes: int = OFFLOAD_CHUNK_BYTES,
              lora_parameters_targets: list[str] = (), context_grad: str = "full",
-             prefix: int = 0, group_positions: int | None = None) -> MemoryEstimate:
-    """``group_positions``: with ``packing.continuation_groups`` > 1, the continuation positions of the pack's
+             prefix: int = 0, group_positions: int | None = None,
+             savings: StepSavings = StepSavings()) -> MemoryEstimate:
+    """The peak is the largest phase (:attr:`MemoryEstimate.phases`): the forward, the loss (head, cross-entropy and
+    their backward), one layer's recompute and backward (layers recompute one at a time), the optimizer step; each
+    with every term alive then (weights, gathered units, adapters with their gradients and optimizer states, the
+    checkpointed inputs), never two phases' transients together.
+
+    ``group_positions``: with ``packing.continuation_groups`` > 1, the continuation positions of the pack's
     largest group (packtrain/packed/groups.py): the graph alive is P's and that group's, a layer's recompute the larger of
     P's and the group's, plus the gradients of P's K/V, states and tails the groups sum."""
     M, W = targets, world_size
@@ -283,37 +420,47 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
         T_layer = group_positions if context_grad == "frozen" else max(prefix, group_positions)
     H, V, L = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
     b = DTYPE_BYTES[dtype]
-    a = DTYPE_BYTES[adapter_dtype] if adapter_dtype else (4 if b == 2 else b)
+    a = DTYPE_BYTES[adapter_dtype] if adapter_dtype else (b if savings.lora_in_model_dtype else 4 if b == 2 else b)
     targets_list = list(lora_targets)
     checkpointing = checkpointing or offload
     sharded = f", / {W} ranks" if W > 1 else ""
     terms: list[Term] = []
+    static: list[str] = []  # keys of the terms alive in every phase
 
     n_params = model_parameters(text)
     terms.append(Term("weights", f"base weights: {n_params / 1e9:.2f}B parameters, {dtype}{sharded}",
                       math.ceil(n_params * b / W)))
+    static.append("weights")
+    biggest = max(layer_parameters(text, k) for k in set(text["kinds"])) * b
+    gathered = {"layer": 2 * biggest, "loss": biggest + (V * H + H) * b, "optimizer": 0} if W > 1 else {}
     if W > 1:
-        biggest = max(layer_parameters(text, k) for k in set(text["kinds"]))
         # Decoder layers, the embedding and the head are FSDP units of their own (packtrain.models.wrap.fsdp_units):
-        # two layers (one running, one prefetched) and one vocabulary matrix at a time; tied, the root holds it.
-        terms.append(Term("gathered", "FSDP gathered: 2 decoder layers + one vocabulary matrix (embedding or head)",
-                          (2 * biggest + V * H + H) * b, approx=True))
+        # two layers at a time (one running, one prefetched); the loss holds the head and one layer.
+        terms.append(Term("gathered", "FSDP gathered: 2 decoder layers (the loss: the head and 1 layer)",
+                          max(gathered.values()), approx=True))
     n_lora = lora_parameters(text, lora_r, targets_list, lora_parameters_targets)
     states = {"adamw": 2, "sgd": 1 if momentum else 0}[optimizer]
+    master = 4 if b == 2 else b  # master adapter weights, their gradients and states stay float32
     terms.append(Term("adapters", f"LoRA: {n_lora / 1e6:.1f}M parameters x (weight, grad, {states} optimizer states)"
-                      f" x {a} bytes{sharded}", math.ceil(n_lora * a * (2 + states) / W)))
+                      f" x {master} bytes{sharded}", math.ceil(n_lora * master * (2 + states) / W)))
+    static.append("adapters")
     if context_grad == "frozen":
         terms += frozen_prefix_terms(text, prefix, b)
+        static.append("prefix_cache")
     elif group_positions is not None:
         cache = frozen_prefix_terms(text, prefix, b)[0]
         terms.append(Term("prefix_grads", "gradients of P's outputs the groups sum: " + cache.label.split(": ", 1)[1],
                           cache.bytes))
+        static.append("prefix_grads")
 
     layer_input = T * H * b
     kinds = sorted(set(text["kinds"]))
+    share = (T_layer - prefix) / T_layer if prefix and context_grad != "frozen" else 1.0
     per_kind = {k: layer_recompute(text, k, T_layer, b, a, lora_r, targets_list, lora_dropout,
-                                   target_parameters=lora_parameters_targets) for k in kinds}
-    kind = max(kinds, key=lambda k: sum(t.bytes for t in per_kind[k]))
+                                   target_parameters=lora_parameters_targets, savings=savings, continuations=share)
+                for k in kinds}
+    kind = max(kinds, key=lambda k: layer_total(per_kind[k]))
+    carried: list[str] = []  # alive from the end of the forward to the end of backward
     if offload:
         chunks = math.ceil(layer_input / offload_chunk_bytes) * offload_chunk_bytes
         terms.append(Term("checkpointed_inputs", f"checkpointed layer inputs: {L} x {_shape(T, H)} {dtype} "
@@ -324,30 +471,65 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
         terms.append(Term("checkpointed_inputs", f"checkpointed layer inputs: {L} x {_shape(T, H)} {dtype}",
                           L * layer_input))
         terms.append(Term("residual", f"gradient of the hidden states: {_shape(T, H)}", layer_input))
+        carried.append("checkpointed_inputs")
     else:
         graph = per_kind if T == T_layer else {
             k: layer_recompute(text, k, T, b, a, lora_r, targets_list, lora_dropout,
-                               target_parameters=lora_parameters_targets) for k in kinds}
-        saved = sum(sum(t.bytes for t in graph[k] if t.key != "workspace") for k in text["kinds"])
+                               target_parameters=lora_parameters_targets, savings=savings, continuations=share)
+            for k in kinds}
+        saved = sum(sum(t.bytes for t in graph[k] if t.key not in _TRANSIENT) for k in text["kinds"])
         terms.append(Term("all_layers", f"saved activations of all {L} layers (no checkpointing)", saved,
                           approx=True))
-    parts = per_kind[kind]
+        terms.append(Term("residual", f"gradient of the hidden states: {_shape(T, H)}", layer_input))
+        carried.append("all_layers")
     title = "one layer's recompute" if checkpointing else "one layer's backward"
+    layer_totals = {k: layer_total(per_kind[k]) for k in kinds}
     what = kind[0].replace("_", " ") + (", MoE" if kind[1] == MOE else "")
-    terms.append(Term("layer_peak", f"{title} ({what} layer, the largest)",
-                      sum(t.bytes for t in parts), approx=True))
-    terms.extend(parts)
+    terms.append(Term("layer_peak", f"{title} ({what} layer, the largest)", layer_totals[kind], approx=True))
+    terms.extend(per_kind[kind])
 
-    # the head's output, its float32 copy for the loss, and the log-softmax the loss keeps
-    terms.append(Term("logits", f"target-only logits {_shape(M, V)}: {dtype} + 2 float32", M * V * (b + 4 + 4)))
+    rows = min(savings.loss_rows, M) if savings.loss_rows else M
+    chunk = f" in chunks of {rows:,} rows, recomputed in backward" if savings.loss_rows else ""
+    # three float32 [rows, V] alive in the log-softmax's backward (per chunk when chunked), the head's own output
+    # freed by then
+    terms.append(Term("logits", f"target-only logits {_shape(rows, V)}{chunk}: 3 float32 in the log-softmax's "
+                      "backward", rows * V * 3 * 4))
+    terms.append(Term("loss_hidden", f"the target rows' hidden states and their gradient: 2 x {_shape(M, H)}",
+                      2 * M * H * b))
+    # after the chunks, the final RMSNorm's backward runs in float32 over the whole buffer: its saved float32 copy,
+    # the incoming gradient and its intermediate gradients
+    terms.append(Term("final_norm", f"the final norm's backward: 6 x {_shape(T, H)} float32", 6 * T * H * 4,
+                      approx=True))
+    if offload:  # the embedding's output stays alive (the first layer's input); checkpointed inputs hold it else
+        terms.append(Term("embedding_out", f"the embedding's output {_shape(T, H)}", layer_input))
     terms.append(Term("logits_full", f"not needed: logits at every position {_shape(positions, V)} {dtype}",
                       positions * V * b, where="compare"))
+
+    def alive(keys) -> int:
+        return sum(t.bytes for t in terms if t.key in keys and t.where == "device")
+
+    base = alive(static)
+    # the forward: a checkpointed layer keeps nothing, so its peak is a layer's transients (an adapter's output
+    # beside the MLP's first intermediate); without checkpointing, every layer's saved tensors
+    transient = max(sum(t.bytes for t in per_kind[k] if t.key in ("lora_out", "mlp_first")) for k in kinds)
+    phases = {"forward": base + gathered.get("layer", 0) + alive(carried) + alive(["residual"]) + transient,
+              "loss": base + gathered.get("loss", 0) + alive(carried) + alive(["embedding_out", "loss_hidden"])
+              + max(alive(["logits"]), alive(["final_norm"]))}
+    for k in kinds:
+        phases[f"{'recompute' if checkpointing else 'backward'} {kind_name(text, k)}"] = (
+            base + gathered.get("layer", 0) + alive(carried) + alive(["residual"]) + layer_totals[k])
+    # AdamW's step: its foreach kernels hold about two more copies of the adapters' float32 tensors
+    phases["optimizer"] = base + math.ceil(n_lora * master * 2 / W)
     conts = f", {continuations} continuations" if continuations is not None else ""
     mode = "" if context_grad == "full" else f"; context_grad {context_grad}"
     if group_positions is not None:
         mode += f"; continuations in groups (the largest {group_positions:,} positions)"
     return MemoryEstimate(terms, f"memory per GPU for the largest pack: {positions:,} positions{conts}, {M:,} target "
-                                 f"tokens; world size {W}{mode}")
+                                 f"tokens; world size {W}{mode}", phases, savings)
+
+
+_TRANSIENT = {"workspace", "lora_out", "mlp_first"}  # alive only for a moment of the layer's recompute or backward
+_BACKWARD = {"workspace"}
 
 
 def frozen_prefix_terms(text: dict, prefix: int, b: int) -> list[Term]:
@@ -356,11 +538,16 @@ def frozen_prefix_terms(text: dict, prefix: int, b: int) -> list[Term]:
     types = text["layer_types"]
     full, linear = sum(t == FULL for t in types), sum(t != FULL for t in types)
     kv = 2 * prefix * text["num_key_value_heads"] * text["head_dim"] * b
-    key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
-    conv_dim = 2 * key + text["linear_num_value_heads"] * text["linear_value_head_dim"]
-    state = text["linear_num_value_heads"] * text["linear_key_head_dim"] * text["linear_value_head_dim"] * 4
-    gdn = state + conv_dim * text["linear_conv_kernel_dim"] * b
-    H, I = text["hidden_size"], text["intermediate_size"]
+    gdn = 0
+    if linear:  # a family without Gated DeltaNet layers has none of their widths
+        key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
+        conv_dim = 2 * key + text["linear_num_value_heads"] * text["linear_value_head_dim"]
+        state = text["linear_num_value_heads"] * text["linear_key_head_dim"] * text["linear_value_head_dim"] * 4
+        gdn = state + conv_dim * text["linear_conv_kernel_dim"] * b
+    H = text["hidden_size"]
+    # a routed layer's widths per token: its shared expert and the k experts it routes to
+    I = text.get("intermediate_size") or (text.get("shared_expert_intermediate_size", 0)
+                                          + text.get("num_experts_per_tok", 0) * text.get("moe_intermediate_size", 0))
     return [
         Term("prefix_cache", f"P's cache: {full} x K/V {_shape(prefix, 2 * text['num_key_value_heads'] * text['head_dim'])}"
                              f" + {linear} GDN states", full * kv + linear * gdn),
@@ -388,26 +575,98 @@ def largest_unit(plan, examples, mode: str, max_positions: int | None = None) ->
     return max(units, key=lambda u: u[0])[1]
 
 
-def estimate_for_plan(cfg, plan, examples, world_size: int, context_grad: str | None = None) -> MemoryEstimate:
-    """The estimate for the largest unit under ``context_grad`` (default: the config's ``packing.context_grad``)."""
-    prompt, ids = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
-    prefix = len(plan.prompts[prompt])
-    positions = prefix + sum(examples[e].len_continuation for e in ids)
-    targets = sum(target_count(examples[e]) for e in ids)
-    group_positions = None
-    if cfg.packing.continuation_groups > 1 and cfg.packing.mode == "shared_prefix":
-        from packtrain.packed.groups import split
-
-        lengths = [examples[e].len_continuation for e in ids]
-        group_positions = max(sum(lengths[i] for i in run) for run in split(lengths, cfg.packing.continuation_groups))
-    return estimate(text_config(config_dict_of(cfg)), positions, targets, dtype=cfg.model.dtype,
+def _plan_estimate(cfg, text: dict, world_size: int, context_grad: str, positions: int, targets: int,
+                   continuations: int, prefix: int, group_positions: int | None) -> MemoryEstimate:
+    return estimate(text, positions, targets, dtype=cfg.model.dtype,
                     lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules, lora_dropout=cfg.lora.dropout,
                     lora_parameters_targets=cfg.lora.target_parameters,
                     optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
                     checkpointing=cfg.train.activation_checkpointing, offload=cfg.train.offload,
-                    world_size=world_size, continuations=len(ids),
-                    context_grad=context_grad or cfg.packing.context_grad, prefix=prefix,
-                    group_positions=group_positions)
+                    world_size=world_size, continuations=continuations, context_grad=context_grad, prefix=prefix,
+                    group_positions=group_positions, savings=savings_for(cfg))
+
+
+def unit_shape(cfg, plan, examples) -> dict:
+    """The largest unit's shape: P, each continuation's positions and target tokens."""
+    prompt, ids = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
+    return {"prefix": len(plan.prompts[prompt]), "lengths": [examples[e].len_continuation for e in ids],
+            "targets": [target_count(examples[e]) for e in ids]}
+
+
+def estimate_for_plan(cfg, plan, examples, world_size: int, context_grad: str | None = None) -> MemoryEstimate:
+    """The estimate for the largest unit under ``context_grad`` (default: the config's ``packing.context_grad``)."""
+    shape = unit_shape(cfg, plan, examples)
+    lengths = shape["lengths"]
+    group_positions = None
+    if cfg.packing.continuation_groups > 1 and cfg.packing.mode == "shared_prefix":
+        from packtrain.packed.groups import split
+
+        group_positions = max(sum(lengths[i] for i in run) for run in split(lengths, cfg.packing.continuation_groups))
+    return _plan_estimate(cfg, text_config(config_dict_of(cfg)), world_size, context_grad or cfg.packing.context_grad,
+                          shape["prefix"] + sum(lengths), sum(shape["targets"]), len(lengths), shape["prefix"],
+                          group_positions)
+
+
+def max_token_budget(cfg, plan, examples, world_size: int, gib: float) -> dict:
+    """The largest ``packing.token_budget`` whose estimate fits ``gib`` per GPU: the largest unit's P with as many
+    continuations of its mean length and mean target tokens as the budget holds (a binary search over budgets)."""
+    shape = unit_shape(cfg, plan, examples)
+    p, n0 = shape["prefix"], len(shape["lengths"])
+    mean_len, mean_targets = sum(shape["lengths"]) / n0, sum(shape["targets"]) / n0
+    text = text_config(config_dict_of(cfg))
+
+    def at(budget: int) -> tuple[int, MemoryEstimate]:
+        n = max(1, int((budget - p) / mean_len))
+        return n, _plan_estimate(cfg, text, world_size, cfg.packing.context_grad, budget, round(n * mean_targets), n,
+                                 p, None)
+
+    limit = gib * GiB
+    lo, hi = p + math.ceil(mean_len), p + math.ceil(mean_len)
+    if at(lo)[1].total() > limit:
+        return {"token_budget": None, "gpu_memory_gib": gib, "prefix": p, "continuation_positions": mean_len,
+                "continuation_targets": mean_targets, "continuations": 0, "estimate_bytes": at(lo)[1].total()}
+    while at(hi)[1].total() <= limit and hi < 2**31:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if at(mid)[1].total() <= limit else (lo, mid)
+    n, est = at(lo)
+    return {"token_budget": lo, "gpu_memory_gib": gib, "prefix": p, "continuation_positions": mean_len,
+            "continuation_targets": mean_targets, "continuations": n, "estimate_bytes": est.total(),
+            "peak_phase": est.peak_phase, "max_continuations": cfg.packing.max_continuations}
+
+
+def format_budget(b: dict) -> str:
+    head = (f"largest packing.token_budget fitting {b['gpu_memory_gib']:g} GiB per GPU (the estimate; P of "
+            f"{b['prefix']:,} tokens and continuations of the largest pack's mean, {b['continuation_positions']:,.0f} "
+            f"positions and {b['continuation_targets']:,.0f} target tokens each, as many as fit)")
+    if b["token_budget"] is None:
+        return f"{head}: none (P with one continuation needs {b['estimate_bytes'] / GiB:.2f} GiB)"
+    line = (f"{head}: {b['token_budget']:,} positions, {b['continuations']} continuations "
+            f"({b['estimate_bytes'] / GiB:.2f} GiB, peak in {b['peak_phase']})")
+    if b["continuations"] > b["max_continuations"]:
+        line += f"; needs packing.max_continuations >= {b['continuations']} (now {b['max_continuations']})"
+    return line
+
+
+def format_phases(est: MemoryEstimate, measured=None) -> str:
+    """Each phase's device peak: the estimate, and with ``measured`` (``plan --measure``) the counted step."""
+    lines = ["peak per phase (GiB on each GPU; the peak is the largest phase, not a sum)",
+             f"  {'phase':<32}{'estimate':>10}" + (f"{'measured':>10}" if measured is not None else "")]
+    names = list(est.phases) + [p for p in (measured.phases if measured else {}) if p not in est.phases]
+    for name in names:
+        e = est.phases.get(name)
+        row = f"  {name:<32}{'' if e is None else f'{e / GiB:.2f}':>10}"
+        if measured is not None:
+            m = measured.phases.get(name)
+            row += f"{'' if m is None else f'{m / GiB:.2f}':>10}"
+        lines.append(row)
+    lines.append(f"  {'peak':<32}{est.total() / GiB:>10.2f}" + (f"{measured.peak / GiB:>10.2f}" if measured else ""))
+    if measured is not None:
+        lines.append(f"  {'host (checkpointed inputs)':<32}{est.total('host') / GiB:>10.2f}{measured.host / GiB:>10.2f}")
+        lines += [f"  measured: {note}" for note in measured.notes]
+    lines.append("  savings: " + "; ".join(est.savings.describe()))
+    return "\n".join(lines)
 
 
 CONTEXT_GRADS = ("full", "kv_only", "frozen")
@@ -479,3 +738,22 @@ def available_host_memory() -> int | None:
     except OSError:
         return None
     return None
+
+
+def memory_line(cfg, est: MemoryEstimate) -> str:
+    """The run header's memory line: the estimate's peak and which savings are on."""
+    t = cfg.train
+    keep = "checkpointing + offload" if t.offload else "checkpointing" if t.activation_checkpointing else \
+        "no checkpointing"
+    return (f"memory: about {est.total() / GiB:.1f} GiB per GPU at the largest pack (the estimate, peak in "
+            f"{est.peak_phase}; `packtrain plan --memory --measure` counts the step); {keep}; "
+            + "; ".join(est.savings.describe()))
+
+
+def fit_warning(est: MemoryEstimate, device_bytes: int, token_budget: int) -> str | None:
+    """A warning when the estimate's peak does not fit the device's memory, else None."""
+    if est.total() <= device_bytes:
+        return None
+    return (f"warning: packing.token_budget {token_budget:,} does not fit this GPU: the estimate's peak "
+            f"{est.total() / GiB:.1f} GiB ({est.peak_phase}) is over its {device_bytes / GiB:.1f} GiB; "
+            "`packtrain plan --memory --gpu-memory GIB` gives the largest budget that fits")

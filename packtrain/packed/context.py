@@ -23,7 +23,8 @@ same semantics on a pack, and skips work where an upstream gradient is exactly z
 - P's causal self-attention runs under no_grad (its output's gradient is zero; the continuations' reads of P's
   K/V still carry gradient), in the torch back end's batched attention;
 - the MLP, q_proj (queries and output gate), o_proj, in_proj_z and out_proj compute their backward on the
-  continuation rows only (:class:`_RowSparseLinear`: the same full-row forward, dW = dY[C]^T X[C], dX[C] = dY[C] W).
+  continuation rows only (:mod:`packtrain.packed.rowsparse`: the same full-row forward, dW = dY[C]^T X[C],
+  dX[C] = dY[C] W).
   In the last layer the kept rows start one earlier when a target is read off P's last row.
 """
 
@@ -34,14 +35,13 @@ import types
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from packtrain.packed.cut import cut_at_layer_inputs
 from packtrain.packed.layout import PackLayout
-from packtrain.packed.patch import LAYOUT_KWARG, MLP_BLOCK_OFFSET, packed_positions, text_parts
+from packtrain.packed.patch import LAYOUT_KWARG, packed_positions, text_parts
 from packtrain.packed.prefix import PrefixCall, PrefixState, run_prefix
+from packtrain.packed.rowsparse import rows_from
 
 MODES = ("full", "kv_only", "frozen")
 _DESCRIBE = {
@@ -62,52 +62,6 @@ class ContextPlan:
 
 
 # -- kv_only: row-sparse backward -------------------------------------------------------------------------------
-class _RowSparseLinear(torch.autograd.Function):
-    """``F.linear`` over all rows in forward (bitwise the dense call); backward only over rows [start:] (dim -2),
-    valid because the upstream gradient on rows [:start] is exactly zero there."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, start):
-        ctx.start, ctx.has_bias, ctx.rows = start, bias is not None, x.shape[-2]
-        ctx.save_for_backward(x.narrow(-2, start, x.shape[-2] - start), weight)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x_k, weight = ctx.saved_tensors
-        start, kept = ctx.start, ctx.rows - ctx.start
-        g_k = grad.narrow(-2, start, kept)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # zero on P's rows; the kept rows' product written in place (no cat copy)
-            dx = grad.new_empty(grad.shape[:-1] + (weight.shape[1],))
-            dx.narrow(-2, 0, start).zero_()
-            torch.matmul(g_k, weight, out=dx.narrow(-2, start, kept))
-        if ctx.needs_input_grad[1]:
-            dw = g_k.reshape(-1, g_k.shape[-1]).T @ x_k.reshape(-1, x_k.shape[-1])
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g_k.reshape(-1, g_k.shape[-1]).sum(0)
-        return dx, dw, db, None
-
-
-class _RowSparse(TorchFunctionMode):
-    """Every ``F.linear`` inside (base layers and LoRA A/B alike) becomes :class:`_RowSparseLinear`."""
-
-    def __init__(self, start: int):
-        super().__init__()
-        self.start = start
-
-    def __torch_function__(self, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled():
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            # inside a dense-MLP block (CPU splits a pack's MLP in blocks of rows) the kept rows start at the
-            # layer's start counted from the block's first row: none of a block before it, all of one after it
-            start = min(max(self.start - MLP_BLOCK_OFFSET.get(), 0), x.shape[-2])
-            return _RowSparseLinear.apply(x, weight, bias, start)
-        return func(*args, **kwargs)
-
-
 class _LayerRows:
     """The kept-row start of the decoder layer running now (None: dense), set from the pack layout the layer
     receives, so a checkpoint's recompute sets it again from the same arguments."""
@@ -125,9 +79,9 @@ def _row_sparse_forward(module: nn.Module, rows: _LayerRows) -> None:
     original = module.forward
 
     def forward(*args, **kwargs):
-        if rows.start is None or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        with _RowSparse(rows.start):
+        with rows_from(rows.start):
             return original(*args, **kwargs)
 
     module.forward = forward

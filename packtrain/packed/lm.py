@@ -1,24 +1,27 @@
 """Loss of a pack (or of one example alone) with the target-only head.
 
 Only the hidden states just before each target token go through ``lm_head``: a 144K-position pack at vocabulary
-248,320 would need 71.5 GB of bf16 logits for the whole buffer. The cross-entropy is averaged over each
-example's target tokens, giving one loss per example; ``loss_sum`` adds those up. A caller that divides every
-``loss_sum`` of an optimizer step by the step's total number of examples (across packs, micro-steps and ranks)
-gets the mean of per-example losses whatever the split, so the update does not depend on it.
+248,320 would need 71.5 GB of bf16 logits for the whole buffer; those rows go through the head and the
+cross-entropy ``train.loss_chunk_rows`` at a time (:func:`packtrain.packed.loss.target_losses`). The cross-entropy
+is averaged over each example's target tokens, giving one loss per example; ``loss_sum`` adds those up. A caller
+that divides every ``loss_sum`` of an optimizer step by the step's total number of examples (across packs,
+micro-steps and ranks) gets the mean of per-example losses whatever the split, so the update does not depend on it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from packtrain.config import TrainConfig
+from packtrain.packed import loss
 from packtrain.packed.context import ContextGrad
 from packtrain.packed.decode import DecodeCall, ItemsCall, run_decode, run_items
 from packtrain.packed.groups import GroupCall, group_hidden
 from packtrain.packed.layout import PackLayout
-from packtrain.packed.loss import target_cross_entropy
 from packtrain.packed.patch import LAYOUT_KWARG, model_body, packed_positions, text_parts, unwrap
 from packtrain.packed.prefix import PrefixCall, run_prefix
 from packtrain.packed.walk import Window, run_window
@@ -40,17 +43,26 @@ class PackedLM(nn.Module):
 
     A packed layout runs the patched model (see :mod:`packtrain.packed.patch`); a standalone layout runs the
     model's own unmodified forward on the one sequence. ``context_grad`` (``packing.context_grad``, chosen once
-    here) decides what the gradient does with P in both (:mod:`packtrain.packed.context`). This module is the root FSDP
-    shards, so the root's forward hooks run around the whole computation.
+    here) decides what the gradient does with P in both (:mod:`packtrain.packed.context`); ``loss_chunk_rows``
+    (``train.loss_chunk_rows``) how many target rows go through the head and the loss at a time. This module is the
+    root FSDP shards, so the root's forward hooks run around the whole computation.
     """
 
-    def __init__(self, model: nn.Module, context_grad: str = "full"):
+    def __init__(self, model: nn.Module, context_grad: str = "full",
+                 loss_chunk_rows: int = TrainConfig.loss_chunk_rows):
         super().__init__()
         self.model = model
-        text_parts(model)  # fail early on an unsupported model
+        _, lm_head = text_parts(model)  # fail early on an unsupported model
         self.context = ContextGrad(context_grad)
         self.context.install(model)
+        self.loss_chunk_rows = loss_chunk_rows
+        # (hidden [M, D], target ids [M], constant rows [M] or None) -> per-token losses [M]; under FSDP2 run as the
+        # head unit's forward (packtrain.models.wrap.prepare)
+        self.target_losses = functools.partial(loss.target_losses, lm_head, chunk_rows=loss_chunk_rows)
         self.calls = 0  # forward calls of this root: each runs FSDP's collectives (packtrain.run.units counts them)
+
+    def describe_loss(self) -> str:
+        return loss.describe(self.loss_chunk_rows)
 
     def hidden_states(self, layout: PackLayout) -> torch.Tensor:
         """The final hidden states [1, T, D] of the layout's buffer (the body's last output)."""
@@ -90,7 +102,7 @@ class PackedLM(nn.Module):
             return run_items(self, layout)
         if isinstance(layout, DecodeCall):  # one token per decoding row
             return run_decode(self, layout)
-        text_model, lm_head = text_parts(self.model)
+        text_model, _ = text_parts(self.model)
         if isinstance(layout, GroupCall):  # one group of that pack's continuations
             call, layout = layout, layout.layout
             hidden, positions, constant = group_hidden(self, call)
@@ -99,11 +111,7 @@ class PackedLM(nn.Module):
             if layout.input_ids.device != device:
                 layout = layout.to(device)
             hidden, positions, constant = self.context.hidden_states(self, layout)
-        h_MD = hidden[0].index_select(0, positions)
-        logits = lm_head(h_MD)
-        if constant is not None:  # frozen: a target read off P's last row takes its logit from the no_grad pass
-            logits = torch.where(constant[:, None], logits.detach(), logits)
-        token_loss = target_cross_entropy(logits, layout.target_ids)
+        token_loss = self.target_losses(hidden[0].index_select(0, positions), layout.target_ids, constant=constant)
         n = layout.num_examples
         counts = layout.target_counts.to(token_loss.dtype)
         per_example = token_loss.new_zeros(n).index_add(0, layout.target_example, token_loss) / counts

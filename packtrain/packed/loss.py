@@ -1,13 +1,18 @@
-"""The target cross-entropy, and the check that the loss still reaches the adapters.
+"""The target cross-entropy (the one home of head + loss), and the check that the loss still reaches the adapters.
 
 Every forward of packtrain reads logits only at target positions (the target-only head) and takes the
-cross-entropy in float32, or float64 for a float64 model, whatever the model's dtype.
+cross-entropy in float32, or float64 for a float64 model, whatever the model's dtype. :func:`target_losses` runs
+``lm_head`` and that cross-entropy ``train.loss_chunk_rows`` target rows at a time, each chunk checkpointed: its
+logits are dropped after its forward and recomputed in backward, so no [rows, V] tensor larger than one chunk's
+exists, forward or backward (three float32 [M, V] tensors would be alive in one cross-entropy's backward).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 CUT_OFF = ("the adapters are cut off from the loss: frozen embeddings without enable_input_require_grads, a "
            "detached layer, or lora.target_modules the loss does not depend on")
@@ -17,9 +22,39 @@ class ZeroGradientError(RuntimeError):
     pass
 
 
-def target_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, reduction: str = "none") -> torch.Tensor:
+def target_losses(lm_head: nn.Module, hidden_MD: torch.Tensor, target_ids: torch.Tensor, chunk_rows: int,
+                  constant: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token cross-entropy [M] of the targets ``target_ids`` [M] read off the hidden rows ``hidden_MD`` [M, D],
+    ``chunk_rows`` rows per chunk (0: one chunk). ``constant`` [M] (frozen context): rows whose logits are taken
+    as constants (the no_grad pass's).
+
+    Each chunk calls ``lm_head.forward`` itself, so autograd differentiates whatever the head holds (LoRA,
+    modules_to_save). Not ``lm_head(...)``: under FSDP2 the head is its own unit, and
+    :func:`packtrain.models.wrap.prepare` runs this whole function as that unit's forward, so its weight is gathered
+    once for all chunks and once for all their recomputes in backward, not once per chunk."""
+    rows = chunk_rows or max(hidden_MD.shape[0], 1)
+    # one backward node for all chunks, which concatenates their gradients once (a slice per chunk would add up a
+    # zero-padded [M, D] gradient per chunk)
+    hidden = hidden_MD.split(rows)
+    flags = constant.split(rows) if constant is not None else [None] * len(hidden)
+    chunks = zip(hidden, target_ids.split(rows), flags)
+    return torch.cat([checkpoint(_chunk_losses, lm_head, h, t, c, use_reentrant=False) for h, t, c in chunks])
+
+
+def _chunk_losses(lm_head: nn.Module, h_CD: torch.Tensor, target_ids: torch.Tensor,
+                  constant: torch.Tensor | None) -> torch.Tensor:
+    logits = lm_head.forward(h_CD)
+    if constant is not None:  # frozen: a target read off P's last row takes its logit from the no_grad pass
+        logits = torch.where(constant[:, None], logits.detach(), logits)
     ce_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return F.cross_entropy(logits.to(ce_dtype), target_ids, reduction=reduction)
+    return F.cross_entropy(logits.to(ce_dtype), target_ids, reduction="none")
+
+
+def describe(chunk_rows: int) -> str:
+    """The run header's line for ``train.loss_chunk_rows``."""
+    if chunk_rows == 0:
+        return "lm_head + cross-entropy in one chunk (train.loss_chunk_rows 0)"
+    return f"lm_head + cross-entropy in chunks of {chunk_rows:,} target rows (recomputed in backward)"
 
 
 def require_grad(loss: torch.Tensor) -> None:

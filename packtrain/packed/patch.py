@@ -9,10 +9,12 @@
   to both. Which layer is which comes from the text config's ``layer_types``; a kind the family's row does not
   list is refused.
 
-- Dense MLPs: with a back end's ``mlp_rows`` (CPU), a packed forward runs each decoder layer's dense MLP in
-  blocks of that many rows (token by token the same computation; the blocks' activations stay in the cache). The
-  decoder layer's forward marks whether its call carries a pack layout, so unpacked forwards, and routed-expert
-  blocks, are never split.
+- Dense MLPs: each decoder layer's dense MLP runs in tiles of the back end's ``mlp_rows`` (``train.mlp_chunk_rows``)
+  in every forward (packs, standalone examples, walk windows), with grad and without alike: the walk draws a
+  chunk's dropout masks under no_grad and again with grad, so both must tile the same. With grad each tile is
+  recomputed in backward (:func:`packtrain.packed.recompute.tiled_mlp`). A mixture of experts (routed experts and
+  shared expert) runs as transformers wrote it.
+- RMSNorms of the text stack keep only their inputs for backward and recompute (:mod:`packtrain.packed.recompute`).
 
 Works on peft-wrapped models (LoRA layers are injected in place) and under activation checkpointing (the
 recompute receives the same layout through the same kwargs).
@@ -20,10 +22,8 @@ recompute receives the same layout through the same kwargs).
 
 from __future__ import annotations
 
-import contextvars
 import types
 
-import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -33,6 +33,7 @@ from packtrain.packed.families import FULL, LINEAR, UnsupportedModelError, check
 from packtrain.packed.gdn import packed_gdn_forward
 from packtrain.packed.kernels import Backend
 from packtrain.packed.kernels.hf_route import route_unpacked_kernels
+from packtrain.packed.recompute import is_rmsnorm, recomputed_norm, tiled_mlp
 from packtrain.packed.rows import Rows, gdn_step
 
 LAYOUT_KWARG = "packtrain_pack"
@@ -92,30 +93,11 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     return packed_gdn_forward(self, hidden_states, layout, self.packtrain_backend)
 
 
-def _layer_forward(self, *args, **kwargs):
-    # the mark is set again when activation checkpointing recomputes the layer (same kwargs), so the recompute
-    # splits the MLP as the forward did
-    self.mlp.packtrain_rows = self.packtrain_backend.mlp_rows if kwargs.get(LAYOUT_KWARG) is not None else None
-    return self._packtrain_original_forward(*args, **kwargs)
-
-
-# The buffer row the dense-MLP block running now starts at: a row-sparse backward (packing.context_grad kv_only,
-# packtrain.packed.context) counts its kept rows from the block's own first row.
-MLP_BLOCK_OFFSET: contextvars.ContextVar[int] = contextvars.ContextVar("packtrain_mlp_block_offset", default=0)
-
-
 def _mlp_forward(self, x):
-    rows = self.packtrain_rows
-    if not rows or x.shape[-2] <= rows:
+    rows = self.packtrain_backend.mlp_rows
+    if not rows:
         return self._packtrain_original_forward(x)
-    out = []
-    for offset, block in zip(range(0, x.shape[-2], rows), x.split(rows, dim=-2)):
-        token = MLP_BLOCK_OFFSET.set(offset)
-        try:
-            out.append(self._packtrain_original_forward(block))
-        finally:
-            MLP_BLOCK_OFFSET.reset(token)
-    return torch.cat(out, dim=-2)
+    return tiled_mlp(self, self._packtrain_original_forward, x, rows)
 
 
 def _is_dense_mlp(module: nn.Module) -> bool:
@@ -139,9 +121,7 @@ def patch_model(model: nn.Module, backend: Backend) -> nn.Module:
     for layer, kind in zip(text_model.layers, layer_types):
         if _is_dense_mlp(getattr(layer, "mlp", None)):
             _patch_forward(layer.mlp, _mlp_forward)
-            _patch_forward(layer, _layer_forward)
-            layer.mlp.packtrain_rows = None
-            layer.packtrain_backend = backend
+            layer.mlp.packtrain_backend = backend
         if kind == LINEAR:
             gdn = layer.linear_attn
             _patch_forward(gdn, _gdn_forward)
@@ -149,6 +129,9 @@ def patch_model(model: nn.Module, backend: Backend) -> nn.Module:
             gdn.packtrain_backend = backend
         elif kind == FULL:
             layer.self_attn.packtrain_backend = backend
+    for module in text_model.modules():
+        if is_rmsnorm(module):
+            _patch_forward(module, recomputed_norm)
     text_model.packtrain_backend = backend
     return model
 

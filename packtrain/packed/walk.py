@@ -22,7 +22,6 @@ window's graph (chunk + horizon), never the whole example's.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -31,9 +30,8 @@ import torch
 from packtrain.config import WalkSpec
 from packtrain.data.walk_schedule import Schedule, chunk_bounds, cuts, windows
 from packtrain.packed.layout import PackLayout
-from packtrain.packed.loss import target_cross_entropy
-from packtrain.packed.patch import text_parts
 from packtrain.packed.prefix import Pairs, PrefixState, backward_through, run_span
+from packtrain.packed.rng import replay, rng_state
 
 
 @dataclass
@@ -56,32 +54,15 @@ class WindowOut:
 
 def run_window(lm, win: Window) -> WindowOut:
     """Called by :meth:`PackedLM.forward` for a :class:`Window` (inside the FSDP root's hooks)."""
-    _, lm_head = text_parts(lm.model)
     lay, s, e = win.layout, win.start, win.end
     hidden, state = run_span(lm, lay, s, e, win.before)
     pos = lay.target_positions
     chosen = ((pos >= win.loss_from) & (pos < e)).nonzero()[:, 0]
-    logits = lm_head(hidden[0].index_select(0, pos[chosen] - s))
-    loss = target_cross_entropy(logits, lay.target_ids[chosen], reduction="sum")
+    loss = lm.target_losses(hidden[0].index_select(0, pos[chosen] - s), lay.target_ids[chosen]).sum()
     return WindowOut(loss / win.n_targets, state)
 
 
 # -- the walk ---------------------------------------------------------------------------------------------------
-def _rng_state(device: torch.device):
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-@contextlib.contextmanager
-def _replay(state, device: torch.device):
-    """Draw the random numbers (LoRA dropout) a chunk drew in its no_grad forward again in its recompute, as
-    torch.utils.checkpoint does, so the recomputed chunk is the one whose caches the later chunks read."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield
-
-
 @dataclass
 class WalkResult:
     loss: float  # the example's mean target loss
@@ -144,7 +125,7 @@ class _Walk:
         device, rng = self.lay.input_ids.device, []
         with torch.no_grad():
             for a, e in chunks:
-                rng.append(_rng_state(device))
+                rng.append(rng_state(device))
                 out = self.call(a, e, e, self.before(a, bounds[-1]))
                 self.store_kv(out, a)
                 bounds.append(out.state.gdn)
@@ -156,7 +137,7 @@ class _Walk:
             a, e = chunks[c]
             gdn_in = {i: (t.clone().requires_grad_(), s.clone().requires_grad_()) for i, (t, s) in bounds[c].items()}
             state_in = self.before(a, gdn_in, leaf=True)
-            with _replay(rng[c], device):
+            with replay(rng[c], device):
                 out = self.call(a, e, a, state_in)
             self.backward(out, {i: (gk[..., a:e, :], gv[..., a:e, :]) for i, (gk, gv) in g_kv.items()}, g_gdn)
             self.total += float(out.loss.detach())

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 from packtrain.data.planner import plan_stats
+from packtrain.models.lora_compute import describe as describe_lora
+from packtrain.ops import memory
 from packtrain.run.balance import BALANCES, epoch_schedule, utilisation
 from packtrain.packed.families import describe as describe_model
 
@@ -20,7 +22,11 @@ def header(trainer) -> list[str]:
              f"  mode {t.setup.mode}, kernels: {t.backend.describe()}, device {t.dist.device}, "
              f"world size {t.dist.world_size}, dtype {cfg.model.dtype}",
              f"  {describe_model(t.model)}",
-             f"  context_grad {t.lm.context.describe()}"]
+             f"  context_grad {t.lm.context.describe()}",
+             f"  loss: {t.lm.describe_loss()}"]
+    lora = describe_lora(t.model)
+    if lora is not None:
+        lines.append(f"  {lora}")
     if cfg.data.train_on != "last" or s["turns"] != s["examples"]:
         lines.append(f"  data.train_on {cfg.data.train_on}: {s['conversations']:,} conversations, {s['turns']:,} "
                      f"assistant turns trained, {s['target_tokens']:,} target tokens")
@@ -50,6 +56,7 @@ def header(trainer) -> list[str]:
         lines.append(f"  generate: every {g.every} steps (and at step 0 and the end) on {len(t.task.examples)} "
                      f"examples of data.eval, metric {g.metric}, up to {g.max_new_tokens} new tokens; predictions "
                      f"in {t.out / 'generations'}/step-N.jsonl, mismatches in step-N.errors.md")
+    lines += memory_lines(t)
     trainable = sum(p.numel() for p in t.params)
     lines.append(f"  {t.total_steps} steps ({t.steps_per_epoch} per epoch, {cfg.train.packs_per_step} "
                  f"packs per step), {trainable:,} trainable parameters, output {t.out}")
@@ -70,6 +77,21 @@ def _at_step_0(metrics_path, split: str, key: str) -> float | None:
         if isinstance(rec, dict) and rec.get("split") == split and rec.get("step") == 0:
             return rec.get(key)
     return None
+
+
+def memory_lines(t) -> list[str]:
+    """The estimate's peak and the savings on; on CUDA, a warning when the budget does not fit the device."""
+    import torch
+
+    cfg = t.cfg
+    est = memory.estimate_for_plan(cfg, t.plan, t.train_examples, t.dist.world_size)
+    lines = [f"  {memory.memory_line(cfg, est)}"]
+    if t.dist.device.type == "cuda":
+        total = torch.cuda.get_device_properties(t.dist.device).total_memory
+        warning = memory.fit_warning(est, total, cfg.packing.token_budget)
+        if warning is not None:
+            lines.append(f"  {warning}")
+    return lines
 
 
 def footer(summary: dict, metrics_path) -> list[str]:

@@ -10,9 +10,10 @@
   (``TRITON_INTERPRET=1``, :mod:`packtrain.packed.kernels.interpreter`), with the batched torch attention: FlexAttention
   has no CPU backward. That is how CI runs fla's kernels; it is slow and meant for tests.
 
-On CPU a pack's dense MLPs run in blocks of ``mlp_rows`` buffer rows (:func:`packtrain.packed.patch.patch_model`):
-row by row the MLP is the same computation, and a block's [rows, intermediate] activations stay in the cache, where
-a whole pack's outgrow it (docs/performance.md, "MLP blocks").
+Every back end runs the dense MLPs in checkpointed tiles of ``mlp_rows`` buffer rows (``train.mlp_chunk_rows``;
+:mod:`packtrain.packed.recompute`): a tile's [rows, intermediate] activations exist only while it runs. The
+device's default: on CPU a tile that stays in a core's cache, where a whole pack's activations outgrow it
+(docs/performance.md, "MLP blocks"); on CUDA tiles of thousands of rows, whose matmuls are large.
 """
 
 from __future__ import annotations
@@ -27,33 +28,40 @@ import torch
 class Backend:
     gdn: str  # "torch" | "fla"
     attention: str  # "batched" | "dense" | "flex"
-    mlp_rows: int | None = None  # a packed forward's dense MLPs in blocks of this many rows (None: whole buffer)
+    mlp_rows: int | None = None  # the dense MLPs in checkpointed tiles of this many rows (None: whole)
 
     def describe(self) -> str:
-        blocks = f", mlp blocks of {self.mlp_rows} rows" if self.mlp_rows else ""
-        return f"gated-deltanet={self.gdn}, attention={self.attention}{blocks}"
+        mlp = f"checkpointed tiles of {self.mlp_rows} rows" if self.mlp_rows else "whole"
+        return f"gated-deltanet={self.gdn}, attention={self.attention}, mlp={mlp}, rmsnorm recomputed in backward"
 
 
 def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-# CPU: a pack's MLP rows per block, so that one [rows, intermediate] activation stays in a core's cache (the bench
-# model's [512, 768] float32 is 1.5 MiB, under a 2 MiB L2); other block sizes: docs/performance.md, "MLP blocks".
+# The MLP tile's rows by device. CPU: one [rows, intermediate] activation stays in a core's cache (the bench model's
+# [512, 768] float32 is 1.5 MiB, under a 2 MiB L2); other sizes: docs/performance.md, "MLP blocks". CUDA: the tile
+# the memory measurement of the seed pack took (a 27B tile's [8192, 17408] bf16 is 272 MiB against 4.3 GiB for the
+# whole pack's); docs/performance.md, "Memory", "Tiled MLP and norms".
 CPU_MLP_ROWS = 512
+CUDA_MLP_ROWS = 8192
 
 
-def select_backend(kernels: str, device: torch.device | str, attention: str | None = None) -> Backend:
-    """``kernels``: auto | torch | fla. ``auto`` takes fla on CUDA when it imports, else torch."""
+def select_backend(kernels: str, device: torch.device | str, attention: str | None = None,
+                   mlp_chunk_rows: int | None = None) -> Backend:
+    """``kernels``: auto | torch | fla. ``auto`` takes fla on CUDA when it imports, else torch.
+    ``mlp_chunk_rows`` (``train.mlp_chunk_rows``): None takes the device's default, 0 runs the MLPs whole."""
     device = torch.device(device)
-    mlp_rows = CPU_MLP_ROWS if device.type == "cpu" else None
+    if mlp_chunk_rows is None:
+        mlp_chunk_rows = CPU_MLP_ROWS if device.type == "cpu" else CUDA_MLP_ROWS
+    mlp_rows = mlp_chunk_rows or None
     if kernels == "auto":
         kernels = "fla" if device.type == "cuda" and fla_available() else "torch"
     if kernels == "fla":
         if not fla_available():
             raise ValueError("model.kernels=fla but the `fla` package is not installed (pip install 'packtrain[fla]')")
         if device.type == "cuda":
-            return Backend(gdn="fla", attention=attention or "flex")
+            return Backend(gdn="fla", attention=attention or "flex", mlp_rows=mlp_rows)
         from packtrain.packed.kernels import interpreter
 
         if not interpreter.interpreter_on():

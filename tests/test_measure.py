@@ -1,0 +1,227 @@
+"""`plan --memory --measure`: packtrain's own step under fake tensors, counted per phase; the estimate against it;
+`--gpu-memory`; the run header's fit warning."""
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cli_helpers import REPO, run_in_process
+from tiny_models import FAMILY_CONFIGS
+
+from packtrain.config import load_config
+from packtrain.ops import memory
+from packtrain.run.measure import GDN_NOTE, LiveBytes
+
+SEED_LORA = {"r": 8, "dropout": 0.05, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]}
+
+
+def pretokenized(path, prefix, continuations, vocab, item=(40, 70), target=(20, 40), seed=0):
+    rng = random.Random(seed)
+    p = [rng.randrange(vocab) for _ in range(prefix)]
+    with path.open("w") as f:
+        for i in range(continuations):
+            f.write(json.dumps({"id": f"c{i}", "prefix_ids": p,
+                                "item_ids": [rng.randrange(vocab) for _ in range(rng.randint(*item))],
+                                "target_ids": [rng.randrange(vocab) for _ in range(rng.randint(*target))]}) + "\n")
+    return path
+
+
+def write_config(tmp_path, model: dict, train=None, lora=None, data=None, budget=100_000):
+    import yaml
+
+    data = data or pretokenized(tmp_path / "train.jsonl", 300, 6, 97)
+    cfg = {"model": {"config": model, "dtype": "bfloat16"}, "data": {"train": str(data), "format": "pretokenized"},
+           "lora": lora or SEED_LORA, "packing": {"token_budget": budget, "max_continuations": 500},
+           "train": train or {"activation_checkpointing": True}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"# packtrain plan {path}\n" + yaml.safe_dump(cfg))
+    return path
+
+
+def measured_plan(*args) -> dict:
+    return json.loads(run_in_process("plan", *args, "--memory", "--measure", "--json").stdout)["memory"]
+
+
+def hybrid(hidden, intermediate, heads=4, gdn_heads=(2, 4), head_dim=32, vocab=97, layers=8):
+    return {"model_type": "qwen3_5_text", "vocab_size": vocab, "hidden_size": hidden,
+            "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": 2, "head_dim": head_dim, "linear_num_key_heads": gdn_heads[0],
+            "linear_num_value_heads": gdn_heads[1], "linear_key_head_dim": head_dim,
+            "linear_value_head_dim": head_dim}
+
+
+# (widths, P, continuations, train.*): the pack grows in T and M, the widths in H and I; checkpointing and offload
+SHAPES = {
+    "checkpointed": (hybrid(512, 1536, heads=4, head_dim=64), 1500, 8, {"activation_checkpointing": True}),
+    "wider, offloaded": (hybrid(256, 768, gdn_heads=(2, 6)), 2500, 12, {"offload": True}),
+    "long P, wide MLP": (hybrid(192, 1024, heads=6), 5000, 6, {"activation_checkpointing": True}),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_estimate_is_within_10_percent_of_the_measured_step(tmp_path, shape):
+    model, prefix, conts, train = SHAPES[shape]
+    data = pretokenized(tmp_path / "train.jsonl", prefix, conts, model["vocab_size"], item=(400, 700),
+                        target=(200, 400))
+    mem = measured_plan(write_config(tmp_path, model, train, data=data), "--world-size", "4")
+    estimate, measured = mem["total_device_bytes"], mem["measured"]["peak_device_bytes"]
+    assert abs(estimate - measured) <= 0.1 * measured, (mem["phases"], mem["measured"]["phases"])
+    assert mem["measured"]["host_bytes"] == mem["total_host_bytes"]  # whole offload chunks, both ways
+    assert estimate == max(mem["phases"].values())  # the largest phase, not a sum
+
+
+SHIPPED = ["demo", "vlm_demo", "qwen3.6-27b", "qwen3.6-35b-a3b"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_measure_runs_on_every_shipped_config(tmp_path, name):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    args = []
+    if name.startswith("qwen3.6"):  # their data is the user's: a small pack of token ids
+        args = ["--set", f"data.train={pretokenized(tmp_path / 'train.jsonl', 400, 4, 1000)}",
+                "--set", "data.format=pretokenized", "--world-size", "64"]
+    mem = measured_plan(REPO / "configs" / f"{name}.yaml", *args)["measured"]
+    assert mem["notes"][0] == GDN_NOTE
+    if name == "vlm_demo":
+        assert any("the vision tower is left out" in note for note in mem["notes"])
+    kinds = {k for k, _ in memory.text_config(memory.config_dict_of(cfg))["kinds"]}
+    word = "recompute" if cfg.train.activation_checkpointing or cfg.train.offload else "backward"
+    assert {"forward", "loss", "optimizer"} <= set(mem["phases"])
+    assert all(any(p.startswith(f"{word} {k}") for p in mem["phases"]) for k in kinds)
+    assert mem["peak_device_bytes"] == max(mem["phases"].values()) > 0
+
+
+def test_the_table_has_a_measured_column(tmp_path):
+    out = run_in_process("plan", write_config(tmp_path, hybrid(64, 128)), "--memory", "--measure").stdout
+    header = next(line for line in out.splitlines() if line.strip().startswith("phase"))
+    assert header.split() == ["phase", "estimate", "measured"]
+    assert f"measured: {GDN_NOTE}" in out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next", "qwen3"])
+def test_measure_runs_on_each_family(tmp_path, family):
+    layers = {"qwen3": ["full_attention"] * 2}.get(family, ["linear_attention", "full_attention"] * 2)
+    model = {"model_type": family, "vocab_size": 97, "num_hidden_layers": len(layers), "layer_types": layers,
+             **{k: v for k, v in FAMILY_CONFIGS[family].items() if k != "rope_parameters"}}
+    if "moe_intermediate_size" in model:  # grouped_mm (CUDA's experts) wants 16-byte rows, as real widths are
+        model.update(moe_intermediate_size=16, shared_expert_intermediate_size=32)
+    mem = measured_plan(write_config(tmp_path, model))
+    phases = mem["measured"]["phases"]
+    if family == "qwen3_next":  # layer 0 dense, then routed experts every 2nd layer
+        assert {"recompute linear_attention, dense", "recompute full_attention, moe"} <= set(phases)
+    assert mem["measured"]["peak_device_bytes"] > 0
+
+
+def test_a_dropout_mask_counts_one_byte_per_element():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(1000, 1000, requires_grad=True)
+        counter = LiveBytes()
+        with counter:
+            y = F.dropout(x, 0.1, training=True)
+        kept = counter.total
+    assert y.shape == x.shape
+    # the output (float32) and the mask at 1 byte per element; CPU's float32 mask would be 4
+    assert kept == 1000 * 1000 * (4 + 1)
+
+
+def test_a_freed_storage_leaves_the_count_and_the_peak_stays():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        counter = LiveBytes()
+        with counter:
+            counter.set_phase("a")
+            x = torch.empty(256, 1024)
+            del x
+            counter.set_phase("b")
+            y = torch.empty(16)
+    assert counter.peaks["a"] == 256 * 1024 * 4 and counter.peaks["b"] == 16 * 4
+    assert counter.total == 16 * 4
+    del y
+
+
+def test_gpu_memory_gives_the_largest_budget_that_fits(tmp_path):
+    model, prefix, conts, train = SHAPES["checkpointed"]
+    path = write_config(tmp_path, model, train, data=pretokenized(tmp_path / "train.jsonl", prefix, conts, 97))
+    out = json.loads(run_in_process("plan", path, "--memory", "--gpu-memory", "0.2", "--json").stdout)["memory"]
+    budget = out["max_token_budget"]
+    cfg = load_config(path)
+    from packtrain.data.examples import load_split
+    from packtrain.data.planner import plan_for
+
+    examples = load_split(cfg, "train")
+    plan = plan_for(cfg, examples)
+    found = memory.max_token_budget(cfg, plan, examples, 1, 0.2)
+    assert found["token_budget"] == budget and found["estimate_bytes"] <= 0.2 * memory.GiB
+    assert memory.max_token_budget(cfg, plan, examples, 1, 0.2 * 1.05)["token_budget"] > budget
+    text = run_in_process("plan", path, "--memory", "--gpu-memory", "0.2").stdout
+    assert f"largest packing.token_budget fitting 0.2 GiB per GPU" in text and f"{budget:,} positions" in text
+
+
+def test_the_fit_warning_names_the_budget_and_the_device():
+    est = memory.MemoryEstimate([], "t", {"loss": 50 * memory.GiB, "forward": 10 * memory.GiB},
+                                memory.StepSavings())
+    assert memory.fit_warning(est, 80 * memory.GiB, 150_000) is None
+    warning = memory.fit_warning(est, 40 * memory.GiB, 150_000)
+    assert warning.startswith("warning: packing.token_budget 150,000 does not fit this GPU")
+    assert "50.0 GiB (loss)" in warning and "40.0 GiB" in warning
+
+
+def test_the_run_header_says_which_savings_are_on(tmp_path):
+    from types import SimpleNamespace
+
+    from packtrain.data.examples import load_split
+    from packtrain.data.planner import plan_for
+    from packtrain.run import report
+
+    model, prefix, conts, _ = SHAPES["checkpointed"]
+    cfg = load_config(write_config(tmp_path, model, {"offload": True}))
+    examples = load_split(cfg, "train")
+    trainer = SimpleNamespace(cfg=cfg, plan=plan_for(cfg, examples), train_examples=examples,
+                              dist=SimpleNamespace(device=torch.device("cpu"), world_size=1))
+    (line,) = report.memory_lines(trainer)  # one memory line, and no device check off CUDA
+    assert line.startswith("  memory: about ") and "checkpointing + offload" in line
+    for saving in ("chunked loss:", "tiled MLP:", "LoRA in the model's dtype:", "dropout masks regenerated:",
+                   "norms recomputed:"):
+        assert saving in line
+
+
+@pytest.mark.parametrize("loss_rows, mlp_rows", [(1024, None), (0, 0), (5, 7)])
+def test_the_estimate_follows_the_configs_chunks(tmp_path, loss_rows, mlp_rows):
+    from packtrain.data.examples import load_split
+    from packtrain.data.planner import plan_for
+
+    model = hybrid(128, 384, vocab=1000)
+    train = {"activation_checkpointing": True, "loss_chunk_rows": loss_rows, "mlp_chunk_rows": mlp_rows}
+    cfg = load_config(write_config(tmp_path, model, train,
+                                   data=pretokenized(tmp_path / "train.jsonl", 1500, 8, 1000, (400, 700), (200, 400))))
+    examples = load_split(cfg, "train")
+    estimate = memory.estimate_for_plan(cfg, plan_for(cfg, examples), examples, 1)
+    M = sum(memory.unit_shape(cfg, plan_for(cfg, examples), examples)["targets"])
+    rows = min(loss_rows, M) if loss_rows else M
+    assert estimate.get("logits").bytes == rows * 1000 * 3 * 4
+    tile = memory.MLP_TILE_ROWS["cuda"] if mlp_rows is None else mlp_rows
+    assert ("tiled MLP" in estimate.get("mlp").label) == bool(tile)
+    assert estimate.savings.loss_rows == loss_rows and estimate.savings.mlp_rows == tile
+
+
+def test_the_estimates_tile_defaults_are_the_back_ends():
+    from packtrain.packed.kernels import select_backend
+
+    assert memory.MLP_TILE_ROWS == {d: select_backend("torch", d).mlp_rows for d in ("cpu", "cuda")}
+
+
+def test_the_seed_data_is_seeded_and_seed_shaped():
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from make_seed_data import seed_records
+
+    first, again = list(seed_records(640, 8, 248_320, 0)), list(seed_records(640, 8, 248_320, 0))
+    assert first == again and first != list(seed_records(640, 8, 248_320, 1))
+    assert {len(r["prefix_ids"]) for r in first} == {640}
+    assert all(400 <= len(r["item_ids"]) <= 700 and 200 <= len(r["target_ids"]) <= 400 for r in first)

@@ -1,0 +1,181 @@
+"""What the patched model recomputes in backward instead of keeping (packtrain/packed/recompute.py): the dense MLP
+in checkpointed tiles of rows (``train.mlp_chunk_rows``) and the RMSNorms from their inputs.
+
+The tiles' exactness against standalone and transformers runs in the parity tests (tests/test_parity.py,
+tests/test_families.py, tests/test_vlm.py, tests/test_walk.py at 7-row tiles), kv_only's row-sparse backward across
+tiles in tests/test_context_grad.py; here: what is saved, dropout under the recompute, the config key, the norms."""
+
+import types
+
+import pytest
+import torch
+from cli_helpers import TINY_MODEL
+from parity import compare, packed_run, rel, without_float32_casts
+from test_groups import _peak_saved_bytes
+from tiny_models import random_pack, tiny_lora_model
+from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
+
+from packtrain.config import config_from_dict
+from packtrain.models.build import build_base_model
+from packtrain.models.wrap import prepare_from_config
+from packtrain.packed import recompute, rowsparse
+from packtrain.packed.kernels import Backend
+from packtrain.packed.layout import build_pack_layout
+from packtrain.packed.lm import PackedLM
+from packtrain.packed.patch import patch_model
+
+L, F = "linear_attention", "full_attention"
+TILES = Backend(gdn="torch", attention="batched", mlp_rows=7)
+INTERMEDIATE = 48  # tiny_lora_model's intermediate_size, a width no other activation of it has
+
+
+def _saved_activations(model, prefix, conts):
+    """The shapes of the tensors other than parameters that autograd saves in one packed forward."""
+    shapes = []
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        PackedLM(model)(build_pack_layout(prefix, conts))
+    return shapes
+
+
+def test_tiles_keep_no_intermediate_activation_for_backward():
+    """A packed forward in 7-row tiles saves no activation of the intermediate width for backward (the MLP keeps its
+    input, which the layer holds anyway); the whole MLP saves at least four [T, intermediate] per layer (what the
+    activation, the product and down_proj with its LoRA read), and the bytes saved drop by at least those."""
+    prefix, conts = random_pack(40, [(3, 5), (30, 9)], seed=3)
+    rows = 40 + 3 + 5 + 30 + 9
+    saved = {}
+    for name, backend in (("whole", Backend(gdn="torch", attention="batched")), ("tiles", TILES)):
+        model = patch_model(tiny_lora_model([L, F, L], seed=3), backend)
+        wide = [s for s in _saved_activations(model, prefix, conts) if s[-1:] == (INTERMEDIATE,)]
+        saved[name] = wide, _peak_saved_bytes(lambda m=model: PackedLM(m)(build_pack_layout(prefix, conts)))
+    assert saved["tiles"][0] == []
+    assert len([s for s in saved["whole"][0] if rows in s]) >= 4 * 3
+    assert saved["whole"][1] - saved["tiles"][1] >= 4 * 3 * rows * INTERMEDIATE * 8
+
+
+def _with_dropout(model, p):
+    for module in model.modules():  # LoRA dropout (peft holds an Identity for dropout 0)
+        if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict):
+            for name in module.lora_dropout:
+                module.lora_dropout[name] = torch.nn.Dropout(p)
+    return model
+
+
+def _kept_tiles(forward, rows, start, x, *params):
+    """The same tiles with every tile's graph kept for backward (no recompute)."""
+    return torch.cat([recompute._tile(forward, recompute._rows(x, offset, rows), offset, start)
+                      for offset in range(0, x.shape[-2], rows)], dim=-2)
+
+
+def test_dropout_in_a_tile_draws_the_same_mask_in_its_recompute(monkeypatch):
+    """LoRA dropout on gate_proj, up_proj and down_proj inside 7-row tiles: each tile's recompute starts from the
+    RNG state its forward drew from, so it draws the forward's masks: the losses equal, bit for bit, those of the
+    same tiles kept for backward (same seed), and the gradients to float64 rounding (the recompute sums a weight's
+    gradient over tiles itself; another mask changes them by more than 1e-2)."""
+    model = _with_dropout(patch_model(tiny_lora_model([L, F, L], seed=4), TILES), 0.3)
+    prefix, conts = random_pack(20, [(5, 6), (30, 4)], seed=4)
+    torch.manual_seed(1)
+    la, ga = packed_run(model, prefix, conts)
+    monkeypatch.setattr(recompute._Tiles, "apply", _kept_tiles)
+    torch.manual_seed(1)
+    lb, gb = packed_run(model, prefix, conts)
+    assert la == lb
+    assert ga.keys() == gb.keys() and max(rel(ga[n], g) for n, g in gb.items()) < 1e-13
+    torch.manual_seed(2)
+    assert packed_run(model, prefix, conts)[0] != la  # the masks matter
+
+
+@pytest.mark.parametrize("mode", ["full", "kv_only", "frozen"])
+def test_each_mode_in_7_row_tiles_packed_equals_standalone(mode, monkeypatch):
+    """P of 40 rows: tiles wholly in P, across its end and after it, packed and standalone."""
+    with without_float32_casts(monkeypatch):
+        model = patch_model(tiny_lora_model([L, F, L], seed=2), TILES)
+        prefix, conts = random_pack(40, [(0, 3), (20, 9), (33, 12)], seed=2)
+        d = compare(model, prefix, conts, context_grad=mode)
+    assert d.loss < 1e-13 and d.grad < 5e-7, d
+
+
+def test_kv_only_recompute_runs_the_row_sparse_backward_again(monkeypatch):
+    """A tile's recompute runs in backward, outside the forward's row-sparse mode: it enters it again, so the MLP's
+    linears keep only the rows from P's end, counted from the tile's first row (P 40: tiles wholly in P keep none
+    of their 7 rows, the one across P's end keeps from row 5, the last layer's from row 4, later tiles all).
+    Gradients alone cannot tell: dense is the same sum over rows whose gradient is zero."""
+    starts = []
+    inner = rowsparse._RowSparseLinear.forward
+
+    def forward(ctx, x, weight, bias, start):
+        if x.shape[-2] <= 7:  # a tile's rows (the other row-sparse linears run over the whole buffer)
+            starts.append(start)
+        return inner(ctx, x, weight, bias, start)
+
+    monkeypatch.setattr(rowsparse._RowSparseLinear, "forward", staticmethod(forward))
+    model = patch_model(tiny_lora_model([L, F, L], seed=2), TILES)
+    prefix, conts = random_pack(40, [(0, 3), (20, 9), (33, 12)], seed=2)
+    packed_run(model, prefix, conts, context_grad="kv_only")
+    assert {0, 4, 5, 7} <= set(starts)
+
+
+@pytest.mark.parametrize("rows,expected", [(None, 512), (0, None), (7, 7)])
+def test_mlp_chunk_rows_reaches_the_back_end(rows, expected):
+    cfg = config_from_dict({"model": {"config": TINY_MODEL, "dtype": "float64", "kernels": "torch"},
+                            "lora": {"r": 4, "alpha": 8}, "train": {"mlp_chunk_rows": rows}})
+    _, _, backend = prepare_from_config(build_base_model(cfg), cfg, "cpu")
+    assert backend.mlp_rows == expected
+    assert (f"checkpointed tiles of {expected} rows" if expected else "mlp=whole") in backend.describe()
+
+
+# -- RMSNorms --------------------------------------------------------------------------------------------------
+# (class, takes a gate): every RMSNorm of the supported families' text stacks
+NORMS = [(hf.Qwen3_5RMSNorm, False), (hf.Qwen3_5RMSNormGated, True), (hf_moe.Qwen3_5MoeRMSNorm, False),
+         (hf_moe.Qwen3_5MoeRMSNormGated, True), (hf_next.Qwen3NextRMSNorm, False),
+         (hf_next.Qwen3NextRMSNormGated, True), (hf_qwen3.Qwen3RMSNorm, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("cls,gated", NORMS, ids=[c.__name__ for c, _ in NORMS])
+def test_norm_saves_only_its_inputs_and_gives_the_same_bits(cls, gated, dtype):
+    """Saved for backward: the input (and gate) in the model's dtype, where transformers' forward keeps float32
+    copies of the input and of the normalised rows. The output and the input, gate and weight gradients are the
+    class's own, bit for bit."""
+    torch.manual_seed(0)
+    T, D = 64, 256
+    norm = cls(D).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)
+    inputs = [torch.randn(T, D, dtype=dtype, requires_grad=True) for _ in range(2 if gated else 1)]
+    upstream = torch.randn(T, D, dtype=dtype)
+
+    def run():
+        for t in [*inputs, norm.weight]:
+            t.grad = None
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+            out = norm(*inputs)
+        out.backward(upstream)
+        return out, [t.grad for t in [*inputs, norm.weight]], saved
+
+    out_a, grads_a, saved_a = run()
+    norm.forward = types.MethodType(recompute.recomputed_norm, norm)
+    out_b, grads_b, saved_b = run()
+    assert torch.equal(out_a, out_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert [(t.shape, t.dtype) for t in saved_b] == [(x.shape, dtype) for x in inputs]
+    if dtype == torch.bfloat16:
+        assert sum(t.numel() * t.element_size() for t in saved_a) >= 2 * T * D * 4  # two float32 copies
+
+
+def test_patch_model_recomputes_every_norm_of_the_text_stack():
+    model = patch_model(tiny_lora_model([L, F], seed=1), TILES)
+    norms = [m for m in model.modules() if recompute.is_rmsnorm(m)]
+    # 2 per layer, q_norm and k_norm, the gated norm, the final norm
+    assert len(norms) == 2 * 2 + 2 + 1 + 1
+    assert all(m.forward.__func__ is recompute.recomputed_norm for m in norms)
