@@ -115,7 +115,11 @@ class RunOps:
         """The entries of this host's ranks that died without closing (SIGKILL, a lost machine's peers): their
         ``ops/rank-N.json`` and, when no dump was taken, their empty stacks file."""
         host = socket.gethostname()
-        for entry in rank_file(self.out, 0).parent.glob("rank-*.json"):
+        try:
+            entries = list(rank_file(self.out, 0).parent.glob("rank-*.json"))
+        except OSError:  # the folder removed meanwhile by the last rank to close
+            return
+        for entry in entries:
             try:
                 rec = json.loads(entry.read_text())
                 rank, pid = int(rec["rank"]), int(rec["pid"])
@@ -124,8 +128,11 @@ class RunOps:
             if rec.get("host") != host or pid == os.getpid() or not process_gone(pid):
                 continue
             stacks = stacks_file(self.out, rank)
-            if stacks.exists() and stacks.stat().st_size == 0:
-                stacks.unlink()
+            try:  # another survivor may be removing the same entries
+                if stacks.stat().st_size == 0:
+                    stacks.unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass
             entry.unlink(missing_ok=True)
 
     def _register(self) -> None:
