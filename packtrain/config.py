@@ -443,8 +443,8 @@ def _too_large(kwargs: dict) -> bool:
 
 def _template_kwargs_problems(kwargs: dict) -> list[str]:
     if _too_large(kwargs):
-        return [f"data.template_kwargs: more than {TEMPLATE_KWARGS_VALUES} values or {TEMPLATE_KWARGS_DEPTH} levels "
-                "deep (YAML aliases count each time they are used); template switches are a few scalars"]
+        return [(f"data.template_kwargs: more than {TEMPLATE_KWARGS_VALUES} values or {TEMPLATE_KWARGS_DEPTH} levels "
+                 "deep (YAML aliases count each time they are used); template switches are a few scalars")]
     problems = []
     reserved = sorted(set(kwargs) & set(TEMPLATE_ARGUMENTS))
     if reserved:

@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,7 @@ def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) 
 def process_gone(pid: int) -> bool:
     """Whether process ``pid`` of this host has exited (gone, or a zombie not yet reaped)."""
     try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return True
     return state in ("Z", "X")

@@ -184,8 +184,8 @@ def test_an_alias_bomb_in_template_kwargs_is_refused_without_expanding_it(tmp_pa
     path = write_yaml(tmp_path, "\n".join(lines) + "\n")
     with pytest.raises(ConfigError) as e:
         load_config(path)
-    assert e.value.problems == ["data.template_kwargs: more than 10000 values or 16 levels deep (YAML aliases count "
-                                "each time they are used); template switches are a few scalars"]
+    assert e.value.problems == [("data.template_kwargs: more than 10000 values or 16 levels deep (YAML aliases count "
+                                 "each time they are used); template switches are a few scalars")]
     deep = {"k": "v"}
     for _ in range(20):
         deep = {"k": deep}

@@ -152,8 +152,8 @@ def test_two_ranks_both_refuse_a_resume_below_what_was_trained(trained, tmp_path
 def test_a_stop_where_a_generation_is_owed_runs_it_on_resume(tmp_path):
     """SIGTERM during step 2 with generate.every: 2: the checkpoint is written before step 2's generation and owes
     it; the resumed run writes the generations/step-2.jsonl of an uninterrupted run before its next step."""
-    sections = dict(generate={"every": 2, "examples": 2, "max_new_tokens": 3},
-                    train={"max_steps": 3, "packs_per_step": 1, "save_every": 100})
+    sections = {"generate": {"every": 2, "examples": 2, "max_new_tokens": 3},
+                "train": {"max_steps": 3, "packs_per_step": 1, "save_every": 100}}
     cfg = write_config(tmp_path, **sections)
     straight, run = tmp_path / "straight", tmp_path / "run"
     uninterrupted = run_in_process("train", cfg, "--set", f"output_dir={straight}")

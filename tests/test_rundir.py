@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,7 +259,8 @@ def test_a_zombie_holder_has_exited_and_its_lock_is_taken_over(tmp_path):
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         deadline = time.monotonic() + 30  # the child exits at once; it stays a zombie until waited for
-        while (tmp := open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0]) != "Z":
+        stat = Path(f"/proc/{zombie.pid}/stat")
+        while (tmp := stat.read_text().rsplit(")", 1)[1].split()[0]) != "Z":
             assert time.monotonic() < deadline, f"the child is still {tmp!r} after 30 s"
             time.sleep(0.01)
         _write_lock(tmp_path, zombie.pid)

@@ -81,8 +81,9 @@ def test_a_killed_rank_ends_its_peer_with_one_line_and_the_retryable_code(tmp_pa
     _, _, err = finish(proc, timeout=120)
     assert proc.returncodes == [STALLED_EXIT, -signal.SIGKILL], (proc.returncodes, err[-3000:])
     lines = [x for x in err.splitlines() if x.strip()]
-    assert lines == [f"packtrain train: rank 1 on machine 0 stopped answering (pid {killed} on this host is gone); "
-                     "the checkpoints so far are kept: restart every machine with `packtrain train CONFIG --resume` "
-                     f"(exit {STALLED_EXIT})"], err[-3000:]
-    left = sorted((str(p.relative_to(run)), p.stat().st_size) for p in run.rglob("*") if p.parent.name in ("hang", "ops"))
+    assert lines == [(f"packtrain train: rank 1 on machine 0 stopped answering (pid {killed} on this host is gone); "
+                      "the checkpoints so far are kept: restart every machine with `packtrain train CONFIG --resume` "
+                      f"(exit {STALLED_EXIT})")], err[-3000:]
+    left = sorted((str(p.relative_to(run)), p.stat().st_size) for p in run.rglob("*")
+                  if p.parent.name in ("hang", "ops"))
     assert not (run / "hang").exists() and not (run / "ops").exists(), left

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import importlib.util
+import json
 import os
 import platform
 import socket

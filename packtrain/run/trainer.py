@@ -25,8 +25,7 @@ from packtrain import faults
 from packtrain.config import Config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_fingerprint, plan_for
-from packtrain.distributed import (DistInfo, all_reduce_max_tensor, all_reduce_sum, barrier, init_distributed,
-                                   lost_peer)
+from packtrain.distributed import DistInfo, all_reduce_max_tensor, all_reduce_sum, barrier, init_distributed, lost_peer
 from packtrain.exits import NonFiniteError, PeerLost, Preempted
 from packtrain.models.build import build_base_model
 from packtrain.models.wrap import prepare_from_config
