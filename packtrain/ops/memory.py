@@ -380,7 +380,8 @@ def layer_recompute(text: dict, layer_type, T: int, b: int, a: int, r: int, targ
 def norm_terms(text: dict, layer_type, T: int, b: int) -> list[Term]:
     """Recomputed RMSNorms (packtrain/packed/recompute.py) save only their input in the model's dtype, and during
     a norm's backward its recompute runs in float32: six float32 pieces of its input's shape (the input cast, the
-    squares' gradient and the mean's, two products' gradients), while the checkpoint has let its saved input go.
+    squares' gradient and the mean's, two products' gradients), while its saved input is gone (inside a checkpointed
+    layer the norm's checkpoint lets it go once recomputed; tests/test_measure.py counts both).
     The layer's input norm reads the layer's input (kept anyway); the post-attention norm saves [T, H]; a GDN's
     gated norm saves its input and gate ([T, value] each) and recomputes six float32 pieces plus one in the model's
     dtype. The q/k norms' inputs are the projections' outputs (:func:`mixer_term`)."""
