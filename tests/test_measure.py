@@ -52,11 +52,13 @@ def hybrid(hidden, intermediate, heads=4, gdn_heads=(2, 4), head_dim=32, vocab=9
             "linear_value_head_dim": head_dim}
 
 
-# (widths, P, continuations, train.*): the pack grows in T and M, the widths in H and I; checkpointing and offload
+# (widths, P, continuations, train.*): the pack grows in T and M, the widths in H and I; checkpointing, offload
+# and neither
 SHAPES = {
     "checkpointed": (hybrid(512, 1536, heads=4, head_dim=64), 1500, 8, {"activation_checkpointing": True}),
     "wider, offloaded": (hybrid(256, 768, gdn_heads=(2, 6)), 2500, 12, {"offload": True}),
     "long P, wide MLP": (hybrid(192, 1024, heads=6), 5000, 6, {"activation_checkpointing": True}),
+    "not checkpointed": (hybrid(256, 1024), 2000, 6, {"activation_checkpointing": False}),  # every layer's graph
 }
 
 
@@ -278,7 +280,7 @@ def test_a_tiled_mlps_backward_holds_what_the_estimate_counts():
             y.sum().backward()
     terms = {t.key: t.bytes for t in memory.mlp_terms(memory.text_config(model), "full_attention", T, 2, mlp_rows=rows)}
     # x counts from the tiles' first view of it; the MLP's output y and the scalar loss are alive beside the tile
-    assert counter.peaks["backward"] - T * 64 * 2 - 2 * 2 == terms["mlp"] + terms["workspace"]
+    assert counter.peaks["backward"] - T * 64 * 2 - 2 * 2 == terms["mlp"] + terms["mlp_tile"] + terms["workspace"]
 
 
 def _hf_config(model: dict):

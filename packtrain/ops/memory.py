@@ -330,8 +330,10 @@ def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=(), mlp_
         I = text["intermediate_size"]
         if mlp_rows:
             R = min(mlp_rows, T)
-            return [Term("mlp", f"tiled MLP: its input {_shape(T, H)}, one tile's 3 x {_shape(R, I)}",
-                         T * H * b + 3 * R * I * b, depth=1),
+            return [Term("mlp", f"tiled MLP: its input {_shape(T, H)} (kept for the tiles' recompute)", T * H * b,
+                         depth=1),
+                    Term("mlp_tile", f"one tile's 3 x {_shape(R, I)} (gate, SiLU(gate), up; in its recompute)",
+                         3 * R * I * b, depth=1),
                     Term("mlp_first", f"gate_proj's output {_shape(R, I)} (one tile)", R * I * b, depth=1),
                     Term("workspace", f"backward workspace: 3 x {_shape(R, I)} SwiGLU gradients (one tile), the tile's "
                          f"output {_shape(R, H)}, the input's gradient {_shape(T, H)}",
@@ -406,7 +408,7 @@ def layer_total(terms: list[Term]) -> int:
     def alive(but) -> int:
         return sum(t.bytes for t in terms if t.key not in _TRANSIENT | but)
 
-    moments = [alive(set()) + _sum(terms, {"workspace"}),
+    moments = [alive(set()) + _sum(terms, {"mlp_tile", "workspace"}),
                alive(_AFTER_GATE) + _sum(terms, {"mlp_first", "lora_out"})]
     if any(t.key == "norm_backward" for t in terms):
         mlp = _AFTER_GATE | {"lora:gate_proj", "norm_input"}
@@ -585,7 +587,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                                  f"tokens; world size {W}{mode}", phases, savings)
 
 
-_TRANSIENT = {"workspace", "lora_out", "mlp_first", "norm_backward", "gated_norm_backward"}  # alive only for a moment of the layer's recompute or backward
+_TRANSIENT = {"workspace", "lora_out", "mlp_first", "mlp_tile", "norm_backward", "gated_norm_backward"}  # alive only for a moment of the layer's recompute or backward
 _BACKWARD = {"workspace"}
 
 
