@@ -52,11 +52,13 @@ def hybrid(hidden, intermediate, heads=4, gdn_heads=(2, 4), head_dim=32, vocab=9
             "linear_value_head_dim": head_dim}
 
 
-# (widths, P, continuations, train.*): the pack grows in T and M, the widths in H and I; checkpointing and offload
+# (widths, P, continuations, train.*): the pack grows in T and M, the widths in H and I; checkpointing, offload
+# and neither
 SHAPES = {
     "checkpointed": (hybrid(512, 1536, heads=4, head_dim=64), 1500, 8, {"activation_checkpointing": True}),
     "wider, offloaded": (hybrid(256, 768, gdn_heads=(2, 6)), 2500, 12, {"offload": True}),
     "long P, wide MLP": (hybrid(192, 1024, heads=6), 5000, 6, {"activation_checkpointing": True}),
+    "not checkpointed": (hybrid(256, 1024), 2000, 6, {"activation_checkpointing": False}),  # every layer's graph
 }
 
 
@@ -225,3 +227,63 @@ def test_the_seed_data_is_seeded_and_seed_shaped():
     assert first == again and first != list(seed_records(640, 8, 248_320, 1))
     assert {len(r["prefix_ids"]) for r in first} == {640}
     assert all(400 <= len(r["item_ids"]) <= 700 and 200 <= len(r["target_ids"]) <= 400 for r in first)
+
+
+def test_a_recomputed_norms_backward_holds_what_the_estimate_counts():
+    """Inside a checkpointed layer, a recomputed RMSNorm's backward holds six float32 pieces of its input's shape
+    and nothing else of its own (its saved bf16 input is gone): memory.norm_terms' norm_backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.checkpoint import checkpoint
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from packtrain.packed.recompute import recomputed_norm
+
+    T, H = 300, 64
+    with FakeTensorMode():
+        norm = Qwen3_5RMSNorm(H)
+        norm.weight.data = norm.weight.data.to(torch.bfloat16)
+        x = torch.empty(T, H, dtype=torch.bfloat16, requires_grad=True)
+        counter = LiveBytes()
+        with counter:
+            counter.tag(norm.weight, "weights")
+            y = checkpoint(lambda h: recomputed_norm(norm, h * 2) * 3, x, use_reentrant=False)
+            counter.set_phase("backward")
+            y.sum().backward()
+    terms = {t.key: t.bytes for t in memory.norm_terms(memory.text_config(hybrid(H, 128)), "full_attention", T, 2)}
+    # the peak beside the layer's output y, the scalar loss and a bf16 [H] for the norm's weight (its gradient)
+    assert counter.peaks["backward"] - T * H * 2 - 2 * 2 - H * 2 == terms["norm_backward"]
+    assert terms["norm_input"] == T * H * 2
+
+
+def test_a_tiled_mlps_backward_holds_what_the_estimate_counts():
+    """A tile's backward (packtrain/packed/recompute.py): one tile's three saved [rows, I] and three SwiGLU gradients,
+    the tile's output and the input's gradient, beside the MLP input that the tiles keep: memory.mlp_terms."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP
+
+    from packtrain.packed.recompute import tiled_mlp
+
+    model = hybrid(64, 160)
+    T, rows = 300, 128
+    with FakeTensorMode():
+        mlp = Qwen3_5MLP(_hf_config(model), intermediate_size=160)
+        for p in mlp.parameters():
+            p.data = p.data.to(torch.bfloat16)
+            p.requires_grad_(False)
+        x = torch.empty(T, 64, dtype=torch.bfloat16, requires_grad=True)
+        counter = LiveBytes()
+        with counter:
+            for p in mlp.parameters():
+                counter.tag(p, "weights")
+            y = tiled_mlp(mlp, mlp.forward, x, rows)
+            counter.set_phase("backward")
+            y.sum().backward()
+    terms = {t.key: t.bytes for t in memory.mlp_terms(memory.text_config(model), "full_attention", T, 2, mlp_rows=rows)}
+    # x counts from the tiles' first view of it; the MLP's output y and the scalar loss are alive beside the tile
+    assert counter.peaks["backward"] - T * 64 * 2 - 2 * 2 == terms["mlp"] + terms["mlp_tile"] + terms["workspace"]
+
+
+def _hf_config(model: dict):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**model)

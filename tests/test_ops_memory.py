@@ -166,7 +166,7 @@ def test_plan_memory_prints_the_estimate(tmp_path):
     cfg = write_config(tmp_path, model={"dtype": "bfloat16"}, train={"activation_checkpointing": True})
     out = run_in_process("plan", cfg, "--memory", "--world-size", "2").stdout
     assert "memory per GPU for the largest pack:" in out and "world size 2" in out
-    assert "MLP intermediates: 3 x [" in out and "total on the device" in out
+    assert "tiled MLP: its input [" in out and "total on the device" in out  # train.mlp_chunk_rows null: tiles
     stats = json.loads(run_in_process("plan", cfg, "--memory", "--json").stdout)
     terms = {t["key"]: t for t in stats["memory"]["terms"]}
     assert terms["checkpointed_inputs"]["bytes"] == 3 * terms["residual"]["bytes"]  # 3 layers x [T, H]

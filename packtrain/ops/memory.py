@@ -236,14 +236,20 @@ def adapter_terms(text: dict, layer_type, T: int, b: int, a: int, r: int, target
     """What each adapter of one layer saves for backward: its input (a copy when peft casts it to the adapter dtype
     or drops it out, plus the dropout mask, unless the mask is regenerated in backward), and lora_A's [T, r] output.
     ``mask_bytes``: 1 on CUDA (the fused dropout keeps a bool mask); CPU's unfused dropout keeps it in the input's
-    dtype (``a``). ``mlp_rows``: a tiled MLP's adapters hold one tile's rows at a time."""
+    dtype (``a``). ``mlp_rows``: a tiled MLP's adapters hold one tile's rows at a time, and gate/up_proj's input is
+    a view of the MLP's input, which the tiles keep (:func:`mlp_terms` counts it). Without an attention output gate
+    o_proj reads the attention kernel's output, which :func:`mixer_term` counts."""
     terms, shared = [], set()
+    if mlp_rows:
+        shared.add("post_norm")
+    if not FAMILIES[text["family"]].attention_gate:
+        shared.add("attention_out")
     own_copy = a != b or (dropout > 0 and not masks_regenerated)
     mask = mask_bytes if dropout > 0 and not masks_regenerated else 0
     for name, (din, _, group) in linears(text, layer_type).items():
         if name not in targets:
             continue
-        rows = mlp_rows if mlp_rows and group in ("post_norm", "mlp_product") else T
+        rows = min(mlp_rows, T) if mlp_rows and group in ("post_norm", "mlp_product") else T
         if own_copy:
             n = rows * din * (a + mask)
             kind = "float32" if a == 4 else f"{a}-byte"
@@ -251,7 +257,7 @@ def adapter_terms(text: dict, layer_type, T: int, b: int, a: int, r: int, target
         else:
             n = 0 if group in shared else rows * din * b
             shared.add(group)
-            what = f"{_shape(rows, din)} input" + (" (shared with another adapter)" if n == 0 else "")
+            what = f"{_shape(rows, din)} input" + (" (shared: counted once)" if n == 0 else "")
         terms.append(Term(f"lora:{name}", f"{name} adapter input {what}", n + rows * r * a, depth=1))
     return terms
 
@@ -261,7 +267,7 @@ def lora_output_term(text: dict, layer_type, T: int, a: int, targets: list[str],
     """The widest adapter's output while its linear runs, alive for a moment, not saved: peft's lora_B output and
     its scaled copy (``copies`` 2, in the adapter's dtype); packtrain's LoRA in the model's dtype adds one delta into
     the base output in place (1)."""
-    widths = [(mlp_rows if mlp_rows and group in ("post_norm", "mlp_product") else T, out, name)
+    widths = [(min(mlp_rows, T) if mlp_rows and group in ("post_norm", "mlp_product") else T, out, name)
               for name, (_, out, group) in linears(text, layer_type).items() if name in targets]
     if not widths:
         return []
@@ -273,11 +279,23 @@ def lora_output_term(text: dict, layer_type, T: int, a: int, targets: list[str],
 
 def mixer_term(text: dict, layer_type, T: int, b: int, norms_recomputed: bool = False,
                continuations: float = 0.5) -> Term:
-    """``continuations``: the continuations' share of the T positions (the GDN conv gathers a copy of their rows)."""
+    """What the mixer saves. ``continuations``: the continuations' share of the T positions (the GDN conv gathers a
+    copy of their rows; attention copies the continuations' and P's rows per bucket). With recomputed norms the
+    GDN's gated norm inputs are a term of their own (:func:`norm_terms`: its backward frees them)."""
     mixer, _ = _kind(layer_type)
     if mixer == FULL:
         q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
         gate = FAMILIES[text["family"]].attention_gate
+        if norms_recomputed:
+            # q_proj's output (the q norm's saved input is a view of it, the gate half too) and k_proj's (the k
+            # norm's), v; rotated q and k; the kernel's output, and the gate's sigmoid; per bucket, copies of the
+            # continuations' q, k and output, and of P's k and output
+            q_out = 2 * q if gate else q
+            per = b * (q_out + 2 * kv + (q + kv) + q + (q if gate else 0))
+            per += b * (continuations * (2 * q + kv) + (1 - continuations) * (q + kv))
+            return Term("mixer", "attention: q/k/v projections (the q/k norms' inputs), rotary q/k, kernel output"
+                        + (", gate's sigmoid" if gate else "") + ", per-bucket copies", round(T * per),
+                        approx=True, depth=1)
         # q/k RMSNorm float32 copies; rotated q, k; attention's q, k, v, output; the output gate and its sigmoid
         per = (0 if norms_recomputed else 4 * (q + kv)) + b * ((5 if gate else 3) * q + 3 * kv)
         label = "attention: q/k norms, rotary, kernel in/out" + (", output gate" if gate else "")
@@ -289,16 +307,22 @@ def mixer_term(text: dict, layer_type, T: int, b: int, norms_recomputed: bool = 
         # what fla's kernels save: the conv's input (the projection's output, and a gathered copy of the
         # continuations' rows) and output (v reads it), l2-normed q and k, the WY blocks (64 per value head); the
         # gated norm's output and its float32 copies
+        if norms_recomputed:  # and q/k's float32 l2 rstd [T, key heads] each
+            per = b * ((2 + continuations) * conv_dim + 2 * key + 64 * HV) + 4 * 2 * (HV + text["linear_num_key_heads"])
+            return Term("mixer", "Gated DeltaNet (fla's saved tensors): conv in/out, q/k l2-normed, WY blocks, g, beta",
+                        round(T * per), approx=True, depth=1)
         per = (b * ((2 + continuations) * conv_dim + 2 * key + 64 * HV + value)
-               + 4 * (2 * HV + (0 if norms_recomputed else 3 * value)))
+               + 4 * (2 * HV + 3 * value))
         label = "Gated DeltaNet (fla's saved tensors): conv in/out, q/k l2-normed, WY blocks, z, gated norm"
     return Term("mixer", label, T * per, approx=True, depth=1)
 
 
 def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=(), mlp_rows: int | None = None
               ) -> list[Term]:
-    """The MLP's saved intermediates and its backward workspace. A tiled dense MLP (``mlp_rows``) keeps its input
-    for the tiles' recompute and one tile's intermediates at a time. Routed experts (approximate: the per-expert
+    """The MLP's saved intermediates and its backward workspace (SwiGLU's: the gradient of the product and mul's two
+    gradients). A tiled dense MLP (``mlp_rows``) keeps its input for the tiles' recompute and one tile's
+    intermediates at a time; while a tile's backward runs, the MLP input's gradient (filled tile by tile) and the
+    tile's output exist too (packtrain/packed/recompute.py). Routed experts (approximate: the per-expert
     loop's gathers and outputs) see T x k token rows of width I_e; targeted expert stacks are saved adapted (W + BA:
     peft's parametrization makes a new [experts, out, in] tensor per stack)."""
     H = text["hidden_size"]
@@ -306,15 +330,18 @@ def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=(), mlp_
         I = text["intermediate_size"]
         if mlp_rows:
             R = min(mlp_rows, T)
-            return [Term("mlp", f"tiled MLP: its input {_shape(T, H)}, one tile's 3 x {_shape(R, I)}",
-                         T * H * b + 3 * R * I * b, depth=1),
+            return [Term("mlp", f"tiled MLP: its input {_shape(T, H)} (kept for the tiles' recompute)", T * H * b,
+                         depth=1),
+                    Term("mlp_tile", f"one tile's 3 x {_shape(R, I)} (gate, SiLU(gate), up; in its recompute)",
+                         3 * R * I * b, depth=1),
                     Term("mlp_first", f"gate_proj's output {_shape(R, I)} (one tile)", R * I * b, depth=1),
-                    Term("workspace", f"backward workspace: 2 x {_shape(R, I)} SwiGLU gradients (one tile)",
-                         2 * R * I * b, approx=True, depth=1)]
+                    Term("workspace", f"backward workspace: 3 x {_shape(R, I)} SwiGLU gradients (one tile), the tile's "
+                         f"output {_shape(R, H)}, the input's gradient {_shape(T, H)}",
+                         (3 * R * I + R * H + T * H) * b, approx=True, depth=1)]
         return [Term("mlp", f"MLP intermediates: 3 x {_shape(T, I)} (gate, SiLU(gate), up)", 3 * T * I * b, depth=1),
                 Term("mlp_first", f"gate_proj's output {_shape(T, I)} (in the recompute)", T * I * b, depth=1),
-                Term("workspace", f"backward workspace: 2 x {_shape(T, I)} SwiGLU gradients",
-                     2 * T * I * b, approx=True, depth=1)]
+                Term("workspace", f"backward workspace: 3 x {_shape(T, I)} SwiGLU gradients",
+                     3 * T * I * b, approx=True, depth=1)]
     k, E, Ie, Is = (text["num_experts_per_tok"], text["num_experts"], text["moe_intermediate_size"],
                     text["shared_expert_intermediate_size"])
     rows = T * k
@@ -340,7 +367,7 @@ def layer_recompute(text: dict, layer_type, T: int, b: int, a: int, r: int, targ
     H = text["hidden_size"]
     rows = savings.mlp_rows if _kind(layer_type)[1] == DENSE else 0
     mlp, workspace = (lambda ts: (ts[:-1], ts[-1]))(mlp_terms(text, layer_type, T, b, target_parameters, rows))
-    norms = ([] if savings.norms_recomputed else
+    norms = (norm_terms(text, layer_type, T, b) if savings.norms_recomputed else
              [Term("norms", f"RMSNorm float32 copies: 2 x {_shape(T, H)}", 2 * T * H * 4, approx=True, depth=1)])
     return [
         *mlp,
@@ -352,15 +379,47 @@ def layer_recompute(text: dict, layer_type, T: int, b: int, a: int, r: int, targ
     ]
 
 
+def norm_terms(text: dict, layer_type, T: int, b: int) -> list[Term]:
+    """Recomputed RMSNorms (packtrain/packed/recompute.py) save only their input in the model's dtype, and during
+    a norm's backward its recompute runs in float32: six float32 pieces of its input's shape (the input cast, the
+    squares' gradient and the mean's, two products' gradients), while its saved input is gone (inside a checkpointed
+    layer the norm's checkpoint lets it go once recomputed; tests/test_measure.py counts both).
+    The layer's input norm reads the layer's input (kept anyway); the post-attention norm saves [T, H]; a GDN's
+    gated norm saves its input and gate ([T, value] each) and recomputes six float32 pieces plus one in the model's
+    dtype. The q/k norms' inputs are the projections' outputs (:func:`mixer_term`)."""
+    H = text["hidden_size"]
+    terms = [Term("norm_input", f"the post-attention norm's input {_shape(T, H)}", T * H * b, depth=1),
+             Term("norm_backward", f"the post-attention norm's backward: 6 x {_shape(T, H)} float32", 6 * T * H * 4,
+                  approx=True, depth=1)]
+    if _kind(layer_type)[0] != FULL:
+        value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
+        terms += [Term("gated_norm_input", f"the gated norm's input and gate: 2 x {_shape(T, value)}",
+                       2 * T * value * b, depth=1),
+                  Term("gated_norm_backward", f"the gated norm's backward: 6 x {_shape(T, value)} float32 + 1",
+                       T * value * (6 * 4 + b), approx=True, depth=1)]
+    return terms
+
+
 def layer_total(terms: list[Term]) -> int:
-    """What is alive at a layer's peak, the larger of two moments: its backward (everything it saves, plus the
-    backward workspace), and the widest adapter's forward in the recompute (what the layer saved before its MLP,
-    the MLP's first output, and that adapter's output)."""
-    saved = sum(t.bytes for t in terms if t.key not in _TRANSIENT | {"mlp_first"})
-    backward = saved + sum(t.bytes for t in terms if t.key == "workspace")
-    before_mlp = sum(t.bytes for t in terms if t.key not in _TRANSIENT | _AFTER_GATE)
-    forward = before_mlp + sum(t.bytes for t in terms if t.key in ("mlp_first", "lora_out"))
-    return max(backward, forward)
+    """What is alive at a layer's peak, the largest of its moments: the MLP's backward (everything the layer saves,
+    plus the MLP's backward workspace); each recomputed norm's backward (what the layer saves before that norm, the
+    MLP's terms gone, plus the norm's float32 recompute); and the widest adapter's forward in the recompute (what
+    the layer saved before its MLP, the MLP's first output, and that adapter's output)."""
+    def alive(but) -> int:
+        return sum(t.bytes for t in terms if t.key not in _TRANSIENT | but)
+
+    moments = [alive(set()) + _sum(terms, {"mlp_tile", "workspace"}),
+               alive(_AFTER_GATE) + _sum(terms, {"mlp_first", "lora_out"})]
+    if any(t.key == "norm_backward" for t in terms):
+        mlp = _AFTER_GATE | {"lora:gate_proj", "norm_input"}
+        moments.append(alive(mlp) + _sum(terms, {"norm_backward"}))
+        if any(t.key == "gated_norm_backward" for t in terms):  # out_proj's backward has run: its input is gone
+            moments.append(alive(mlp | {"gated_norm_input", "lora:out_proj"}) + _sum(terms, {"gated_norm_backward"}))
+    return max(moments)
+
+
+def _sum(terms: list[Term], keys) -> int:
+    return sum(t.bytes for t in terms if t.key in keys)
 
 
 _AFTER_GATE = {"mlp", "mlp_first", "experts_adapted", "lora:up_proj", "lora:down_proj"}
@@ -517,7 +576,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
               + max(alive(["logits"]), alive(["final_norm"]))}
     for k in kinds:
         phases[f"{'recompute' if checkpointing else 'backward'} {kind_name(text, k)}"] = (
-            base + gathered.get("layer", 0) + alive(carried) + alive(["residual"]) + layer_totals[k])
+            base + gathered.get("layer", 0) + alive(carried) + alive(["residual", "embedding_out"]) + layer_totals[k])
     # AdamW's step: its foreach kernels hold about two more copies of the adapters' float32 tensors
     phases["optimizer"] = base + math.ceil(n_lora * master * 2 / W)
     conts = f", {continuations} continuations" if continuations is not None else ""
@@ -528,7 +587,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                                  f"tokens; world size {W}{mode}", phases, savings)
 
 
-_TRANSIENT = {"workspace", "lora_out", "mlp_first"}  # alive only for a moment of the layer's recompute or backward
+_TRANSIENT = {"workspace", "lora_out", "mlp_first", "mlp_tile", "norm_backward", "gated_norm_backward"}  # alive only for a moment of the layer's recompute or backward
 _BACKWARD = {"workspace"}
 
 
