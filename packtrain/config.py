@@ -146,8 +146,8 @@ class LoraConfig:
     r: int = 8
     alpha: float = 16
     dropout: float = 0.05
-    # The default for long inputs: no adapter on up_proj/down_proj (down_proj's adapter input is the
-    # intermediate-wide activation, ~3.4 GiB per recomputed layer at 70K tokens with dropout).
+    # The seed's choice for long inputs: no adapter on up_proj/down_proj (down_proj's adapter input is the
+    # intermediate-wide activation; with the MLP in tiles it is kept one tile at a time).
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"])
     # Parameters adapted directly (peft's parameter targeting), for the routed experts of MoE families, e.g.
     # [mlp.experts.gate_up_proj, mlp.experts.down_proj]; needs dropout 0. The router (mlp.gate) stays frozen.

@@ -6,10 +6,11 @@ weights (peft's autocast keeps adapters of a bf16 model in float32: packtrain's 
 
 Exact terms (Qwen3.6-27B's figures at a 70K-token pack, tested in tests/test_ops_memory.py): a checkpointed layer
 input is [T, H] in b bytes (70K x 5120 bf16 = 0.67 GiB; 64 layers = 43 GiB); an MLP intermediate is [T, I] (70K x
-17408 = 2.3 GiB) and SwiGLU saves three of them (gate, SiLU(gate), up); a LoRA adapter saves its own input for its
-weight gradient, a dropout copy plus a 1-byte mask when dropout > 0 (down_proj's input is [T, I]: 2.3 + 1.1 = 3.4 GiB
-per recomputed layer with bf16 adapters, 5.7 GiB with float32 ones); logits at every position are [T, V] (144K x
-248,320 bf16 = 71.5 GB), target-only ones [M, V]. The MLP and adapter terms are checked against autograd's saved
+17408 = 2.3 GiB) and SwiGLU saves three of them (gate, SiLU(gate), up), one tile's rows of them when the MLP runs in
+tiles; a LoRA adapter computing in the model's dtype saves the input its base layer reads (once per input, shared by
+q, k and v) and its [T, r] product, no copy and no dropout mask (packtrain/models/lora_compute.py); logits at every
+position are [T, V] (144K x 248,320 bf16 = 71.5 GB), target-only ones [M, V], one chunk's rows when the loss runs in
+chunks. The MLP and adapter terms are checked against autograd's saved
 tensors on CPU.
 
 ``packing.context_grad`` (packtrain/packed/context.py): ``kv_only`` keeps full's forward and checkpoints (its saving is
