@@ -144,28 +144,42 @@ def run_cli(*args: str, env: dict | None = None, check: bool = True) -> subproce
     return _checked(proc, args, check)
 
 
+# Starts `packtrain ARGS` and reports its peak resident set as wait4 counts it. A child of the test process would
+# carry the test process's own high-water mark: exec records the replaced address space's peak in the child's
+# ru_maxrss, and a fork's (or vfork's) address space is the test process's, over 1 GiB late in the suite. A child of
+# this small interpreter carries only this interpreter's few MiB.
+_PEAK_RSS_LAUNCHER = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-m", "packtrain", *sys.argv[1:]])
+_, status, usage = os.wait4(child.pid, 0)
+print(f"peak-rss-kib {usage.ru_maxrss}", file=sys.stderr)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def peak_rss_cli(*runs: list[str], env: dict | None = None, check: bool = True
                  ) -> list[tuple[subprocess.CompletedProcess, int]]:
     """Several `packtrain ARGS` at once, each as :func:`run_cli` runs one, and each process's peak resident set in
-    bytes as the kernel counted it for that process alone (``wait4``'s ``ru_maxrss``; RUSAGE_CHILDREN would be the
-    largest of every child this process ever waited for)."""
+    bytes as the kernel counted it for that process alone (``wait4``'s ``ru_maxrss``, taken by a small launcher
+    process: see ``_PEAK_RSS_LAUNCHER``)."""
     import tempfile
 
     with contextlib.ExitStack() as files:
         started = []
         for args in runs:
             out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
-            child = subprocess.Popen([sys.executable, "-m", "packtrain", *args], stdout=out, stderr=err, text=True,
-                                     env=_cli_env(env), cwd=REPO)
+            child = subprocess.Popen([sys.executable, "-c", _PEAK_RSS_LAUNCHER, *args], stdout=out, stderr=err,
+                                     text=True, env=_cli_env(env), cwd=REPO)
             started.append((args, child, out, err))
         results = []
         for args, child, out, err in started:
-            _, status, usage = os.wait4(child.pid, 0)
-            child.returncode = os.waitstatus_to_exitcode(status)
+            child.wait()
             out.seek(0)
             err.seek(0)
-            proc = subprocess.CompletedProcess(child.args, child.returncode, out.read(), err.read())
-            results.append((_checked(proc, args, check), usage.ru_maxrss * 1024))  # kilobytes on Linux
+            stderr = err.read()
+            stderr, _, peak = stderr.rstrip("\n").rpartition("peak-rss-kib ")
+            proc = subprocess.CompletedProcess(child.args, child.returncode, out.read(), stderr)
+            results.append((_checked(proc, args, check), int(peak) * 1024))  # kilobytes on Linux
     return results
 
 
