@@ -196,6 +196,12 @@ def lora_parameters(text: dict, r: int, targets: list[str], target_parameters: l
     return n
 
 
+def saved_module_parameters(text: dict, names) -> int:
+    """The parameters of ``lora.modules_to_save``'s trained copies: the embedding and the head, [V, H] each."""
+    V, H = text["vocab_size"], text["hidden_size"]
+    return sum(V * H for name in names if name in ("embed_tokens", "lm_head"))
+
+
 @dataclass
 class Term:
     key: str
@@ -460,7 +466,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
              lora_r: int = 8, lora_targets: list[str] = (), lora_dropout: float = 0.0, optimizer: str = "adamw",
              momentum: float = 0.0, checkpointing: bool = True, offload: bool = False, world_size: int = 1,
              continuations: int | None = None, offload_chunk_bytes: int = OFFLOAD_CHUNK_BYTES,
-             lora_parameters_targets: list[str] = (), context_grad: str = "full",
+             lora_parameters_targets: list[str] = (), modules_to_save: list[str] = (), context_grad: str = "full",
              prefix: int = 0, group_positions: int | None = None,
              savings: StepSavings = StepSavings()) -> MemoryEstimate:
     """The peak is the largest phase (:attr:`MemoryEstimate.phases`): the forward, the loss (head, cross-entropy and
@@ -504,6 +510,14 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     terms.append(Term("adapters", f"LoRA: {n_lora / 1e6:.1f}M parameters x (weight, grad, {states} optimizer states)"
                       f" x {master} bytes{sharded}", math.ceil(n_lora * master * (2 + states) / W)))
     static.append("adapters")
+    n_saved = saved_module_parameters(text, modules_to_save)
+    if n_saved:
+        # lora.modules_to_save: peft trains a full copy beside the frozen original (counted in the base weights),
+        # in the model's dtype, with its gradient and optimizer states
+        terms.append(Term("saved_modules", f"modules_to_save ({', '.join(modules_to_save)}): {n_saved / 1e6:.2f}M "
+                          f"parameters x (copy, grad, {states} optimizer states) x {b} bytes{sharded}",
+                          math.ceil(n_saved * b * (2 + states) / W)))
+        static.append("saved_modules")
     if context_grad == "frozen":
         terms += frozen_prefix_terms(text, prefix, b)
         static.append("prefix_cache")
@@ -537,9 +551,9 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
             k: layer_recompute(text, k, T, b, a, lora_r, targets_list, lora_dropout,
                                target_parameters=lora_parameters_targets, savings=savings, continuations=share)
             for k in kinds}
-        saved = sum(sum(t.bytes for t in graph[k] if t.key not in _TRANSIENT) for k in text["kinds"])
-        terms.append(Term("all_layers", f"saved activations of all {L} layers (no checkpointing)", saved,
-                          approx=True))
+        saved_by_layer = [sum(t.bytes for t in graph[k] if t.key not in _TRANSIENT) for k in text["kinds"]]
+        terms.append(Term("all_layers", f"saved activations of all {L} layers (no checkpointing)",
+                          sum(saved_by_layer), approx=True))
         terms.append(Term("residual", f"gradient of the hidden states: {_shape(T, H)}", layer_input))
         carried.append("all_layers")
     title = "one layer's recompute" if checkpointing else "one layer's backward"
@@ -576,10 +590,17 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
               "loss": base + gathered.get("loss", 0) + alive(carried) + alive(["embedding_out", "loss_hidden"])
               + max(alive(["logits"]), alive(["final_norm"]))}
     for k in kinds:
+        if checkpointing:
+            graph_alive = alive(carried)
+        else:
+            # backward runs last layer first: at the last layer of kind k the layers after it have freed their
+            # saved tensors, and its own are in layer_totals[k]
+            last = max(j for j, kj in enumerate(text["kinds"]) if kj == k)
+            graph_alive = sum(saved_by_layer[:last])
         phases[f"{'recompute' if checkpointing else 'backward'} {kind_name(text, k)}"] = (
-            base + gathered.get("layer", 0) + alive(carried) + alive(["residual", "embedding_out"]) + layer_totals[k])
-    # AdamW's step: its foreach kernels hold about two more copies of the adapters' float32 tensors
-    phases["optimizer"] = base + math.ceil(n_lora * master * 2 / W)
+            base + gathered.get("layer", 0) + graph_alive + alive(["residual", "embedding_out"]) + layer_totals[k])
+    # AdamW's step: its foreach kernels hold about two more copies of the trained tensors
+    phases["optimizer"] = base + math.ceil((n_lora * master + n_saved * b) * 2 / W)
     conts = f", {continuations} continuations" if continuations is not None else ""
     mode = "" if context_grad == "full" else f"; context_grad {context_grad}"
     if group_positions is not None:
@@ -640,6 +661,7 @@ def _plan_estimate(cfg, text: dict, world_size: int, context_grad: str, position
     return estimate(text, positions, targets, dtype=cfg.model.dtype,
                     lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules, lora_dropout=cfg.lora.dropout,
                     lora_parameters_targets=cfg.lora.target_parameters,
+                    modules_to_save=cfg.lora.modules_to_save or (),
                     optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
                     checkpointing=cfg.train.activation_checkpointing, offload=cfg.train.offload,
                     world_size=world_size, continuations=continuations, context_grad=context_grad, prefix=prefix,
