@@ -16,7 +16,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 from packtrain.models.lora_compute import lora_forward
 from packtrain.packed.kernels import torch_ref
 from packtrain.packed.layout import build_pack_layout, build_standalone_layout
-from packtrain.packed.lm import PackedLM
+from packtrain.packed.lm import PackCall, PackedLM
 from packtrain.packed.patch import patch_model, text_parts
 
 
@@ -46,7 +46,7 @@ def _with_pixels(layout, conts, pixels):
 
 def packed_run(model, prefix, conts, vision=None, pixels=None, context_grad="full", loss_chunk_rows=0):
     model.zero_grad(set_to_none=True)
-    out = PackedLM(model, context_grad, loss_chunk_rows)(_with_pixels(build_pack_layout(prefix, conts, vision), conts, pixels))
+    out = PackedLM(model, context_grad, loss_chunk_rows)(PackCall(_with_pixels(build_pack_layout(prefix, conts, vision), conts, pixels)))
     out.loss_sum.backward()
     return out.per_example.tolist(), trainable_grads(model)
 
@@ -57,7 +57,7 @@ def standalone_run(model, prefix, conts, vision=None, pixels=None, context_grad=
     losses = []
     for i, c in enumerate(conts):
         layout = build_standalone_layout(prefix, c, vision)
-        out = lm(_with_pixels(layout, [c], None if pixels is None else [pixels[i]]))
+        out = lm(PackCall(_with_pixels(layout, [c], None if pixels is None else [pixels[i]])))
         out.loss_sum.backward()
         losses.extend(out.per_example.tolist())
     return losses, trainable_grads(model)

@@ -28,7 +28,7 @@ from packtrain.models.wrap import checkpoint_decoder_layers, offload_decoder_lay
 from packtrain.packed import context as context_module
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import build_pack_layout
-from packtrain.packed.lm import PackedLM
+from packtrain.packed.lm import PackCall, PackedLM
 from packtrain.packed.patch import patch_model, text_parts, unwrap
 
 L, F = "linear_attention", "full_attention"
@@ -258,7 +258,7 @@ def _saved_rows(model, prefix, conts, mode):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        PackedLM(model, mode)(build_pack_layout(prefix, conts))
+        PackedLM(model, mode)(PackCall(build_pack_layout(prefix, conts)))
     return sizes
 
 
@@ -401,5 +401,5 @@ def test_frozen_flex_mask_equals_the_batched_path_forward(fake_fla_frozen, monke
     for attention in ("batched", "flex"):
         model = patch_model(tiny_lora_model([L, F], dtype=torch.float32, seed=10), Backend("torch", attention))
         with torch.no_grad():
-            losses[attention] = PackedLM(model, "frozen")(build_pack_layout(prefix, conts)).per_example
+            losses[attention] = PackedLM(model, "frozen")(PackCall(build_pack_layout(prefix, conts))).per_example
     assert rel(losses["flex"], losses["batched"]) < 1e-6

@@ -19,7 +19,7 @@ from packtrain.packed import groups as groups_module
 from packtrain.packed.groups import Groups, split, train_groups
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import build_pack_layout
-from packtrain.packed.lm import PackedLM
+from packtrain.packed.lm import PackCall, PackedLM
 from packtrain.packed.patch import patch_model
 
 L, F = "linear_attention", "full_attention"
@@ -48,7 +48,7 @@ def groups_run(model, prefix, conts, n_groups, mode="full", loss_chunk_rows=0):
 
 def pack_run(model, prefix, conts, mode):
     model.zero_grad(set_to_none=True)
-    out = PackedLM(model, mode)(build_pack_layout(prefix, conts))
+    out = PackedLM(model, mode)(PackCall(build_pack_layout(prefix, conts)))
     out.loss_sum.backward()
     return float(out.per_example.sum()), trainable_grads(model)
 
@@ -153,7 +153,7 @@ def test_groups_hold_less_of_the_continuations_graph():
     prefix, conts = random_pack(16, [(20, 20)] * 12, seed=5)
     model = patch_model(tiny_lora_model([L, F, L], dtype=torch.float32, seed=5), BACKEND)
     lm = PackedLM(model, "full")
-    whole = _peak_saved_bytes(lambda: lm(build_pack_layout(prefix, conts)).loss_sum.backward())
+    whole = _peak_saved_bytes(lambda: lm(PackCall(build_pack_layout(prefix, conts))).loss_sum.backward())
     four = _peak_saved_bytes(lambda: train_groups(lm, grouped(prefix, conts, 4), 1.0))
     assert four < 0.4 * whole, (four, whole)
 

@@ -8,6 +8,7 @@ from packtrain.models.offload import ChunkPool
 from packtrain.models.wrap import prepare
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import build_pack_layout
+from packtrain.packed.lm import PackCall
 
 L, F = "linear_attention", "full_attention"
 BACKEND = Backend(gdn="torch", attention="batched")
@@ -15,7 +16,7 @@ BACKEND = Backend(gdn="torch", attention="batched")
 
 def _run(lm, prefix, conts):
     lm.zero_grad(set_to_none=True)
-    out = lm(build_pack_layout(prefix, conts))
+    out = lm(PackCall(build_pack_layout(prefix, conts)))
     out.loss_sum.backward()
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
              for n, p in lm.named_parameters() if p.requires_grad}
@@ -68,5 +69,5 @@ def test_no_grad_skips_the_offload():
     lm = prepare(tiny_lora_model([L, F], seed=4), BACKEND, offload=True)
     pool = next(m.pool for m in lm.modules() if hasattr(m, "pool"))
     with torch.no_grad():
-        lm(build_pack_layout(prefix, conts))
+        lm(PackCall(build_pack_layout(prefix, conts)))
     assert pool.allocated == 0

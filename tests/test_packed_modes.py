@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from packtrain.models.wrap import checkpoint_decoder_layers
 from packtrain.packed.kernels import CPU_MLP_ROWS, CUDA_MLP_ROWS, Backend, select_backend
 from packtrain.packed.layout import build_pack_layout, build_standalone_layout
-from packtrain.packed.lm import PackedLM
+from packtrain.packed.lm import PackCall, PackedLM
 from packtrain.packed.patch import UnsupportedModelError, patch_model
 
 L, F = "linear_attention", "full_attention"
@@ -36,7 +36,7 @@ def test_no_grad_eval_gives_the_training_losses():
     prefix, conts = random_pack(20, [(5, 2), (9, 3)], seed=8)
     losses, _ = packed_run(model, prefix, conts)
     with torch.no_grad():
-        out = PackedLM(model)(build_pack_layout(prefix, conts))
+        out = PackedLM(model)(PackCall(build_pack_layout(prefix, conts)))
     assert out.per_example.tolist() == losses
     assert not out.loss_sum.requires_grad
 
@@ -44,7 +44,7 @@ def test_no_grad_eval_gives_the_training_losses():
 def test_loss_sum_is_sum_of_per_example_means():
     model = patch_model(tiny_lora_model([L, F], seed=4), BACKEND)
     prefix, conts = random_pack(20, [(5, 2), (9, 3), (1, 7)], seed=9)
-    out = PackedLM(model)(build_pack_layout(prefix, conts))
+    out = PackedLM(model)(PackCall(build_pack_layout(prefix, conts)))
     assert out.target_tokens.tolist() == [2, 3, 7]
     assert torch.isclose(out.loss_sum.detach(), out.per_example.sum(), rtol=1e-14)
 
@@ -156,7 +156,7 @@ def test_mlp_tiles_in_every_forward_and_survive_checkpointing():
 
     def no_grad_run(m, prefix, conts):
         with torch.no_grad():
-            return PackedLM(m)(build_standalone_layout(prefix, conts[1]))
+            return PackedLM(m)(PackCall(build_standalone_layout(prefix, conts[1])))
 
     _, seen_no_grad = mlp_rows_seen(model(tiles), no_grad_run)
     assert max(seen_no_grad) == 16 and sum(seen_no_grad) == 3 * lengths[1]

@@ -24,7 +24,7 @@ from packtrain.models.wrap import prepare_from_config
 from packtrain.packed import recompute, rowsparse
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import build_pack_layout
-from packtrain.packed.lm import PackedLM
+from packtrain.packed.lm import PackCall, PackedLM
 from packtrain.packed.patch import patch_model
 
 L, F = "linear_attention", "full_attention"
@@ -42,7 +42,7 @@ def _saved_activations(model, prefix, conts):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        PackedLM(model)(build_pack_layout(prefix, conts))
+        PackedLM(model)(PackCall(build_pack_layout(prefix, conts)))
     return shapes
 
 
@@ -56,7 +56,7 @@ def test_tiles_keep_no_intermediate_activation_for_backward():
     for name, backend in (("whole", Backend(gdn="torch", attention="batched")), ("tiles", TILES)):
         model = patch_model(tiny_lora_model([L, F, L], seed=3), backend)
         wide = [s for s in _saved_activations(model, prefix, conts) if s[-1:] == (INTERMEDIATE,)]
-        saved[name] = wide, _peak_saved_bytes(lambda m=model: PackedLM(m)(build_pack_layout(prefix, conts)))
+        saved[name] = wide, _peak_saved_bytes(lambda m=model: PackedLM(m)(PackCall(build_pack_layout(prefix, conts))))
     assert saved["tiles"][0] == []
     assert len([s for s in saved["whole"][0] if rows in s]) >= 4 * 3
     assert saved["whole"][1] - saved["tiles"][1] >= 4 * 3 * rows * INTERMEDIATE * 8

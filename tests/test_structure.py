@@ -124,6 +124,46 @@ def test_only_the_unit_runner_dispatches_on_unit_kinds():
     assert dict(users) == {k: {"packtrain.run.units"} for k in kinds | {"isinstance Groups"}}
 
 
+def _call_types() -> set[str]:
+    """The calls of packtrain.packed.lm.PackedLM: the classes of packtrain/packed that define ``run``."""
+    return {node.name for path in (ROOT / "packed").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)
+            and any(isinstance(f, ast.FunctionDef) and f.name == "run" for f in node.body)}
+
+
+def _type_checks(source: str, names: set[str]) -> list[int]:
+    """The lines of ``isinstance`` calls whose second argument names one of ``names``."""
+    return sorted(node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2
+            and any(getattr(a, "id", getattr(a, "attr", None)) in names for a in ast.walk(node.args[1])))
+
+
+# What a packed forward passes under the layout kwarg: the patched layers call its methods, never ask its type.
+_UNDER_THE_LAYOUT_KWARG = {"PackPass", "Rows", "PackLayout"}
+
+
+def test_calls_and_layer_inputs_run_by_method_not_by_type():
+    """PackedLM.forward is ``call.run(self)``: no isinstance on a call type (or a layout) in packed/lm.py; the
+    attention function and the GDN forward dispatch by method on what they get under the layout kwarg."""
+    calls = _call_types()
+    assert {"PackCall", "GroupCall", "PrefixCall", "Window", "ItemsCall", "DecodeCall"} <= calls
+    found = {f"packed/lm.py:{n}" for n in _type_checks((ROOT / "packed" / "lm.py").read_text(),
+                                                       calls | {"PackLayout"})}
+    for name in ("patch.py", "attention.py"):
+        found |= {f"packed/{name}:{n}"
+                  for n in _type_checks((ROOT / "packed" / name).read_text(), _UNDER_THE_LAYOUT_KWARG)}
+    assert not found, f"isinstance on a call type or a layer input at {sorted(found)}"
+
+
+def test_the_type_check_sees_an_isinstance_on_a_call():
+    """The check above can fail: a forward that asks a call's type, alone or in a tuple, by name or attribute."""
+    source = ("def forward(self, call):\n"
+              "    if isinstance(call, (walk.Window, PrefixCall)):\n"
+              "        return 1\n"
+              "    return isinstance(call, int) or isinstance(call, DecodeCall)\n")
+    assert _type_checks(source, _call_types()) == [2, 4]
+
+
 def test_the_design_map_lists_every_module():
     design = (ROOT.parent / "docs" / "design.md").read_text()
     missing = [f"packtrain/{p.relative_to(ROOT)}" for p in sorted(ROOT.rglob("*.py"))

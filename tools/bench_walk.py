@@ -30,7 +30,7 @@ def child(length: int, horizon: str, chunk: int) -> None:
     from packtrain.data.walk_schedule import WalkSpec, schedule
     from packtrain.packed.kernels import Backend
     from packtrain.packed.layout import Continuation, build_standalone_layout
-    from packtrain.packed.lm import PackedLM
+    from packtrain.packed.lm import PackCall, PackedLM
     from packtrain.packed.patch import patch_model
     from packtrain.packed.walk import train_walk
 
@@ -49,7 +49,7 @@ def child(length: int, horizon: str, chunk: int) -> None:
     layout = build_standalone_layout(prefix, cont)
     t0 = time.perf_counter()
     if horizon == "standalone":
-        lm(layout).loss_sum.backward()
+        lm(PackCall(layout)).loss_sum.backward()
     else:
         spec = WalkSpec(chunk, None if horizon == "all" else int(horizon))
         train_walk(lm, layout, spec, 1.0, schedule(P, len(cont.item_ids), length, spec))

@@ -29,6 +29,7 @@ from packtrain.config import config_from_dict
 from packtrain.data.planner import plan_for
 from packtrain.ops import memory
 from packtrain.packed import attention
+from packtrain.packed.lm import PackCall
 from packtrain.run.steps import rank_units
 from packtrain.run.units import unit_layout
 
@@ -59,11 +60,11 @@ def main() -> None:
     singles = [unit_layout(u, plan, examples, "standalone") for u in rank_units(plan, work.steps[0], "standalone", 0, 1)]
 
     def pack():
-        lm(layout).loss_sum.backward()
+        lm(PackCall(layout)).loss_sum.backward()
 
     def standalone():
         for single in singles:
-            lm(single).loss_sum.backward()
+            lm(PackCall(single)).loss_sum.backward()
 
     def plain():
         for ex in examples:

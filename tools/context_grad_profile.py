@@ -27,7 +27,7 @@ from packtrain.config import config_from_dict
 from packtrain.models.build import build_base_model
 from packtrain.models.wrap import prepare_from_config
 from packtrain.packed.layout import Continuation, build_pack_layout
-from packtrain.packed.lm import PackedLM
+from packtrain.packed.lm import PackCall, PackedLM
 
 MODES = ("full", "kv_only", "frozen")
 GROUPS = {  # operator -> what it mostly is in this model
@@ -58,7 +58,7 @@ def main() -> None:
     def step(mode):
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        out = lms[mode](layout)
+        out = lms[mode](PackCall(layout))
         t1 = time.perf_counter()
         out.loss_sum.backward()
         return t1 - t0, time.perf_counter() - t1

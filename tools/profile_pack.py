@@ -28,6 +28,7 @@ from packtrain.bench.variants import Models, Workload
 from packtrain.config import config_from_dict
 from packtrain.data.planner import plan_for
 from packtrain.ops import memory
+from packtrain.packed.lm import PackCall
 from packtrain.run.harness import PeakMemory
 from packtrain.run.steps import rank_units
 from packtrain.run.units import unit_layout
@@ -78,7 +79,7 @@ def main() -> None:
         layout = unit_layout(unit, plan, examples, "shared_prefix")
 
         def step():
-            models.lm(layout).loss_sum.backward()
+            models.lm(PackCall(layout)).loss_sum.backward()
 
     step()  # warm-up (and the layout's cached indices)
     seconds, peaks = [], []

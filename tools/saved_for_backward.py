@@ -20,7 +20,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import Continuation, build_pack_layout
-from packtrain.packed.lm import PackedLM
+from packtrain.packed.lm import PackCall, PackedLM
 from packtrain.packed.patch import patch_model
 
 try:
@@ -65,7 +65,7 @@ def saved_bytes(lm: PackedLM, layout, intermediate: int, top: int) -> dict[str, 
         return h
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
-        out = lm(layout)
+        out = lm(PackCall(layout))
     weights = {p.untyped_storage().data_ptr() for p in lm.parameters()}  # views of them are no extra memory
     storages = {h.t.untyped_storage().data_ptr(): h.t for h in held}
     storages = {ptr: t for ptr, t in storages.items() if ptr not in weights}

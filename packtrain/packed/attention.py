@@ -6,7 +6,7 @@ their log-sum-exps (:class:`_SplitAttention`): all continuation queries against 
 mask, and each length bucket causally against its own keys. Positions are the standalone ones, so RoPE distances from
 every continuation to P are exactly those of ``concat(P, Ci)``.
 
-Without a pack layout in the call (a standalone forward), the call goes to transformers' own SDPA attention
+Without a pack under the layout kwarg (a standalone forward), the call goes to transformers' own SDPA attention
 with its own causal mask, so the unpacked model computes exactly what it computes as shipped.
 Shape legend: H query heads, G key/value heads, T buffer, P prefix, S continuation tokens, N continuations in a
 bucket, L the bucket's longest, D head dim.
@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from packtrain.packed.layout import PackLayout, dense_mask, shared_prefix_allowed
-from packtrain.packed.rows import Rows, attend
 
 ATTN_NAME = "packtrain"
 
@@ -238,28 +237,33 @@ def frozen_flex(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, scal
 _FROZEN_IMPLS = {"dense": frozen_dense, "batched": frozen_batched, "flex": frozen_flex}
 
 
+def pack_attention(module, query, key, value, layout: PackLayout, scaling, dropout, prefix=None,
+                   keep_from: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A full-attention layer on a pack's buffer in the back end's kind: [1, H, T, D]. ``prefix``
+    (:class:`~packtrain.packed.prefix.PrefixState`): P's keys and values from outside, the buffer holds only the
+    continuations; ``keep_from`` (kv_only): P's own attention runs under no_grad in the layers where P's outputs
+    get no gradient."""
+    kind = module.packtrain_backend.attention
+    if prefix is not None:
+        k_P, v_P = prefix.keys_values(module.layer_idx)
+        return _FROZEN_IMPLS[kind](query, key, value, k_P.to(key.dtype), v_P.to(value.dtype), layout, scaling,
+                                   dropout)
+    kwargs = {}
+    if kind == "batched" and keep_from is not None:
+        kwargs["prefix_grad"] = keep_from[module.layer_idx] < layout.prefix_len
+    return _IMPLS[kind](query, key, value, layout, scaling, dropout, **kwargs)
+
+
 def packtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                         packtrain_pack=None, **kwargs):
-    """The function transformers calls for every full-attention layer. Returns ([B, T, H, D], None)."""
+    """The function transformers calls for every full-attention layer. Returns ([B, T, H, D], None).
+    ``packtrain_pack``: what the layers read under the layout kwarg (a pack's
+    :class:`~packtrain.packed.pack_pass.PackPass`, or a generation's decoding
+    :class:`~packtrain.packed.rows.Rows`), which runs the layer itself; None: a standalone forward, SDPA."""
     if packtrain_pack is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    if isinstance(packtrain_pack, Rows):  # one token per decoding row (packtrain.packed.decode)
-        out = attend(packtrain_pack, module.layer_idx, query, key, value, scaling)
-        return out.transpose(1, 2).contiguous(), None
-    kind = module.packtrain_backend.attention
-    if packtrain_pack.prefix_state is not None:
-        if packtrain_pack.record is not None:  # a generation's item pass keeps the continuations' own keys
-            packtrain_pack.record[("kv", module.layer_idx)] = (key, value)
-        k_P, v_P = packtrain_pack.prefix_state.keys_values(module.layer_idx)
-        out = _FROZEN_IMPLS[kind](query, key, value, k_P.to(key.dtype), v_P.to(value.dtype), packtrain_pack,
-                                  scaling, dropout)
-        return out.transpose(1, 2).contiguous(), None
-    kwargs = {}
-    plan = packtrain_pack.context
-    if kind == "batched" and plan is not None and plan.mode == "kv_only":
-        kwargs["prefix_grad"] = plan.keep_from[module.layer_idx] < packtrain_pack.prefix_len
-    out = _IMPLS[kind](query, key, value, packtrain_pack, scaling, dropout, **kwargs)
+    out = packtrain_pack.attention(module, query, key, value, scaling, dropout)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -10,7 +10,7 @@
   (in_proj_qkv, in_proj_a, in_proj_b, conv1d, A_log, dt_bias). The model keeps learning how to read P and stops
   learning how to represent it. (A continuation with no item reads its first target off P's last row: that row's
   final hidden state is not a decoder-layer input, so the last layer still learns from it, as the definition says.)
-- ``frozen`` (context-frozen training): P runs once under no_grad (:func:`packtrain.packed.prefix.run_prefix`);
+- ``frozen`` (context-frozen training): P runs once under no_grad (:class:`packtrain.packed.prefix.PrefixCall`);
   the continuations read P's attention K/V, final GDN state and conv tail from its
   :class:`~packtrain.packed.prefix.PrefixState` as constants. Nothing of P is kept for backward; the gradient flows
   only through continuation positions (a target read off P's last row counts in the loss and carries no gradient:
@@ -32,15 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from packtrain.packed.cut import cut_at_layer_inputs
 from packtrain.packed.layout import PackLayout
+from packtrain.packed.pack_pass import ItemRecord, PackPass
 from packtrain.packed.patch import LAYOUT_KWARG, packed_positions, text_parts
-from packtrain.packed.prefix import PrefixCall, PrefixState, run_prefix
+from packtrain.packed.prefix import PrefixCall, PrefixState
 from packtrain.packed.rowsparse import rows_from
 
 MODES = ("full", "kv_only", "frozen")
@@ -54,25 +54,19 @@ _DESCRIBE = {
 ROW_SPARSE_MODULES = ("mlp", "self_attn.q_proj", "self_attn.o_proj", "linear_attn.in_proj_z", "linear_attn.out_proj")
 
 
-@dataclass(frozen=True)
-class ContextPlan:
-    """What a packed forward's kernels need to know of the mode (set on the layout per forward)."""
-    mode: str
-    keep_from: tuple[int, ...] = ()  # kv_only: per decoder layer, the first buffer row whose output may get gradient
-
-
 # -- kv_only: row-sparse backward -------------------------------------------------------------------------------
 class _LayerRows:
-    """The kept-row start of the decoder layer running now (None: dense), set from the pack layout the layer
-    receives, so a checkpoint's recompute sets it again from the same arguments."""
+    """The kept-row start of the decoder layer running now (None: dense), set from what the layer receives under
+    the layout kwarg (a pack's :class:`~packtrain.packed.pack_pass.PackPass`, decoding rows, or nothing), so a
+    checkpoint's recompute sets it again from the same arguments."""
 
     def __init__(self, index: int):
         self.index = index
         self.start: int | None = None
 
     def pre_hook(self, module, args, kwargs):
-        plan = getattr(kwargs.get(LAYOUT_KWARG), "context", None)
-        self.start = plan.keep_from[self.index] if plan is not None and plan.mode == "kv_only" else None
+        pack = kwargs.get(LAYOUT_KWARG)
+        self.start = None if pack is None else pack.grad_rows_from(self.index)
 
 
 def _row_sparse_forward(module: nn.Module, rows: _LayerRows) -> None:
@@ -167,15 +161,14 @@ class ContextGrad:
             return lm.hidden_states(layout), layout.target_positions, None
         p = layout.prefix_len
         layers = text_parts(lm.model)[0].layers
-        if layout.packed:
-            layout = dataclasses.replace(layout, context=ContextPlan("kv_only", keep_from(layout, len(layers))))
+        pack = PackPass(layout, keep_from=keep_from(layout, len(layers))) if layout.packed else None
         with cut_at_layer_inputs(layers, p):
-            return lm.hidden_states(layout), layout.target_positions, None
+            return lm.hidden_states(layout, pack), layout.target_positions, None
 
     def _frozen(self, lm, layout: PackLayout):
         p = layout.prefix_len
         if layout.packed:
-            return continuations_on(lm, layout, run_prefix(lm, PrefixCall(layout)), constant=True)
+            return continuations_on(lm, layout, PrefixCall(layout).run(lm), constant=True)
         # the mode's reference semantics: transformers' own cache path on concat(P, C)
         prefix = dataclasses.replace(layout, input_ids=layout.input_ids[:, :p], image_grid_thw=None,
                                      pixel_values=None, _cache={})
@@ -189,14 +182,14 @@ class ContextGrad:
         return hidden, layout.target_positions - (p - 1), layout.target_positions < p
 
 
-def continuations_on(lm, layout: PackLayout, prefix: PrefixState, constant: bool):
-    """A pack's continuations alone against P's state from outside (``prefix``, :func:`run_prefix`'s). Returns what
-    :meth:`ContextGrad.hidden_states` returns: targets read off P's last row take ``prefix.last``, every other
-    target t row t - P + 1; with ``constant`` those first ones are constants (frozen)."""
+def continuations_on(lm, layout: PackLayout, prefix: PrefixState, constant: bool, record: ItemRecord | None = None):
+    """A pack's continuations alone against P's state from outside (``prefix``, a
+    :class:`~packtrain.packed.prefix.PrefixCall`'s). Returns what :meth:`ContextGrad.hidden_states` returns:
+    targets read off P's last row take ``prefix.last``, every other target t row t - P + 1; with ``constant`` those
+    first ones are constants (frozen). ``record``: a generation's item pass, which keeps each continuation's own
+    state. Under every mode the kernels read P from ``prefix`` alone (no kv_only kept rows: no P row is here)."""
     p = layout.prefix_len
     rest = _continuation_view(layout)
-    rest.prefix_state = prefix
-    rest.context = ContextPlan("frozen")
-    second = lm.run_body(rest)
+    second = lm.run_body(rest, PackPass(rest, prefix=prefix, record=record))
     hidden = torch.cat([prefix.last.to(second.last_hidden_state.dtype), second.last_hidden_state], dim=1)
     return hidden, layout.target_positions - (p - 1), (layout.target_positions < p) if constant else None

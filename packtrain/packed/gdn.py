@@ -6,7 +6,8 @@ Two routes carry history across a boundary and both are cut and re-wired here:
 - the causal conv (width W): each continuation sees P's last W-1 *pre-conv* inputs (``in_proj_qkv`` outputs,
   LoRA included) as its history, and never another continuation's (conv-tail replay).
 
-This replaces ``Qwen3_5GatedDeltaNet.forward`` only when a pack layout is passed; otherwise the module's own
+This replaces ``Qwen3_5GatedDeltaNet.forward`` only in a packed forward (a pack's
+:class:`~packtrain.packed.pack_pass.PackPass` runs it); otherwise the module's own
 forward runs unchanged. It calls the module's children through their own ``__call__`` (LoRA, FSDP hooks).
 Shape legend: T buffer, P prefix length, S = T - P continuation tokens, N continuations, C conv channels,
 W conv width, H/HV key/value heads, K/V head dims.
@@ -107,9 +108,13 @@ def continuation_tails(conv_in_RC: torch.Tensor, layout: PackLayout, width: int)
     return conv_in_RC[index].transpose(1, 2)
 
 
-def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, backend: Backend) -> torch.Tensor:
+def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, backend: Backend, prefix=None,
+                       states: bool = False):
     """Same computation as ``Qwen3_5GatedDeltaNet.forward`` / ``Qwen3NextGatedDeltaNet.forward`` (no cache, no
-    padding mask) on a pack."""
+    padding mask) on a pack: [1, T, D]. ``prefix`` (:class:`~packtrain.packed.prefix.PrefixState`): P's state from
+    outside (frozen context, continuation groups, a generation's items): the buffer holds only the continuations,
+    which start from P's conv tail and recurrent state. With ``states`` (a generation's item pass, with ``prefix``):
+    (output, each continuation's conv state [N, C, W-1], its recurrent state [N, HV, K, V])."""
     assert hidden_states.shape[0] == 1, "a pack is batch 1"
     x_TD = hidden_states[0]
     T = x_TD.shape[0]
@@ -117,9 +122,8 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
     mixed_TC, z, b, a = module.packtrain_split(module, x_TD)
     weight_CW = module.conv1d.weight.squeeze(1)
     W = weight_CW.shape[-1]
-    outside = layout.prefix_state  # P's state from outside (frozen context, continuation groups): the buffer
-    if outside is not None:  # holds only the continuations, which start from P's tail and state
-        tail_W1C, state = outside.conv_and_state(module.layer_idx, W)
+    if prefix is not None:
+        tail_W1C, state = prefix.conv_and_state(module.layer_idx, W)
         conv_in, conv_layout = torch.cat([tail_W1C.to(mixed_TC.dtype), mixed_TC]), _tail_layout(layout, W)
     else:
         conv_in, conv_layout = mixed_TC, layout
@@ -130,7 +134,7 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
         mixed_TC = fla_backend.packed_conv(conv_in, weight_CW, module.conv1d.bias, conv_layout)
     else:
         mixed_TC = packed_conv_torch(conv_in, weight_CW, module.conv1d.bias, conv_layout)
-    if outside is not None:
+    if prefix is not None:
         mixed_TC = mixed_TC[W - 1:]
 
     q, k, v = torch.split(mixed_TC, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
@@ -141,23 +145,23 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
     # If the model is loaded in fp16, without the .float() here, A might be -inf (as transformers does)
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
 
-    record = layout.record if outside is not None else None
-    if record is not None:  # a generation's item pass: each continuation's conv tail, and its final state below
-        record[("conv", module.layer_idx)] = continuation_tails(conv_in, layout, W)
-    if outside is not None and backend.gdn == "fla":
+    if prefix is not None and backend.gdn == "fla":
         from packtrain.packed.kernels import fla_frozen
 
-        core = fla_frozen.continuation_delta_rule(q, k, v, g, beta, layout, state, record is not None)
-    elif outside is not None:
-        core = continuation_delta_rule_torch(q, k, v, g, beta, layout, state, record is not None)
+        core = fla_frozen.continuation_delta_rule(q, k, v, g, beta, layout, state, states)
+    elif prefix is not None:
+        core = continuation_delta_rule_torch(q, k, v, g, beta, layout, state, states)
     elif backend.gdn == "fla":
         from packtrain.packed.kernels import fla_backend
 
         core = fla_backend.packed_delta_rule(q, k, v, g, beta, layout)
     else:
         core = packed_delta_rule_torch(q, k, v, g, beta, layout)
-    if record is not None:
-        core, record[("state", module.layer_idx)] = core
+    if states:
+        core, recurrent_states = core
 
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(1, T, -1))
+    out = module.out_proj(core.reshape(1, T, -1))
+    if states:
+        return out, continuation_tails(conv_in, layout, W), recurrent_states
+    return out

@@ -3,7 +3,7 @@ is the limit.
 
 One pack is G + 1 calls of :class:`packtrain.packed.lm.PackedLM` (the FSDP root, so its hooks run per call):
 
-1. P alone (:func:`packtrain.packed.prefix.run_prefix`), its graph kept: P's state
+1. P alone (:class:`packtrain.packed.prefix.PrefixCall`), its graph kept: P's state
    (:class:`~packtrain.packed.prefix.PrefixState`: every attention layer's keys and values, every Gated DeltaNet
    layer's final state and conv tail, and P's final hidden state at its last row, which a continuation without an
    item reads its first target off).
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from packtrain.packed.context import continuations_on
 from packtrain.packed.layout import PackLayout
-from packtrain.packed.loss import require_grad
+from packtrain.packed.loss import LossOutput, examples_loss, require_grad
 from packtrain.packed.prefix import PrefixCall, PrefixState, backward_through
 
 
@@ -85,11 +85,11 @@ class GroupCall:
     layout: PackLayout
     prefix: PrefixState
 
-
-def group_hidden(lm, call: GroupCall):
-    """:meth:`packtrain.packed.context.ContextGrad.hidden_states` for a :class:`GroupCall`."""
-    frozen = lm.context.mode == "frozen"
-    return continuations_on(lm, call.layout, call.prefix, constant=frozen)
+    def run(self, lm) -> LossOutput:
+        """The group's loss, as a whole pack's (:class:`packtrain.packed.lm.PackCall`) with P's rows read from
+        ``prefix``; under frozen the targets read off P's last row are constants."""
+        frozen = lm.context.mode == "frozen"
+        return examples_loss(lm, self.layout, *continuations_on(lm, self.layout, self.prefix, constant=frozen))
 
 
 def train_groups(lm, groups: Groups, scale: float) -> tuple[float, list[float]]:

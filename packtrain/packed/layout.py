@@ -10,6 +10,9 @@ or its loss spans), W conv kernel.
 
 A standalone layout is the same structure for one example alone (``packed=False``): the whole sequence is one
 causal segment and the model runs unmodified.
+
+A layout describes the buffer only. How a packed forward's kernels run on it (P's state read from outside,
+kv_only's kept rows, a generation's record) is the :class:`~packtrain.packed.pack_pass.PackPass` that carries it.
 """
 
 from __future__ import annotations
@@ -60,12 +63,6 @@ class PackLayout:
     target_counts: torch.Tensor  # [N_examples] target tokens per example
     image_grid_thw: torch.Tensor | None = None  # [images, 3] in buffer order, None for text-only
     pixel_values: torch.Tensor | None = None  # [patches, dim], filled in by the image loader
-    # ``packing.context_grad`` (:mod:`packtrain.packed.context`) fills in these two per forward
-    context: object | None = None  # the mode's per-pack plan (packtrain.packed.context.ContextPlan), None: full
-    # P read from outside (packtrain.packed.prefix.PrefixState): the buffer then holds only the continuations
-    prefix_state: object | None = None
-    # a generation's item pass (packtrain.packed.decode): each layer leaves its continuations' own state here
-    record: dict | None = None
     _cache: dict = field(default_factory=dict, repr=False)  # per-pack objects built once (e.g. a BlockMask)
 
     @property

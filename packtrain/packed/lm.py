@@ -1,17 +1,32 @@
-"""Loss of a pack (or of one example alone) with the target-only head.
+"""The FSDP root, :class:`PackedLM`, and the calls it runs: ``lm(call)`` is ``call.run(lm)``, typed by the call.
 
-Only the hidden states just before each target token go through ``lm_head``: a 144K-position pack at vocabulary
-248,320 would need 71.5 GB of bf16 logits for the whole buffer; those rows go through the head and the
-cross-entropy ``train.loss_chunk_rows`` at a time (:func:`packtrain.packed.loss.target_losses`). The cross-entropy
-is averaged over each example's target tokens, giving one loss per example; ``loss_sum`` adds those up. A caller
-that divides every ``loss_sum`` of an optimizer step by the step's total number of examples (across packs,
-micro-steps and ranks) gets the mean of per-example losses whatever the split, so the update does not depend on it.
+Every forward of packtrain's model is one call object through the root (so FSDP's hooks run around each):
+
+==========================================================  =========================================================
+call                                                        returns
+==========================================================  =========================================================
+:class:`PackCall`: a whole pack, or one example alone       :class:`~packtrain.packed.loss.LossOutput`
+:class:`~packtrain.packed.groups.GroupCall`: one group      :class:`~packtrain.packed.loss.LossOutput`
+:class:`~packtrain.packed.prefix.PrefixCall`: P alone       :class:`~packtrain.packed.prefix.PrefixState`
+:class:`~packtrain.packed.walk.Window`: a walk's window     :class:`~packtrain.packed.walk.WindowOut`
+:class:`~packtrain.packed.decode.ItemsCall`: items on P     (first logits [B, V], :class:`~packtrain.packed.rows.Rows`)
+:class:`~packtrain.packed.decode.DecodeCall`: one token     logits [B, V]
+==========================================================  =========================================================
+
+A pack's loss uses the target-only head: only the hidden states just before each target token go through
+``lm_head``: a 144K-position pack at vocabulary 248,320 would need 71.5 GB of bf16 logits for the whole buffer;
+those rows go through the head and the cross-entropy ``train.loss_chunk_rows`` at a time
+(:func:`packtrain.packed.loss.target_losses`). The cross-entropy is averaged over each example's target tokens,
+giving one loss per example; ``loss_sum`` adds those up. A caller that divides every ``loss_sum`` of an optimizer
+step by the step's total number of examples (across packs, micro-steps and ranks) gets the mean of per-example
+losses whatever the split, so the update does not depend on it.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -19,27 +34,36 @@ from torch import nn
 from packtrain.config import TrainConfig
 from packtrain.packed import loss
 from packtrain.packed.context import ContextGrad
-from packtrain.packed.decode import DecodeCall, ItemsCall, run_decode, run_items
-from packtrain.packed.groups import GroupCall, group_hidden
 from packtrain.packed.layout import PackLayout
+from packtrain.packed.loss import LossOutput, examples_loss
+from packtrain.packed.pack_pass import PackPass
 from packtrain.packed.patch import LAYOUT_KWARG, model_body, packed_positions, text_parts, unwrap
-from packtrain.packed.prefix import PrefixCall, run_prefix
-from packtrain.packed.walk import Window, run_window
+
+R_co = TypeVar("R_co", covariant=True)
+R = TypeVar("R")
+
+
+class Call(Protocol[R_co]):
+    """One forward through the root: the call knows how it runs on ``lm`` (a :class:`PackedLM`) and what it returns."""
+
+    def run(self, lm: PackedLM) -> R_co: ...
 
 
 @dataclass
-class LossOutput:
-    loss_sum: torch.Tensor  # scalar: sum over examples of their mean target cross-entropy
-    per_example: torch.Tensor  # [N] detached per-example losses
-    target_tokens: torch.Tensor  # [N]
+class PackCall:
+    """A whole pack, or one example alone (a standalone layout): its loss under ``packing.context_grad``."""
+    layout: PackLayout
 
-    @property
-    def num_examples(self) -> int:
-        return int(self.per_example.numel())
+    def run(self, lm: PackedLM) -> LossOutput:
+        layout = self.layout
+        device = text_parts(lm.model)[0].embed_tokens.weight.device
+        if layout.input_ids.device != device:
+            layout = layout.to(device)
+        return examples_loss(lm, layout, *lm.context.hidden_states(lm, layout))
 
 
 class PackedLM(nn.Module):
-    """Wraps a (peft-wrapped) Qwen3.5 model; ``forward(layout)`` returns a :class:`LossOutput`.
+    """Wraps a (peft-wrapped) Qwen3.5 model; ``forward(call)`` runs a :class:`Call` and returns what it returns.
 
     A packed layout runs the patched model (see :mod:`packtrain.packed.patch`); a standalone layout runs the
     model's own unmodified forward on the one sequence. ``context_grad`` (``packing.context_grad``, chosen once
@@ -64,18 +88,21 @@ class PackedLM(nn.Module):
     def describe_loss(self) -> str:
         return loss.describe(self.loss_chunk_rows)
 
-    def hidden_states(self, layout: PackLayout) -> torch.Tensor:
+    def hidden_states(self, layout: PackLayout, pack: PackPass | None = None) -> torch.Tensor:
         """The final hidden states [1, T, D] of the layout's buffer (the body's last output)."""
-        return self.run_body(layout).last_hidden_state
+        return self.run_body(layout, pack).last_hidden_state
 
-    def run_body(self, layout: PackLayout, **extra):
-        """Embedding (+ vision) + decoder stack on the layout's buffer; ``extra`` goes to the body call."""
+    def run_body(self, layout: PackLayout, pack: PackPass | None = None, **extra):
+        """Embedding (+ vision) + decoder stack on the layout's buffer; ``extra`` goes to the body call. ``pack``:
+        what the patched layers read of a packed layout (:mod:`packtrain.packed.pack_pass`; default: the buffer
+        alone)."""
         body, is_vlm = model_body(self.model)
         kwargs = {"use_cache": False}
         if layout.packed:
             # A dict mask skips transformers' mask builder, which would infer (wrong) sequence boundaries
             # from the shared-prefix position ids; the layout carries the real ones.
-            kwargs.update({"position_ids": packed_positions(self.model, layout), LAYOUT_KWARG: layout,
+            kwargs.update({"position_ids": packed_positions(self.model, layout),
+                           LAYOUT_KWARG: pack if pack is not None else PackPass(layout),
                            "attention_mask": {"full_attention": None, "linear_attention": None}})
         if layout.image_grid_thw is not None:
             if not is_vlm:
@@ -92,32 +119,6 @@ class PackedLM(nn.Module):
         kwargs.update(extra)
         return body(input_ids=layout.input_ids, **kwargs)
 
-    def forward(self, layout: PackLayout) -> LossOutput:
+    def forward(self, call: Call[R]) -> R:
         self.calls += 1
-        if isinstance(layout, Window):  # one window of a walked example (packtrain.packed.walk)
-            return run_window(self, layout)
-        if isinstance(layout, PrefixCall):  # P of a pack alone (continuation groups, generation)
-            return run_prefix(self, layout)
-        if isinstance(layout, ItemsCall):  # a generation's items against P's state (packtrain.packed.decode)
-            return run_items(self, layout)
-        if isinstance(layout, DecodeCall):  # one token per decoding row
-            return run_decode(self, layout)
-        text_model, _ = text_parts(self.model)
-        if isinstance(layout, GroupCall):  # one group of that pack's continuations
-            call, layout = layout, layout.layout
-            hidden, positions, constant = group_hidden(self, call)
-        else:
-            device = text_model.embed_tokens.weight.device
-            if layout.input_ids.device != device:
-                layout = layout.to(device)
-            hidden, positions, constant = self.context.hidden_states(self, layout)
-        token_loss = self.target_losses(hidden[0].index_select(0, positions), layout.target_ids, constant=constant)
-        n = layout.num_examples
-        counts = layout.target_counts.to(token_loss.dtype)
-        per_example = token_loss.new_zeros(n).index_add(0, layout.target_example, token_loss) / counts
-        loss_sum = per_example.sum()
-        if constant is not None and torch.is_grad_enabled() and not loss_sum.requires_grad:
-            # frozen, every target read off P's last row: nothing to learn, but the backward must still run (zero
-            # gradients) so that every rank makes the same FSDP calls and the trainer's step goes on
-            loss_sum = loss_sum + 0.0 * hidden[0, 1:].sum()
-        return LossOutput(loss_sum=loss_sum, per_example=per_example.detach(), target_tokens=layout.target_counts)
+        return call.run(self)

@@ -9,6 +9,8 @@ exists, forward or backward (three float32 [M, V] tensors would be alive in one 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,3 +63,32 @@ def require_grad(loss: torch.Tensor) -> None:
     """A training forward's loss must depend on something trainable."""
     if torch.is_grad_enabled() and not loss.requires_grad:
         raise ZeroGradientError(CUT_OFF + " (the loss does not require grad at all)")
+
+
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor  # scalar: sum over examples of their mean target cross-entropy
+    per_example: torch.Tensor  # [N] detached per-example losses
+    target_tokens: torch.Tensor  # [N]
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.per_example.numel())
+
+
+def examples_loss(lm, layout, hidden: torch.Tensor, positions: torch.Tensor,
+                  constant: torch.Tensor | None) -> LossOutput:
+    """The loss of ``layout``'s examples (a pack, a group of one, or one example alone) from the final hidden
+    states ``hidden`` [1, T', D]: targets read off rows ``positions`` [M], those of ``constant`` [M] (or None) as
+    constants, through ``lm``'s (a PackedLM) target-only head; each example's cross-entropy averaged over its
+    target tokens."""
+    token_loss = lm.target_losses(hidden[0].index_select(0, positions), layout.target_ids, constant=constant)
+    n = layout.num_examples
+    counts = layout.target_counts.to(token_loss.dtype)
+    per_example = token_loss.new_zeros(n).index_add(0, layout.target_example, token_loss) / counts
+    loss_sum = per_example.sum()
+    if constant is not None and torch.is_grad_enabled() and not loss_sum.requires_grad:
+        # frozen, every target read off P's last row: nothing to learn, but the backward must still run (zero
+        # gradients) so that every rank makes the same FSDP calls and the trainer's step goes on
+        loss_sum = loss_sum + 0.0 * hidden[0, 1:].sum()
+    return LossOutput(loss_sum=loss_sum, per_example=per_example.detach(), target_tokens=layout.target_counts)

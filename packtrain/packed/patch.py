@@ -2,11 +2,13 @@
 
 - Full-attention layers: transformers' registration point. ``packtrain_attention`` is registered as the
   attention implementation ``packtrain`` (with SDPA's mask builder) and set on the text config; calls that carry
-  a pack layout get the shared-prefix predicate, every other call goes to SDPA unchanged.
+  an object under ``LAYOUT_KWARG`` (a pack's :class:`~packtrain.packed.pack_pass.PackPass`: the shared-prefix
+  predicate; decoding :class:`~packtrain.packed.rows.Rows`) have it run the layer, every other call goes to SDPA
+  unchanged.
 - Gated DeltaNet layers have no registration point, so each GDN instance (Qwen3.5/3.6, Qwen3-Next) gets a forward
-  that runs :func:`packtrain.packed.gdn.packed_gdn_forward` when a pack layout is passed and its original forward
-  otherwise, with its family's projection split. The decoder layer passes its ``**kwargs`` (and so the layout)
-  to both. Which layer is which comes from the text config's ``layer_types``; a kind the family's row does not
+  that has that object run the layer when one is passed (a pack: :func:`packtrain.packed.gdn.packed_gdn_forward`)
+  and its original forward otherwise, with its family's projection split. The decoder layer passes its
+  ``**kwargs`` (and so that object) to both. Which layer is which comes from the text config's ``layer_types``; a kind the family's row does not
   list is refused.
 
 - Dense MLPs: each decoder layer's dense MLP runs in tiles of the back end's ``mlp_rows`` (``train.mlp_chunk_rows``)
@@ -17,7 +19,7 @@
 - RMSNorms of the text stack keep only their inputs for backward and recompute (:mod:`packtrain.packed.recompute`).
 
 Works on peft-wrapped models (LoRA layers are injected in place) and under activation checkpointing (the
-recompute receives the same layout through the same kwargs).
+recompute receives the same object through the same kwargs).
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from packtrain.packed.attention import ATTN_NAME, packtrain_attention
 from packtrain.packed.families import FULL, LINEAR, UnsupportedModelError, check_layer_types, family_of, resolve
-from packtrain.packed.gdn import packed_gdn_forward
 from packtrain.packed.kernels import Backend
 from packtrain.packed.kernels.hf_route import route_unpacked_kernels
 from packtrain.packed.recompute import is_rmsnorm, recomputed_norm, tiled_mlp
-from packtrain.packed.rows import Rows, gdn_step
 
+# The keyword under which a packed forward passes what its patched layers read: a pack's
+# packtrain.packed.pack_pass.PackPass, or a generation's decoding packtrain.packed.rows.Rows. Each patched layer
+# calls the object's method for its kind (attention, gated_deltanet), so it never asks which of the two it has.
 LAYOUT_KWARG = "packtrain_pack"
 
 # Every unpacked forward packtrain runs goes through a model this module patches or imports: route transformers'
@@ -83,14 +86,12 @@ def vision_spec(model: nn.Module):
 
 
 def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-    layout = kwargs.pop(LAYOUT_KWARG, None)
-    if layout is None:
+    pack = kwargs.pop(LAYOUT_KWARG, None)  # a pack's PackPass or decoding Rows: it runs the layer
+    if pack is None:
         return self._packtrain_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     if cache is not None:
         raise ValueError("a packed forward cannot use a cache")
-    if isinstance(layout, Rows):  # one token per decoding row (packtrain.packed.decode)
-        return gdn_step(self, hidden_states, layout)
-    return packed_gdn_forward(self, hidden_states, layout, self.packtrain_backend)
+    return pack.gated_deltanet(self, hidden_states)
 
 
 def _mlp_forward(self, x):

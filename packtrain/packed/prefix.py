@@ -8,10 +8,12 @@ positions of a sequence: a walked example's windows read the state of everything
 
 - :func:`run_span` is the one place a span of a sequence runs through the model's own forward against the state
   before it (a :class:`StateCache`, transformers' cache interface) and records the state it leaves. P is the span
-  ``[0, |P|)``; :func:`run_prefix` runs it with gradient, without (``context_grad: frozen``), or cut as kv_only cuts.
-- The readers: the frozen context and the continuation groups hand a PrefixState to the packed kernels
-  (``PackLayout.prefix_state``: attention reads :meth:`PrefixState.keys_values`, Gated DeltaNet
-  :meth:`PrefixState.conv_and_state`); the walk's windows read it through :class:`StateCache`.
+  ``[0, |P|)``; :class:`PrefixCall` runs it with gradient, without (``context_grad: frozen``), or cut as kv_only
+  cuts.
+- The readers: the frozen context, the continuation groups and a generation's items hand a PrefixState to the
+  packed kernels (``PackPass.prefix``, :mod:`packtrain.packed.pack_pass`: attention reads
+  :meth:`PrefixState.keys_values`, Gated DeltaNet :meth:`PrefixState.conv_and_state`); the walk's windows read it
+  through :class:`StateCache`.
 - :func:`backward_through` is the chain rule that returns the gradient into P (or a window) from its consumers,
   taken in two parts: the consumers' backward leaves the gradient on leaf copies (:meth:`PrefixState.leaves`), then
   one backward through P's graph with those gradients.
@@ -161,15 +163,13 @@ class PrefixCall:
     """One call of :class:`packtrain.packed.lm.PackedLM` (the FSDP root): P of ``layout`` alone."""
     layout: PackLayout
 
-
-def run_prefix(lm, call: PrefixCall) -> PrefixState:
-    """P under ``lm``'s ``packing.context_grad``: with its graph (full), under no_grad (frozen), or with the
-    gradient cut at P's rows of every decoder-layer input (kv_only,
-    :func:`packtrain.packed.cut.cut_at_layer_inputs`).
-    Called by :meth:`PackedLM.forward` for a :class:`PrefixCall`."""
-    mode, p = lm.context.mode, call.layout.prefix_len
-    layers = text_parts(lm.model)[0].layers
-    cut = cut_at_layer_inputs(layers, p) if mode == "kv_only" else contextlib.nullcontext()
-    with cut, torch.set_grad_enabled(torch.is_grad_enabled() and mode != "frozen"):
-        _, state = run_span(lm, call.layout, 0, p, PrefixState())
-    return state
+    def run(self, lm) -> PrefixState:
+        """P under ``lm``'s ``packing.context_grad``: with its graph (full), under no_grad (frozen), or with the
+        gradient cut at P's rows of every decoder-layer input (kv_only,
+        :func:`packtrain.packed.cut.cut_at_layer_inputs`)."""
+        mode, p = lm.context.mode, self.layout.prefix_len
+        layers = text_parts(lm.model)[0].layers
+        cut = cut_at_layer_inputs(layers, p) if mode == "kv_only" else contextlib.nullcontext()
+        with cut, torch.set_grad_enabled(torch.is_grad_enabled() and mode != "frozen"):
+            _, state = run_span(lm, self.layout, 0, p, PrefixState())
+        return state

@@ -9,8 +9,9 @@ decoder layer:
 - a Gated DeltaNet layer carries each row's conv tail (its last W-1 pre-conv inputs) and its recurrent state.
 
 :func:`attend` and :func:`gdn_step` are the two layer kinds' computations for one new token per row; the patched
-attention and GDN forwards (:mod:`packtrain.packed.patch`) call them when a :class:`Rows` comes in place of a pack
-layout. Shape legend: B rows, H query heads, G key/value heads, r = H / G, P prefix length, L the own buffer's
+attention and GDN forwards (:mod:`packtrain.packed.patch`) reach them through :meth:`Rows.attention` and
+:meth:`Rows.gated_deltanet` when decoding passes a :class:`Rows` under the layout kwarg, where a packed forward
+passes a :class:`~packtrain.packed.pack_pass.PackPass`. Shape legend: B rows, H query heads, G key/value heads, r = H / G, P prefix length, L the own buffer's
 length, D head dim, C conv channels, W conv width, HV value heads, K/V head dims.
 """
 
@@ -48,6 +49,17 @@ class Rows:
     def advance(self) -> None:
         """After a call: every row holds one more token."""
         self.lengths, self.text, self.mrope = self.lengths + 1, self.text + 1, self.mrope + 1
+
+    # -- what the patched layers call on the object under the layout kwarg (as on a pack's PackPass) -----------
+    def attention(self, module, query, key, value, scaling, dropout) -> torch.Tensor:
+        """A full-attention layer, one new token per row: [B, H, 1, D] (no dropout: generation runs in eval)."""
+        return attend(self, module.layer_idx, query, key, value, scaling)
+
+    def gated_deltanet(self, module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return gdn_step(module, hidden_states, self)
+
+    def grad_rows_from(self, layer_idx: int) -> int | None:
+        return None  # every row (kv_only's row-sparse backward is a pack's)
 
     def select(self, keep: torch.Tensor) -> Rows:
         """The rows ``keep`` (indices) only, e.g. once the others have stopped."""

@@ -35,6 +35,12 @@ from packtrain.packed.rng import replay, rng_state
 
 
 @dataclass
+class WindowOut:
+    loss: torch.Tensor  # scalar: this window's share of the per-example mean loss
+    state: PrefixState  # K/V of [start, end); (conv tail, state) at end
+
+
+@dataclass
 class Window:
     """One call: positions ``[start, end)`` of the standalone ``layout`` from the state before ``start``; the loss
     of the targets read in ``[loss_from, end)`` over the example's target count ``n_targets``."""
@@ -45,21 +51,14 @@ class Window:
     before: PrefixState
     n_targets: int
 
-
-@dataclass
-class WindowOut:
-    loss: torch.Tensor  # scalar: this window's share of the per-example mean loss
-    state: PrefixState  # K/V of [start, end); (conv tail, state) at end
-
-
-def run_window(lm, win: Window) -> WindowOut:
-    """Called by :meth:`PackedLM.forward` for a :class:`Window` (inside the FSDP root's hooks)."""
-    lay, s, e = win.layout, win.start, win.end
-    hidden, state = run_span(lm, lay, s, e, win.before)
-    pos = lay.target_positions
-    chosen = ((pos >= win.loss_from) & (pos < e)).nonzero()[:, 0]
-    loss = lm.target_losses(hidden[0].index_select(0, pos[chosen] - s), lay.target_ids[chosen]).sum()
-    return WindowOut(loss / win.n_targets, state)
+    def run(self, lm) -> WindowOut:
+        """The window through ``lm``'s body (inside the FSDP root's hooks): its loss share and the state it adds."""
+        lay, s, e = self.layout, self.start, self.end
+        hidden, state = run_span(lm, lay, s, e, self.before)
+        pos = lay.target_positions
+        chosen = ((pos >= self.loss_from) & (pos < e)).nonzero()[:, 0]
+        loss = lm.target_losses(hidden[0].index_select(0, pos[chosen] - s), lay.target_ids[chosen]).sum()
+        return WindowOut(loss / self.n_targets, state)
 
 
 # -- the walk ---------------------------------------------------------------------------------------------------

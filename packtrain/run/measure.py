@@ -353,8 +353,8 @@ def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool, fin
             if torch._C._current_graph_task_id() != -1:  # a recompute inside backward
                 return
             counter.set_phase("forward")
-            layout = kwargs.get(LAYOUT_KWARG)
-            if hasattr(layout, "_cache"):
+            layout = getattr(kwargs.get(LAYOUT_KWARG), "layout", None)  # a pack's PackPass carries its layout
+            if layout is not None:
                 layouts[id(layout)] = layout
             counter.layer = i
             records[i].before = counter.activations()

@@ -24,6 +24,7 @@ from packtrain.data.images import ImageLoader, load_image_processor
 from packtrain.data.planner import Plan
 from packtrain.packed.groups import Groups, group_units, train_groups
 from packtrain.packed.layout import Continuation, PackLayout, build_pack_layout, build_standalone_layout
+from packtrain.packed.lm import PackCall
 from packtrain.packed.loss import require_grad
 from packtrain.packed.patch import vision_spec
 from packtrain.packed.walk import eval_walk, train_walk
@@ -154,7 +155,7 @@ def _train(lm, unit: Unit, work, setup: UnitSetup, scale: float):
         total, losses = train_groups(lm, work, scale)
         targets = [n for lay, w in zip(work.layouts, work.weights) if w for n in lay.target_counts.tolist()]
         return total, losses, targets
-    out = lm(work)
+    out = lm(PackCall(work))
     require_grad(out.loss_sum)
     (out.loss_sum * scale).backward()
     return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
@@ -166,7 +167,7 @@ def _evaluate(lm, unit: Unit, work, setup: UnitSetup):
         return r.loss, [r.loss], [r.target_tokens]
     if isinstance(work, Groups):
         raise ValueError("evaluation runs whole packs: prepare eval units with n_groups=1")
-    out = lm(work)
+    out = lm(PackCall(work))
     return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
 
 
