@@ -153,3 +153,27 @@ def test_gpu_preset_shortened(tmp_path):
         assert v["error"] is None and 0 < v["mfu"] < 1, name
     losses = {name: v["final_loss"] for name, v in result["variants"].items()}
     assert _rel(losses["shared_prefix"], losses["standalone"]) < 3e-2  # bf16 (tests/test_gpu.py's bound)
+
+
+def test_the_shared_prefix_variant_trains_the_steps_train_trains(tmp_path):
+    """`packtrain bench --preset cpu --variants shared_prefix` runs the trainer's step on the trainer's steps: its
+    per-step losses are `packtrain train`'s on the config and data it writes beside its results. Packs of three
+    prompts and several sizes, two per step, so that balanced steps (train.balance: cost) are not round robin's."""
+    out = tmp_path / "bench"
+    bench = run_in_process("bench", "--preset", "cpu", "--variants", "shared_prefix", "--prompts", "3",
+                           "--prefix-tokens", "24", "--continuations", "5", "--cont-tokens", "4:40", "--repeats", "1",
+                           "--set", "packing.token_budget=90", "--set", "train.packs_per_step=2",
+                           "--set", "model.config.hidden_size=64", "--set", "model.config.intermediate_size=96",
+                           "--set", "model.config.head_dim=16", "--set", "model.config.linear_key_head_dim=16",
+                           "--set", "model.config.linear_value_head_dim=16", "--out", out)
+    assert bench.returncode == 0, bench.stderr
+    result = json.loads((out / "bench.json").read_text())
+    config = out / "config.yaml"
+    assert f"the same run: packtrain train {config}" in bench.stdout
+    bench_losses = result["variants"]["shared_prefix"]["step_losses"]
+    proc = run_in_process("train", config, "--set", f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_losses = [x["loss"] for x in lines if "split" not in x]
+    assert result["steps_per_epoch"] >= 3 and len(train_losses) == result["steps_per_epoch"]
+    assert bench_losses == train_losses

@@ -18,10 +18,10 @@ import resource, sys, torch
 from packtrain.config import load_config
 from packtrain.distributed import init_distributed, shutdown
 from packtrain.models.build import build_base_model
-from packtrain.models.wrap import prepare_from_config
+from packtrain.models.wrap import assemble
 cfg = load_config(sys.argv[1])
 info = init_distributed("cpu")
-_, lm, _ = prepare_from_config(build_base_model(cfg, meta=True), cfg, info.device, shard=info.enabled)
+_, lm, _ = assemble(build_base_model(cfg, meta=True), cfg, info.device, shard=info.enabled)
 print(lm.load_report.describe())
 shutdown()
 print(f"peak KiB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", flush=True)

@@ -160,20 +160,23 @@ def test_groups_hold_less_of_the_continuations_graph():
 
 def test_one_update_in_groups_is_the_one_forward_update(monkeypatch):
     """`packtrain smoke`'s update (run.harness.one_update) on a pack in groups == on the pack, with SGD."""
+    from packtrain.distributed import DistInfo
     from packtrain.run.harness import one_update
-    from packtrain.run.steps import Unit
-    from packtrain.run.units import Prepared, UnitSetup
+    from packtrain.run.step import Step
+    from packtrain.run.units import GROUPS, PACK, Built, Unit, UnitSetup
 
     prefix_len, specs, layer_types = CASES[0]
     prefix, conts = random_pack(prefix_len, specs, seed=0)
     with without_float32_casts(monkeypatch):
         after = []
-        for unit in (build_pack_layout(prefix, conts), grouped(prefix, conts, 3)):
+        for kind, n_groups, unit in ((PACK, 1, build_pack_layout(prefix, conts)),
+                                     (GROUPS, 3, grouped(prefix, conts, 3))):
             model = patch_model(tiny_lora_model(layer_types, seed=0), BACKEND)
             params = [p for p in model.parameters() if p.requires_grad]
-            ready = Prepared(Unit(0, tuple(range(len(conts)))), unit)
-            one_update(PackedLM(model, "full"), ready, UnitSetup("shared_prefix"), torch.optim.SGD(params, lr=0.5),
-                       "cpu")
+            sgd = torch.optim.SGD(params, lr=0.5)
+            step = Step(PackedLM(model, "full"), UnitSetup("shared_prefix", n_groups), None, [],
+                        DistInfo(0, 1, 0, torch.device("cpu")), params, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0))
+            one_update(step, Built(Unit(kind, 0, tuple(range(len(conts)))), unit))
             after.append(trainable_values(model))
     assert max(rel(after[1][n], after[0][n]) for n in after[0]) < 1e-12
 

@@ -1,7 +1,7 @@
 """CPU training keeps glibc's heap between steps (packtrain.models.loading.keep_heap_between_steps, set by
-prepare_from_config on the CPU): a step's large activations are served from memory the last step used, not mapped
+assemble on the CPU): a step's large activations are served from memory the last step used, not mapped
 and faulted in anew. Measured in a fresh process, as minor page faults around repeated 20 MiB allocations: first
-without prepare_from_config, then with it (what it sets cannot be taken back, so it comes second)."""
+without assemble, then with it (what it sets cannot be taken back, so it comes second)."""
 
 import json
 import subprocess
@@ -29,10 +29,10 @@ def measure(prepare):
         from packtrain.bench.presets import get_preset
         from packtrain.config import config_from_dict
         from packtrain.models.build import build_base_model
-        from packtrain.models.wrap import prepare_from_config
+        from packtrain.models.wrap import assemble
 
         cfg = config_from_dict(get_preset("tiny").config, source="test")
-        prepare_from_config(build_base_model(cfg), cfg, torch.device(sys.argv[1]))
+        assemble(build_base_model(cfg), cfg, torch.device(sys.argv[1]))
     faults()  # the heap grows once
     return {"loading": loading, "steps": faults()}
 
@@ -48,6 +48,6 @@ def test_cpu_training_keeps_the_heap_between_steps():
     out = subprocess.run([sys.executable, "-c", SCRIPT, "cpu"], capture_output=True, text=True, check=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     untouched, cpu = measured["untouched"], measured["prepared"]
-    assert untouched["steps"] >= 4 * pages, untouched  # without prepare_from_config the loading threshold stays
+    assert untouched["steps"] >= 4 * pages, untouched  # without assemble the loading threshold stays
     assert cpu["loading"] >= 4 * pages, cpu  # the check can fail: mapped anew every time before
     assert cpu["steps"] < pages // 4, cpu

@@ -9,7 +9,7 @@ from checkpoints import relayout_as_vlm_text, save_checkpoint, text_config, vlm_
 
 from packtrain.config import config_from_dict
 from packtrain.models.build import build_base_model
-from packtrain.models.wrap import prepare_from_config
+from packtrain.models.wrap import assemble
 
 CPU = torch.device("cpu")
 
@@ -21,8 +21,8 @@ def _config(path, dtype="float32", **lora):
 
 def _both(cfg):
     """(root built on the meta device and filled by packtrain, root from transformers' from_pretrained)."""
-    _, meta_lm, _ = prepare_from_config(build_base_model(cfg, meta=True), cfg, CPU)
-    _, ref_lm, _ = prepare_from_config(build_base_model(cfg), cfg, CPU)
+    _, meta_lm, _ = assemble(build_base_model(cfg, meta=True), cfg, CPU)
+    _, ref_lm, _ = assemble(build_base_model(cfg), cfg, CPU)
     return meta_lm, ref_lm
 
 
@@ -75,7 +75,7 @@ def test_missing_tensor_is_named(tmp_path):
     index.write_text(json.dumps(data))
     cfg = _config(path)
     with pytest.raises(ValueError, match=r"lacks 1 tensors.*model\.layers\.1\.self_attn\.q_proj\.weight"):
-        prepare_from_config(build_base_model(cfg, meta=True), cfg, CPU)
+        assemble(build_base_model(cfg, meta=True), cfg, CPU)
 
 
 def test_not_safetensors_is_refused(tmp_path):
@@ -84,7 +84,7 @@ def test_not_safetensors_is_refused(tmp_path):
         f.unlink()
     cfg = _config(path)
     with pytest.raises(ValueError, match="safetensors"):
-        prepare_from_config(build_base_model(cfg, meta=True), cfg, CPU)
+        assemble(build_base_model(cfg, meta=True), cfg, CPU)
 
 
 def test_pretokenized_data_with_a_model_directory_without_tokenizer(tmp_path):

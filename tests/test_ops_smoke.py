@@ -11,7 +11,7 @@ from packtrain.config import load_config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_for
 from packtrain.run import harness
-from packtrain.run.units import UnitSetup
+from packtrain.run.units import UnitSetup, largest_unit
 
 PHASES = ["load model", "update 1", "update 2 (with optimizer state)", "save checkpoint"]
 
@@ -35,10 +35,10 @@ def test_the_largest_unit_is_the_pack_with_most_positions(tmp_path):
     cfg = load_config(write_config(tmp_path))
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    unit = harness.largest_unit(plan, examples, "shared_prefix")
+    unit = largest_unit(plan, examples, UnitSetup("shared_prefix"))
     assert max(p.positions for p in plan.packs) == next(p.positions for p in plan.packs
                                                         if (p.prompt, p.examples) == (unit.prompt, unit.examples))
-    alone = harness.largest_unit(plan, examples, "standalone")
+    alone = largest_unit(plan, examples, UnitSetup("standalone"))
     lengths = [len(plan.prompts[p.prompt]) + examples[e].len_continuation for p in plan.packs for e in p.examples]
     assert len(alone.examples) == 1
     assert len(plan.prompts[alone.prompt]) + examples[alone.examples[0]].len_continuation == max(lengths)
@@ -48,10 +48,10 @@ def test_shortened_prompt_keeps_the_continuations(tmp_path):
     cfg = load_config(write_config(tmp_path))
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    unit = harness.largest_unit(plan, examples, "shared_prefix")
     setup = UnitSetup("shared_prefix")
-    full = harness.prepare_shortened(unit, plan, examples, setup, None).work
-    short = harness.prepare_shortened(unit, plan, examples, setup, 5).work
+    unit = largest_unit(plan, examples, setup)
+    full = harness.build_shortened(unit, plan, examples, setup, None).work
+    short = harness.build_shortened(unit, plan, examples, setup, 5).work
     assert short.prefix_len == 5 and full.length - short.length == full.prefix_len - 5
     assert torch.equal(short.target_ids, full.target_ids)
 

@@ -20,7 +20,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from packtrain.config import config_from_dict
 from packtrain.models.build import build_base_model
-from packtrain.models.wrap import prepare_from_config
+from packtrain.models.wrap import assemble
 from packtrain.packed import recompute, rowsparse
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import build_pack_layout
@@ -128,7 +128,7 @@ def test_kv_only_recompute_runs_the_row_sparse_backward_again(monkeypatch):
 def test_mlp_chunk_rows_reaches_the_back_end(rows, expected):
     cfg = config_from_dict({"model": {"config": TINY_MODEL, "dtype": "float64", "kernels": "torch"},
                             "lora": {"r": 4, "alpha": 8}, "train": {"mlp_chunk_rows": rows}})
-    _, _, backend = prepare_from_config(build_base_model(cfg), cfg, "cpu")
+    _, _, backend = assemble(build_base_model(cfg), cfg, "cpu")
     assert backend.mlp_rows == expected
     assert (f"checkpointed tiles of {expected} rows" if expected else "mlp=whole") in backend.describe()
 

@@ -1,5 +1,5 @@
 """The package's structure: dependencies run one way, no module imports in a cycle (lazy imports included), and one
-place runs units (the unit runner, packtrain/run/units.py)."""
+place decides and runs a unit's kind (the unit kinds, packtrain/run/units.py)."""
 
 import ast
 import collections
@@ -109,19 +109,68 @@ def test_the_checks_see_a_cycle_and_a_wrong_way_import(tmp_path, monkeypatch):
         raise AssertionError("the cycle was not seen")
 
 
-def test_only_the_unit_runner_dispatches_on_unit_kinds():
-    """The walk's and the groups' entry points, and the test for a pack in groups, are used by run/units.py alone."""
-    kinds = {"train_walk", "eval_walk", "train_groups"}
-    users = collections.defaultdict(set)
-    for mod, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call):
-                name = getattr(node.func, "id", getattr(node.func, "attr", None))
-                if name in kinds:
-                    users[name].add(mod)
-                if name == "isinstance" and any(getattr(a, "id", None) == "Groups" for a in ast.walk(node.args[1])):
-                    users["isinstance Groups"].add(mod)
-    assert dict(users) == {k: {"packtrain.run.units"} for k in kinds | {"isinstance Groups"}}
+# Where a unit's kind may be decided: the kinds themselves (packtrain/run/units.py) and the walk's and the groups'
+# own code (a walk's dummy, a group's weight). config.py validates a config's values, the planner makes the packs.
+KIND_HOMES = {"packtrain.run.units", "packtrain.packed.walk", "packtrain.packed.groups", "packtrain.config",
+              "packtrain.data.planner"}
+PACKING_MODES = {"shared_prefix", "standalone", "tree"}
+# what a unit runs on, besides the calls of the root: no code outside the kinds asks which one it holds
+WORK_TYPES = {"Groups", "PackLayout", "Rows", "PackPass"}
+
+
+def _name(node) -> str | None:
+    return getattr(node, "attr", getattr(node, "id", None))
+
+
+def kind_sites(tree: ast.AST) -> list[tuple[int, str]]:
+    """The places in a module's tree that decide which kind a unit is: (line, what)."""
+    sites = [(line, "isinstance on a call or work type") for line in _type_checks(tree, _call_types() | WORK_TYPES)]
+    tests = [n.test for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp, ast.While, ast.Assert))]
+    tests += [v for n in ast.walk(tree) if isinstance(n, ast.BoolOp) for v in n.values]
+    tests += [c for n in ast.walk(tree) if isinstance(n, ast.comprehension) for c in n.ifs]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            names = {_name(x) for x in sides}
+            none = any(isinstance(x, ast.Constant) and x.value is None for x in sides)
+            modes = {x.value for x in sides if isinstance(x, ast.Constant)} & PACKING_MODES
+            if none and names & {"schedule", "walk"} and any(isinstance(x, ast.Attribute) for x in sides):
+                sites.append((node.lineno, "is it walked?"))
+            if names & {"n_groups", "continuation_groups"}:
+                sites.append((node.lineno, "is it in groups?"))
+            if modes and names & {"mode"}:
+                sites.append((node.lineno, f"packing mode {sorted(modes)[0]}?"))
+        if isinstance(node, (ast.Name, ast.keyword, ast.arg)) and (node.id if isinstance(node, ast.Name) else
+                                                                   node.arg) == "items_only":
+            sites.append((getattr(node, "lineno", 0), "items only?"))
+    for test in tests:
+        for node in ast.walk(test):
+            if isinstance(node, ast.Attribute) and node.attr == "dummy":
+                sites.append((node.lineno, "is it a dummy?"))
+    return sorted(set(sites))
+
+
+def test_only_the_kinds_decide_a_units_kind():
+    """Nothing outside the unit kinds (packtrain/run/units.py) asks what kind a unit is: not whether it is walked, in
+    groups, a dummy, a generation's items or of which packing mode, nor which call or work type it holds."""
+    found = [f"{path.relative_to(ROOT.parent)}:{line}: {what}" for mod, path in _modules().items()
+             if mod not in KIND_HOMES for line, what in kind_sites(ast.parse(path.read_text()))]
+    assert not found, "\n".join(found)
+
+
+def test_the_kind_check_sees_every_kind_of_site():
+    source = """
+if unit.schedule is None: pass
+grouped = cfg.packing.continuation_groups > 1
+packed = setup.mode == "shared_prefix"
+kept = [u for u in units if not u.dummy]
+layout = unit_layout(unit, plan, examples, items_only=True)
+if isinstance(work, Groups): pass
+ok = lm.context.mode == "frozen" and unit.kind is WALK
+"""
+    assert [what for _, what in kind_sites(ast.parse(source))] == [
+        "is it walked?", "is it in groups?", "packing mode shared_prefix?", "is it a dummy?", "items only?",
+        "isinstance on a call or work type"]
 
 
 def _call_types() -> set[str]:
@@ -131,9 +180,9 @@ def _call_types() -> set[str]:
             and any(isinstance(f, ast.FunctionDef) and f.name == "run" for f in node.body)}
 
 
-def _type_checks(source: str, names: set[str]) -> list[int]:
+def _type_checks(tree: ast.AST, names: set[str]) -> list[int]:
     """The lines of ``isinstance`` calls whose second argument names one of ``names``."""
-    return sorted(node.lineno for node in ast.walk(ast.parse(source))
+    return sorted(node.lineno for node in ast.walk(tree)
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2
             and any(getattr(a, "id", getattr(a, "attr", None)) in names for a in ast.walk(node.args[1])))
 
@@ -147,11 +196,11 @@ def test_calls_and_layer_inputs_run_by_method_not_by_type():
     attention function and the GDN forward dispatch by method on what they get under the layout kwarg."""
     calls = _call_types()
     assert {"PackCall", "GroupCall", "PrefixCall", "Window", "ItemsCall", "DecodeCall"} <= calls
-    found = {f"packed/lm.py:{n}" for n in _type_checks((ROOT / "packed" / "lm.py").read_text(),
+    found = {f"packed/lm.py:{n}" for n in _type_checks(ast.parse((ROOT / "packed" / "lm.py").read_text()),
                                                        calls | {"PackLayout"})}
     for name in ("patch.py", "attention.py"):
         found |= {f"packed/{name}:{n}"
-                  for n in _type_checks((ROOT / "packed" / name).read_text(), _UNDER_THE_LAYOUT_KWARG)}
+                  for n in _type_checks(ast.parse((ROOT / "packed" / name).read_text()), _UNDER_THE_LAYOUT_KWARG)}
     assert not found, f"isinstance on a call type or a layer input at {sorted(found)}"
 
 
@@ -161,7 +210,7 @@ def test_the_type_check_sees_an_isinstance_on_a_call():
               "    if isinstance(call, (walk.Window, PrefixCall)):\n"
               "        return 1\n"
               "    return isinstance(call, int) or isinstance(call, DecodeCall)\n")
-    assert _type_checks(source, _call_types()) == [2, 4]
+    assert _type_checks(ast.parse(source), _call_types()) == [2, 4]
 
 
 def test_the_design_map_lists_every_module():

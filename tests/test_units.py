@@ -17,7 +17,7 @@ from packtrain.packed.kernels import Backend
 from packtrain.packed.lm import PackedLM
 from packtrain.packed.patch import patch_model
 from packtrain.run.steps import rank_units, step_examples
-from packtrain.run.units import UnitSetup, prepare, run_unit, step_scale
+from packtrain.run.units import UnitSetup, build, run_unit, step_scale
 
 L, F = "linear_attention", "full_attention"
 
@@ -49,8 +49,8 @@ def _step(lm, plan, examples, setup, world):
     grads, calls, loss = None, [], 0.0
     for rank in range(world):
         lm.zero_grad(set_to_none=True)
-        results = [run_unit(lm, prepare(u, plan, examples, setup), setup, "cpu", step_scale(n))
-                   for u in rank_units(plan, pack_ids, setup.mode, rank, world)]
+        results = [run_unit(lm, build(u, plan, examples, setup), setup, "cpu", step_scale(n))
+                   for u in rank_units(plan, pack_ids, setup, rank, world)]
         calls.append([r.calls for r in results])
         loss += sum(r.loss_sum for r in results)
         g = trainable_grads(lm.model)
@@ -78,9 +78,9 @@ def test_a_dummy_unit_learns_nothing_and_reports_nothing(monkeypatch):
     plan, examples = _plan()
     model = patch_model(tiny_lora_model([L, F], seed=4), Backend(gdn="torch", attention="batched"))
     lm = PackedLM(model).train()
-    units = rank_units(plan, [0, 1, 2], "shared_prefix", 1, 2)  # rank 1: pack 1, then a dummy
+    units = rank_units(plan, [0, 1, 2], UnitSetup("shared_prefix"), 1, 2)  # rank 1: pack 1, then a dummy
     assert [u.dummy for u in units] == [False, True]
-    result = run_unit(lm, prepare(units[1], plan, examples, UnitSetup("shared_prefix")), UnitSetup("shared_prefix"),
+    result = run_unit(lm, build(units[1], plan, examples, UnitSetup("shared_prefix")), UnitSetup("shared_prefix"),
                       "cpu", 0.5)
     assert (result.loss_sum, result.per_example, result.positions, result.calls) == (0.0, [], 0, 1)
     assert all(float(g.abs().max()) == 0.0 for g in trainable_grads(model).values())

@@ -31,7 +31,7 @@ from packtrain.ops import memory
 from packtrain.packed import attention
 from packtrain.packed.lm import PackCall
 from packtrain.run.steps import rank_units
-from packtrain.run.units import unit_layout
+from packtrain.run.units import UnitSetup, build
 
 
 def main() -> None:
@@ -55,9 +55,10 @@ def main() -> None:
     work = Workload.of(cfg, examples, plan, torch.device("cpu"))
     models = Models(work)
     lm = models.lms["full"]
-    (unit,) = rank_units(plan, work.steps[0], "shared_prefix", 0, 1)
-    layout = unit_layout(unit, plan, examples, "shared_prefix")
-    singles = [unit_layout(u, plan, examples, "standalone") for u in rank_units(plan, work.steps[0], "standalone", 0, 1)]
+    packed, alone = UnitSetup("shared_prefix"), UnitSetup("standalone")
+    (unit,) = rank_units(plan, work.steps[0], packed, 0, 1)
+    layout = build(unit, plan, examples, packed).work
+    singles = [build(u, plan, examples, alone).work for u in rank_units(plan, work.steps[0], alone, 0, 1)]
 
     def pack():
         lm(PackCall(layout)).loss_sum.backward()

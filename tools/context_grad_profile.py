@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from packtrain.bench.presets import generate_examples, get_preset
 from packtrain.config import config_from_dict
 from packtrain.models.build import build_base_model
-from packtrain.models.wrap import prepare_from_config
+from packtrain.models.wrap import assemble
 from packtrain.packed.layout import Continuation, build_pack_layout
 from packtrain.packed.lm import PackCall, PackedLM
 
@@ -50,7 +50,7 @@ def main() -> None:
                                                                                prefix_tokens=args.prefix_tokens)
     cfg = config_from_dict(preset.config)
     examples = generate_examples(shape, cfg.model.config["vocab_size"], 0)
-    model, _, _ = prepare_from_config(build_base_model(cfg), cfg, torch.device("cpu"))
+    model, _, _ = assemble(build_base_model(cfg), cfg, torch.device("cpu"))
     layout = build_pack_layout(examples[0].prefix_ids, [Continuation(e.item_ids, e.target_ids) for e in examples])
     lms = {m: PackedLM(model, m) for m in MODES}
     print(f"{shape.describe()}: {layout.length:,} positions, one thread")

@@ -84,24 +84,25 @@ def write_config(tmp: Path, prefix: int, continuations: int) -> Path:
 
 def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     from packtrain.models.build import build_base_model
-    from packtrain.models.wrap import prepare_from_config
+    from packtrain.models.wrap import assemble
     from packtrain.packed.patch import text_parts
-    from packtrain.run.harness import largest_unit, one_update
+    from packtrain.distributed import DistInfo
+    from packtrain.run.harness import one_update, update_step
     from packtrain.run.measure import _phase_hooks
-    from packtrain.run.optim import build_optimizer
-    from packtrain.run.units import UnitSetup, prepare
+    from packtrain.run.units import UnitSetup, build, largest_unit
 
     device = torch.device("cuda")
     with device:
         base = build_base_model(cfg)
-    model, lm, _ = prepare_from_config(base, cfg, device)
+    model, lm, _ = assemble(base, cfg, device)
     text = memory.text_config(memory.config_dict_of(cfg))
     text_model, _ = text_parts(model)
     layers = list(text_model.layers)
-    optimizer = build_optimizer([p for p in lm.parameters() if p.requires_grad], cfg.optim)
-    setup = UnitSetup(cfg.packing.mode, cfg.packing.continuation_groups, cfg.walk_spec())
-    unit = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
-    prepared = prepare(unit, plan, examples, setup)
+    setup = UnitSetup.of(cfg)
+    step = update_step(cfg, lm, setup, DistInfo(0, 1, 0, device))
+    optimizer = step.optimizer
+    unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
+    built = build(unit, plan, examples, setup)
     from packtrain.run.measure import LayerRecord
 
     counter = CudaPhases(device)
@@ -109,7 +110,7 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     hooks = _phase_hooks(counter, layers, records, text, True, text_model.norm)
     hooks.append(optimizer.register_step_pre_hook(lambda *_: counter.set_phase("optimizer")))
     counter.set_phase("forward")
-    one_update(lm, prepared, setup, optimizer, device)
+    one_update(step, built)
     counter.set_phase(None)
     for h in hooks:
         h.remove()

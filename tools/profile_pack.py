@@ -31,7 +31,7 @@ from packtrain.ops import memory
 from packtrain.packed.lm import PackCall
 from packtrain.run.harness import PeakMemory
 from packtrain.run.steps import rank_units
-from packtrain.run.units import unit_layout
+from packtrain.run.units import UnitSetup, build
 
 KINDS = [  # (label, op names); the first match wins, the rest is "elementwise, copies, indexing"
     ("linear layers and LoRA (mm)", ("aten::mm", "aten::addmm")),
@@ -66,17 +66,17 @@ def main() -> None:
     plan = plan_for(cfg, examples)
     work = Workload.of(cfg, examples, plan, torch.device("cpu"))
     models = Models(work)
-    (unit,) = rank_units(plan, work.steps[0], "shared_prefix", 0, 1)
+    setup = UnitSetup("shared_prefix", args.groups)
+    (unit,) = rank_units(plan, work.steps[0], setup, 0, 1)
     if args.groups > 1:
         from packtrain.packed.groups import train_groups
-        from packtrain.run.units import unit_groups
 
-        groups = unit_groups(unit, plan, examples, args.groups)
+        groups = build(unit, plan, examples, setup).work
 
         def step():
             train_groups(models.lm, groups, 1.0)
     else:
-        layout = unit_layout(unit, plan, examples, "shared_prefix")
+        layout = build(unit, plan, examples, setup).work
 
         def step():
             models.lm(PackCall(layout)).loss_sum.backward()

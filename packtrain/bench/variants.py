@@ -10,9 +10,10 @@
   example (labels -100 outside the target), the same peft adapter config, gradient accumulation over the step's
   examples (loss / examples in the step). Its model is a copy of the same base, never patched.
 
-Every variant takes the step's packs in the same (epoch 0) order, scales each loss by 1 / (examples in the step),
-clips to ``optim.max_grad_norm`` and steps the same optimizer and schedule, as :class:`packtrain.run.trainer.Trainer`
-does (one process, no skips). Each run starts from the same initial adapter and a fresh optimizer, and ends with
+Every variant trains the steps ``packtrain train`` trains on one rank (epoch 0 of
+:meth:`packtrain.run.steps.StepPlan.for_run`, under ``train.balance``); the packtrain variants run the trainer's own
+step (:class:`packtrain.run.step.Step`), and the plain loop scales each loss by 1 / (examples in the step), clips
+to ``optim.max_grad_norm`` and steps the same optimizer and schedule. Each run starts from the same initial adapter and a fresh optimizer, and ends with
 an evaluation of the adapter it trained, each variant through its own forward (packed, standalone, or
 transformers' forward with labels), so that equal final losses compare independent computations.
 """
@@ -30,12 +31,13 @@ from packtrain.config import Config
 from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.models.build import build_base_model, lora_config
-from packtrain.models.wrap import prepare_from_config
+from packtrain.models.wrap import assemble
 from packtrain.packed.lm import PackedLM
 from packtrain.run.evaluate import evaluate, mean_loss
 from packtrain.run.optim import build_optimizer, build_scheduler
-from packtrain.run.steps import rank_units, step_examples, step_packs, steps_per_epoch
-from packtrain.run.units import UnitSetup, prepare, run_unit, step_scale
+from packtrain.run.step import Step
+from packtrain.run.steps import StepPlan
+from packtrain.run.units import UnitSetup
 
 VARIANTS = ("shared_prefix", "kv_only", "frozen", "standalone", "plain")
 CONTEXT_GRAD = {"shared_prefix": "full", "kv_only": "kv_only", "frozen": "frozen", "standalone": "full"}
@@ -46,14 +48,13 @@ class Workload:
     cfg: Config
     examples: list
     plan: Plan
-    steps: list[list[int]]  # pack ids of each optimizer step of one epoch
+    steps: list[list[int]]  # pack ids of each optimizer step of one epoch, as `packtrain train` takes them
     device: torch.device
 
     @classmethod
     def of(cls, cfg: Config, examples, plan: Plan, device: torch.device) -> Workload:
-        per_step = cfg.train.packs_per_step
-        steps = [step_packs(plan, 0, i, per_step, cfg.train.seed) for i in range(steps_per_epoch(plan, per_step))]
-        return cls(cfg, examples, plan, steps, device)
+        steps = StepPlan.for_run(cfg, plan, examples, 1)
+        return cls(cfg, examples, plan, [steps.pack_ids(0, i) for i in range(steps.steps_per_epoch)], device)
 
 
 def trainable_by_name(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -94,7 +95,7 @@ class Models:
         cfg = work.cfg
         base = build_base_model(cfg)
         plain_base = copy.deepcopy(base)  # before packtrain patches anything
-        model, self.lm, self.backend = prepare_from_config(base, cfg, work.device)
+        model, self.lm, self.backend = assemble(base, cfg, work.device)
         self.lm.train()
         t = cfg.train
         # one root per context mode over the same (wrapped) model: the variants differ only in that mode
@@ -149,21 +150,13 @@ def unit_setup(variant: str, cfg: Config) -> UnitSetup:
 
 
 def packtrain_epoch(models: Models, work: Workload, variant: str, max_steps: int | None = None) -> list[float]:
-    """One epoch as the trainer runs it (the unit runner, one rank); returns each step's mean per-example loss."""
-    setup = unit_setup(variant, work.cfg)
-    lm = models.lms[CONTEXT_GRAD[variant]]
-    state = models.packtrain_state
+    """One epoch through the trainer's step on one rank; returns each step's mean per-example loss."""
+    cfg, state = work.cfg, models.packtrain_state
     optimizer, scheduler = state.reset()
-    losses = []
-    for pack_ids in work.steps[:max_steps]:
-        n = step_examples(work.plan, pack_ids)
-        total = 0.0
-        for unit in rank_units(work.plan, pack_ids, setup.mode, 0, 1):
-            ready = prepare(unit, work.plan, work.examples, setup)
-            total += run_unit(lm, ready, setup, work.device, step_scale(n)).loss_sum
-        state.update(optimizer, scheduler)
-        losses.append(total / n)
-    return losses
+    step = Step(models.lms[CONTEXT_GRAD[variant]], unit_setup(variant, cfg), work.plan, work.examples,
+                DistInfo(0, 1, 0, work.device), list(state.params.values()), optimizer, scheduler,
+                cfg.optim.max_grad_norm, cfg.train.max_positions)
+    return [step.run(pack_ids, k).loss for k, pack_ids in enumerate(work.steps[:max_steps])]
 
 
 def plain_epoch(models: Models, work: Workload, max_steps: int | None = None) -> list[float]:

@@ -5,6 +5,8 @@ DIR/bench.json and DIR/bench.png (:mod:`packtrain.bench`).
 
 Without CONFIG the preset (default ``cpu``) gives the config and the data shape; with CONFIG, its model, LoRA,
 optimizer, packing and steps are used, and its ``data.train`` unless a data-shape option asks for generated data.
+Generated data is written beside the results, DIR/train.jsonl (pre-tokenized) with DIR/config.yaml, so that
+``packtrain train DIR/config.yaml`` trains the same steps the bench's packtrain variants train.
 """
 
 from __future__ import annotations
@@ -62,8 +64,11 @@ def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
     types = text["layer_types"]
     full = sum(t == FULL for t in types)
     ckpt = ", checkpointed layers" if cfg.train.activation_checkpointing else ""
-    n_groups = cfg.packing.continuation_groups
-    ckpt += f", continuations in {n_groups} groups per pack" if n_groups > 1 else ""
+    from packtrain.run.units import UnitSetup, pack_kind
+
+    setup = UnitSetup.of(cfg)
+    runs = pack_kind(setup).runs(setup)
+    ckpt += f", {runs}" if runs else ""
     describe = (f"{len(types)} layers ({len(types) - full} GDN + {full} attention), hidden {text['hidden_size']:,}, "
                 f"vocab {text['vocab_size']:,}, {cfg.model.dtype}, LoRA r {cfg.lora.r} on "
                 f"{','.join(cfg.lora.target_modules)} ({trainable:,} parameters){ckpt}; kernels {backend.describe()}")
@@ -71,7 +76,7 @@ def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
             "vocab_size": text["vocab_size"], "dtype": cfg.model.dtype, "kernels": backend.describe(),
             "activation_checkpointing": cfg.train.activation_checkpointing, "lora_r": cfg.lora.r,
             "lora_targets": list(cfg.lora.target_modules), "trainable_parameters": trainable,
-            "continuation_groups": n_groups, "describe": describe}
+            "continuation_groups": setup.n_groups, "describe": describe}
 
 
 def _machine(device, load_before: float) -> dict:
@@ -107,6 +112,25 @@ def _config_and_data(args, preset):
     return cfg, text, examples, f"generated: {shape.describe()}", shape
 
 
+def write_run_config(out: Path, cfg, examples) -> Path:
+    """DIR/train.jsonl (the generated examples, pre-tokenized) and DIR/config.yaml (the bench's config reading it,
+    one epoch): the run ``packtrain train`` makes of the same steps."""
+    import json
+
+    import yaml
+
+    lines = [json.dumps({"id": ex.id, "prefix_ids": list(ex.prefix_ids), "item_ids": list(ex.item_ids),
+                         "target_ids": list(ex.target_ids)}) for ex in examples]
+    (out / "train.jsonl").write_text("\n".join(lines) + "\n")
+    tree = cfg.to_dict()
+    tree["data"] = {**tree["data"], "train": "train.jsonl", "eval": None, "format": "pretokenized"}
+    tree["train"] = {**tree["train"], "epochs": 1, "max_steps": None}  # the bench trains one epoch
+    tree["output_dir"] = "run"
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return path
+
+
 def run_bench(args) -> int:
     import torch
 
@@ -128,7 +152,8 @@ def run_bench(args) -> int:
     if repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {repeats}")
     cfg, text, examples, data, shape = _config_and_data(args, preset)
-    check_not_an_input(args.out, "--out", config_inputs(cfg, args.config), writes=("bench.json", "bench.png"))
+    run_files = ("config.yaml", "train.jsonl") if shape is not None else ()
+    check_not_an_input(args.out, "--out", config_inputs(cfg, args.config), writes=("bench.json", "bench.png", *run_files))
     plan = plan_for(cfg, examples)
     stats = plan_stats(plan, examples)
     device = init_distributed(cfg.train.device).device
@@ -168,4 +193,6 @@ def run_bench(args) -> int:
     print(f"json: {write_json(result, out)}")
     png = plot(result, out)
     print(f"chart: {png}" if png else "chart: skipped (matplotlib is not installed)")
+    if shape is not None:
+        print(f"the same run: packtrain train {write_run_config(out, cfg, examples)}")
     return 0

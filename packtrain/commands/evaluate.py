@@ -21,9 +21,7 @@ def run_eval(args) -> int:
     from packtrain.data.planner import plan_for
     from packtrain.models.build import build_base_model
     from packtrain.models.loading import read_adapter
-    from packtrain.packed.kernels import select_backend
-    from packtrain.packed.lm import PackedLM
-    from packtrain.packed.patch import patch_model
+    from packtrain.models.wrap import assemble
     from packtrain.run.evaluate import evaluate, mean_loss
     from packtrain.run.task import errors_path_for, task_start
     from packtrain.run.units import UnitSetup, image_loader
@@ -46,15 +44,9 @@ def run_eval(args) -> int:
     scorer, tokenizer = task_start(cfg, split) if args.generate else (None, None)  # before the model loads
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     try:
-        model = build_base_model(cfg)
-        if adapter is not None:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
-        backend = select_backend(cfg.model.kernels, info.device, mlp_chunk_rows=cfg.train.mlp_chunk_rows)
-        lm = PackedLM(patch_model(model, backend), cfg.packing.context_grad,
-                      cfg.train.loss_chunk_rows).to(info.device)
-        setup = UnitSetup(cfg.packing.mode, walk_spec=cfg.walk_spec(), images=image_loader(cfg, model, examples))
+        model, lm, backend = assemble(build_base_model(cfg), cfg, info.device, shard=info.enabled, adapter=adapter,
+                                      training=False)
+        setup = UnitSetup.of(cfg, image_loader(cfg, model, examples), n_groups=1)
         out = Path(args.out)
         if args.generate:
             _generate(cfg, model, lm, examples, scorer, tokenizer, setup, info, out, split, args.adapter)

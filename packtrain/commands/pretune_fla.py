@@ -51,9 +51,8 @@ def run_pretune_fla(args) -> int:
 
     from packtrain.data.examples import load_split
     from packtrain.data.planner import plan_for
-    from packtrain.run.harness import build_lm, largest_unit, one_update, prepare_shortened
-    from packtrain.run.optim import build_optimizer
-    from packtrain.run.units import UnitSetup
+    from packtrain.run.harness import build_lm, build_shortened, one_update, update_step
+    from packtrain.run.units import UnitSetup, largest_unit
 
     cfg = load_config(args.config, args.overrides)
     examples = load_split(cfg, "train")
@@ -63,16 +62,15 @@ def run_pretune_fla(args) -> int:
     try:
         if info.enabled:
             raise ValueError("pretune-fla runs in one process on one GPU (run it without a launcher)")
-        lm, model, backend = build_lm(cfg, info)
+        lm, _, backend = build_lm(cfg, info)
         if backend.gdn != "fla":
             raise ValueError(f"model.kernels={cfg.model.kernels} selected {backend.describe()}: pretune-fla tunes "
                              "the fla kernels (model.kernels: fla or auto)")
         plan = plan_for(cfg, examples)
-        unit = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
-        setup = UnitSetup(cfg.packing.mode, walk_spec=cfg.walk_spec())  # one call per pack: no groups
-        prepared = prepare_shortened(unit, plan, examples, setup, args.prompt_tokens)
-        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
-        one_update(lm, prepared, setup, optimizer, info.device)
+        setup = UnitSetup.of(cfg, n_groups=1)  # one call per pack: no groups
+        unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
+        built = build_shortened(unit, plan, examples, setup, args.prompt_tokens)
+        one_update(update_step(cfg, lm, setup, info, steps=1), built)
         torch.cuda.synchronize()
     finally:
         shutdown()
@@ -82,7 +80,7 @@ def run_pretune_fla(args) -> int:
     gpu = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "fla-configs" / re.sub(r"[^0-9A-Za-z]+", "_", gpu)
     written = fla_tune.write_fla_configs(out, tuned, gpu, triton.__version__)
-    print(f"pretune-fla: one update of {prepared.positions:,} positions (P cut to {args.prompt_tokens} tokens) on {gpu}")
+    print(f"pretune-fla: one update of {built.positions:,} positions (P cut to {args.prompt_tokens} tokens) on {gpu}")
     print(format_tuned(tuned, plain))
     print(f"wrote {len(written)} files to {out}")
     print(f"launch every rank with:\n  {fla_tune.launch_env(out)}")

@@ -48,9 +48,8 @@ def format_table(title: str, phases, cuda: bool, since_start: bool, ranks: list[
 def run_smoke(args) -> int:
     from packtrain.data.examples import load_split
     from packtrain.data.planner import plan_for, target_count
-    from packtrain.run.harness import PeakMemory, build_lm, is_out_of_memory, largest_unit, one_update, run_phase
-    from packtrain.run.optim import build_optimizer, build_scheduler
-    from packtrain.run.units import UnitSetup, prepare
+    from packtrain.run.harness import PeakMemory, build_lm, is_out_of_memory, one_update, run_phase, update_step
+    from packtrain.run.units import UnitSetup, build, largest_unit
     from packtrain.rundir import checkpoint as ckpt
 
     cfg = load_config(args.config, args.overrides)
@@ -60,11 +59,10 @@ def run_smoke(args) -> int:
         raise ValueError("data.train: not set (smoke runs its largest pack)")
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     plan = plan_for(cfg, examples)
-    unit = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
     # as the trainer runs it: in continuation groups (packtrain/packed/groups.py), walked (packtrain/packed/walk.py)
-    setup = UnitSetup(cfg.packing.mode, cfg.packing.continuation_groups, cfg.walk_spec())
-    prepared = prepare(unit, plan, examples, setup)
-    n_groups = cfg.packing.continuation_groups if cfg.packing.mode == "shared_prefix" and unit.schedule is None else 1
+    setup = UnitSetup.of(cfg)
+    unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
+    built = build(unit, plan, examples, setup)
     out = Path(cfg.output_dir) / "smoke"
     probe = PeakMemory(info.device)
     phases = []
@@ -72,24 +70,19 @@ def run_smoke(args) -> int:
 
     def load():
         state["lm"], state["model"], state["backend"] = build_lm(cfg, info)
-        params = [p for p in state["lm"].parameters() if p.requires_grad]
-        state["optimizer"] = build_optimizer(params, cfg.optim)
-        state["scheduler"] = build_scheduler(state["optimizer"], cfg.optim, 2)
+        state["step"] = update_step(cfg, state["lm"], setup, info)
 
     def update():
-        one_update(state["lm"], prepared, setup, state["optimizer"], info.device)
-        state["scheduler"].step()
+        one_update(state["step"], built)
 
     def save():
-        ckpt.save_checkpoint(out, 2, state["lm"], state["model"], state["optimizer"], state["scheduler"],
-                             {"smoke": True}, info)
+        step = state["step"]
+        ckpt.save_checkpoint(out, 2, state["lm"], state["model"], step.optimizer, step.scheduler, {"smoke": True},
+                             info)
 
     targets = sum(target_count(examples[e]) for e in unit.examples)
-    what = ("walked example" if unit.schedule is not None
-            else "pack" if cfg.packing.mode == "shared_prefix" else "example")
-    walked = f" in {unit.schedule.chunks} chunks" if unit.schedule is not None else ""
-    title = (f"smoke: the largest {what}, {prepared.positions:,} positions ({len(unit.examples)} continuations"
-             f"{f' in {n_groups} groups' if n_groups > 1 else ''}{walked}, {targets:,} target tokens), "
+    title = (f"smoke: the largest {unit.kind.describe(unit, setup)}, {built.positions:,} positions "
+             f"({len(unit.examples)} continuations{unit.kind.detail(unit, setup)}, {targets:,} target tokens), "
              f"device {info.device}, {cfg.model.dtype}")
     try:
         run_phase(phases, probe, "load model", load)

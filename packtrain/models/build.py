@@ -46,7 +46,7 @@ def build_base_model(cfg: Config, save_to: Path | None = None, meta: bool = Fals
     """The base model in ``model.dtype``; from ``model.config`` it is seeded and saved to ``save_to``.
 
     ``meta``: a ``model.path`` model is built without weights (parameters on the meta device, buffers computed
-    on the CPU); :func:`packtrain.models.wrap.prepare_from_config` fills it after wrapping, each rank its own shards."""
+    on the CPU); :func:`packtrain.models.wrap.assemble` fills it after wrapping, each rank its own shards."""
     from transformers import AutoConfig
 
     dtype = DTYPES[cfg.model.dtype]

@@ -1,5 +1,6 @@
-"""The one place that wraps a model for training, always in this order:
-LoRA -> model patch -> activation checkpointing (+ offload) -> FSDP.
+"""The one place that assembles a model, for train, eval, generate, smoke and bench (:func:`assemble`), always in
+this order: LoRA (a new adapter, a trained one, or none) -> model patch -> activation checkpointing (+ offload, for
+training) -> FSDP (where the world size asks for it).
 
 Activation checkpointing goes through torch's own checkpoint per decoder layer (the path FSDP composes with),
 never transformers' gradient checkpointing: its recompute receives the same keyword arguments, so the pack
@@ -13,6 +14,7 @@ reading only its shards (:mod:`packtrain.models.loading`).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -89,7 +91,7 @@ def head_unit_forward(lm_head: nn.Module, target_losses):
     return lm_head.packtrain_target_losses
 
 
-def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, offload: bool = False,
+def wrap(model: nn.Module, backend: Backend, *, checkpointing: bool = False, offload: bool = False,
             shard: bool = False, device=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
             context_grad: str = "full", loss_chunk_rows: int = TrainConfig.loss_chunk_rows, fill=None) -> PackedLM:
     """A LoRA-wrapped model -> the trainable root module. ``offload`` implies checkpointing; ``context_grad`` is
@@ -129,12 +131,14 @@ def prepare(model: nn.Module, backend: Backend, *, checkpointing: bool = False, 
     return lm
 
 
-def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool = False,
-                        backend: Backend | None = None) -> tuple[nn.Module, PackedLM, Backend]:
-    """The whole order from a config: LoRA (``lora.*``), the back end (``model.kernels``, chosen for ``device``),
-    patch, checkpointing / offload and the loss's chunks (``train.*``), ``packing.context_grad`` and, with ``shard``,
-    FSDP. Returns (peft model, root, back end).
+def assemble(base_model: nn.Module, cfg: Config, device, shard: bool = False, backend: Backend | None = None,
+             adapter: str | Path | None = "new", training: bool = True) -> tuple[nn.Module, PackedLM, Backend]:
+    """The whole order from a config: the adapter, the back end (``model.kernels``, chosen for ``device``), patch,
+    checkpointing / offload (``train.*``, when ``training``) and the loss's chunks, ``packing.context_grad`` and,
+    with ``shard`` (more than one rank), FSDP. Returns (the model with its adapter, root, back end).
 
+    ``adapter``: ``"new"`` a LoRA adapter from ``lora.*`` (training); a directory: a trained PEFT adapter, frozen
+    (``packtrain eval --adapter DIR``); None: the base model alone (``--adapter none``).
     A base built on the meta device (``build_base_model(..., meta=True)``) is filled last from ``model.path``,
     each rank reading only its shards; the load report is left on the root as ``lm.load_report``. On the CPU the
     process's heap is then kept between steps (:func:`packtrain.models.loading.keep_heap_between_steps`).
@@ -148,11 +152,23 @@ def prepare_from_config(base_model: nn.Module, cfg: Config, device, shard: bool 
 
         def fill(lm, kept):
             lm.load_report = materialize(lm, kept, names, weights, device)
-    model = apply_lora(base_model, cfg)
+    model = with_adapter(base_model, cfg, adapter)
     backend = backend or select_backend(cfg.model.kernels, device, mlp_chunk_rows=cfg.train.mlp_chunk_rows)
     t = cfg.train
-    lm = prepare(model, backend, checkpointing=t.activation_checkpointing, offload=t.offload, shard=shard,
-                 device=device, context_grad=cfg.packing.context_grad, loss_chunk_rows=t.loss_chunk_rows, fill=fill)
+    lm = wrap(model, backend, checkpointing=training and t.activation_checkpointing, offload=training and t.offload,
+              shard=shard, device=device, context_grad=cfg.packing.context_grad, loss_chunk_rows=t.loss_chunk_rows,
+              fill=fill)
     if torch.device(device).type == "cpu":  # activations are host memory: keep them between steps
         keep_heap_between_steps()
     return model, lm, backend
+
+
+def with_adapter(base_model: nn.Module, cfg: Config, adapter: str | Path | None) -> nn.Module:
+    """``base_model`` with a new LoRA adapter (``"new"``), a trained one loaded frozen (a directory), or none."""
+    if adapter is None:
+        return base_model
+    if adapter == "new":
+        return apply_lora(base_model, cfg)
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base_model, adapter, is_trainable=False)

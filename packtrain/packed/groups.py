@@ -96,21 +96,30 @@ def train_groups(lm, groups: Groups, scale: float) -> tuple[float, list[float]]:
     """Forward and backward of one pack in groups (gradients accumulate into the parameters, scaled by ``scale``
     times each group's weight). Returns (the sum of its examples' losses, the per-example losses of its real
     groups in the pack's order)."""
+    return _run_groups(lm, groups, scale)
+
+
+def eval_groups(lm, groups: Groups) -> tuple[float, list[float]]:
+    """The same losses without backward (under the caller's no_grad): P once, each group against its state."""
+    return _run_groups(lm, groups, None)
+
+
+def _run_groups(lm, groups: Groups, scale: float | None) -> tuple[float, list[float]]:
     if any(lay.image_grid_thw is not None for lay in groups.layouts):
         raise ValueError("packing.continuation_groups > 1 takes text-only packs; this pack has images "
                          "(set packing.continuation_groups: 1)")
-    grad = lm.context.mode != "frozen"
+    grad = scale is not None and lm.context.mode != "frozen"
     prefix = lm(PrefixCall(groups.layouts[0]))
-    leaves = prefix.leaves(grad)
+    leaves = prefix.leaves(grad) if scale is not None else prefix
     total, losses = 0.0, []
     for layout, weight in zip(groups.layouts, groups.weights):
         out = lm(GroupCall(layout, leaves))
-        require_grad(out.loss_sum)
-        (out.loss_sum * (scale * weight)).backward()
+        if scale is not None:
+            require_grad(out.loss_sum)
+            (out.loss_sum * (scale * weight)).backward()
         total += weight * float(out.per_example.sum())
         if weight:
             losses += out.per_example.tolist()
     if grad:  # into P's graph
         backward_through(prefix, leaves.grads())
     return total, losses
-

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from packtrain.packed.equal import anchored
+
 CUT_OFF = ("the adapters are cut off from the loss: frozen embeddings without enable_input_require_grads, a "
            "detached layer, or lora.target_modules the loss does not depend on")
 
@@ -87,8 +89,8 @@ def examples_loss(lm, layout, hidden: torch.Tensor, positions: torch.Tensor,
     counts = layout.target_counts.to(token_loss.dtype)
     per_example = token_loss.new_zeros(n).index_add(0, layout.target_example, token_loss) / counts
     loss_sum = per_example.sum()
-    if constant is not None and torch.is_grad_enabled() and not loss_sum.requires_grad:
+    if constant is not None:
         # frozen, every target read off P's last row: nothing to learn, but the backward must still run (zero
         # gradients) so that every rank makes the same FSDP calls and the trainer's step goes on
-        loss_sum = loss_sum + 0.0 * hidden[0, 1:].sum()
+        loss_sum = anchored(loss_sum, hidden[0, 1:])
     return LossOutput(loss_sum=loss_sum, per_example=per_example.detach(), target_tokens=layout.target_counts)

@@ -29,6 +29,7 @@ import torch
 
 from packtrain.config import WalkSpec
 from packtrain.data.walk_schedule import Schedule, chunk_bounds, cuts, windows
+from packtrain.packed.equal import filler_calls
 from packtrain.packed.layout import PackLayout
 from packtrain.packed.prefix import Pairs, PrefixState, backward_through, run_span
 from packtrain.packed.rng import replay, rng_state
@@ -128,8 +129,7 @@ class _Walk:
                 out = self.call(a, e, e, self.before(a, bounds[-1]))
                 self.store_kv(out, a)
                 bounds.append(out.state.gdn)
-        for _ in range(slot.forwards - len(chunks)):
-            self.dummy_call(grad=False)
+        filler_calls(len(chunks), slot.forwards, lambda: self.dummy_call(grad=False))
         g_kv = {i: (torch.zeros_like(k), torch.zeros_like(v)) for i, (k, v) in self.kv_all.items()}
         g_gdn = None
         for c in reversed(range(len(chunks))):
@@ -146,8 +146,7 @@ class _Walk:
                         acc[..., :a, :] += leaf.grad
             g_gdn = {i: tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in pair)
                      for i, pair in gdn_in.items()}
-        for _ in range(slot.backwards - len(chunks)):
-            self.dummy_call(grad=True)
+        filler_calls(len(chunks), slot.backwards, lambda: self.dummy_call(grad=True))
         if not self.frozen:  # into P's graph: its own loss, the K/V every chunk read, the first chunk's state
             n = 1 if self.dummy else p
             self.backward(first, {i: (gk[..., :n, :], gv[..., :n, :]) for i, (gk, gv) in g_kv.items()}, g_gdn)
@@ -166,14 +165,12 @@ class _Walk:
                 self.total += float(out.loss.detach())
                 self.store_kv(out, s)
                 states[e] = out.state.gdn
-        for _ in range(slot.forwards - max(len(points) - 1, 0)):
-            self.dummy_call(grad=False)
+        filler_calls(max(len(points) - 1, 0), slot.forwards, lambda: self.dummy_call(grad=False))
         for w, a, e in wins:
             out = self.call(w, e, a, self.before(w, states[w]))
             self.backward(out, None, None)
             self.total += float(out.loss.detach())
-        for _ in range(slot.backwards - len(wins)):
-            self.dummy_call(grad=True)
+        filler_calls(len(wins), slot.backwards, lambda: self.dummy_call(grad=True))
 
 
 def train_walk(lm, layout: PackLayout, spec: WalkSpec, scale: float, slot: Schedule,
@@ -204,6 +201,5 @@ def eval_walk(lm, layout: PackLayout, spec: WalkSpec, chunks: int, dummy: bool =
         walk.total += float(out.loss)
         walk.store_kv(out, s)
         gdn = out.state.gdn
-    for _ in range(chunks + 1 - len(bounds)):
-        walk.dummy_call(grad=False)
+    filler_calls(len(bounds), chunks + 1, lambda: walk.dummy_call(grad=False))
     return WalkResult(walk.total, walk.n_targets)

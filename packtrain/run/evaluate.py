@@ -9,7 +9,7 @@ import torch.distributed as dist
 from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.run.steps import rank_units
-from packtrain.run.units import UnitSetup, prepare, run_unit
+from packtrain.run.units import UnitSetup, build, run_unit
 
 
 def evaluate(lm, plan: Plan, examples, setup: UnitSetup, info: DistInfo, progress=None) -> list[dict]:
@@ -20,9 +20,9 @@ def evaluate(lm, plan: Plan, examples, setup: UnitSetup, info: DistInfo, progres
     was_training = lm.training
     lm.eval()
     results: dict[int, tuple[float, int]] = {}
-    units = rank_units(plan, list(range(len(plan.packs))), setup.mode, info.rank, info.world_size)
+    units = rank_units(plan, list(range(len(plan.packs))), setup, info.rank, info.world_size)
     for unit in units:
-        r = run_unit(lm, prepare(unit, plan, examples, setup), setup, info.device)
+        r = run_unit(lm, build(unit, plan, examples, setup), setup, info.device)
         for e, loss, n in zip(unit.examples, r.per_example, r.target_tokens):
             results[e] = (loss, n)
         if progress is not None:

@@ -12,9 +12,10 @@ Choosing a token: greedy (``generate.temperature`` 0) is the argmax of the float
 id, so a prediction depends on neither the batch it is in nor the rank.
 
 Across ranks: whole prompt groups go to ranks (largest first, to the least loaded), the equal-call rule
-(:func:`packtrain.run.steps.equal_slots`) pads every rank's units with dummies, and each decode step ends with a
-max over ranks of "still decoding": a rank whose rows have all stopped runs its last row again and drops the result,
-so every rank issues the same calls. Every rank returns every example's generation.
+(the ``items`` kind's padding, :mod:`packtrain.run.units`) pads every rank's units with dummies, and each decode
+step ends with an agreement over ranks on "still decoding" (:func:`packtrain.packed.equal.agree`): a rank whose rows
+have all stopped runs its last row again and drops the result, so every rank issues the same calls. Every rank
+returns every example's generation.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from packtrain.data.planner import Plan
-from packtrain.distributed import DistInfo, all_reduce_max_tensor
+from packtrain.distributed import DistInfo
 from packtrain.packed.decode import DecodeCall, ItemsCall
+from packtrain.packed.equal import agree
 from packtrain.packed.layout import Continuation, build_pack_layout
 from packtrain.packed.patch import unwrap
 from packtrain.packed.prefix import PrefixCall
-from packtrain.run.steps import Unit, equal_slots
-from packtrain.run.units import UnitSetup, unit_layout
+from packtrain.run.units import ITEMS, UnitSetup, items_units
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,8 @@ def generate(lm, plan: Plan, examples, setup: UnitSetup, spec: GenerateSpec, inf
              progress=None) -> dict[int, Generated]:
     """Every example of ``plan``'s packs generated, by example index (on every rank)."""
     shards = prompt_shards(plan, list(range(len(plan.packs))), info.world_size)
-    per_rank = [[Unit(plan.packs[i].prompt, plan.packs[i].examples) for i in shard] for shard in shards]
-    slots = [equal_slots(per_rank, r) for r in range(info.world_size)]
+    per_rank = [items_units(plan, shard) for shard in shards]
+    slots = [ITEMS.pad(per_rank, r) for r in range(info.world_size)]
     was_training = lm.training
     lm.eval()
     results: dict[int, Generated] = {}
@@ -131,7 +132,7 @@ def generate(lm, plan: Plan, examples, setup: UnitSetup, spec: GenerateSpec, inf
     with torch.no_grad():
         for k, unit in enumerate(slots[info.rank]):
             new_prompt = k == 0 or any(s[k].prompt != s[k - 1].prompt for s in slots)
-            layout = unit_layout(unit, plan, examples, "shared_prefix", setup.images, items_only=True)
+            layout = ITEMS.build(unit, plan, examples, setup)
             if layout is not None:
                 layout = layout.to(info.device)
             if new_prompt:
@@ -139,8 +140,7 @@ def generate(lm, plan: Plan, examples, setup: UnitSetup, spec: GenerateSpec, inf
                     info.device)))
             items = [(e, len(examples[e].item_ids), examples[e].id) for e in unit.examples]
             out = decode_rows(lm, layout, state, len(plan.prompts[unit.prompt]), items, spec, info)
-            if not unit.dummy:
-                results.update(out)
+            results.update({e: out[e] for e in unit.real_examples})
             if progress is not None:
                 progress.update(1)
     lm.train(was_training)
@@ -155,7 +155,7 @@ def decode_rows(lm, layout, state, prefix_len: int, items: list[tuple[object, in
                 info: DistInfo) -> dict[object, Generated]:
     """One unit's items against P's ``state``, then its rows decoded together until every row on every rank has
     stopped. ``items``: (key, item length, example id) in the unit's order; ``layout``: P and the items that have
-    tokens, in that order (``unit_layout(..., items_only=True)``)."""
+    tokens, in that order (the ``items`` kind's build, :mod:`packtrain.run.units`)."""
     order = [key for key, n, _ in items if n] + [key for key, n, _ in items if not n]
     length, ids = {key: n for key, n, _ in items}, {key: i for key, _, i in items}
     empty = sum(1 for _, n, _ in items if not n)
@@ -178,8 +178,7 @@ def decode_rows(lm, layout, state, prefix_len: int, items: list[tuple[object, in
                     stops[e] = "length"
                 else:
                     keep.append(b)
-        going = torch.tensor([1 if keep else 0], device=info.device)
-        if step == spec.max_new_tokens - 1 or not int(all_reduce_max_tensor(going, info)):
+        if step == spec.max_new_tokens - 1 or not agree([1 if keep else 0], info)[0]:
             break
         if keep:  # the rows still decoding
             if len(keep) < len(alive):

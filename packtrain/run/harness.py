@@ -1,6 +1,6 @@
-"""One optimizer update on one chosen unit, through the unit runner as the trainer runs it: for ``packtrain smoke``
-(the largest unit, memory per phase) and ``packtrain pretune-fla`` (a shortened prompt, so Triton tunes with memory
-to spare). Also the per-phase peak-memory probe.
+"""One optimizer update on one chosen unit, through the trainer's step (:class:`packtrain.run.step.Step`): for
+``packtrain smoke`` (the largest unit, memory per phase), ``packtrain pretune-fla`` (a shortened prompt, so Triton
+tunes with memory to spare) and ``plan --measure``. Also the per-phase peak-memory probe.
 """
 
 from __future__ import annotations
@@ -14,44 +14,42 @@ from pathlib import Path
 import torch
 
 from packtrain.data.planner import Plan
-from packtrain.ops import memory
-from packtrain.run.steps import Unit
-from packtrain.run.units import Prepared, UnitSetup, prepare, run_unit, step_scale
+from packtrain.distributed import DistInfo
+from packtrain.run.optim import build_optimizer, build_scheduler
+from packtrain.run.step import Step
+from packtrain.run.units import Built, Unit, UnitSetup, build
 
 
 def build_lm(cfg, info):
-    """(PackedLM on the device, the peft model, the back end), wrapped as the trainer wraps it (FSDP under a
+    """(PackedLM on the device, the peft model, the back end), assembled as the trainer assembles it (FSDP under a
     launcher)."""
     from packtrain.models.build import build_base_model
-    from packtrain.models.wrap import prepare_from_config
+    from packtrain.models.wrap import assemble
 
-    model, lm, backend = prepare_from_config(build_base_model(cfg, meta=True), cfg, info.device, shard=info.enabled)
+    model, lm, backend = assemble(build_base_model(cfg, meta=True), cfg, info.device, shard=info.enabled)
     return lm, model, backend
 
 
-def largest_unit(plan: Plan, examples, mode: str, max_positions: int | None = None) -> Unit:
-    """The unit with the most positions (:func:`packtrain.ops.memory.largest_unit`); a walked example keeps its
-    schedule, so it is walked as training walks it."""
-    prompt, ids = memory.largest_unit(plan, examples, mode, max_positions)
-    walked = next((p.schedule for p in plan.packs if p.schedule is not None and p.examples == tuple(ids)), None)
-    return Unit(prompt, tuple(ids), schedule=walked)
-
-
-def prepare_shortened(unit: Unit, plan: Plan, examples, setup: UnitSetup, prompt_tokens: int | None) -> Prepared:
-    """The unit prepared with P cut to its first ``prompt_tokens`` tokens (None: as planned)."""
+def build_shortened(unit: Unit, plan: Plan, examples, setup: UnitSetup, prompt_tokens: int | None) -> Built:
+    """The unit built with P cut to its first ``prompt_tokens`` tokens (None: as planned)."""
     if prompt_tokens is not None:
         plan = dataclasses.replace(plan, prompts=[p[:prompt_tokens] for p in plan.prompts])
-    return prepare(unit, plan, examples, setup)
+    return build(unit, plan, examples, setup)
 
 
-def one_update(lm, prepared: Prepared, setup: UnitSetup, optimizer, device) -> float:
-    """Forward, backward (through :func:`packtrain.run.units.run_unit`) and optimizer step on one unit, scaled as
-    the trainer scales a step that is this unit on every rank. Returns the unit's mean per-example loss."""
-    n = len(prepared.unit.examples)
-    result = run_unit(lm, prepared, setup, device, step_scale(n))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return result.loss_sum / n
+def update_step(cfg, lm, setup: UnitSetup, info: DistInfo, steps: int = 2) -> Step:
+    """The trainer's step over ``lm``'s trainable parameters, with a fresh optimizer and a schedule of ``steps``;
+    units come built (:meth:`Step.run_built`), so it holds no plan."""
+    params = [p for p in lm.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, cfg.optim)
+    return Step(lm, setup, None, [], info, params, optimizer, build_scheduler(optimizer, cfg.optim, steps),
+                cfg.optim.max_grad_norm)
+
+
+def one_update(step: Step, built: Built) -> float:
+    """One optimizer step on one unit, as the trainer steps a step that is this unit on every rank. Returns the
+    unit's mean per-example loss."""
+    return step.run_built([built]).loss
 
 
 def is_out_of_memory(e: BaseException) -> bool:

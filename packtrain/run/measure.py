@@ -3,7 +3,7 @@
 The config's model is built at its true widths but with one decoder layer of each kind present (a GDN and an
 attention layer for Qwen3.5/3.6; dense and MoE MLP layers where a family has both), plus the embedding and the
 head, under ``FakeTensorMode``: tensors carry shapes and dtypes, no data and no memory. It is wrapped as training
-wraps it (:func:`packtrain.models.wrap.prepare_from_config`: LoRA, the patch, checkpointing or offload) and runs
+wraps it (:func:`packtrain.models.wrap.assemble`: LoRA, the patch, checkpointing or offload) and runs
 one update on the plan's largest unit through the harness (:func:`packtrain.run.harness.one_update`: the unit runner's
 forward and backward, then the optimizer step). A dispatch mode counts the bytes of every live tensor storage
 (added when an op first outputs it, dropped when the storage is freed) and keeps each phase's peak:
@@ -246,14 +246,14 @@ def measure(cfg, plan, examples) -> Measured:
     """One update of the plan's largest unit on the reduced model under fake tensors, counted per phase."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from packtrain.distributed import DistInfo
     from packtrain.models.build import build_base_model
     from packtrain.models.offload import OffloadedCheckpoint
-    from packtrain.models.wrap import prepare_from_config
+    from packtrain.models.wrap import assemble
     from packtrain.ops import fla_shapes
     from packtrain.packed.patch import text_parts
-    from packtrain.run.harness import largest_unit, one_update
-    from packtrain.run.optim import build_optimizer
-    from packtrain.run.units import UnitSetup, prepare
+    from packtrain.run.harness import one_update, update_step
+    from packtrain.run.units import UnitSetup, build, largest_unit
 
     notes = []
     if any(getattr(ex, "images", ()) for ex in examples):
@@ -261,16 +261,16 @@ def measure(cfg, plan, examples) -> Measured:
         notes.append("the vision tower is left out (frozen, small): image tokens run as text tokens")
     small = _reduced_cfg(cfg)
     text = text_config(small.model.config)
-    unit = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
-    setup = UnitSetup(cfg.packing.mode, cfg.packing.continuation_groups, cfg.walk_spec())
-    prepared = prepare(unit, plan, examples, setup)  # real index tensors, built before the fake mode
+    setup = UnitSetup.of(cfg)
+    unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
+    built = build(unit, plan, examples, setup)  # real index tensors, built before the fake mode
     with FakeTensorMode(allow_non_fake_inputs=True), fla_shapes.installed(), _fake_build():
         base = build_base_model(small)
-        model, lm, _ = prepare_from_config(base, small, "cpu", backend=measure_backend(cfg))
+        model, lm, _ = assemble(base, small, "cpu", backend=measure_backend(cfg))
         text_model, lm_head = text_parts(model)
         layers = list(text_model.layers)
-        params = [p for p in lm.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, cfg.optim)
+        step = update_step(cfg, lm, setup, DistInfo(0, 1, 0, torch.device("cpu")))
+        params, optimizer = step.params, step.optimizer
         pools = {id(l.pool): l.pool for l in layers if isinstance(l, OffloadedCheckpoint)}.values()
         counter = LiveBytes(host=lambda: sum(p.allocated_bytes for p in pools))
         records = [LayerRecord(tuple(k)) for k in text["kinds"]]
@@ -302,7 +302,7 @@ def measure(cfg, plan, examples) -> Measured:
 
             hooks += [optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_step)]
             counter.set_phase("forward")
-            one_update(lm, prepared, setup, optimizer, "cpu")
+            one_update(step, built)
             states = sum(_storage_bytes([v]) for s in optimizer.state.values() for v in s.values()
                          if isinstance(v, torch.Tensor))
         for h in hooks:

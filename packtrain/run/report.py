@@ -9,8 +9,9 @@ from pathlib import Path
 from packtrain.data.planner import plan_stats
 from packtrain.models.lora_compute import describe as describe_lora
 from packtrain.ops import memory
-from packtrain.run.balance import BALANCES, epoch_schedule, utilisation
 from packtrain.packed.families import describe as describe_model
+from packtrain.run.balance import BALANCES, epoch_schedule, utilisation
+from packtrain.run.units import pack_kind
 
 
 def header(trainer) -> list[str]:
@@ -36,13 +37,12 @@ def header(trainer) -> list[str]:
     other = next(b for b in BALANCES if b != steps.balance)
     lines.append(f"  train.balance {steps.balance}: utilisation {figures[steps.balance]:.3f} over epoch 0's steps "
                  f"({other} {figures[other]:.3f}; mean / largest rank cost per step)")
-    walk_spec, n_groups = t.setup.walk_spec, t.setup.n_groups
+    walk_spec, runs = t.setup.walk_spec, pack_kind(t.setup).runs(t.setup)
     if walk_spec is not None:
         lines.append(f"  on_overflow {walk_spec.describe()}: {s['walked']} examples over the budget in "
                      f"{s['walk_chunks']} chunks")
-    if n_groups > 1:
-        lines.append(f"  continuation_groups {n_groups}: each pack's continuations in {n_groups} groups against "
-                     "one P graph")
+    if runs:
+        lines.append(f"  {runs}")
     if t.dist.enabled:
         local = sum(getattr(p, "_local_tensor", p).numel() for p in t.lm.parameters())
         total = sum(p.numel() for p in t.lm.parameters())

@@ -2,36 +2,21 @@
 
 A step takes ``train.packs_per_step`` packs (global, across ranks): under ``train.balance: cost`` (the default)
 packs of similar cost, spread over the ranks evenly by cost (:mod:`packtrain.run.balance`); under ``round_robin``
-the next packs of the epoch's seeded order. Rank r takes packs r, r+world, ... of the step's list. A *unit* is one forward/backward (:mod:`packtrain.run.units` runs it): a whole
-pack in shared-prefix mode, one example in standalone mode (so both modes see the same examples per update), and a
-walked example (``packing.on_overflow: walk``) is a unit of its own in both modes. Each rank runs its packs first,
-then its walks.
-
-The equal-call rule (:func:`equal_slots`): FSDP's collectives deadlock when one rank makes fewer calls than another,
-so every rank issues the same sequence of calls. Slot k of a step's packs, and slot k of its walks, runs on every
-rank: a rank with no unit for a slot runs a dummy (a real input, its loss scaled by zero), and every walk in slot k
-runs the largest schedule any rank has there (dummy chunks). Continuation groups follow the same rule inside a pack:
-every pack runs ``packing.continuation_groups`` groups, filling the last ones with dummy groups
-(:mod:`packtrain.packed.groups`).
+the next packs of the epoch's seeded order. Rank r takes packs r, r+world, ... of the step's list, and makes their
+units (:func:`packtrain.run.units.units_of`, which stamps each unit's kind: a whole pack, a pack in groups, one
+example alone, a walked example), padded by the equal-call rule (:func:`packtrain.run.units.pad_units`): every rank
+issues the same sequence of calls. Each rank runs its packs first, then its walks. :class:`StepPlan` is the one
+source of a run's steps: the trainer, the bench and the harness all take theirs from it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
+from packtrain.config import Config
 from packtrain.data.planner import Plan
-from packtrain.data.walk_schedule import Schedule
-from packtrain.run.balance import epoch_schedule, step_pack_ids
-
-
-@dataclass(frozen=True)
-class Unit:
-    prompt: int
-    examples: tuple[int, ...]
-    dummy: bool = False
-    schedule: Schedule | None = None  # a walked example: the calls every rank issues in its slot
+from packtrain.run.balance import CostModel, epoch_schedule, pack_costs, step_pack_ids
+from packtrain.run.units import Unit, UnitSetup, pad_units, units_of
 
 
 def steps_per_epoch(plan: Plan, packs_per_step: int) -> int:
@@ -53,7 +38,14 @@ class StepPlan:
         self.steps_per_epoch = steps_per_epoch(plan, packs_per_step)
         self._epoch: tuple[int, list] | None = None
 
-    def schedule(self, epoch: int) -> list[list[list[int]]]:
+    @classmethod
+    def for_run(cls, cfg: Config, plan: Plan, examples, world: int) -> StepPlan:
+        """The steps ``packtrain train`` runs on ``plan`` at ``world`` ranks (``train.*``, the config's cost model)."""
+        t = cfg.train
+        return cls(plan, pack_costs(plan, examples, CostModel.for_config(cfg)), t.packs_per_step, t.seed, world,
+                   t.balance)
+
+    def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
         """Epoch ``epoch``'s steps, each a list over ranks of pack indices."""
         if self._epoch is None or self._epoch[0] != epoch:
             self._epoch = (epoch, epoch_schedule(self.plan, self.costs, epoch, self.seed, self.per_step, self.world,
@@ -62,50 +54,14 @@ class StepPlan:
 
     def pack_ids(self, epoch: int, index: int) -> list[int]:
         """Step ``index`` of epoch ``epoch``, in the order :func:`rank_units` slices (rank r: r, r+world, ...)."""
-        return step_pack_ids(self.schedule(epoch)[index])
+        return step_pack_ids(self.epoch_steps(epoch)[index])
 
 
 def step_examples(plan: Plan, pack_ids: list[int]) -> int:
     return sum(len(plan.packs[i].examples) for i in pack_ids)
 
 
-def _units(plan: Plan, pack_ids: list[int], mode: str) -> list[Unit]:
-    units = []
-    for i in pack_ids:
-        pack = plan.packs[i]
-        if pack.schedule is not None:
-            units.append(Unit(pack.prompt, pack.examples, schedule=pack.schedule))
-        elif mode == "shared_prefix":
-            units.append(Unit(pack.prompt, pack.examples))
-        else:
-            units.extend(Unit(pack.prompt, (e,)) for e in pack.examples)
-    return units
-
-
-def equal_slots(per_rank: list[list[Unit]], rank: int) -> list[Unit]:
-    """The equal-call rule for one kind of unit: ``rank``'s units padded to the most any rank has, with dummies (a
-    copy of its first unit, or of the first unit any rank has, on one example), and every walk in slot k given the
-    largest schedule of slot k."""
-    if not any(per_rank):
-        return []
-    mine = per_rank[rank]
-    filler = mine[0] if mine else next(u for units in per_rank for u in units)
-    slots = max(len(units) for units in per_rank)
-    out = mine + [dataclasses.replace(filler, examples=filler.examples[:1], dummy=True)] * (slots - len(mine))
-    for k, unit in enumerate(out):
-        if unit.schedule is not None:
-            # the real walks of slot k alone decide it: a dummy's own schedule (its filler's) is another slot's
-            real = [units[k].schedule for units in per_rank if k < len(units)]
-            slot = real[0]
-            for other in real[1:]:
-                slot = slot.pad(other)
-            out[k] = dataclasses.replace(unit, schedule=slot)
-    return out
-
-
-def rank_units(plan: Plan, pack_ids: list[int], mode: str, rank: int, world: int) -> list[Unit]:
+def rank_units(plan: Plan, pack_ids: list[int], setup: UnitSetup, rank: int, world: int) -> list[Unit]:
     """``rank``'s units of the step made of ``pack_ids``: its packs, then its walks, under the equal-call rule."""
-    per_rank = [_units(plan, pack_ids[r::world], mode) for r in range(world)]
-    packs = [[u for u in units if u.schedule is None] for units in per_rank]
-    walks = [[u for u in units if u.schedule is not None] for units in per_rank]
-    return equal_slots(packs, rank) + equal_slots(walks, rank)
+    per_rank = [[u for i in pack_ids[r::world] for u in units_of(plan.packs[i], setup)] for r in range(world)]
+    return pad_units(per_rank, rank)

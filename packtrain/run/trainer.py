@@ -5,15 +5,14 @@
 An optimizer step takes ``train.packs_per_step`` packs (global across ranks). Each unit's ``loss_sum`` (sum of
 per-example mean target cross-entropies) is scaled by 1 / (examples in the whole step) and FSDP sums the ranks'
 gradients, so the update is the mean of per-example losses whatever the split into packs, micro-steps, modes or
-ranks (:func:`packtrain.run.units.step_scale`). The units themselves run in :mod:`packtrain.run.units`.
+ranks (:func:`packtrain.run.units.step_scale`). The step itself is :class:`packtrain.run.step.Step`, the one the bench
+and the harness run too; the units run in :mod:`packtrain.run.units`.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,29 +24,27 @@ from packtrain import faults
 from packtrain.config import Config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_fingerprint, plan_for
-from packtrain.distributed import DistInfo, all_reduce_max_tensor, all_reduce_sum, barrier, init_distributed, lost_peer
+from packtrain.distributed import DistInfo, barrier, init_distributed, lost_peer
 from packtrain.exits import NonFiniteError, PeerLost, Preempted
 from packtrain.models.build import build_base_model
-from packtrain.models.wrap import prepare_from_config
+from packtrain.models.wrap import assemble
 from packtrain.ops.nodes import check_same_config
 from packtrain.ops.runtime import RunOps
+from packtrain.packed.equal import agree
 from packtrain.packed.families import check_model
-from packtrain.packed.loss import CUT_OFF, ZeroGradientError
 from packtrain.run import finite, report
-from packtrain.run.balance import CostModel, pack_costs
 from packtrain.run.evaluate import evaluate, mean_loss
 from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.signals import StopSignals
-from packtrain.run.steps import StepPlan, rank_units, step_examples
+from packtrain.run.step import Step
+from packtrain.run.steps import StepPlan
 from packtrain.run.task import describe as describe_task
 from packtrain.run.task import prepare_task, run_task, task_start, write_task
-from packtrain.run.units import UnitSetup, image_loader, over_cap, prepare, run_unit, step_scale
+from packtrain.run.units import UnitSetup, check_data, image_loader
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
 from packtrain.rundir import resume as resuming
-
-OK, SKIP, FATAL = 0, 1, 2  # per-unit codes, agreed across ranks with an all-reduce MAX
 
 
 def check_node_pool(cfg, plan, examples, world_size: int) -> None:
@@ -122,18 +119,12 @@ class Trainer:
         self.eval_examples = load_split(cfg, "eval")
         # generate.every: a bad generate.metric fails here, before the model is built
         scorer, tokenizer = task_start(cfg) if cfg.generate.every is not None else (None, None)
-        n_groups = cfg.packing.continuation_groups
-        pictured = next((ex for ex in self.train_examples if getattr(ex, "images", ())), None)
-        if n_groups > 1 and pictured is not None:
-            raise ValueError(f"{pictured.source}: has images, and packing.continuation_groups > 1 takes text-only "
-                             f"data (set packing.continuation_groups: 1)")
+        check_data(UnitSetup.of(cfg), self.train_examples)
         self.plan = plan_for(cfg, self.train_examples)
         self.eval_plan = plan_for(cfg, self.eval_examples) if self.eval_examples else None
         if cfg.train.offload:
             check_node_pool(cfg, self.plan, self.train_examples, self.dist.world_size)
-        costs = pack_costs(self.plan, self.train_examples, CostModel.for_config(cfg))
-        self.steps = StepPlan(self.plan, costs, cfg.train.packs_per_step, cfg.train.seed, self.dist.world_size,
-                              cfg.train.balance)
+        self.steps = StepPlan.for_run(cfg, self.plan, self.train_examples, self.dist.world_size)
         self.steps_per_epoch = self.steps.steps_per_epoch
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
         if cfg.train.max_steps is not None:
@@ -142,10 +133,10 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         base_dir = self.out / "base" if cfg.model.config is not None else None
         model = build_base_model(cfg, save_to=base_dir if self.dist.is_main else None, meta=True)
-        self.model, self.lm, self.backend = prepare_from_config(model, cfg, self.dist.device,
+        self.model, self.lm, self.backend = assemble(model, cfg, self.dist.device,
                                                                 shard=self.dist.enabled)
         images = image_loader(cfg, self.model, self.train_examples + (self.eval_examples or []))
-        self.setup = UnitSetup(cfg.packing.mode, n_groups, cfg.walk_spec(), images)
+        self.setup = UnitSetup.of(cfg, images)
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
         if scorer is not None:
             self.task = prepare_task(cfg, self.model, self.eval_examples, scorer, tokenizer)
@@ -155,7 +146,10 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         # Each rank draws its own dropout masks; train.seed fixes them (and a checkpoint stores every rank's state).
         torch.manual_seed(cfg.train.seed + 1_000_003 * self.dist.rank)
-        self.skippable = tuple(_exception_class(name) for name in cfg.train.skippable_errors)
+        self.step = Step(self.lm, self.setup, self.plan, self.train_examples, self.dist, self.params, self.optimizer,
+                         self.scheduler, cfg.optim.max_grad_norm, cfg.train.max_positions,
+                         tuple(_exception_class(name) for name in cfg.train.skippable_errors),
+                         boundary=self._agree_at_boundary, on_nonfinite=self._skip_nonfinite)
         self.counters = Counters()
         self.last_checkpoint: Path | None = None
         self.last_eval_step: int | None = None  # the footer names the step its eval loss is from
@@ -279,91 +273,20 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------------------------
     def _train_step(self, check_gradients: bool) -> dict:
-        info = self.dist
-        epoch, index = divmod(self.counters.step, self.steps_per_epoch)
-        t0 = time.perf_counter()
+        c = self.counters
+        epoch, index = divmod(c.step, self.steps_per_epoch)
         pack_ids = self.steps.pack_ids(epoch, index)
-        units = rank_units(self.plan, pack_ids, self.setup.mode, info.rank, info.world_size)
-        prepared, skip, skipped_examples = self._prepare_units(units)
-        n_examples = step_examples(self.plan, pack_ids) - skipped_examples
-        totals = self._run_units(prepared, skip, n_examples)
-        loss, grad_norm, nonfinite, lr = self._update(totals, n_examples, check_gradients)
-        return {"step": self.counters.step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "examples": n_examples, "packs": len(pack_ids), "positions": int(totals[1]), "skipped": sum(skip),
-                "skipped_examples": skipped_examples, "nonfinite": nonfinite,
-                "nonfinite_skips": self.counters.nonfinite_skips, "seconds": time.perf_counter() - t0,
-                "peak_memory_bytes": peak_memory_bytes(info.device)}
-
-    def _prepare_units(self, units) -> tuple[list, list[bool], int]:
-        """Build every unit's layout and agree with all ranks, before any collective of the step, which units
-        to skip. Returns (prepared units, skip flags per unit index, examples skipped across all ranks)."""
-        info, cap = self.dist, self.cfg.train.max_positions
-        codes, prepared, errors = [], [], []
-        for unit in units:
-            code, ready = OK, None
-            try:
-                ready = prepare(unit, self.plan, self.train_examples, self.setup)
-                if over_cap(ready, cap):
-                    code = SKIP
-            except self.skippable:
-                code = SKIP
-            except Exception as e:  # noqa: BLE001 - reported below, after every rank knows
-                code, errors = FATAL, errors + [e]
-            codes.append(code)
-            prepared.append(ready)
-        agreed = all_reduce_max_tensor(torch.tensor(codes or [OK], dtype=torch.int64, device=info.device), info)
-        if int(agreed.max()) == FATAL:
-            if errors:
-                raise errors[0]
-            raise RuntimeError("another rank failed while preparing this step (its error is in its log)")
-        skip = [int(c) == SKIP for c in agreed.tolist()[:len(units)]]
-        mine = sum(len(u.examples) for u, s in zip(units, skip) if s and not u.dummy)
-        skipped = int(all_reduce_sum(torch.tensor([mine], dtype=torch.int64, device=info.device), info)[0])
-        return prepared, skip, skipped
-
-    def _run_units(self, prepared, skip: list[bool], n_examples: int) -> torch.Tensor:
-        """Forward and backward of this rank's units; returns [sum of per-example losses, positions] over every
-        rank."""
-        info = self.dist
-        totals = torch.zeros(2, dtype=torch.float64, device=info.device)
-        if n_examples > 0:
-            scale = faults.nan_scale(info.rank, self.counters.step + 1, step_scale(n_examples))
-            for ready, skipped in zip(prepared, skip):
-                if not skipped:
-                    r = run_unit(self.lm, ready, self.setup, info.device, scale)
-                    totals += torch.tensor([r.loss_sum, r.positions], dtype=torch.float64, device=info.device)
-        all_reduce_sum(totals, info)
-        return totals
-
-    def _update(self, totals: torch.Tensor, n_examples: int, check_gradients: bool):
-        """Clip, agree on finiteness, step the optimizer (or skip the update). Returns (loss, grad_norm, nonfinite,
-        the step's learning rate)."""
-        cfg, c = self.cfg, self.counters
-        grad_norm, lr = 0.0, self.scheduler.get_last_lr()[0]
-        loss = float(totals[0]) / n_examples if n_examples else None
-        if n_examples > 0:
-            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
-            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        faults.sigterm_in_step(c.step + 1)
-        nonfinite = self._agree_at_boundary(n_examples > 0 and not finite.is_finite(loss, grad_norm))
-        if nonfinite:
-            self._skip_nonfinite(loss, grad_norm)
-            loss = grad_norm = None
-        elif n_examples > 0:
-            if check_gradients and grad_norm == 0.0:
-                raise ZeroGradientError(CUT_OFF + " (every trainable gradient is zero after the first step)")
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        r = self.step.run(pack_ids, c.step, check_gradients)
         c.step += 1
-        return loss, grad_norm, nonfinite, lr
+        return {"step": c.step, "epoch": epoch, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                "examples": r.examples, "packs": len(pack_ids), "positions": r.positions, "skipped": r.skipped,
+                "skipped_examples": r.skipped_examples, "nonfinite": r.nonfinite, "nonfinite_skips": c.nonfinite_skips,
+                "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.dist.device)}
 
     def _agree_at_boundary(self, nonfinite: bool) -> bool:
         """The step's one extra all-reduce: every rank learns whether the step is non-finite on any rank and whether
         any rank was signalled, before the update. Returns the non-finite verdict; sets ``stop_agreed``."""
-        flags = torch.tensor([int(nonfinite), int(self.signals.requested)], dtype=torch.int64, device=self.dist.device)
-        agreed = all_reduce_max_tensor(flags, self.dist).tolist()
+        agreed = agree([int(nonfinite), int(self.signals.requested)], self.dist)
         self.stop_agreed = self.stop_agreed or bool(agreed[1])
         return bool(agreed[0])
 

@@ -1,34 +1,52 @@
-"""The unit runner: the one place a unit is prepared and run, for training, eval, bench, smoke and the harness.
+"""The kinds of unit and the unit runner: the one place that decides what a unit is and how it runs.
 
-A *unit* (:class:`packtrain.run.steps.Unit`) is one forward/backward of a step: a whole pack (shared-prefix mode),
-a pack in continuation groups (``packing.continuation_groups``), a walked example (``packing.on_overflow: walk``),
-one example alone (standalone mode), or a dummy (any of these on one example, its loss scaled by zero, so that
-every rank issues the same collective calls: :mod:`packtrain.run.steps`). :func:`prepare` builds what a unit runs
-on (its layout, or its groups' layouts) and :func:`run_unit` runs it; nothing else dispatches on unit kinds.
+A *unit* is one forward/backward of an optimizer step (or one evaluation, or one generation). Its kind is stamped
+once, where units are made (:func:`units_of`, called by :mod:`packtrain.run.steps` and the generation), and
+nothing else decides it: each kind is one class below, with what it builds, how it trains and evaluates, the
+calls it issues and its padding (the equal-call rule, :mod:`packtrain.packed.equal`). Adding a kind is adding a
+class to :data:`KINDS`.
+
+============  ==============================================  ==================================  =======================
+kind          computes                                        calls of the root per unit          padding (pad a slot)
+============  ==============================================  ==================================  =======================
+pack          a whole pack ``[P, C1..Cn]`` in one buffer      1                                   a dummy pack unit
+groups        a pack's continuations in G groups against      G + 1 (P, each group): a pack with  a dummy pack unit
+              one P graph (``packing.continuation_groups``)   fewer continuations fills groups
+standalone    one example ``concat(P, C)`` alone              1                                   a dummy example
+walk          an example over the budget, chunk by chunk      the slot's schedule (largest of     a dummy walk; the slot's
+              (``packing.on_overflow: walk``)                 the slot on any rank)               largest schedule
+items         a pack's items against P, then decoded          P (once per prompt group), items,   a dummy unit; decoding
+              together (generation)                           one per decoded token               pads to the longest
+============  ==============================================  ==================================  =======================
+
+A *dummy* is any unit on one example, its loss scaled by zero (NaN stays NaN, so an injected NaN shows on every
+rank), its results dropped: the calls without the learning (:data:`Unit.dummy` is a flag, not a kind).
 
 The loss scale: a unit's ``loss_sum`` (the sum of its examples' mean target cross-entropies) is multiplied by
 ``scale``, which the caller derives with :func:`step_scale` from the examples of the whole optimizer step, so that
-the update is the mean of per-example losses whatever the split into packs, units or ranks. A dummy unit's scale is
-``scale * 0`` (zero, and NaN stays NaN, so an injected NaN shows on every rank).
+the update is the mean of per-example losses whatever the split into packs, units or ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from packtrain.config import Config, WalkSpec
 from packtrain.data.examples import processor_dir
 from packtrain.data.images import ImageLoader, load_image_processor
-from packtrain.data.planner import Plan
-from packtrain.packed.groups import Groups, group_units, train_groups
+from packtrain.data.planner import Pack, Plan
+from packtrain.data.walk_schedule import Schedule
+from packtrain.packed import equal
+from packtrain.packed.groups import Groups, eval_groups, group_units, train_groups
 from packtrain.packed.layout import Continuation, PackLayout, build_pack_layout, build_standalone_layout
 from packtrain.packed.lm import PackCall
 from packtrain.packed.loss import require_grad
 from packtrain.packed.patch import vision_spec
 from packtrain.packed.walk import eval_walk, train_walk
-from packtrain.run.steps import Unit
 
 
 @dataclass(frozen=True)
@@ -39,12 +57,32 @@ class UnitSetup:
     walk_spec: WalkSpec | None = None  # packing.on_overflow: walk (None: no example is walked)
     images: ImageLoader | None = None
 
+    @classmethod
+    def of(cls, cfg: Config, images: ImageLoader | None = None, n_groups: int | None = None) -> UnitSetup:
+        """The config's setup; ``n_groups`` in place of ``packing.continuation_groups`` (1: whole packs)."""
+        groups = cfg.packing.continuation_groups if n_groups is None else n_groups
+        return cls(cfg.packing.mode, groups, cfg.walk_spec(), images)
+
+
+@dataclass(frozen=True)
+class Unit:
+    kind: Kind
+    prompt: int
+    examples: tuple[int, ...]
+    dummy: bool = False
+    walk: Schedule | None = None  # a walked example's calls: the largest its slot has on any rank
+
+    @property
+    def real_examples(self) -> tuple[int, ...]:
+        """The examples whose results count: none for a dummy."""
+        return () if self.dummy else self.examples
+
 
 @dataclass
-class Prepared:
+class Built:
     """A unit and what it runs on: a layout (a pack, a standalone or a walked example) or a pack's groups."""
     unit: Unit
-    work: PackLayout | Groups
+    work: PackLayout | Groups | None
 
     @property
     def positions(self) -> int:
@@ -62,16 +100,300 @@ class UnitResult:
 
 def step_scale(step_examples: int) -> float:
     """The loss scale of every unit of a step, on every rank: 1 / (the step's examples, all ranks together). FSDP
-    sums the ranks' gradients (:func:`packtrain.models.wrap.prepare`), so the update is the mean over the step's
+    sums the ranks' gradients (:func:`packtrain.models.wrap.wrap`), so the update is the mean over the step's
     examples, and a pack's backward is the same on any world size."""
     return 1.0 / step_examples
 
 
-def unit_layout(unit: Unit, plan: Plan, examples, mode: str, images: ImageLoader | None = None,
-                items_only: bool = False) -> PackLayout | None:
-    """The layout of one unit; with ``images``, its examples' images are loaded (in buffer order) as well.
-    ``items_only``: a pack of the examples' items alone, those with an item (a generation's prompts; None when no
-    example has one)."""
+# -- the kinds --------------------------------------------------------------------------------------------------
+class Kind:
+    """One kind of unit. Subclasses set the class attributes and override what differs."""
+    name: ClassVar[str]
+    capped: ClassVar[bool] = True  # train.max_positions skips a unit over it
+    shares_prefix: ClassVar[bool] = True  # P computed once for all its examples (the memory estimate's packs)
+
+    def takes(self, pack: Pack, setup: UnitSetup) -> bool:
+        """Whether this kind makes the units of ``pack`` (the first kind in :data:`KINDS` that takes it does)."""
+        raise NotImplementedError
+
+    def units(self, pack: Pack) -> list[Unit]:
+        return [Unit(self, pack.prompt, pack.examples)]
+
+    def positions(self, unit: Unit, plan: Plan, examples) -> int:
+        """The buffer positions of ``unit``, without building it."""
+        return len(plan.prompts[unit.prompt]) + sum(examples[e].len_continuation for e in unit.examples)
+
+    def groups(self, setup: UnitSetup) -> int:
+        """Continuation groups a pack of this kind runs in (1: one call)."""
+        return 1
+
+    def build(self, unit: Unit, plan: Plan, examples, setup: UnitSetup):
+        return _layout(unit, plan, examples, setup.images, packed=True)
+
+    def train(self, lm, unit: Unit, work, setup: UnitSetup, scale: float):
+        """Forward and backward (gradients into the parameters, ``loss_sum * scale``): (loss sum, per-example
+        losses, target tokens per example)."""
+        out = lm(PackCall(work))
+        require_grad(out.loss_sum)
+        (out.loss_sum * scale).backward()
+        return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
+
+    def evaluate(self, lm, unit: Unit, work, setup: UnitSetup):
+        """The same under no_grad (the caller's)."""
+        out = lm(PackCall(work))
+        return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
+
+    def calls(self, unit: Unit, setup: UnitSetup, training: bool) -> int:
+        """The forward calls of the root the unit issues: the same for every unit of a slot on every rank."""
+        return 1
+
+    def pad(self, per_rank: list[list[Unit]], rank: int) -> list[Unit]:
+        """The equal-call rule for this kind: ``rank``'s units padded to the most any rank has."""
+        return equal.pad_slots(per_rank, rank, _dummy_of)
+
+    def describe(self, unit: Unit, setup: UnitSetup) -> str:
+        """What the unit is, in a line of output: "pack", "example", ..."""
+        return self.name
+
+    def detail(self, unit: Unit, setup: UnitSetup) -> str:
+        """How it runs, after its continuations' count in a line of output ("" or " in 3 groups", ...)."""
+        return ""
+
+    def check(self, setup: UnitSetup, examples) -> None:
+        """Refuse data this kind cannot run, before the model is built."""
+
+    def runs(self, setup: UnitSetup) -> str:
+        """How a run's packs of this kind run, for a run's header and the bench's summary ("": nothing to say)."""
+        return ""
+
+
+class PackKind(Kind):
+    name = "pack"
+
+    def takes(self, pack, setup):
+        return setup.mode == "shared_prefix" and setup.n_groups == 1
+
+
+class GroupsKind(Kind):
+    name = "groups"
+
+    def takes(self, pack, setup):
+        return setup.mode == "shared_prefix" and setup.n_groups > 1
+
+    def groups(self, setup):
+        return setup.n_groups
+
+    def build(self, unit, plan, examples, setup):
+        """A pack's continuations in ``setup.n_groups`` groups (:mod:`packtrain.packed.groups`)."""
+        lengths = [len(examples[e].item_ids) + len(examples[e].target_ids) for e in unit.examples]
+        units, weights = group_units(unit, lengths, setup.n_groups)
+        return Groups([_layout(u, plan, examples, setup.images, packed=True) for u in units], weights)
+
+    def train(self, lm, unit, work, setup, scale):
+        total, losses = train_groups(lm, work, scale)
+        return total, losses, _group_targets(work)
+
+    def evaluate(self, lm, unit, work, setup):
+        total, losses = eval_groups(lm, work)
+        return total, losses, _group_targets(work)
+
+    def calls(self, unit, setup, training):
+        return setup.n_groups + 1
+
+    def describe(self, unit, setup):
+        return "pack"
+
+    def detail(self, unit, setup):
+        return f" in {setup.n_groups} groups"
+
+    def runs(self, setup):
+        return f"continuation_groups {setup.n_groups}: each pack's continuations in {setup.n_groups} groups against " \
+               "one P graph"
+
+    def check(self, setup, examples):
+        pictured = next((ex for ex in examples if getattr(ex, "images", ())), None)
+        if pictured is not None:
+            raise ValueError(f"{pictured.source}: has images, and packing.continuation_groups > 1 takes text-only "
+                             f"data (set packing.continuation_groups: 1)")
+
+
+class StandaloneKind(Kind):
+    name = "standalone"
+    shares_prefix = False
+
+    def takes(self, pack, setup):
+        return setup.mode == "standalone"
+
+    def units(self, pack):
+        return [Unit(self, pack.prompt, (e,)) for e in pack.examples]
+
+    def build(self, unit, plan, examples, setup):
+        return _layout(unit, plan, examples, setup.images, packed=False)
+
+    def describe(self, unit, setup):
+        return "example"
+
+
+class WalkKind(Kind):
+    name = "walk"
+    capped = False  # one window of it is in memory at a time
+    shares_prefix = False
+
+    def takes(self, pack, setup):
+        return pack.schedule is not None
+
+    def units(self, pack):
+        return [Unit(self, pack.prompt, pack.examples, walk=pack.schedule)]
+
+    def build(self, unit, plan, examples, setup):
+        return _layout(unit, plan, examples, setup.images, packed=False)
+
+    def train(self, lm, unit, work, setup, scale):
+        r = train_walk(lm, work, setup.walk_spec, scale, unit.walk, unit.dummy)
+        return r.loss, [r.loss], [r.target_tokens]
+
+    def evaluate(self, lm, unit, work, setup):
+        r = eval_walk(lm, work, setup.walk_spec, unit.walk.chunks, unit.dummy)
+        return r.loss, [r.loss], [r.target_tokens]
+
+    def calls(self, unit, setup, training):
+        """P, then the slot's no-grad forwards and windows with grad (horizon all: P's forward comes first);
+        evaluating, P and every chunk."""
+        if not training:
+            return unit.walk.chunks + 1
+        return unit.walk.forwards + unit.walk.backwards + (1 if setup.walk_spec.horizon is None else 0)
+
+    def pad(self, per_rank, rank):
+        """Dummies as every kind pads, and every walk of slot k runs the largest schedule any rank has there (the
+        real walks of slot k alone decide it: a dummy's own schedule, its filler's, is another slot's)."""
+        out = super().pad(per_rank, rank)
+        for k, unit in enumerate(out):
+            real = [units[k].walk for units in per_rank if k < len(units)]
+            slot = real[0]
+            for other in real[1:]:
+                slot = slot.pad(other)
+            out[k] = dataclasses.replace(unit, walk=slot)
+        return out
+
+    def describe(self, unit, setup):
+        return "walked example"
+
+    def detail(self, unit, setup):
+        return f" in {unit.walk.chunks} chunks"
+
+
+class ItemsKind(Kind):
+    """A generation's unit (:mod:`packtrain.run.generate`): built, padded and decoded there, never trained."""
+    name = "items"
+
+    def takes(self, pack, setup):
+        return False  # made by the generation alone (:func:`items_units`)
+
+    def build(self, unit, plan, examples, setup):
+        """P and the unit's examples' items alone, those with an item (None when no example has one)."""
+        return _layout(unit, plan, examples, setup.images, packed=True, items_only=True)
+
+
+PACK, GROUPS, STANDALONE, WALK, ITEMS = PackKind(), GroupsKind(), StandaloneKind(), WalkKind(), ItemsKind()
+# the order decides: a walked pack is a walk in either packing mode
+KINDS: tuple[Kind, ...] = (WALK, GROUPS, PACK, STANDALONE, ITEMS)
+
+
+def units_of(pack: Pack, setup: UnitSetup) -> list[Unit]:
+    """The units of one pack: the one place a unit's kind is decided."""
+    kind = next(k for k in KINDS if k.takes(pack, setup))
+    return kind.units(pack)
+
+
+def pack_kind(setup: UnitSetup) -> Kind:
+    """The kind of the setup's packs that are not walked."""
+    unwalked = Pack(0, (), 0)
+    return next(k for k in KINDS if k.takes(unwalked, setup))
+
+
+def check_data(setup: UnitSetup, examples) -> None:
+    """The kind of the setup's packs refuses, before the model is built, data it cannot run."""
+    pack_kind(setup).check(setup, examples)
+
+
+def items_units(plan: Plan, pack_ids: list[int]) -> list[Unit]:
+    """A generation's units: one per pack, its items against its P."""
+    return [ITEMS.units(plan.packs[i])[0] for i in pack_ids]
+
+
+def pad_units(per_rank: list[list[Unit]], rank: int) -> list[Unit]:
+    """``rank``'s units under the equal-call rule: kind by kind in :data:`KINDS` order (its packs, then its walks),
+    each kind padded by its own rule."""
+    out = []
+    for kind in _PAD_ORDER:
+        mine = [[u for u in units if u.kind is kind] for units in per_rank]
+        if any(mine):
+            out += kind.pad(mine, rank)
+    return out
+
+
+_PAD_ORDER = (GROUPS, PACK, STANDALONE, ITEMS, WALK)  # a rank runs its packs first, then its walks
+
+
+def _dummy_of(unit: Unit) -> Unit:
+    return dataclasses.replace(unit, examples=unit.examples[:1], dummy=True)
+
+
+def _group_targets(work: Groups) -> list[int]:
+    return [n for lay, w in zip(work.layouts, work.weights) if w for n in lay.target_counts.tolist()]
+
+
+def largest_unit(plan: Plan, examples, setup: UnitSetup, max_positions: int | None = None) -> Unit:
+    """The unit with the most positions, what one forward holds at most; units over ``train.max_positions`` are
+    skipped in training. Walked examples hold one chunk's window at a time, so a plan's other units come first."""
+    units = [u for pack in plan.packs for u in units_of(pack, setup)]
+    units = [u for u in units if u.kind.capped] or units
+    sized = [(u.kind.positions(u, plan, examples), u) for u in units]
+    if max_positions is not None:
+        sized = [s for s in sized if not s[1].kind.capped or s[0] <= max_positions]
+        if not sized:
+            what = units[0].kind.describe(units[0], setup)
+            raise ValueError(f"train.max_positions={max_positions}: every {what} is longer, so training would skip "
+                             "them all")
+    return max(sized, key=lambda s: s[0])[1]
+
+
+# -- the runner -------------------------------------------------------------------------------------------------
+def build(unit: Unit, plan: Plan, examples, setup: UnitSetup) -> Built:
+    return Built(unit, unit.kind.build(unit, plan, examples, setup))
+
+
+def over_cap(built: Built, max_positions: int | None) -> bool:
+    """``train.max_positions``: a unit of a capped kind over it is skipped."""
+    return max_positions is not None and built.unit.kind.capped and built.positions > max_positions
+
+
+def run_unit(lm, built: Built, setup: UnitSetup, device, scale: float | None = None) -> UnitResult:
+    """Run one unit on ``device``: training (forward and backward, gradients accumulated into the parameters,
+    ``loss_sum * scale``) when ``scale`` is given, else evaluation under no_grad."""
+    unit, work = built.unit, built.work.to(device)
+    kind, training = unit.kind, scale is not None
+    calls = lm.calls
+    if not training:
+        with torch.no_grad():
+            loss_sum, per_example, targets = kind.evaluate(lm, unit, work, setup)
+    else:
+        scale = equal.silenced(scale) if unit.dummy else scale
+        loss_sum, per_example, targets = kind.train(lm, unit, work, setup, scale)
+    calls = lm.calls - calls
+    expected = kind.calls(unit, setup, training)
+    if calls != expected:  # the equal-call rule broken: another rank would wait for a call this one never makes
+        raise RuntimeError(f"a {kind.name} unit issued {calls} forward calls, its kind says {expected}")
+    if unit.dummy:
+        return UnitResult(0.0, [], [], 0, calls)
+    return UnitResult(loss_sum, per_example, targets, work.length, calls)
+
+
+def _layout(unit: Unit, plan: Plan, examples, images: ImageLoader | None, packed: bool,
+            items_only: bool = False) -> PackLayout | None:
+    """The layout of one unit (a pack, or one example alone when not ``packed``); with ``images``, its examples'
+    images are loaded (in buffer order) as well. ``items_only``: a pack of the examples' items alone, those with
+    an item (a generation's prompts; None when no example has one)."""
     prefix = plan.prompts[unit.prompt]
     chosen = [examples[e] for e in unit.examples if not items_only or examples[e].item_ids]
     if not chosen:
@@ -84,10 +406,8 @@ def unit_layout(unit: Unit, plan: Plan, examples, mode: str, images: ImageLoader
     conts = [Continuation(ex.item_ids, () if items_only else ex.target_ids, [r.grid_thw for r in refs],
                           () if items_only else getattr(ex, "spans", ())) for ex, refs in zip(chosen, per_example)]
     refs = [r for ex_refs in per_example for r in ex_refs]
-    if items_only:
-        layout = build_pack_layout(prefix, conts, spec, targets=False)
-    elif mode == "shared_prefix" and unit.schedule is None:
-        layout = build_pack_layout(prefix, conts, spec)
+    if packed:
+        layout = build_pack_layout(prefix, conts, spec, targets=not items_only)
     else:
         (cont,) = conts
         layout = build_standalone_layout(prefix, cont, spec)
@@ -107,68 +427,6 @@ def _item_images(ex, spec) -> tuple:
         if n > pads:
             return refs[:k]
     return refs
-
-
-def unit_groups(unit: Unit, plan: Plan, examples, n_groups: int, images: ImageLoader | None = None) -> Groups:
-    """A pack's continuations in ``n_groups`` groups (``packing.continuation_groups``,
-    :mod:`packtrain.packed.groups`)."""
-    lengths = [len(examples[e].item_ids) + len(examples[e].target_ids) for e in unit.examples]
-    units, weights = group_units(unit, lengths, n_groups)
-    return Groups([unit_layout(u, plan, examples, "shared_prefix", images) for u in units], weights)
-
-
-def prepare(unit: Unit, plan: Plan, examples, setup: UnitSetup) -> Prepared:
-    if setup.mode == "shared_prefix" and setup.n_groups > 1 and unit.schedule is None:
-        return Prepared(unit, unit_groups(unit, plan, examples, setup.n_groups, setup.images))
-    return Prepared(unit, unit_layout(unit, plan, examples, setup.mode, setup.images))
-
-
-def over_cap(prepared: Prepared, max_positions: int | None) -> bool:
-    """``train.max_positions``: a pack or an example over it is skipped; a walked example never is (one window of
-    it is in memory at a time)."""
-    return max_positions is not None and prepared.unit.schedule is None and prepared.positions > max_positions
-
-
-def run_unit(lm, prepared: Prepared, setup: UnitSetup, device, scale: float | None = None) -> UnitResult:
-    """Run one unit on ``device``: training (forward and backward, gradients accumulated into the parameters,
-    ``loss_sum * scale``) when ``scale`` is given, else evaluation under no_grad."""
-    unit, work = prepared.unit, prepared.work.to(device)
-    if unit.dummy and scale is not None:
-        scale = scale * 0.0
-    calls = lm.calls
-    if scale is None:
-        with torch.no_grad():
-            loss_sum, per_example, targets = _evaluate(lm, unit, work, setup)
-    else:
-        loss_sum, per_example, targets = _train(lm, unit, work, setup, scale)
-    calls = lm.calls - calls
-    if unit.dummy:
-        return UnitResult(0.0, [], [], 0, calls)
-    return UnitResult(loss_sum, per_example, targets, work.length, calls)
-
-
-def _train(lm, unit: Unit, work, setup: UnitSetup, scale: float):
-    if unit.schedule is not None:  # an over-budget example, chunk by chunk; backward inside (packtrain/packed/walk.py)
-        r = train_walk(lm, work, setup.walk_spec, scale, unit.schedule, unit.dummy)
-        return r.loss, [r.loss], [r.target_tokens]
-    if isinstance(work, Groups):  # the pack's continuations in groups; backward inside (packtrain/packed/groups.py)
-        total, losses = train_groups(lm, work, scale)
-        targets = [n for lay, w in zip(work.layouts, work.weights) if w for n in lay.target_counts.tolist()]
-        return total, losses, targets
-    out = lm(PackCall(work))
-    require_grad(out.loss_sum)
-    (out.loss_sum * scale).backward()
-    return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
-
-
-def _evaluate(lm, unit: Unit, work, setup: UnitSetup):
-    if unit.schedule is not None:
-        r = eval_walk(lm, work, setup.walk_spec, unit.schedule.chunks, unit.dummy)
-        return r.loss, [r.loss], [r.target_tokens]
-    if isinstance(work, Groups):
-        raise ValueError("evaluation runs whole packs: prepare eval units with n_groups=1")
-    out = lm(PackCall(work))
-    return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
 
 
 def image_loader(cfg: Config, model, examples) -> ImageLoader | None:

@@ -1,0 +1,60 @@
+"""The equal-call rule: every rank issues the same sequence of collective calls, or FSDP's collectives deadlock.
+
+A rank pads its calls in one of these ways, and only through this module:
+
+- :func:`pad_slots`: slot k of a step's units runs on every rank; a rank with no unit for a slot runs a dummy (a
+  real input on one example, its loss :func:`silenced`); each kind of unit pads its own slots
+  (:meth:`packtrain.run.units.Kind.pad`: a walk also takes the slot's largest schedule);
+- inside a unit, calls a rank has no work for are :func:`filler_calls` (a walk's missing chunks) or zero-weight
+  groups (:func:`packtrain.packed.groups.group_units`);
+- :func:`anchored`: a loss with nothing to learn still runs a backward (zero gradients), so the backward's
+  reduce-scatters run too;
+- :func:`agree`: one all-reduce MAX of small integers, for every decision ranks must make together (the step's skip
+  codes, the non-finite and stop flags at a step's boundary, a generation's "still decoding").
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, TypeVar
+
+import torch
+
+from packtrain.distributed import DistInfo, all_reduce_max_tensor
+
+U = TypeVar("U")
+
+
+def pad_slots(per_rank: list[list[U]], rank: int, dummy_of: Callable[[U], U]) -> list[U]:
+    """``rank``'s units padded to the most any rank has, with dummies made from its first unit, or from the first
+    unit any rank has."""
+    if not any(per_rank):
+        return []
+    mine = per_rank[rank]
+    filler = mine[0] if mine else next(u for units in per_rank for u in units)
+    slots = max(len(units) for units in per_rank)
+    return mine + [dummy_of(filler)] * (slots - len(mine))
+
+
+def silenced(scale: float) -> float:
+    """A dummy's loss scale: zero, and NaN stays NaN (an injected NaN shows on every rank)."""
+    return scale * 0.0
+
+
+def filler_calls(made: int, due: int, call: Callable[[], object]) -> None:
+    """``call`` until ``made`` calls reach the ``due`` every rank makes."""
+    for _ in range(due - made):
+        call()
+
+
+def anchored(loss: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """``loss`` with a zero-gradient path to ``anchor``'s graph when it has none of its own (a frozen pack whose
+    every target is read off P's last row): its backward then runs, as every other rank's does."""
+    if torch.is_grad_enabled() and not loss.requires_grad:
+        return loss + 0.0 * anchor.sum()
+    return loss
+
+
+def agree(values: Sequence[int], info: DistInfo) -> list[int]:
+    """Each value's maximum over the ranks (``values`` as is on one rank): one all-reduce."""
+    t = torch.tensor(list(values) or [0], dtype=torch.int64, device=info.device)
+    return all_reduce_max_tensor(t, info).tolist()[:len(values)]

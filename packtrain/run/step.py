@@ -1,0 +1,148 @@
+"""One optimizer step, the same for ``packtrain train``, ``packtrain bench`` and the harness (smoke, pretune-fla).
+
+    the step's packs (StepPlan) -> this rank's units (packtrain.run.steps) -> build, agree on skips ->
+    run each unit (packtrain.run.units) -> sum over ranks -> clip -> agree on finiteness -> update
+
+Each unit's ``loss_sum`` is scaled by 1 / (examples in the whole step, all ranks) and FSDP sums the ranks'
+gradients, so the update is the mean of per-example losses whatever the split into packs, units or ranks
+(:func:`packtrain.run.units.step_scale`). Skips (``train.max_positions``, ``train.skippable_errors``) are decided per
+unit and agreed before any collective of the step (:func:`packtrain.packed.equal.agree`), so every rank skips the
+same units; a skipped unit's examples leave the step's count.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from packtrain import faults
+from packtrain.distributed import DistInfo, all_reduce_sum
+from packtrain.packed.equal import agree
+from packtrain.packed.loss import CUT_OFF, ZeroGradientError
+from packtrain.run import finite
+from packtrain.run.steps import rank_units, step_examples
+from packtrain.run.units import Built, Unit, UnitSetup, build, over_cap, run_unit, step_scale
+
+OK, SKIP, FATAL = 0, 1, 2  # per-unit codes, agreed across ranks (the largest wins)
+
+
+@dataclass
+class StepResult:
+    loss: float | None  # the mean per-example loss (None: every example skipped, or a non-finite step)
+    grad_norm: float | None
+    lr: float
+    examples: int  # the step's examples, all ranks, without the skipped ones
+    positions: int  # positions computed, all ranks
+    skipped: int  # this rank's skipped units
+    skipped_examples: int  # all ranks
+    nonfinite: bool
+    seconds: float = 0.0
+
+
+@dataclass
+class Step:
+    """What a step runs with. ``boundary(nonfinite) -> nonfinite agreed``: the step's agreement before the update
+    (the trainer's also agrees on stop signals); ``on_nonfinite(loss, grad_norm)``: called for a non-finite step,
+    which then makes no update (it may raise to stop the run)."""
+    lm: torch.nn.Module
+    setup: UnitSetup
+    plan: object
+    examples: list
+    info: DistInfo
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    max_grad_norm: float | None = None
+    max_positions: int | None = None
+    skippable: tuple[type[BaseException], ...] = ()
+    boundary: Callable[[bool], bool] | None = None
+    on_nonfinite: Callable[[float | None, float], None] | None = None
+
+    def run(self, pack_ids: list[int], number: int, check_gradients: bool = False) -> StepResult:
+        """Step ``number`` (0-based: the optimizer steps done before it) on the packs ``pack_ids``."""
+        t0 = time.perf_counter()
+        info = self.info
+        units = rank_units(self.plan, pack_ids, self.setup, info.rank, info.world_size)
+        built, skip, skipped_examples = self._build(units)
+        n_examples = step_examples(self.plan, pack_ids) - skipped_examples
+        return self._finish(self._run_units(built, skip, n_examples, number), n_examples, number, check_gradients,
+                            sum(skip), skipped_examples, t0)
+
+    def run_built(self, built: list[Built], number: int = 0) -> StepResult:
+        """A step of exactly these built units on every rank (the harness: one chosen unit, built beforehand, e.g.
+        outside a fake-tensor mode), scaled by their examples; nothing skipped."""
+        t0 = time.perf_counter()
+        n_examples = sum(len(b.unit.real_examples) for b in built)
+        if self.info.enabled:  # every rank's examples count in the step
+            n_examples = int(all_reduce_sum(torch.tensor([n_examples], device=self.info.device), self.info)[0])
+        totals = self._run_units(built, [False] * len(built), n_examples, number)
+        return self._finish(totals, n_examples, number, False, 0, 0, t0)
+
+    def _build(self, units: list[Unit]) -> tuple[list, list[bool], int]:
+        """Build every unit and agree with all ranks, before any collective of the step, which units to skip.
+        Returns (built units, skip flags, examples skipped across all ranks)."""
+        codes, built, errors = [], [], []
+        for unit in units:
+            code, ready = OK, None
+            try:
+                ready = build(unit, self.plan, self.examples, self.setup)
+                if over_cap(ready, self.max_positions):
+                    code = SKIP
+            except self.skippable:
+                code = SKIP
+            except Exception as e:  # noqa: BLE001 - reported below, after every rank knows
+                code, errors = FATAL, errors + [e]
+            codes.append(code)
+            built.append(ready)
+        agreed = agree(codes, self.info)
+        if max(agreed, default=OK) == FATAL:
+            if errors:
+                raise errors[0]
+            raise RuntimeError("another rank failed while preparing this step (its error is in its log)")
+        skip = [c == SKIP for c in agreed]
+        mine = sum(len(u.real_examples) for u, s in zip(units, skip) if s)
+        skipped = int(all_reduce_sum(torch.tensor([mine], dtype=torch.int64, device=self.info.device), self.info)[0])
+        return built, skip, skipped
+
+    def _run_units(self, built: list, skip: list[bool], n_examples: int, number: int) -> torch.Tensor:
+        """Forward and backward of this rank's units; returns [sum of per-example losses, positions] over every
+        rank."""
+        info = self.info
+        totals = torch.zeros(2, dtype=torch.float64, device=info.device)
+        if n_examples > 0:
+            scale = faults.nan_scale(info.rank, number + 1, step_scale(n_examples))
+            for ready, skipped in zip(built, skip):
+                if not skipped:
+                    r = run_unit(self.lm, ready, self.setup, info.device, scale)
+                    totals += torch.tensor([r.loss_sum, r.positions], dtype=torch.float64, device=info.device)
+        all_reduce_sum(totals, info)
+        return totals
+
+    def _finish(self, totals: torch.Tensor, n_examples: int, number: int, check_gradients: bool, skipped: int,
+                skipped_examples: int, t0: float) -> StepResult:
+        """Clip, agree on finiteness, step the optimizer (or skip the update), step the schedule."""
+        grad_norm, lr = 0.0, self.scheduler.get_last_lr()[0]
+        loss = float(totals[0]) / n_examples if n_examples else None
+        if n_examples > 0:
+            max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        faults.sigterm_in_step(number + 1)
+        verdict = n_examples > 0 and not finite.is_finite(loss, grad_norm)
+        nonfinite = self.boundary(verdict) if self.boundary is not None else bool(agree([int(verdict)], self.info)[0])
+        if nonfinite:
+            if self.on_nonfinite is not None:
+                self.on_nonfinite(loss, grad_norm)
+            loss = grad_norm = None
+        elif n_examples > 0:
+            if check_gradients and grad_norm == 0.0:
+                raise ZeroGradientError(CUT_OFF + " (every trainable gradient is zero after the first step)")
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, grad_norm, lr, n_examples, int(totals[1]), skipped, skipped_examples, nonfinite,
+                          time.perf_counter() - t0)
