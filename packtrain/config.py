@@ -103,7 +103,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class WalkSpec:
-    """The walk's settings as the walk uses them (packtrain/packed/walk.py, packtrain/data/walk_schedule.py)."""
+    """The walk's settings as the walk uses them (packtrain/packed/walk.py, packtrain/data/walk_calls.py)."""
     chunk: int  # positions per chunk
     horizon: int | None  # tokens the gradient flows back before a chunk's start; None: all (exact)
 
@@ -118,7 +118,7 @@ class WalkSpec:
 @dataclass
 class WalkConfig:
     chunk: int = 2048  # positions per chunk of a walked example
-    # tokens the gradient flows back before each chunk's start, or `all` (exact); packtrain/data/walk_schedule.py
+    # tokens the gradient flows back before each chunk's start, or `all` (exact); packtrain/data/walk_calls.py
     horizon: int | Literal["all"] = "all"
 
 

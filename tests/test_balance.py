@@ -12,7 +12,7 @@ from cli_helpers import REPO, TINY_MODEL, run_in_process, write_config
 
 from packtrain.data.examples import Example
 from packtrain.data.planner import plan_packs
-from packtrain.run.balance import CostModel, distinct_prompts, epoch_schedule, pack_costs, step_pack_ids, utilisation
+from packtrain.run.balance import CostModel, distinct_prompts, epoch_steps, pack_costs, step_pack_ids, utilisation
 
 
 def _examples(n_prompts=12, seed=0):
@@ -42,7 +42,7 @@ def planned():
 def test_every_pack_once_per_epoch_and_equal_packs_per_rank(planned, balance, per_step, world):
     plan, _, costs = planned
     for epoch in range(3):
-        sched = epoch_schedule(plan, costs, epoch, 0, per_step, world, balance)
+        sched = epoch_steps(plan, costs, epoch, 0, per_step, world, balance)
         assert sorted(i for ranks in sched for packs in ranks for i in packs) == list(range(len(plan.packs)))
         assert len(sched) == -(-len(plan.packs) // per_step)
         for ranks in sched:
@@ -54,7 +54,7 @@ def test_every_pack_once_per_epoch_and_equal_packs_per_rank(planned, balance, pe
 
 def test_a_step_holds_the_same_packs_on_any_number_of_ranks(planned):
     plan, _, costs = planned
-    sets = {w: [sorted(i for p in ranks for i in p) for ranks in epoch_schedule(plan, costs, 1, 3, 16, w)]
+    sets = {w: [sorted(i for p in ranks for i in p) for ranks in epoch_steps(plan, costs, 1, 3, 16, w)]
             for w in (1, 2, 4, 16)}
     assert sets[1] == sets[2] == sets[4] == sets[16]
 
@@ -62,13 +62,13 @@ def test_a_step_holds_the_same_packs_on_any_number_of_ranks(planned):
 def test_cost_balance_beats_round_robin_and_keeps_the_steps_diverse(planned):
     plan, _, costs = planned
     for epoch in range(3):
-        cost = epoch_schedule(plan, costs, epoch, 0, 8, 8, "cost")
-        rr = epoch_schedule(plan, costs, epoch, 0, 8, 8, "round_robin")
+        cost = epoch_steps(plan, costs, epoch, 0, 8, 8, "cost")
+        rr = epoch_steps(plan, costs, epoch, 0, 8, 8, "round_robin")
         assert utilisation(cost, costs) > utilisation(rr, costs) + 0.05
         assert distinct_prompts(cost, plan) >= 0.8 * distinct_prompts(rr, plan)
     # reshuffled every epoch, seeded
-    assert epoch_schedule(plan, costs, 0, 0, 8, 8) != epoch_schedule(plan, costs, 1, 0, 8, 8)
-    assert epoch_schedule(plan, costs, 0, 5, 8, 8) == epoch_schedule(plan, costs, 0, 5, 8, 8)
+    assert epoch_steps(plan, costs, 0, 0, 8, 8) != epoch_steps(plan, costs, 1, 0, 8, 8)
+    assert epoch_steps(plan, costs, 0, 5, 8, 8) == epoch_steps(plan, costs, 0, 5, 8, 8)
 
 
 def test_utilisation_is_mean_over_largest_rank_cost():
@@ -170,5 +170,5 @@ def test_a_step_keeps_the_ceiling_of_85_percent_of_round_robins_prompts(seed):
     order = epoch_order(plan, 0, seed)
     rounds = [{plan.packs[i].prompt for i in order[k:k + 4]} for k in (0, 4)]
     assert sum(map(len, rounds)) / 2 > 1 / 0.85
-    schedule = epoch_schedule(plan, costs, 0, seed, per_step=4, world=2)
+    schedule = epoch_steps(plan, costs, 0, seed, per_step=4, world=2)
     assert [len({plan.packs[i].prompt for r in step for i in r}) for step in schedule] == [2, 2]

@@ -109,7 +109,7 @@ def test_walk_horizon_all_per_family(case, monkeypatch):
     row 0 of the positions (given the M-RoPE rows, qwen3 and qwen3_next raised)."""
     from test_walk import _check, walk_run
 
-    from packtrain.data.walk_schedule import WalkSpec
+    from packtrain.data.walk_calls import WalkSpec
 
     model_type, layer_types, _, _ = CASES[case]
     prefix, (cont,) = random_pack(3, [(20, 30)], seed=3)

@@ -13,6 +13,7 @@ from tiny_models import FAMILY_CONFIGS
 from packtrain.config import load_config
 from packtrain.ops import memory
 from packtrain.run.measure import GDN_NOTE, LiveBytes
+from packtrain.run.units import unit_shape
 
 SEED_LORA = {"r": 8, "dropout": 0.05, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]}
 
@@ -167,9 +168,9 @@ def test_gpu_memory_gives_the_largest_budget_that_fits(tmp_path):
 
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    found = memory.max_token_budget(cfg, plan, examples, 1, 0.2)
+    found = memory.max_token_budget(cfg, unit_shape(cfg, plan, examples), 1, 0.2)
     assert found["token_budget"] == budget and found["estimate_bytes"] <= 0.2 * memory.GiB
-    assert memory.max_token_budget(cfg, plan, examples, 1, 0.2 * 1.05)["token_budget"] > budget
+    assert memory.max_token_budget(cfg, unit_shape(cfg, plan, examples), 1, 0.2 * 1.05)["token_budget"] > budget
     text = run_in_process("plan", path, "--memory", "--gpu-memory", "0.2").stdout
     assert f"largest packing.token_budget fitting 0.2 GiB per GPU" in text and f"{budget:,} positions" in text
 
@@ -212,8 +213,9 @@ def test_the_estimate_follows_the_configs_chunks(tmp_path, loss_rows, mlp_rows):
     cfg = load_config(write_config(tmp_path, model, train,
                                    data=pretokenized(tmp_path / "train.jsonl", 1500, 8, 1000, (400, 700), (200, 400))))
     examples = load_split(cfg, "train")
-    estimate = memory.estimate_for_plan(cfg, plan_for(cfg, examples), examples, 1)
-    M = sum(memory.unit_shape(cfg, plan_for(cfg, examples), examples)["targets"])
+    shape = unit_shape(cfg, plan_for(cfg, examples), examples)
+    estimate = memory.estimate_for_unit(cfg, shape, 1)
+    M = sum(shape.targets)
     rows = min(loss_rows, M) if loss_rows else M
     assert estimate.get("logits").bytes == rows * 1000 * 3 * 4
     tile = memory.MLP_TILE_ROWS["cuda"] if mlp_rows is None else mlp_rows

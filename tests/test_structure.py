@@ -166,7 +166,7 @@ packed = setup.mode == "shared_prefix"
 kept = [u for u in units if not u.dummy]
 layout = unit_layout(unit, plan, examples, items_only=True)
 if isinstance(work, Groups): pass
-ok = lm.context.mode == "frozen" and unit.kind is WALK
+ok = lm.context.name == "frozen" and unit.kind is WALK
 """
     assert [what for _, what in kind_sites(ast.parse(source))] == [
         "is it walked?", "is it in groups?", "packing mode shared_prefix?", "is it a dummy?", "items only?",

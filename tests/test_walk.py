@@ -1,4 +1,4 @@
-"""The walk (packing.on_overflow: walk; packtrain/packed/walk.py, packtrain/data/walk_schedule.py), float64.
+"""The walk (packing.on_overflow: walk; packtrain/packed/walk.py, packtrain/data/walk_calls.py), float64.
 
 horizon all equals the model's own forward and backward on concat(P, C) (losses and every LoRA gradient); a finite
 horizon H (0 included) equals an independent reference written on transformers' own cache path: per segment, the
@@ -20,7 +20,7 @@ from tiny_models import random_pack, tiny_lora_model
 
 from packtrain.data.examples import Example
 from packtrain.data.planner import plan_packs, plan_stats
-from packtrain.data.walk_schedule import Schedule, WalkSpec, chunk_bounds, schedule
+from packtrain.data.walk_calls import WalkCalls, WalkSpec, chunk_bounds, walk_calls
 from packtrain.packed import context as context_module
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import build_standalone_layout
@@ -50,7 +50,7 @@ def walk_run(model, prefix, cont, spec, context_grad="full", loss_chunk_rows=0):
     model.zero_grad(set_to_none=True)
     lm = PackedLM(model, context_grad, loss_chunk_rows)
     layout = build_standalone_layout(prefix, cont)
-    sched = schedule(len(prefix), len(cont.item_ids), len(cont), spec, context_grad == "frozen")
+    sched = walk_calls(len(prefix), len(cont.item_ids), len(cont), spec, context_grad == "frozen")
     out = train_walk(lm, layout, spec, 1.0, sched)
     return out.loss, trainable_grads(model)
 
@@ -215,10 +215,10 @@ def test_plan_counts_walked_examples_and_their_chunks():
     examples = [ex("a", 3), ex("b", 30), ex("c", 5), ex("d", 17, item=0)]
     spec = WalkSpec(8, None)
     plan = plan_packs(examples, 12, 90, "walk", walk_spec=spec)
-    walks = {examples[p.examples[0]].id: p.schedule for p in plan.packs if p.schedule is not None}
+    walks = {examples[p.examples[0]].id: p.walk for p in plan.packs if p.walk is not None}
     # b: positions 4..32 (33 = 4 + 30 - 1), chunks of 8 -> 4; d: 4..19 -> 2
-    assert walks == {"b": Schedule(4, 4, 4), "d": Schedule(2, 2, 2)}
-    assert [[examples[i].id for i in p.examples] for p in plan.packs if p.schedule is None] == [["c", "a"]]
+    assert walks == {"b": WalkCalls(4, 4, 4), "d": WalkCalls(2, 2, 2)}
+    assert [[examples[i].id for i in p.examples] for p in plan.packs if p.walk is None] == [["c", "a"]]
     stats = plan_stats(plan, examples)
     assert (stats["examples"], stats["walked"], stats["walk_chunks"], stats["packs"]) == (4, 2, 6, 1)
     assert stats["positions_standalone"] == stats["positions_packed"] + 4  # P once for a and c
@@ -226,10 +226,10 @@ def test_plan_counts_walked_examples_and_their_chunks():
 
 def test_finite_horizon_schedule_counts_pieces_and_windows():
     # P 4, continuation 21 -> positions 4..24, chunks [4,12) [12,20) [20,24); horizon 3: windows from 1, 9, 17
-    assert schedule(4, 5, 21, WalkSpec(8, 3)) == Schedule(3, 7, 3)  # cuts 0 1 4 9 12 17 20 24
-    assert schedule(4, 0, 21, WalkSpec(8, 3)) == Schedule(3, 7, 4)  # + P's own window (a target off its last row)
-    assert schedule(4, 0, 21, WalkSpec(8, 3), frozen=True) == Schedule(3, 6, 3)  # cuts 0 4 9 12 17 20 24
-    assert schedule(4, 5, 21, WalkSpec(8, None)) == Schedule(3, 3, 3)
+    assert walk_calls(4, 5, 21, WalkSpec(8, 3)) == WalkCalls(3, 7, 3)  # cuts 0 1 4 9 12 17 20 24
+    assert walk_calls(4, 0, 21, WalkSpec(8, 3)) == WalkCalls(3, 7, 4)  # + P's own window (a target off its last row)
+    assert walk_calls(4, 0, 21, WalkSpec(8, 3), frozen=True) == WalkCalls(3, 6, 3)  # cuts 0 4 9 12 17 20 24
+    assert walk_calls(4, 5, 21, WalkSpec(8, None)) == WalkCalls(3, 3, 3)
 
 
 def test_every_rank_gets_the_same_walk_slots():
@@ -241,21 +241,21 @@ def test_every_rank_gets_the_same_walk_slots():
     assert shape[0] == shape[1]  # same kinds in the same order, walks padded to the same schedule
     walked = [u for mine in units for u in mine if u.kind is WALK and not u.dummy]
     assert sorted(examples[u.examples[0]].id for u in walked) == ["b", "c"]
-    assert all(u.walk == Schedule(7, 7, 7) for mine in units for u in mine if u.kind is WALK)  # c: 53 -> 7
+    assert all(u.walk == WalkCalls(7, 7, 7) for mine in units for u in mine if u.kind is WALK)  # c: 53 -> 7
     # one walk in the step: the other rank runs a dummy walk of the same schedule
     plan = plan_packs(examples[:2] + examples[3:4], 12, 1, "walk", walk_spec=WalkSpec(8, None))
     units = [rank_units(plan, [0, 1, 2], UnitSetup("standalone"), r, 2) for r in range(2)]
     assert [[(u.dummy, u.walk) for u in mine if u.kind is WALK] for mine in units] == \
-        [[(False, Schedule(4, 4, 4))], [(True, Schedule(4, 4, 4))]]
+        [[(False, WalkCalls(4, 4, 4))], [(True, WalkCalls(4, 4, 4))]]
 
 
 def test_a_dummy_walk_takes_its_slots_schedule_not_its_fillers():
     """Rank 0 walks a long then a short example, rank 1 one long one: rank 1's dummy in slot 1 (a copy of its long
     walk) once kept the long schedule while rank 0 ran the short one, and the ranks deadlocked."""
-    a, b, c = Unit(WALK, 0, (0,), walk=Schedule(4, 4, 4)), Unit(WALK, 0, (1,), walk=Schedule(3, 3, 3)), \
-        Unit(WALK, 0, (2,), walk=Schedule(4, 4, 4))
+    a, b, c = Unit(WALK, 0, (0,), walk=WalkCalls(4, 4, 4)), Unit(WALK, 0, (1,), walk=WalkCalls(3, 3, 3)), \
+        Unit(WALK, 0, (2,), walk=WalkCalls(4, 4, 4))
     slots = [WALK.pad([[a, b], [c]], r) for r in range(2)]
-    assert [[u.walk for u in mine] for mine in slots] == [[Schedule(4, 4, 4), Schedule(3, 3, 3)]] * 2
+    assert [[u.walk for u in mine] for mine in slots] == [[WalkCalls(4, 4, 4), WalkCalls(3, 3, 3)]] * 2
     assert [u.dummy for u in slots[1]] == [False, True]
 
 

@@ -33,7 +33,7 @@ from bench_planner import generate as planner_bench_data  # noqa: E402
 from packtrain.config import load_config  # noqa: E402
 from packtrain.data.examples import Example  # noqa: E402
 from packtrain.data.planner import plan_packs  # noqa: E402
-from packtrain.run.balance import BALANCES, CostModel, distinct_prompts, epoch_schedule, pack_costs, utilisation  # noqa: E402
+from packtrain.run.balance import BALANCES, CostModel, distinct_prompts, epoch_steps, pack_costs, utilisation  # noqa: E402
 
 
 def seed_like(seed: int) -> list[Example]:
@@ -73,7 +73,7 @@ def main() -> None:
         median = statistics.median(len(p.examples) for p in plan.packs)
         for balance in BALANCES:
             t0 = time.perf_counter()
-            scheds = [epoch_schedule(plan, costs, e, args.seed, per_step, args.world_size, balance)
+            scheds = [epoch_steps(plan, costs, e, args.seed, per_step, args.world_size, balance)
                       for e in range(args.epochs)]
             seconds = (time.perf_counter() - t0) / args.epochs
             u = statistics.mean(utilisation(s, costs) for s in scheds)

@@ -27,7 +27,7 @@ def child(length: int, horizon: str, chunk: int) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from packtrain.data.walk_schedule import WalkSpec, schedule
+    from packtrain.data.walk_calls import WalkSpec, walk_calls
     from packtrain.packed.kernels import Backend
     from packtrain.packed.layout import Continuation, build_standalone_layout
     from packtrain.packed.lm import PackCall, PackedLM
@@ -52,7 +52,7 @@ def child(length: int, horizon: str, chunk: int) -> None:
         lm(PackCall(layout)).loss_sum.backward()
     else:
         spec = WalkSpec(chunk, None if horizon == "all" else int(horizon))
-        train_walk(lm, layout, spec, 1.0, schedule(P, len(cont.item_ids), length, spec))
+        train_walk(lm, layout, spec, 1.0, walk_calls(P, len(cont.item_ids), length, spec))
     print(json.dumps({"seconds": time.perf_counter() - t0}))
 
 

@@ -30,6 +30,7 @@ from packtrain.config import load_config  # noqa: E402
 from packtrain.data.examples import load_split  # noqa: E402
 from packtrain.data.planner import plan_for  # noqa: E402
 from packtrain.ops import memory  # noqa: E402
+from packtrain.run.units import unit_shape  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,10 +84,10 @@ def write_config(tmp: Path, prefix: int, continuations: int) -> Path:
 
 
 def cuda_phases(cfg, plan, examples) -> dict[str, int]:
+    from packtrain.distributed import DistInfo
     from packtrain.models.build import build_base_model
     from packtrain.models.wrap import assemble
     from packtrain.packed.patch import text_parts
-    from packtrain.distributed import DistInfo
     from packtrain.run.harness import one_update, update_step
     from packtrain.run.measure import _phase_hooks
     from packtrain.run.units import UnitSetup, build, largest_unit
@@ -128,7 +129,7 @@ def main() -> None:
         cfg = load_config(write_config(Path(tmp), args.prefix, args.continuations))
         examples = load_split(cfg, "train")
         plan = plan_for(cfg, examples)
-        est = memory.estimate_for_plan(cfg, plan, examples, 1)
+        est = memory.estimate_for_unit(cfg, unit_shape(cfg, plan, examples), 1)
         measured = measure_whole(cfg, plan, examples, 1)
         cuda = cuda_phases(cfg, plan, examples)
     rows = {p: {"estimate": est.phases.get(p), "measured": measured.phases.get(p), "cuda": cuda.get(p)}

@@ -66,9 +66,9 @@ def run_eval(args) -> int:
 def _generate(cfg, model, lm, examples, scorer, tokenizer, setup, info, out: Path, split: str, adapter: str) -> None:
     from tqdm.auto import tqdm
 
-    from packtrain.run.task import describe, errors_path_for, prepare_task, run_task, write_task
+    from packtrain.run.task import describe, errors_path_for, run_task, task_for, write_task
 
-    task = prepare_task(cfg, model, examples, scorer, tokenizer, split)
+    task = task_for(cfg, model, examples, scorer, tokenizer, split)
     bar = tqdm(total=None, desc="generate", unit="pack", disable=not (info.is_main and cfg.logging.progress))
     result = run_task(lm, task, setup, info, progress=bar)
     bar.close()

@@ -18,6 +18,7 @@ from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_packs, plan_stats
 from packtrain.ops import memory
 from packtrain.run import balance
+from packtrain.run.units import unit_shape
 
 
 def _shown(path: Path) -> Path:
@@ -65,7 +66,7 @@ def step_figures(cfg, plan, examples, world: int) -> dict:
     t = cfg.train
     figures = {}
     for name in balance.BALANCES:
-        sched = balance.epoch_schedule(plan, costs, 0, t.seed, t.packs_per_step, world, name)
+        sched = balance.epoch_steps(plan, costs, 0, t.seed, t.packs_per_step, world, name)
         figures[name] = {"utilisation": balance.utilisation(sched, costs),
                          "distinct_prompts_per_step": balance.distinct_prompts(sched, plan), "schedule": sched}
     return {"world_size": world, "packs_per_step": t.packs_per_step, "balance": t.balance,
@@ -105,7 +106,8 @@ def run_plan(args) -> int:
         raise ValueError(f"--world-size: must be at least 1, got {args.world_size}")
     steps = step_figures(cfg, plan, examples, args.world_size)
     args.memory = args.memory or args.measure or args.gpu_memory is not None
-    est = memory.estimate_for_plan(cfg, plan, examples, args.world_size) if args.memory else None
+    shape = unit_shape(cfg, plan, examples) if args.memory else None
+    est = memory.estimate_for_unit(cfg, shape, args.world_size) if args.memory else None
     measured = None
     if args.measure:
         from packtrain.run.measure import measure_whole
@@ -115,9 +117,9 @@ def run_plan(args) -> int:
     if args.gpu_memory is not None:
         if args.gpu_memory <= 0:
             raise ValueError(f"--gpu-memory: must be positive, got {args.gpu_memory}")
-        budget = memory.max_token_budget(cfg, plan, examples, args.world_size, args.gpu_memory)
-    modes = ({m: memory.estimate_for_plan(cfg, plan, examples, args.world_size, m) for m in memory.CONTEXT_GRADS}
-             if args.memory and packing.mode == "shared_prefix" else None)
+        budget = memory.max_token_budget(cfg, shape, args.world_size, args.gpu_memory)
+    modes = ({m: memory.estimate_for_unit(cfg, shape, args.world_size, m) for m in memory.CONTEXT_GRADS}
+             if args.memory and shape.shares_prefix else None)
     pool = None
     if est is not None and cfg.train.offload:
         per_node = args.ranks_per_node or (1 if cfg.train.device == "cpu" else 8)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from packtrain.config import Config, WalkSpec
-from packtrain.data.walk_schedule import Schedule, schedule
+from packtrain.data.walk_calls import WalkCalls, walk_calls
 
 
 class PlanError(ValueError):
@@ -36,7 +36,7 @@ class Pack:
     prompt: int  # index into Plan.prompts
     examples: tuple[int, ...]  # indices into the examples, in the order they are laid out after P
     positions: int  # len(P) + sum of the continuation lengths
-    schedule: Schedule | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
+    walk: WalkCalls | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
 
 
 @dataclass
@@ -109,7 +109,7 @@ def plan_packs(
     frozen: bool = False,
 ) -> Plan:
     """Packs for ``examples`` (anything with prefix_ids, item_ids and target_ids tuples or lists, e.g. Example).
-    With ``on_overflow="walk"`` each over-budget example is a pack of its own with its walk ``Schedule``."""
+    With ``on_overflow="walk"`` each over-budget example is a pack of its own with its walk ``WalkCalls``."""
     if not examples:
         raise PlanError("no examples to plan")
     if on_overflow == "walk" and walk_spec is None:
@@ -138,7 +138,7 @@ def plan_packs(
                                 f"continuation {length}), over packing.token_budget={token_budget}; raise the "
                                 "budget or set packing.on_overflow=skip")
         for _, i, length in sorted(walked):
-            sched = schedule(len(prefix), len(examples[i].item_ids), length, walk_spec, frozen)
+            sched = walk_calls(len(prefix), len(examples[i].item_ids), length, walk_spec, frozen)
             packs.append(Pack(len(prompts), (i,), len(prefix) + length, sched))
         if not fitting:
             if walked:
@@ -181,14 +181,14 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     """
     per_pack = []
     positions_standalone = pairs_standalone = pairs_packed = walk_positions = 0
-    walks = [pack for pack in plan.packs if pack.schedule is not None]
+    walks = [pack for pack in plan.packs if pack.walk is not None]
     for pack in walks:
         positions_standalone += pack.positions
         pairs_standalone += _pairs(pack.positions)
         pairs_packed += _pairs(pack.positions)
         walk_positions += pack.positions
     for pack in plan.packs:
-        if pack.schedule is not None:
+        if pack.walk is not None:
             continue
         p = len(plan.prompts[pack.prompt])
         pairs_packed += _pairs(p)
@@ -212,7 +212,7 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         "whole_differs": sum(bool(getattr(ex, "whole_differs", False)) for ex in planned),
         "skipped": len(plan.skipped),
         "walked": len(walks),
-        "walk_chunks": sum(pack.schedule.chunks for pack in walks),
+        "walk_chunks": sum(pack.walk.chunks for pack in walks),
         "prompts": len(plan.prompts),
         "packs": len(per_pack),
         "continuations_min": min(per_pack, default=0),

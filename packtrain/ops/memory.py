@@ -36,7 +36,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from packtrain.data.planner import target_count
 from packtrain.packed.families import FAMILIES, check_config_dict, config_dict
 
 GiB = 2**30
@@ -637,23 +636,16 @@ def frozen_prefix_terms(text: dict, prefix: int, b: int) -> list[Term]:
     ]
 
 
-def largest_unit(plan, examples, mode: str, max_positions: int | None = None) -> tuple[int, tuple[int, ...]]:
-    """(prompt, example ids) of what one forward holds at most: the pack with the most positions (shared_prefix),
-    or the longest single example (standalone); units over ``train.max_positions`` are skipped in training. Walked
-    examples (``packing.on_overflow: walk``) hold one chunk's window at a time, so a plan's packs come first."""
-    plan = dataclasses.replace(plan, packs=[p for p in plan.packs if p.schedule is None] or plan.packs)
-    if mode == "shared_prefix":
-        units = [(p.positions, (p.prompt, p.examples)) for p in plan.packs]
-    else:
-        units = [(len(plan.prompts[p.prompt]) + examples[e].len_continuation, (p.prompt, (e,)))
-                 for p in plan.packs for e in p.examples]
-    if max_positions is not None:
-        units = [u for u in units if u[0] <= max_positions]
-        if not units:
-            what = "pack" if mode == "shared_prefix" else "example"
-            raise ValueError(f"train.max_positions={max_positions}: every {what} is longer, so training would skip "
-                             "them all")
-    return max(units, key=lambda u: u[0])[1]
+@dataclass(frozen=True)
+class UnitShape:
+    """What one forward holds at most (the plan's largest unit, :func:`packtrain.run.units.unit_shape`): P, each
+    continuation's positions and target tokens, the positions of its largest group (None: not in groups), and
+    whether P is shared by them (a pack) or not (one example alone)."""
+    prefix: int
+    lengths: list[int]
+    targets: list[int]
+    group_positions: int | None = None
+    shares_prefix: bool = True
 
 
 def _plan_estimate(cfg, text: dict, world_size: int, context_grad: str, positions: int, targets: int,
@@ -668,33 +660,20 @@ def _plan_estimate(cfg, text: dict, world_size: int, context_grad: str, position
                     group_positions=group_positions, savings=savings_for(cfg))
 
 
-def unit_shape(cfg, plan, examples) -> dict:
-    """The largest unit's shape: P, each continuation's positions and target tokens."""
-    prompt, ids = largest_unit(plan, examples, cfg.packing.mode, cfg.train.max_positions)
-    return {"prefix": len(plan.prompts[prompt]), "lengths": [examples[e].len_continuation for e in ids],
-            "targets": [target_count(examples[e]) for e in ids]}
-
-
-def estimate_for_plan(cfg, plan, examples, world_size: int, context_grad: str | None = None) -> MemoryEstimate:
-    """The estimate for the largest unit under ``context_grad`` (default: the config's ``packing.context_grad``)."""
-    shape = unit_shape(cfg, plan, examples)
-    lengths = shape["lengths"]
-    group_positions = None
-    if cfg.packing.continuation_groups > 1 and cfg.packing.mode == "shared_prefix":
-        from packtrain.packed.groups import split
-
-        group_positions = max(sum(lengths[i] for i in run) for run in split(lengths, cfg.packing.continuation_groups))
+def estimate_for_unit(cfg, shape: UnitShape, world_size: int, context_grad: str | None = None) -> MemoryEstimate:
+    """The estimate for the unit of ``shape`` under ``context_grad`` (default: the config's
+    ``packing.context_grad``)."""
     return _plan_estimate(cfg, text_config(config_dict_of(cfg)), world_size, context_grad or cfg.packing.context_grad,
-                          shape["prefix"] + sum(lengths), sum(shape["targets"]), len(lengths), shape["prefix"],
-                          group_positions)
+                          shape.prefix + sum(shape.lengths), sum(shape.targets), len(shape.lengths), shape.prefix,
+                          shape.group_positions)
 
 
-def max_token_budget(cfg, plan, examples, world_size: int, gib: float) -> dict:
-    """The largest ``packing.token_budget`` whose estimate fits ``gib`` per GPU: the largest unit's P with as many
-    continuations of its mean length and mean target tokens as the budget holds (a binary search over budgets)."""
-    shape = unit_shape(cfg, plan, examples)
-    p, n0 = shape["prefix"], len(shape["lengths"])
-    mean_len, mean_targets = sum(shape["lengths"]) / n0, sum(shape["targets"]) / n0
+def max_token_budget(cfg, shape: UnitShape, world_size: int, gib: float) -> dict:
+    """The largest ``packing.token_budget`` whose estimate fits ``gib`` per GPU: the largest unit's (``shape``) P
+    with as many continuations of its mean length and mean target tokens as the budget holds (a binary search over
+    budgets)."""
+    p, n0 = shape.prefix, len(shape.lengths)
+    mean_len, mean_targets = sum(shape.lengths) / n0, sum(shape.targets) / n0
     text = text_config(config_dict_of(cfg))
 
     def at(budget: int) -> tuple[int, MemoryEstimate]:

@@ -140,24 +140,24 @@ def keep_from(layout: PackLayout, n_layers: int) -> tuple[int, ...]:
 class ContextGrad:
     """The chosen mode; :meth:`hidden_states` runs the body of ``lm`` (a PackedLM) on a layout under it."""
 
-    def __init__(self, mode: str):
-        if mode not in MODES:
-            raise ValueError(f"packing.context_grad: unknown mode {mode!r} ({' | '.join(MODES)})")
-        self.mode = mode
+    def __init__(self, name: str):
+        if name not in MODES:
+            raise ValueError(f"packing.context_grad: unknown value {name!r} ({' | '.join(MODES)})")
+        self.name = name
 
     def describe(self) -> str:
-        return _DESCRIBE[self.mode]
+        return _DESCRIBE[self.name]
 
     def install(self, model: nn.Module) -> None:
-        if self.mode == "kv_only":
+        if self.name == "kv_only":
             install_row_sparse(model)
 
     def hidden_states(self, lm, layout: PackLayout):
         """(final hidden states [1, T', D], the target positions into them, rows of the targets whose logits are
         constants (frozen: read off P's last row) or None)."""
-        if self.mode == "frozen":
+        if self.name == "frozen":
             return self._frozen(lm, layout)
-        if self.mode == "full":
+        if self.name == "full":
             return lm.hidden_states(layout), layout.target_positions, None
         p = layout.prefix_len
         layers = text_parts(lm.model)[0].layers

@@ -1,10 +1,10 @@
 """The equal-call rule: every rank issues the same sequence of collective calls, or FSDP's collectives deadlock.
 
-A rank pads its calls in one of these ways, and only through this module:
+A rank pads its calls in one of these ways, and only through this module and the unit kinds' ``pad``:
 
-- :func:`pad_slots`: slot k of a step's units runs on every rank; a rank with no unit for a slot runs a dummy (a
-  real input on one example, its loss :func:`silenced`); each kind of unit pads its own slots
-  (:meth:`packtrain.run.units.Kind.pad`: a walk also takes the slot's largest schedule);
+- slot k of a step's units runs on every rank; a rank with no unit for a slot runs a dummy (a real input on one
+  example, its loss :func:`silenced`); each kind of unit pads its own slots (:meth:`packtrain.run.units.Kind.pad`
+  through :func:`packtrain.run.units.pad_slots`: a walk also takes the slot's largest walk calls);
 - inside a unit, calls a rank has no work for are :func:`filler_calls` (a walk's missing chunks) or zero-weight
   groups (:func:`packtrain.packed.groups.group_units`);
 - :func:`anchored`: a loss with nothing to learn still runs a backward (zero gradients), so the backward's
@@ -15,24 +15,11 @@ A rank pads its calls in one of these ways, and only through this module:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 import torch
 
 from packtrain.distributed import DistInfo, all_reduce_max_tensor
-
-U = TypeVar("U")
-
-
-def pad_slots(per_rank: list[list[U]], rank: int, dummy_of: Callable[[U], U]) -> list[U]:
-    """``rank``'s units padded to the most any rank has, with dummies made from its first unit, or from the first
-    unit any rank has."""
-    if not any(per_rank):
-        return []
-    mine = per_rank[rank]
-    filler = mine[0] if mine else next(u for units in per_rank for u in units)
-    slots = max(len(units) for units in per_rank)
-    return mine + [dummy_of(filler)] * (slots - len(mine))
 
 
 def silenced(scale: float) -> float:

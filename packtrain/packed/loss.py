@@ -34,7 +34,7 @@ def target_losses(lm_head: nn.Module, hidden_MD: torch.Tensor, target_ids: torch
 
     Each chunk calls ``lm_head.forward`` itself, so autograd differentiates whatever the head holds (LoRA,
     modules_to_save). Not ``lm_head(...)``: under FSDP2 the head is its own unit, and
-    :func:`packtrain.models.wrap.prepare` runs this whole function as that unit's forward, so its weight is gathered
+    :func:`packtrain.models.wrap.wrap` runs this whole function as that unit's forward, so its weight is gathered
     once for all chunks and once for all their recomputes in backward, not once per chunk."""
     rows = chunk_rows or max(hidden_MD.shape[0], 1)
     # one backward node for all chunks, which concatenates their gradients once (a slice per chunk would add up a

@@ -167,9 +167,9 @@ class PrefixCall:
         """P under ``lm``'s ``packing.context_grad``: with its graph (full), under no_grad (frozen), or with the
         gradient cut at P's rows of every decoder-layer input (kv_only,
         :func:`packtrain.packed.cut.cut_at_layer_inputs`)."""
-        mode, p = lm.context.mode, self.layout.prefix_len
+        context_grad, p = lm.context.name, self.layout.prefix_len
         layers = text_parts(lm.model)[0].layers
-        cut = cut_at_layer_inputs(layers, p) if mode == "kv_only" else contextlib.nullcontext()
-        with cut, torch.set_grad_enabled(torch.is_grad_enabled() and mode != "frozen"):
+        cut = cut_at_layer_inputs(layers, p) if context_grad == "kv_only" else contextlib.nullcontext()
+        with cut, torch.set_grad_enabled(torch.is_grad_enabled() and context_grad != "frozen"):
             _, state = run_span(lm, self.layout, 0, p, PrefixState())
         return state

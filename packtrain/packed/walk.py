@@ -1,5 +1,5 @@
 """The walk (``packing.on_overflow: walk``): an example longer than the token budget, trained chunk by chunk on top
-of P with gradient horizon H (definitions in :mod:`packtrain.data.walk_schedule`).
+of P with gradient horizon H (definitions in :mod:`packtrain.data.walk_calls`).
 
 Every window ``[w, e)`` of the standalone sequence runs through the model's own forward (no pack layout) from the
 state of everything before ``w`` (:func:`packtrain.packed.prefix.run_span`: each attention layer's K/V, each GDN
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from packtrain.config import WalkSpec
-from packtrain.data.walk_schedule import Schedule, chunk_bounds, cuts, windows
+from packtrain.data.walk_calls import WalkCalls, chunk_bounds, cuts, windows
 from packtrain.packed.equal import filler_calls
 from packtrain.packed.layout import PackLayout
 from packtrain.packed.prefix import Pairs, PrefixState, backward_through, run_span
@@ -113,7 +113,7 @@ class _Walk:
         backward_through(out.state, grads, losses=[out.loss * self.scale])
 
     # -- horizon all --------------------------------------------------------------------------------------------
-    def exact(self, slot: Schedule) -> None:
+    def exact(self, slot: WalkCalls) -> None:
         p, chunks = self.p, chunk_bounds(self.p, self.end, self.spec.chunk)
         if self.dummy:
             chunks = []
@@ -152,7 +152,7 @@ class _Walk:
             self.backward(first, {i: (gk[..., :n, :], gv[..., :n, :]) for i, (gk, gv) in g_kv.items()}, g_gdn)
 
     # -- finite horizon -----------------------------------------------------------------------------------------
-    def truncated(self, slot: Schedule, item_len: int) -> None:
+    def truncated(self, slot: WalkCalls, item_len: int) -> None:
         p, spec = self.p, self.spec
         length = self.end + 1 - p
         points = [] if self.dummy else cuts(p, item_len, length, spec, self.frozen)
@@ -173,14 +173,14 @@ class _Walk:
         filler_calls(len(wins), slot.backwards, lambda: self.dummy_call(grad=True))
 
 
-def train_walk(lm, layout: PackLayout, spec: WalkSpec, scale: float, slot: Schedule,
+def train_walk(lm, layout: PackLayout, spec: WalkSpec, scale: float, slot: WalkCalls,
                dummy: bool = False) -> WalkResult:
     """Forward and backward of one walked example (gradients accumulate into the parameters, scaled by
-    ``scale``); ``slot`` is the schedule every rank issues in this slot
-    (:func:`packtrain.data.walk_schedule.schedule`)."""
-    if lm.context.mode == "kv_only":
+    ``scale``); ``slot`` is the walk calls every rank issues in this slot
+    (:func:`packtrain.data.walk_calls.walk_calls`)."""
+    if lm.context.name == "kv_only":
         raise ValueError("packing.on_overflow=walk: packing.context_grad kv_only is not supported (full or frozen)")
-    frozen = lm.context.mode == "frozen"
+    frozen = lm.context.name == "frozen"
     walk = _Walk(lm, layout, spec, frozen, scale, dummy)
     if spec.horizon is None:
         walk.exact(slot)

@@ -10,7 +10,7 @@ Cost of a pack, in FLOPs of one forward and backward (:class:`CostModel`): ``per
 and can be replaced by measured figures (``train.cost_per_position``, ``train.cost_per_pair``: any unit, e.g.
 seconds on the GPU). The head, the GDN kernels and the norms are left out.
 
-The schedule of epoch e, from the plan alone (every rank computes the same one):
+The steps of epoch e, from the plan alone (every rank computes the same one):
 
 1. the packs in the epoch's seeded order (:func:`packtrain.data.planner.epoch_order`), then sorted by cost,
    descending (stable: the shuffle breaks ties);
@@ -150,7 +150,7 @@ def _to_ranks(step: list[int], costs: list[float], world: int) -> list[list[int]
     return out
 
 
-def epoch_schedule(plan: Plan, costs: list[float], epoch: int, seed: int, per_step: int, world: int,
+def epoch_steps(plan: Plan, costs: list[float], epoch: int, seed: int, per_step: int, world: int,
                    balance: str = "cost") -> list[list[list[int]]]:
     """Epoch ``epoch``'s steps, each a list over ranks of pack indices."""
     order = epoch_order(plan, epoch, seed)
@@ -175,17 +175,17 @@ def step_pack_ids(ranks: list[list[int]]) -> list[int]:
     return out
 
 
-def utilisation(schedule: list[list[list[int]]], costs: list[float]) -> float:
+def utilisation(steps: list[list[list[int]]], costs: list[float]) -> float:
     """Mean over steps of (mean rank cost / largest rank cost): 1.0 when no rank waits."""
     ratios = []
-    for ranks in schedule:
+    for ranks in steps:
         loads = [sum(costs[i] for i in packs) for packs in ranks]
         if max(loads) > 0:
             ratios.append(sum(loads) / len(loads) / max(loads))
     return sum(ratios) / len(ratios) if ratios else 1.0
 
 
-def distinct_prompts(schedule: list[list[list[int]]], plan: Plan) -> float:
+def distinct_prompts(steps: list[list[list[int]]], plan: Plan) -> float:
     """Mean distinct prompts per step."""
-    counts = [len({plan.packs[i].prompt for packs in ranks for i in packs}) for ranks in schedule]
+    counts = [len({plan.packs[i].prompt for packs in ranks for i in packs}) for ranks in steps]
     return sum(counts) / len(counts) if counts else 0.0

@@ -38,7 +38,7 @@ def build_shortened(unit: Unit, plan: Plan, examples, setup: UnitSetup, prompt_t
 
 
 def update_step(cfg, lm, setup: UnitSetup, info: DistInfo, steps: int = 2) -> Step:
-    """The trainer's step over ``lm``'s trainable parameters, with a fresh optimizer and a schedule of ``steps``;
+    """The trainer's step over ``lm``'s trainable parameters, with a fresh optimizer and an LR schedule of ``steps``;
     units come built (:meth:`Step.run_built`), so it holds no plan."""
     params = [p for p in lm.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optim)

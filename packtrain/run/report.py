@@ -10,8 +10,8 @@ from packtrain.data.planner import plan_stats
 from packtrain.models.lora_compute import describe as describe_lora
 from packtrain.ops import memory
 from packtrain.packed.families import describe as describe_model
-from packtrain.run.balance import BALANCES, epoch_schedule, utilisation
-from packtrain.run.units import pack_kind
+from packtrain.run.balance import BALANCES, epoch_steps, utilisation
+from packtrain.run.units import pack_kind, unit_shape
 
 
 def header(trainer) -> list[str]:
@@ -32,7 +32,7 @@ def header(trainer) -> list[str]:
         lines.append(f"  data.train_on {cfg.data.train_on}: {s['conversations']:,} conversations, {s['turns']:,} "
                      f"assistant turns trained, {s['target_tokens']:,} target tokens")
     steps = t.steps
-    figures = {b: utilisation(epoch_schedule(t.plan, steps.costs, 0, steps.seed, steps.per_step, steps.world, b),
+    figures = {b: utilisation(epoch_steps(t.plan, steps.costs, 0, steps.seed, steps.per_step, steps.world, b),
                               steps.costs) for b in BALANCES}
     other = next(b for b in BALANCES if b != steps.balance)
     lines.append(f"  train.balance {steps.balance}: utilisation {figures[steps.balance]:.3f} over epoch 0's steps "
@@ -84,7 +84,7 @@ def memory_lines(t) -> list[str]:
     import torch
 
     cfg = t.cfg
-    est = memory.estimate_for_plan(cfg, t.plan, t.train_examples, t.dist.world_size)
+    est = memory.estimate_for_unit(cfg, unit_shape(cfg, t.plan, t.train_examples), t.dist.world_size)
     lines = [f"  {memory.memory_line(cfg, est)}"]
     if t.dist.device.type == "cuda":
         total = torch.cuda.get_device_properties(t.dist.device).total_memory

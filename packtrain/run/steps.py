@@ -15,7 +15,7 @@ import math
 
 from packtrain.config import Config
 from packtrain.data.planner import Plan
-from packtrain.run.balance import CostModel, epoch_schedule, pack_costs, step_pack_ids
+from packtrain.run.balance import CostModel, epoch_steps, pack_costs, step_pack_ids
 from packtrain.run.units import Unit, UnitSetup, pad_units, units_of
 
 
@@ -25,11 +25,11 @@ def steps_per_epoch(plan: Plan, packs_per_step: int) -> int:
 
 def step_packs(plan: Plan, epoch: int, index: int, packs_per_step: int, seed: int) -> list[int]:
     """Round robin: step ``index`` of epoch ``epoch`` as the next packs of the epoch's seeded order."""
-    return epoch_schedule(plan, [], epoch, seed, packs_per_step, 1, "round_robin")[index][0]
+    return epoch_steps(plan, [], epoch, seed, packs_per_step, 1, "round_robin")[index][0]
 
 
 class StepPlan:
-    """The packs of every step of a run under ``train.balance``; each epoch's schedule is computed once."""
+    """The packs of every step of a run under ``train.balance``; each epoch's steps are computed once."""
 
     def __init__(self, plan: Plan, costs: list[float], packs_per_step: int, seed: int, world: int,
                  balance: str = "cost"):
@@ -48,7 +48,7 @@ class StepPlan:
     def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
         """Epoch ``epoch``'s steps, each a list over ranks of pack indices."""
         if self._epoch is None or self._epoch[0] != epoch:
-            self._epoch = (epoch, epoch_schedule(self.plan, self.costs, epoch, self.seed, self.per_step, self.world,
+            self._epoch = (epoch, epoch_steps(self.plan, self.costs, epoch, self.seed, self.per_step, self.world,
                                                  self.balance))
         return self._epoch[1]
 

@@ -78,7 +78,7 @@ def task_start(cfg, split: str = "eval") -> tuple[Scorer, object | None]:
     return scorer, tokenizer
 
 
-def prepare_task(cfg, model, examples: list, scorer: Scorer, tokenizer, split: str = "eval") -> Task:
+def task_for(cfg, model, examples: list, scorer: Scorer, tokenizer, split: str = "eval") -> Task:
     chosen = examples[:cfg.generate.examples] if cfg.generate.examples else list(examples)
     check_text(scorer, tokenizer)
     spec = GenerateSpec.from_config(cfg.generate, stop_ids(model, tokenizer))

@@ -40,8 +40,8 @@ from packtrain.run.signals import StopSignals
 from packtrain.run.step import Step
 from packtrain.run.steps import StepPlan
 from packtrain.run.task import describe as describe_task
-from packtrain.run.task import prepare_task, run_task, task_start, write_task
-from packtrain.run.units import UnitSetup, check_data, image_loader
+from packtrain.run.task import run_task, task_for, task_start, write_task
+from packtrain.run.units import UnitSetup, check_data, image_loader, unit_shape
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
 from packtrain.rundir import resume as resuming
@@ -59,7 +59,8 @@ def check_node_pool(cfg, plan, examples, world_size: int) -> None:
         if available is None:
             return
         have = available / memory.GiB
-    pool = memory.node_pool(memory.estimate_for_plan(cfg, plan, examples, world_size).total("host"), per_node, have)
+    est = memory.estimate_for_unit(cfg, unit_shape(cfg, plan, examples), world_size)
+    pool = memory.node_pool(est.total("host"), per_node, have)
     if not pool["fits"]:
         raise ValueError(f"train.offload: {memory.format_node_pool(pool)} (the largest pack's layer inputs on each "
                          "rank); lower packing.token_budget, run fewer ranks per node, or turn train.offload off "
@@ -139,7 +140,7 @@ class Trainer:
         self.setup = UnitSetup.of(cfg, images)
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
         if scorer is not None:
-            self.task = prepare_task(cfg, self.model, self.eval_examples, scorer, tokenizer)
+            self.task = task_for(cfg, self.model, self.eval_examples, scorer, tokenizer)
         self.last_task_step: int | None = None
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)

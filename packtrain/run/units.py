@@ -13,8 +13,8 @@ pack          a whole pack ``[P, C1..Cn]`` in one buffer      1                 
 groups        a pack's continuations in G groups against      G + 1 (P, each group): a pack with  a dummy pack unit
               one P graph (``packing.continuation_groups``)   fewer continuations fills groups
 standalone    one example ``concat(P, C)`` alone              1                                   a dummy example
-walk          an example over the budget, chunk by chunk      the slot's schedule (largest of     a dummy walk; the slot's
-              (``packing.on_overflow: walk``)                 the slot on any rank)               largest schedule
+walk          an example over the budget, chunk by chunk      the slot's walk calls (largest of   a dummy walk; the slot's
+              (``packing.on_overflow: walk``)                 the slot on any rank)               largest walk calls
 items         a pack's items against P, then decoded          P (once per prompt group), items,   a dummy unit; decoding
               together (generation)                           one per decoded token               pads to the longest
 ============  ==============================================  ==================================  =======================
@@ -25,28 +25,29 @@ rank), its results dropped: the calls without the learning (:data:`Unit.dummy` i
 The loss scale: a unit's ``loss_sum`` (the sum of its examples' mean target cross-entropies) is multiplied by
 ``scale``, which the caller derives with :func:`step_scale` from the examples of the whole optimizer step, so that
 the update is the mean of per-example losses whatever the split into packs, units or ranks.
+
+What a unit is needs no torch: ``packtrain plan`` reads the kinds (the largest unit, its shape) without importing
+it. What builds and runs a unit imports the packed computation where it does so.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
-
-import torch
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from packtrain.config import Config, WalkSpec
 from packtrain.data.examples import processor_dir
 from packtrain.data.images import ImageLoader, load_image_processor
-from packtrain.data.planner import Pack, Plan
-from packtrain.data.walk_schedule import Schedule
-from packtrain.packed import equal
-from packtrain.packed.groups import Groups, eval_groups, group_units, train_groups
-from packtrain.packed.layout import Continuation, PackLayout, build_pack_layout, build_standalone_layout
-from packtrain.packed.lm import PackCall
-from packtrain.packed.loss import require_grad
-from packtrain.packed.patch import vision_spec
-from packtrain.packed.walk import eval_walk, train_walk
+from packtrain.data.planner import Pack, Plan, target_count
+from packtrain.data.walk_calls import WalkCalls
+from packtrain.ops.memory import UnitShape
+
+if TYPE_CHECKING:
+    from packtrain.packed.groups import Groups
+    from packtrain.packed.layout import PackLayout
+
+U = TypeVar("U")
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Unit:
     prompt: int
     examples: tuple[int, ...]
     dummy: bool = False
-    walk: Schedule | None = None  # a walked example's calls: the largest its slot has on any rank
+    walk: WalkCalls | None = None  # a walked example's calls: the largest its slot has on any rank
 
     @property
     def real_examples(self) -> tuple[int, ...]:
@@ -133,6 +134,9 @@ class Kind:
     def train(self, lm, unit: Unit, work, setup: UnitSetup, scale: float):
         """Forward and backward (gradients into the parameters, ``loss_sum * scale``): (loss sum, per-example
         losses, target tokens per example)."""
+        from packtrain.packed.lm import PackCall
+        from packtrain.packed.loss import require_grad
+
         out = lm(PackCall(work))
         require_grad(out.loss_sum)
         (out.loss_sum * scale).backward()
@@ -140,6 +144,8 @@ class Kind:
 
     def evaluate(self, lm, unit: Unit, work, setup: UnitSetup):
         """The same under no_grad (the caller's)."""
+        from packtrain.packed.lm import PackCall
+
         out = lm(PackCall(work))
         return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
 
@@ -149,7 +155,11 @@ class Kind:
 
     def pad(self, per_rank: list[list[Unit]], rank: int) -> list[Unit]:
         """The equal-call rule for this kind: ``rank``'s units padded to the most any rank has."""
-        return equal.pad_slots(per_rank, rank, _dummy_of)
+        return pad_slots(per_rank, rank, _dummy_of)
+
+    def group_positions(self, lengths: list[int], setup: UnitSetup) -> int | None:
+        """The continuation positions of the largest of a unit's groups (None: one call holds them all)."""
+        return None
 
     def describe(self, unit: Unit, setup: UnitSetup) -> str:
         """What the unit is, in a line of output: "pack", "example", ..."""
@@ -185,20 +195,31 @@ class GroupsKind(Kind):
 
     def build(self, unit, plan, examples, setup):
         """A pack's continuations in ``setup.n_groups`` groups (:mod:`packtrain.packed.groups`)."""
+        from packtrain.packed.groups import Groups, group_units
+
         lengths = [len(examples[e].item_ids) + len(examples[e].target_ids) for e in unit.examples]
         units, weights = group_units(unit, lengths, setup.n_groups)
         return Groups([_layout(u, plan, examples, setup.images, packed=True) for u in units], weights)
 
     def train(self, lm, unit, work, setup, scale):
+        from packtrain.packed.groups import train_groups
+
         total, losses = train_groups(lm, work, scale)
         return total, losses, _group_targets(work)
 
     def evaluate(self, lm, unit, work, setup):
+        from packtrain.packed.groups import eval_groups
+
         total, losses = eval_groups(lm, work)
         return total, losses, _group_targets(work)
 
     def calls(self, unit, setup, training):
         return setup.n_groups + 1
+
+    def group_positions(self, lengths, setup):
+        from packtrain.packed.groups import split
+
+        return max(sum(lengths[i] for i in run) for run in split(lengths, setup.n_groups))
 
     def describe(self, unit, setup):
         return "pack"
@@ -240,19 +261,23 @@ class WalkKind(Kind):
     shares_prefix = False
 
     def takes(self, pack, setup):
-        return pack.schedule is not None
+        return pack.walk is not None
 
     def units(self, pack):
-        return [Unit(self, pack.prompt, pack.examples, walk=pack.schedule)]
+        return [Unit(self, pack.prompt, pack.examples, walk=pack.walk)]
 
     def build(self, unit, plan, examples, setup):
         return _layout(unit, plan, examples, setup.images, packed=False)
 
     def train(self, lm, unit, work, setup, scale):
+        from packtrain.packed.walk import train_walk
+
         r = train_walk(lm, work, setup.walk_spec, scale, unit.walk, unit.dummy)
         return r.loss, [r.loss], [r.target_tokens]
 
     def evaluate(self, lm, unit, work, setup):
+        from packtrain.packed.walk import eval_walk
+
         r = eval_walk(lm, work, setup.walk_spec, unit.walk.chunks, unit.dummy)
         return r.loss, [r.loss], [r.target_tokens]
 
@@ -264,8 +289,8 @@ class WalkKind(Kind):
         return unit.walk.forwards + unit.walk.backwards + (1 if setup.walk_spec.horizon is None else 0)
 
     def pad(self, per_rank, rank):
-        """Dummies as every kind pads, and every walk of slot k runs the largest schedule any rank has there (the
-        real walks of slot k alone decide it: a dummy's own schedule, its filler's, is another slot's)."""
+        """Dummies as every kind pads, and every walk of slot k runs the largest walk calls any rank has there (the
+        real walks of slot k alone decide them: a dummy's own, its filler's, are another slot's)."""
         out = super().pad(per_rank, rank)
         for k, unit in enumerate(out):
             real = [units[k].walk for units in per_rank if k < len(units)]
@@ -335,6 +360,17 @@ def pad_units(per_rank: list[list[Unit]], rank: int) -> list[Unit]:
 _PAD_ORDER = (GROUPS, PACK, STANDALONE, ITEMS, WALK)  # a rank runs its packs first, then its walks
 
 
+def pad_slots(per_rank: list[list[U]], rank: int, dummy_of) -> list[U]:
+    """``rank``'s units padded to the most any rank has, with dummies (``dummy_of``) made from its first unit, or
+    from the first unit any rank has: the slots every kind pads (:mod:`packtrain.packed.equal`)."""
+    if not any(per_rank):
+        return []
+    mine = per_rank[rank]
+    filler = mine[0] if mine else next(u for units in per_rank for u in units)
+    slots = max(len(units) for units in per_rank)
+    return mine + [dummy_of(filler)] * (slots - len(mine))
+
+
 def _dummy_of(unit: Unit) -> Unit:
     return dataclasses.replace(unit, examples=unit.examples[:1], dummy=True)
 
@@ -358,6 +394,15 @@ def largest_unit(plan: Plan, examples, setup: UnitSetup, max_positions: int | No
     return max(sized, key=lambda s: s[0])[1]
 
 
+def unit_shape(cfg: Config, plan: Plan, examples) -> UnitShape:
+    """The shape of the plan's largest unit under the config, what the memory estimate sizes."""
+    setup = UnitSetup.of(cfg)
+    unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
+    lengths = [examples[e].len_continuation for e in unit.examples]
+    return UnitShape(len(plan.prompts[unit.prompt]), lengths, [target_count(examples[e]) for e in unit.examples],
+                     unit.kind.group_positions(lengths, setup), unit.kind.shares_prefix)
+
+
 # -- the runner -------------------------------------------------------------------------------------------------
 def build(unit: Unit, plan: Plan, examples, setup: UnitSetup) -> Built:
     return Built(unit, unit.kind.build(unit, plan, examples, setup))
@@ -371,6 +416,10 @@ def over_cap(built: Built, max_positions: int | None) -> bool:
 def run_unit(lm, built: Built, setup: UnitSetup, device, scale: float | None = None) -> UnitResult:
     """Run one unit on ``device``: training (forward and backward, gradients accumulated into the parameters,
     ``loss_sum * scale``) when ``scale`` is given, else evaluation under no_grad."""
+    import torch
+
+    from packtrain.packed import equal
+
     unit, work = built.unit, built.work.to(device)
     kind, training = unit.kind, scale is not None
     calls = lm.calls
@@ -394,6 +443,8 @@ def _layout(unit: Unit, plan: Plan, examples, images: ImageLoader | None, packed
     """The layout of one unit (a pack, or one example alone when not ``packed``); with ``images``, its examples'
     images are loaded (in buffer order) as well. ``items_only``: a pack of the examples' items alone, those with
     an item (a generation's prompts; None when no example has one)."""
+    from packtrain.packed.layout import Continuation, build_pack_layout, build_standalone_layout
+
     prefix = plan.prompts[unit.prompt]
     chosen = [examples[e] for e in unit.examples if not items_only or examples[e].item_ids]
     if not chosen:
@@ -431,6 +482,8 @@ def _item_images(ex, spec) -> tuple:
 
 def image_loader(cfg: Config, model, examples) -> ImageLoader | None:
     """The loader for examples' images (None when no example has one); refuses a text-only model."""
+    from packtrain.packed.patch import vision_spec
+
     if not any(ex.images for ex in examples):
         return None
     spec = vision_spec(model)

@@ -1,4 +1,4 @@
-"""The walk's schedule (``packing.on_overflow: walk``), pure Python: what a walked example runs, so the planner can
+"""The walk's calls (``packing.on_overflow: walk``), pure Python: what a walked example runs, so the planner can
 count it and every rank can pad its calls to the same sequence before any of them runs.
 
 An example whose P + continuation exceeds ``packing.token_budget`` is walked (:mod:`packtrain.packed.walk`): over its
@@ -22,7 +22,7 @@ from packtrain.config import WalkSpec
 
 
 @dataclass(frozen=True)
-class Schedule:
+class WalkCalls:
     """The calls of one walked example through the model: ``forwards`` no-grad forwards, then ``backwards``
     forward+backward windows (besides P's own forward and, under full context with horizon all, its backward).
     Ranks pad each field to the largest in the same slot, so FSDP sees the same collectives everywhere."""
@@ -30,8 +30,8 @@ class Schedule:
     forwards: int
     backwards: int
 
-    def pad(self, other: Schedule) -> Schedule:
-        return Schedule(max(self.chunks, other.chunks), max(self.forwards, other.forwards),
+    def pad(self, other: WalkCalls) -> WalkCalls:
+        return WalkCalls(max(self.chunks, other.chunks), max(self.forwards, other.forwards),
                         max(self.backwards, other.backwards))
 
 
@@ -59,9 +59,9 @@ def cuts(p: int, item_len: int, length: int, spec: WalkSpec, frozen: bool) -> li
     return sorted(x for x in points if x <= end)
 
 
-def schedule(p: int, item_len: int, length: int, spec: WalkSpec, frozen: bool = False) -> Schedule:
+def walk_calls(p: int, item_len: int, length: int, spec: WalkSpec, frozen: bool = False) -> WalkCalls:
     n = len(chunk_bounds(p, p + length - 1, spec.chunk))
     if spec.horizon is None:
-        return Schedule(n, n, n)
-    return Schedule(n, len(cuts(p, item_len, length, spec, frozen)) - 1, len(windows(p, item_len, length, spec,
+        return WalkCalls(n, n, n)
+    return WalkCalls(n, len(cuts(p, item_len, length, spec, frozen)) - 1, len(windows(p, item_len, length, spec,
                                                                                      frozen)))
