@@ -1,7 +1,7 @@
 """`packtrain plan CONFIG [--set ...] [--json] [--world-size N] [--memory]`: plan the training data's packs and
 print the statistics, the steps' utilisation at N ranks under both ``train.balance`` settings
 (:mod:`packtrain.run.balance`); with ``--memory``, the per-GPU memory estimate for the largest pack
-(:mod:`packtrain.ops.memory`), and with ``--gpu-memory GIB`` the largest budget that fits it.
+(:mod:`packtrain.models.memory`), and with ``--gpu-memory GIB`` the largest budget that fits it.
 
 Nothing touches torch or a model: this is how to size ``packing.token_budget`` before a run. ``--measure`` is the
 exception: it runs the training step under fake tensors (:mod:`packtrain.run.measure`), seconds and no memory.
@@ -16,7 +16,7 @@ from pathlib import Path
 from packtrain.config import ConfigError, load_config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_packs, plan_stats
-from packtrain.ops import memory
+from packtrain.models import memory
 from packtrain.run import balance
 
 

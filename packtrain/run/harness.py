@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from packtrain.data.planner import Plan
-from packtrain.ops import memory
+from packtrain.models import memory
 from packtrain.run.steps import Unit
 from packtrain.run.units import Prepared, UnitSetup, prepare, run_unit, step_scale
 
@@ -30,7 +30,7 @@ def build_lm(cfg, info):
 
 
 def largest_unit(plan: Plan, examples, mode: str, max_positions: int | None = None) -> Unit:
-    """The unit with the most positions (:func:`packtrain.ops.memory.largest_unit`); a walked example keeps its
+    """The unit with the most positions (:func:`packtrain.models.memory.largest_unit`); a walked example keeps its
     schedule, so it is walked as training walks it."""
     prompt, ids = memory.largest_unit(plan, examples, mode, max_positions)
     walked = next((p.schedule for p in plan.packs if p.schedule is not None and p.examples == tuple(ids)), None)

@@ -53,7 +53,7 @@ OK, SKIP, FATAL = 0, 1, 2  # per-unit codes, agreed across ranks with an all-red
 def check_node_pool(cfg, plan, examples, world_size: int) -> None:
     """Refuse a run whose offload pools (this node's ranks: LOCAL_WORLD_SIZE) would not fit the node's host memory
     (``ops.host_memory_per_node_gib``, else MemAvailable now), before the model is built."""
-    from packtrain.ops import memory
+    from packtrain.models import memory
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     have = cfg.ops.host_memory_per_node_gib

@@ -4,7 +4,7 @@ Pure arithmetic from the model's text config (a dict) and the pack's size; no to
 pack, M target tokens, H hidden, I intermediate, V vocabulary, b bytes of the model dtype, a bytes of the LoRA
 weights (peft's autocast keeps adapters of a bf16 model in float32: packtrain's ``apply_lora`` does).
 
-Exact terms (Qwen3.6-27B's figures at a 70K-token pack, tested in tests/test_ops_memory.py): a checkpointed layer
+Exact terms (Qwen3.6-27B's figures at a 70K-token pack, tested in tests/test_memory.py): a checkpointed layer
 input is [T, H] in b bytes (70K x 5120 bf16 = 0.67 GiB; 64 layers = 43 GiB); an MLP intermediate is [T, I] (70K x
 17408 = 2.3 GiB) and SwiGLU saves three of them (gate, SiLU(gate), up), one tile's rows of them when the MLP runs in
 tiles; a LoRA adapter computing in the model's dtype saves the input its base layer reads (once per input, shared by
