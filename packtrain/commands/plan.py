@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from pathlib import Path
 
-from packtrain.config import ConfigError, load_config
+from packtrain.config import ConfigError, PackingConfig, load_config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_packs, plan_stats
 from packtrain.models import memory
@@ -116,7 +117,9 @@ def run_plan(args) -> int:
         if args.gpu_memory <= 0:
             raise ValueError(f"--gpu-memory: must be positive, got {args.gpu_memory}")
         budget = memory.max_token_budget(cfg, plan, examples, args.world_size, args.gpu_memory)
-    modes = ({m: memory.estimate_for_plan(cfg, plan, examples, args.world_size, m) for m in memory.CONTEXT_GRADS}
+    # packing.context_grad's modes off the config's type: packtrain.packed.context.MODES would import torch
+    context_grads = typing.get_args(typing.get_type_hints(PackingConfig)["context_grad"])
+    modes = ({m: memory.estimate_for_plan(cfg, plan, examples, args.world_size, m) for m in context_grads}
              if args.memory and packing.mode == "shared_prefix" else None)
     pool = None
     if est is not None and cfg.train.offload:

@@ -610,7 +610,6 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
 
 
 _TRANSIENT = {"workspace", "lora_out", "mlp_first", "mlp_tile", "norm_backward", "gated_norm_backward"}  # alive only for a moment of the layer's recompute or backward
-_BACKWARD = {"workspace"}
 
 
 def frozen_prefix_terms(text: dict, prefix: int, b: int) -> list[Term]:
@@ -749,9 +748,6 @@ def format_phases(est: MemoryEstimate, measured=None) -> str:
         lines += [f"  measured: {note}" for note in measured.notes]
     lines.append("  savings: " + "; ".join(est.savings.describe()))
     return "\n".join(lines)
-
-
-CONTEXT_GRADS = ("full", "kv_only", "frozen")
 
 
 def format_modes(estimates: dict[str, MemoryEstimate]) -> str:
