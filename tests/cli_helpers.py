@@ -370,7 +370,8 @@ def train_losses(run_dir: Path) -> list:
     return [r["loss"] for r in rows if r.get("split") != "eval"]
 
 
-def max_rel(a: dict, b: dict) -> float:
-    """The largest over tensors of max|a - b| / max|b|."""
+def adapter_rel(a: dict, b: dict) -> float:
+    """The largest over two adapters' tensors of max|a - b| / max|b|. Unlike parity.max_rel it has no floor: a tensor
+    that is zero in ``b`` makes it nan, and the comparison fails."""
     assert a.keys() == b.keys() and a
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)

@@ -5,8 +5,7 @@ import json
 
 import pytest
 import torch
-from cli_helpers import REPO, TINY_MODEL, run_in_process, run_ranks, write_config
-from safetensors.torch import load_file
+from cli_helpers import REPO, TINY_MODEL, adapter_of, run_in_process, run_ranks, write_config
 
 from packtrain.packed.families import FAMILIES as FAMILY_TABLE
 
@@ -42,7 +41,7 @@ def _trains_and_loads(model_type, tmp_path, **sections):
     run = tmp_path / "run"
     steps = [m for m in _metrics(run) if m.get("split") != "eval"]
     assert [m["step"] for m in steps] == [1, 2] and all(m["grad_norm"] > 0 for m in steps)
-    adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    adapter = adapter_of(run)
     if lora.get("target_parameters"):
         assert any("experts" in k for k in adapter), sorted(adapter)
     assert not any(".mlp.gate." in k for k in adapter)
@@ -103,7 +102,7 @@ def test_vision_language_moe_trains_on_images(tmp_path):
                        packing={"token_budget": 1200, "max_continuations": 4}, train={"max_steps": 1})
     proc = run_in_process("train", cfg)
     assert "model: qwen3_5_moe (Qwen3_5MoeForConditionalGeneration" in proc.stdout, proc.stdout
-    adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    adapter = adapter_of(tmp_path / "run")
     assert any("experts" in k for k in adapter) and any("merger" in k for k in adapter)
 
 
@@ -114,7 +113,7 @@ def test_moe_trains_and_two_ranks_equal_one_rank(tmp_path):
     cfg = _trains_and_loads("qwen3_5_moe_text", tmp_path)
     two = run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
     assert "FSDP2 over 2 ranks" in two.stdout
-    one, two = (load_file(str(tmp_path / d / "adapter" / "adapter_model.safetensors")) for d in ("run", "two"))
+    one, two = (adapter_of(tmp_path / d) for d in ("run", "two"))
     assert one.keys() == two.keys()
     for name in one:  # float64: only the order of the cross-rank sums differs
         torch.testing.assert_close(one[name], two[name], rtol=1e-10, atol=1e-13)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from cli_helpers import RESUMED, run_in_process, write_config
+from cli_helpers import RESUMED, adapter_of, run_in_process, write_config
 from safetensors.torch import load_file
 
 from packtrain.exits import PREEMPTED_EXIT
@@ -61,7 +61,7 @@ def test_a_checkpoint_past_the_new_total_is_refused_without_a_final_adapter(trai
     run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", "--set", "train.max_steps=2")
     saved = {k.replace(".default", ""): v
              for k, v in load_file(str(run / "checkpoints/step-2/trainable.safetensors")).items()}
-    adapter = load_file(str(run / "adapter/adapter_model.safetensors"))
+    adapter = adapter_of(run)
     assert adapter.keys() == saved.keys() and all(torch.equal(adapter[k], saved[k]) for k in adapter)
 
 
@@ -113,7 +113,7 @@ def test_a_stop_after_an_epochs_last_step_runs_that_epochs_eval_on_resume(traine
     run_in_process("train", cfg, "--set", f"output_dir={run}", "--resume")
     assert [s for s, _ in evals(straight.run)] == [0, 6, 12]
     assert evals(run) == evals(straight.run)  # the same losses: the eval ran on step 6's restored adapter
-    a, b = (load_file(str(r / "adapter/adapter_model.safetensors")) for r in (straight.run, run))
+    a, b = (adapter_of(r) for r in (straight.run, run))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # data.eval removed on resume (an allowed change): the owed evaluation has nothing to run on, and is skipped
     run_in_process("train", cfg, "--set", f"output_dir={without_eval}", "--resume", "--set", "data.eval=null")
