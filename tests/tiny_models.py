@@ -33,6 +33,13 @@ def tiny_lora_model(layer_types, dtype=torch.float64, seed=0, targets=ALL_PROJEC
     return _random_lora(Qwen3_5ForCausalLM(tiny_text_config(layer_types, **config)).to(dtype), targets)
 
 
+def patched_lora_model(layer_types, *, backend, **model):
+    """:func:`tiny_lora_model` (``model``: its arguments) patched for packing with ``backend``."""
+    from packtrain.packed.patch import patch_model
+
+    return patch_model(tiny_lora_model(layer_types, **model), backend)
+
+
 def _random_lora(model, targets, params=None):
     with torch.no_grad():  # larger weights than the default init so every route matters at float64 scale
         for name, p in model.named_parameters():
