@@ -1,11 +1,10 @@
 """`packtrain train` on a tiny model of every family (the real CLI, in this process; two ranks as processes), and
 clear refusals of anything else."""
 
-import json
 
 import pytest
 import torch
-from cli_helpers import REPO, TINY_MODEL, adapter_of, run_in_process, run_ranks, write_config
+from cli_helpers import REPO, TINY_MODEL, adapter_of, metrics_of, run_in_process, run_ranks, write_config
 
 from packtrain.packed.families import FAMILIES as FAMILY_TABLE
 
@@ -39,7 +38,7 @@ def _trains_and_loads(model_type, tmp_path, **sections):
     proc = run_in_process("train", cfg)
     assert f"model: {model_type}" in proc.stdout, proc.stdout
     run = tmp_path / "run"
-    steps = [m for m in _metrics(run) if m.get("split") != "eval"]
+    steps = [m for m in metrics_of(run) if m.get("split") != "eval"]
     assert [m["step"] for m in steps] == [1, 2] and all(m["grad_norm"] > 0 for m in steps)
     adapter = adapter_of(run)
     if lora.get("target_parameters"):
@@ -51,16 +50,12 @@ def _trains_and_loads(model_type, tmp_path, **sections):
     model = PeftModel.from_pretrained(base, run / "adapter")
     loaded = {k for k, _ in model.named_parameters() if "lora_" in k}
     assert len(loaded) == len(adapter)
-    evals = [m for m in _metrics(run) if m.get("split") == "eval"]
+    evals = [m for m in metrics_of(run) if m.get("split") == "eval"]
     if evals:  # the final packed eval == transformers' forward with the adapter peft loaded, example by example
         assert evals[-1]["step"] == 2
         # float64 model, transformers' float32 casts (RMSNorm, chunk rule, logits.float()): see test_parity.py
         assert evals[-1]["loss"] == pytest.approx(_peft_mean_loss(model.eval(), tmp_path / "eval.jsonl"), rel=5e-6)
     return cfg
-
-
-def _metrics(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def _peft_mean_loss(model, path):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from cli_helpers import REPO, TINY_MODEL, adapter_of, run_in_process, write_config
+from cli_helpers import REPO, TINY_MODEL, adapter_of, metrics_of, run_in_process, write_config
 from fla_interp import needs_interpreter
 
 pytestmark = needs_interpreter
@@ -27,16 +27,12 @@ TRAIN = {"max_steps": 2, "packs_per_step": 1}
 LOSS_REL, GRAD_REL, ADAPTER_REL, ADAPTER_ABS = 1e-7, 2e-6, 4e-6, 5e-7
 
 
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_train_with_fla_kernels_under_the_interpreter_matches_torch_kernels(tmp_path):
     cfg = write_config(tmp_path, model=MODEL, optim=OPTIM, train=TRAIN)
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'torch'}", "--set", "model.kernels=torch")
     proc = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'fla'}", "--set", "model.kernels=fla")
     assert "gated-deltanet=fla, attention=batched" in proc.stdout + proc.stderr
-    ref, got = _metrics(tmp_path / "torch"), _metrics(tmp_path / "fla")
+    ref, got = metrics_of(tmp_path / "torch"), metrics_of(tmp_path / "fla")
     assert [m.get("split") for m in got] == [m.get("split") for m in ref] and len(ref) >= 3
     for a, b in zip(got, ref):
         assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_REL), (a, b)

@@ -12,7 +12,7 @@ import torch
 from cli_helpers import TINY_MODEL
 from parity import compare, max_rel, packed_run, without_float32_casts
 from test_groups import _peak_saved_bytes
-from tiny_models import patched_lora_model, random_pack
+from tiny_models import patched_lora_model, random_pack, with_lora_dropout
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
@@ -61,14 +61,6 @@ def test_tiles_keep_no_intermediate_activation_for_backward():
     assert saved["whole"][1] - saved["tiles"][1] >= 4 * 3 * rows * INTERMEDIATE * 8
 
 
-def _with_dropout(model, p):
-    for module in model.modules():  # LoRA dropout (peft holds an Identity for dropout 0)
-        if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict):
-            for name in module.lora_dropout:
-                module.lora_dropout[name] = torch.nn.Dropout(p)
-    return model
-
-
 def _kept_tiles(forward, rows, start, x, *params):
     """The same tiles with every tile's graph kept for backward (no recompute)."""
     return torch.cat([recompute._tile(forward, recompute._rows(x, offset, rows), offset, start)
@@ -80,7 +72,7 @@ def test_dropout_in_a_tile_draws_the_same_mask_in_its_recompute(monkeypatch):
     RNG state its forward drew from, so it draws the forward's masks: the losses equal, bit for bit, those of the
     same tiles kept for backward (same seed), and the gradients to float64 rounding (the recompute sums a weight's
     gradient over tiles itself; another mask changes them by more than 1e-2)."""
-    model = _with_dropout(patched_lora_model([L, F, L], seed=4, backend=TILES), 0.3)
+    model = with_lora_dropout(patched_lora_model([L, F, L], seed=4, backend=TILES), 0.3)
     prefix, conts = random_pack(20, [(5, 6), (30, 4)], seed=4)
     torch.manual_seed(1)
     la, ga = packed_run(model, prefix, conts)

@@ -5,14 +5,19 @@ import json
 
 import pytest
 import torch
-from cli_helpers import RESUMED, adapter_of, adapter_rel, run_in_process, run_ranks, write_config
+from cli_helpers import (
+    RESUMED,
+    adapter_of,
+    adapter_rel,
+    assert_equal_adapters,
+    metrics_of,
+    run_in_process,
+    run_ranks,
+    write_config,
+)
 
 # 2 steps of the default tiny config: the packed run the standalone and checkpointed runs are compared with
 TWO_STEPS = {"train": {"max_steps": 2}}
-
-
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_shared_prefix_and_standalone_give_the_same_adapter(tmp_path, trained):
@@ -27,8 +32,8 @@ def test_shared_prefix_and_standalone_give_the_same_adapter(tmp_path, trained):
     # AVX-only CPU: 2.2e-9 at an element of 1.1e-3, 2e-6 of it; the tensors' scales are 0.13-0.5). Measured there:
     # 4.7e-8; tests/mutations.py's broken plumbings give 6.1e-5 (zero initial state) to 1.8e-2 (tail off by one).
     assert adapter_rel(packed, alone) < 1e-6
-    steps = [m for m in _metrics(packed_run.run) if m.get("split") != "eval"]
-    steps_alone = [m for m in _metrics(tmp_path / "alone") if m.get("split") != "eval"]
+    steps = [m for m in metrics_of(packed_run.run) if m.get("split") != "eval"]
+    steps_alone = [m for m in metrics_of(tmp_path / "alone") if m.get("split") != "eval"]
     assert [m["examples"] for m in steps] == [m["examples"] for m in steps_alone]
     assert [m["positions"] for m in steps] < [m["positions"] for m in steps_alone]  # sharing P: fewer positions
     for a, b in zip(steps, steps_alone):
@@ -64,7 +69,7 @@ def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path, train
                  "checkpoints/step-2/trainable.safetensors",
                  "checkpoints/step-2/adapter/adapter_model.safetensors"):
         assert (run / name).exists(), name
-    metrics = _metrics(run)
+    metrics = metrics_of(run)
     assert metrics[0]["split"] == "eval" and metrics[0]["step"] == 0  # eval before any update
     train_lines = [m for m in metrics if m.get("split") != "eval"]
     assert [m["step"] for m in train_lines] == [1, 2, 3]
@@ -111,10 +116,8 @@ def test_resume_after_kill_gives_the_uninterrupted_adapter(tmp_path, trained):
     resumed = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'killed'}", "--resume")
     assert "continuing from" in resumed.stdout and "step-4" in resumed.stdout
     a, b = adapter_of(straight.run), adapter_of(tmp_path / "killed")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name  # bitwise on CPU (dropout RNG restored too)
-    steps = [m["step"] for m in _metrics(tmp_path / "killed") if m.get("split") != "eval"]
+    assert_equal_adapters(a, b)  # bitwise on CPU (dropout RNG restored too)
+    steps = [m["step"] for m in metrics_of(tmp_path / "killed") if m.get("split") != "eval"]
     assert steps == sorted(set(steps)) and steps[-1] == len(steps)  # no step logged twice or lost
 
 
@@ -138,11 +141,9 @@ def test_evals_leave_training_alone_and_the_last_step_is_evaluated(tmp_path):
     with_eval = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'eval'}")
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'plain'}", "--set", "data.eval=null")
     a, b = adapter_of(tmp_path / "eval"), adapter_of(tmp_path / "plain")
-    assert a.keys() == b.keys() and a
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_equal_adapters(a, b)
 
-    records = _metrics(tmp_path / "eval")
+    records = metrics_of(tmp_path / "eval")
     evals = [m for m in records if m.get("split") == "eval"]
     assert [m["step"] for m in evals] == [0, 4, 6, 8, 9]  # every 4, the epoch's end (6 packs), the last step
     assert f"-> {evals[-1]['loss']:.4f} at step 9" in with_eval.stdout

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F_
 from parity import max_rel, rel, standalone_run, trainable_grads, transformers_mlp, without_float32_casts
-from tiny_models import patched_lora_model, random_pack
+from tiny_models import patched_lora_model, random_pack, with_lora_dropout
 
 from packtrain.data.examples import Example
 from packtrain.data.planner import plan_packs, plan_stats
@@ -182,11 +182,7 @@ def test_dropout_masks_are_replayed_in_the_reverse_pass(monkeypatch):
     from packtrain.packed.walk import Window
 
     with without_float32_casts(monkeypatch):
-        model = _model([L, F, L], seed=8)
-        for module in model.modules():  # LoRA dropout (peft holds an Identity for dropout 0)
-            if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict):
-                for name in module.lora_dropout:
-                    module.lora_dropout[name] = torch.nn.Dropout(0.3)
+        model = with_lora_dropout(_model([L, F, L], seed=8), 0.3)
         prefix, (cont,) = random_pack(5, [(12, 30)], seed=8)
         torch.manual_seed(1)
         la, ga = walk_run(model, prefix, cont, WalkSpec(10, None))
