@@ -386,8 +386,8 @@ def assert_equal_adapters(a: dict, b: dict) -> None:
     import torch
 
     assert a.keys() == b.keys() and a
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    for name, tensor in a.items():
+        assert torch.equal(tensor, b[name]), name
 
 
 def adapter_rel(a: dict, b: dict) -> float:
