@@ -365,12 +365,33 @@ def adapter_of(run_dir: Path) -> dict:
     return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
+def metrics_of(run_dir: Path) -> list[dict]:
+    """A run's ``metrics.jsonl``, one dict per line."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def train_losses(run_dir: Path) -> list:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if r.get("split") != "eval"]
+    return [r["loss"] for r in metrics_of(run_dir) if r.get("split") != "eval"]
 
 
-def max_rel(a: dict, b: dict) -> float:
-    """The largest over tensors of max|a - b| / max|b|."""
+def refused(proc) -> str:
+    """The stderr of a command refused as a user error: exit 2, no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def assert_equal_adapters(a: dict, b: dict) -> None:
+    """Bit for bit: the same tensor names (at least one) and every tensor equal."""
+    import torch
+
+    assert a.keys() == b.keys() and a
+    for name, tensor in a.items():
+        assert torch.equal(tensor, b[name]), name
+
+
+def adapter_rel(a: dict, b: dict) -> float:
+    """The largest over two adapters' tensors of max|a - b| / max|b|. Unlike parity.max_rel it has no floor: a tensor
+    that is zero in ``b`` makes it nan, and the comparison fails."""
     assert a.keys() == b.keys() and a
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)

@@ -33,7 +33,13 @@ def trainable_grads(model):
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max|b|; zero against zero is 0 (the floor), as a gradient a mode cuts is in both."""
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def max_rel(a: dict, b: dict) -> float:
+    """The largest :func:`rel` over ``b``'s tensors (gradients or parameters by name)."""
+    return max(rel(a[n], b[n]) for n in b)
 
 
 def _with_pixels(layout, conts, pixels):

@@ -11,7 +11,7 @@ from tiny_models import tiny_text_config
 
 from packtrain.bench.measure import model_flops
 from packtrain.bench.presets import Shape, generate_examples
-from packtrain.ops import memory
+from packtrain.models import memory
 from packtrain.packed.kernels import fla_available
 
 VARIANT_KEYS = {"seconds", "cpu_seconds", "positions_per_s", "target_tokens_per_s", "peak_memory_bytes", "final_loss"}

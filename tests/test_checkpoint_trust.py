@@ -11,7 +11,7 @@ import zipfile
 
 import pytest
 import torch
-from cli_helpers import run_in_process
+from cli_helpers import adapter_of, run_in_process
 from safetensors.torch import load_file
 
 from packtrain.rundir.checkpoint import CheckpointDamaged, checkpoints, file_digest, verify_checkpoint, write_state
@@ -35,10 +35,6 @@ def _copy(finished, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
     return cfg, copy
-
-
-def _adapter(run):
-    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
 
 
 def _flip_bit(path, offset):
@@ -121,7 +117,7 @@ def test_damaged_checkpoints_fall_back_to_the_newest_valid_one_and_no_pickle_run
     assert not any(p.name.startswith((".tmp-", ".old-")) for d in (run, run / "checkpoints") for p in d.iterdir())
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]  # every line parses
     assert [x["step"] for x in lines if x.get("split") != "eval"] == [1, 2, 3, 4, 5, 6]
-    straight, resumed = load_file(str(run / "adapter-straight" / "adapter_model.safetensors")), _adapter(run)
+    straight, resumed = load_file(str(run / "adapter-straight" / "adapter_model.safetensors")), adapter_of(run)
     assert straight.keys() == resumed.keys()
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name  # bitwise: step 3's state was restored whole
@@ -139,7 +135,7 @@ def test_a_changed_byte_in_the_scheduler_or_rng_state_falls_back_to_the_uninterr
     assert "step-5 is damaged" in out and "scheduler.pt: contents differ from the digest" in out, out
     assert "step-4 is damaged" in out and "rng-rank-0.pt: contents differ from the digest" in out, out
     assert "falling back to step-3" in out and "step-3 (step 3" in out, out
-    straight, resumed = load_file(str(run / "adapter-straight" / "adapter_model.safetensors")), _adapter(run)
+    straight, resumed = load_file(str(run / "adapter-straight" / "adapter_model.safetensors")), adapter_of(run)
     assert straight.keys() == resumed.keys() and straight
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name

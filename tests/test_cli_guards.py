@@ -8,17 +8,11 @@ import shutil
 import subprocess
 
 import pytest
-from cli_helpers import run_in_process, write_config
-
-
-def _refused(proc) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return proc.stderr
+from cli_helpers import refused, run_in_process, write_config
 
 
 def _error_line(proc) -> str:
-    _refused(proc)
+    refused(proc)
     lines = [x for x in proc.stderr.splitlines() if x.startswith("packtrain train: error:")]
     assert len(lines) == 1, proc.stderr[-3000:]
     return lines[0]
@@ -27,7 +21,7 @@ def _error_line(proc) -> str:
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_max_grad_norm_must_be_positive(tmp_path, value):
     # 0 froze lora_B at zero and -1 trained uphill, both with exit 0
-    err = _refused(run_in_process("train", str(write_config(tmp_path)), "--set", f"optim.max_grad_norm={value}",
+    err = refused(run_in_process("train", str(write_config(tmp_path)), "--set", f"optim.max_grad_norm={value}",
                            check=False))
     assert f"optim.max_grad_norm: must be positive (or null: no clipping), got {value}" in err
 
@@ -112,7 +106,7 @@ def test_output_dir_without_permission_says_not_writable(tmp_path):
 
 # -- issue 28's probes: each gave a traceback, or blamed the wrong thing ------------------------------------------
 def _one_line(proc, command="train") -> str:
-    _refused(proc)
+    refused(proc)
     lines = [x for x in proc.stderr.splitlines() if x.startswith(f"packtrain {command}: error:")]
     assert len(lines) == 1, proc.stderr[-3000:]
     return lines[0]
@@ -151,12 +145,12 @@ def test_a_key_given_twice_in_the_config_is_refused_naming_both_lines(tmp_path):
     text = cfg.read_text()
     n = len(text.splitlines())
     cfg.write_text(text + "train:\n  save_every: 2\n")
-    err = _refused(run_in_process("train", str(cfg), check=False))
+    err = refused(run_in_process("train", str(cfg), check=False))
     first = next(i for i, x in enumerate(text.splitlines(), 1) if x == "train:")
     assert f"invalid config in {cfg}" in err
     assert f"line {n + 1}, column 1: duplicate key 'train' (first on line {first})" in err, err
     cfg.write_text(text.replace("  epochs: 1\n", "  epochs: 1\n  epochs: 2\n"))  # inside one block, too
-    err = _refused(run_in_process("plan", str(cfg), check=False))
+    err = refused(run_in_process("plan", str(cfg), check=False))
     assert "duplicate key 'epochs'" in err, err
 
 

@@ -19,9 +19,18 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F_
-from parity import compare, packed_run, rel, standalone_run, trainable_grads, transformers_mlp, without_float32_casts
+from parity import (
+    compare,
+    max_rel,
+    packed_run,
+    rel,
+    standalone_run,
+    trainable_grads,
+    transformers_mlp,
+    without_float32_casts,
+)
 from test_fla_plumbing import fake_fla  # noqa: F401 - the fixture, used by name
-from tiny_models import random_pack, tiny_lora_model
+from tiny_models import patched_lora_model, random_pack, tiny_lora_model
 
 from packtrain.models.offload import ChunkPool
 from packtrain.models.wrap import checkpoint_decoder_layers, offload_decoder_layers
@@ -29,7 +38,7 @@ from packtrain.packed import context as context_module
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import build_pack_layout
 from packtrain.packed.lm import PackCall, PackedLM
-from packtrain.packed.patch import patch_model, text_parts, unwrap
+from packtrain.packed.patch import text_parts, unwrap
 
 L, F = "linear_attention", "full_attention"
 MODES = ["full", "kv_only", "frozen"]
@@ -46,12 +55,8 @@ IDS = [f"P{c[0]}-n{len(c[1])}" for c in CASES]
 
 
 def _model(layer_types, seed=0, attention="batched", mlp_rows=None):
-    return patch_model(tiny_lora_model(layer_types, seed=seed), Backend(gdn="torch", attention=attention,
-                                                                        mlp_rows=mlp_rows))
-
-
-def _max_rel(ga, gb):
-    return max(rel(ga[n], gb[n]) for n in gb)
+    return patched_lora_model(layer_types, seed=seed,
+                              backend=Backend(gdn="torch", attention=attention, mlp_rows=mlp_rows))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -131,7 +136,7 @@ def test_frozen_equals_transformers_cache_path(prefix_len, specs, layer_types, m
     assert rel(torch.tensor(losses), torch.tensor(ref_losses)) < 1e-13
     for a, b in zip(packed_logits, ref_logits):
         assert rel(a, b) < 1e-13
-    assert _max_rel(grads, ref_grads) < 5e-7
+    assert max_rel(grads, ref_grads) < 5e-7
 
 
 def _hook_cut_reference(model, prefix, conts):
@@ -170,7 +175,7 @@ def test_kv_only_equals_an_independent_hook_cut(prefix_len, specs, layer_types, 
         ref_losses, ref_grads = _hook_cut_reference(model, prefix, conts)
         losses, grads = packed_run(model, prefix, conts, context_grad="kv_only")
     assert rel(torch.tensor(losses), torch.tensor(ref_losses)) < 1e-13
-    assert _max_rel(grads, ref_grads) < 5e-7
+    assert max_rel(grads, ref_grads) < 5e-7
 
 
 @pytest.mark.parametrize("mlp_rows", [7, 16, 64])
@@ -178,13 +183,13 @@ def test_kv_only_with_the_dense_mlp_in_blocks_equals_the_hook_cut(mlp_rows, monk
     """CPU runs a pack's dense MLP in blocks of rows: blocks wholly in P, across P's end and after it (P 40 here;
     the CPU default is 512 rows, and P over 512 or a buffer over 512 once met the same boundaries)."""
     with without_float32_casts(monkeypatch):
-        model = patch_model(tiny_lora_model([L, F, L], seed=2), Backend(gdn="torch", attention="batched",
-                                                                          mlp_rows=mlp_rows))
+        model = patched_lora_model([L, F, L], seed=2,
+                                   backend=Backend(gdn="torch", attention="batched", mlp_rows=mlp_rows))
         prefix, conts = random_pack(40, [(0, 3), (20, 9), (33, 12)], seed=2)
         ref_losses, ref_grads = _hook_cut_reference(model, prefix, conts)
         losses, grads = packed_run(model, prefix, conts, context_grad="kv_only")
     assert rel(torch.tensor(losses), torch.tensor(ref_losses)) < 1e-13
-    assert _max_rel(grads, ref_grads) < 5e-7
+    assert max_rel(grads, ref_grads) < 5e-7
 
 
 @pytest.mark.parametrize("run", [packed_run, standalone_run], ids=["packed", "standalone"])
@@ -195,7 +200,7 @@ def test_kv_only_forward_is_full_bitwise_and_the_modes_learn_differently(run):
     lk, gk = run(model, prefix, conts, context_grad="kv_only")
     _, gz = run(model, prefix, conts, context_grad="frozen")
     assert lk == lf  # bitwise
-    assert _max_rel(gk, gf) > 1e-2 and _max_rel(gk, gz) > 1e-2 and _max_rel(gz, gf) > 1e-2
+    assert max_rel(gk, gf) > 1e-2 and max_rel(gk, gz) > 1e-2 and max_rel(gz, gf) > 1e-2
     layout = build_pack_layout(prefix, conts)
     hidden = {}
     for mode in ("full", "kv_only"):
@@ -370,10 +375,10 @@ def test_fla_frozen_plumbing_equals_torch_back_end(fake_fla_frozen, monkeypatch,
     with without_float32_casts(monkeypatch):
         prefix, conts = random_pack(prefix_len, [(0, 1), (3, 2), (70, 5), (10, 1)], seed=prefix_len)
         ref = packed_run(_model([L, F], seed=5), prefix, conts, context_grad="frozen")
-        fla_model = patch_model(tiny_lora_model([L, F], seed=5), Backend("fla", "batched"))
+        fla_model = patched_lora_model([L, F], seed=5, backend=Backend("fla", "batched"))
         got = packed_run(fla_model, prefix, conts, context_grad="frozen")
     assert rel(torch.tensor(got[0]), torch.tensor(ref[0])) < 1e-13
-    assert _max_rel(got[1], ref[1]) < 1e-10
+    assert max_rel(got[1], ref[1]) < 1e-10
 
 
 def test_frozen_pack_with_nothing_to_learn_still_runs_its_backward():
@@ -399,7 +404,7 @@ def test_frozen_flex_mask_equals_the_batched_path_forward(fake_fla_frozen, monke
     prefix, conts = random_pack(37, [(0, 2), (5, 3), (70, 4)], seed=10)
     losses = {}
     for attention in ("batched", "flex"):
-        model = patch_model(tiny_lora_model([L, F], dtype=torch.float32, seed=10), Backend("torch", attention))
+        model = patched_lora_model([L, F], dtype=torch.float32, seed=10, backend=Backend("torch", attention))
         with torch.no_grad():
             losses[attention] = PackedLM(model, "frozen")(PackCall(build_pack_layout(prefix, conts))).per_example
     assert rel(losses["flex"], losses["batched"]) < 1e-6

@@ -6,15 +6,10 @@ import json
 
 import pytest
 import torch
-from cli_helpers import run_in_process, run_ranks, write_config
-from safetensors.torch import load_file
+from cli_helpers import adapter_of, run_in_process, run_ranks, write_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.process]
 MODES = ("kv_only", "frozen")
-
-
-def _adapter(run_dir):
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
 def _eval(cfg, adapter, out, mode):
@@ -31,7 +26,7 @@ def test_two_ranks_equal_one_rank_in_each_mode(tmp_path):
         assert f"context_grad {mode} (" in one.stdout, one.stdout
         run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / (mode + '-2')}", "--set",
                         f"packing.context_grad={mode}")
-        a, b = _adapter(tmp_path / mode), _adapter(tmp_path / (mode + "-2"))
+        a, b = adapter_of(tmp_path / mode), adapter_of(tmp_path / (mode + "-2"))
         assert a.keys() == b.keys() and a
         for name in a:  # float64: only the order of the cross-rank sums differs
             torch.testing.assert_close(a[name], b[name], rtol=1e-10, atol=1e-13)

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 from cli_helpers import write_config
-from test_ops_memory import QWEN36_27B, SEED_LORA
+from test_memory import QWEN36_27B, SEED_LORA
 from tiny_models import tiny_lora_model, tiny_text_config
 
 import packtrain.packed.patch  # noqa: F401 - routes transformers' CPU kernels, as every packtrain process does
 from packtrain.commands.plan import run_plan
-from packtrain.ops import memory
+from packtrain.models import memory
 
 GiB = 2**30
 P, N, C = 65_536, 80, 1_024  # the seeds' pack: P of 64K tokens, 80 continuations of 1K

@@ -9,14 +9,9 @@ import subprocess
 
 import pytest
 import torch
-from cli_helpers import REPO, RULEBOOKS, SGD, run_in_process, run_ranks, write_config, write_model_dir
-from safetensors.torch import load_file
+from cli_helpers import REPO, RULEBOOKS, SGD, adapter_of, run_in_process, run_ranks, write_config, write_model_dir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.process]
-
-
-def _adapter(run_dir):
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
 def _steps(run_dir):
@@ -46,7 +41,7 @@ def test_two_ranks_equal_one_rank(tmp_path, mode, world):
     held, total = (int(v.replace(",", "")) for v in line.split("holds ")[1].split(" parameter")[0].split(" of "))
     assert held < 1.2 * total / world, line  # really sharded: each rank holds about its share
     _assert_same_steps(_steps(tmp_path / "one"), _steps(tmp_path / "two"))
-    _assert_same(_adapter(tmp_path / "one"), _adapter(tmp_path / "two"))
+    _assert_same(adapter_of(tmp_path / "one"), adapter_of(tmp_path / "two"))
 
 
 def test_float32_adapters_on_two_ranks_give_the_one_rank_adapter(tmp_path):
@@ -57,7 +52,7 @@ def test_float32_adapters_on_two_ranks_give_the_one_rank_adapter(tmp_path):
                        train={"max_steps": 2, "packs_per_step": 2}, data={"eval": None})
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
     run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
-    one, two = _adapter(tmp_path / "one"), _adapter(tmp_path / "two")
+    one, two = adapter_of(tmp_path / "one"), adapter_of(tmp_path / "two")
     assert {t.dtype for t in one.values()} == {torch.float32}
     _assert_same(one, two, exact=True)
     for a, b in zip(_steps(tmp_path / "one"), _steps(tmp_path / "two"), strict=True):
@@ -74,7 +69,7 @@ def test_chunked_loss_with_a_trained_head_on_two_ranks_gives_the_one_rank_adapte
     one = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
     assert "loss: lm_head + cross-entropy in chunks of 3 target rows (recomputed in backward)" in one.stdout
     run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
-    one, two = _adapter(tmp_path / "one"), _adapter(tmp_path / "two")
+    one, two = adapter_of(tmp_path / "one"), adapter_of(tmp_path / "two")
     assert any("lm_head" in name for name in one)
     _assert_same(one, two)
     _assert_same_steps(_steps(tmp_path / "one"), _steps(tmp_path / "two"))
@@ -99,9 +94,9 @@ def test_model_path_runs_give_one_adapter_on_one_and_two_ranks(tmp_path):
     # twice in one process: the global RNG is not where a fresh process starts it the second time
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'a'}")
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'b'}")
-    _assert_same(_adapter(tmp_path / "a"), _adapter(tmp_path / "b"), exact=True)
+    _assert_same(adapter_of(tmp_path / "a"), adapter_of(tmp_path / "b"), exact=True)
     run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
-    _assert_same(_adapter(tmp_path / "a"), _adapter(tmp_path / "two"))
+    _assert_same(adapter_of(tmp_path / "a"), adapter_of(tmp_path / "two"))
     _assert_same_steps(_steps(tmp_path / "a"), _steps(tmp_path / "two"))
 
 
@@ -151,7 +146,7 @@ def test_checkpoint_from_two_ranks_resumes_on_one(tmp_path):
     assert (tmp_path / "moved" / "checkpoints" / "step-2" / "rng-rank-1.pt").exists()
     resumed = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'moved'}", "--resume")
     assert "written with world size 2, now 1" in resumed.stdout
-    _assert_same(_adapter(tmp_path / "one"), _adapter(tmp_path / "moved"))
+    _assert_same(adapter_of(tmp_path / "one"), adapter_of(tmp_path / "moved"))
 
 
 def test_launch_script_runs_the_interpreter_behind_packtrain(tmp_path):

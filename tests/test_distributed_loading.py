@@ -6,8 +6,7 @@ takes away."""
 import pytest
 import torch
 from checkpoints import checkpoint_bytes, save_checkpoint, text_config
-from cli_helpers import run_in_process, run_ranks, write_config
-from safetensors.torch import load_file
+from cli_helpers import adapter_of, run_in_process, run_ranks, write_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.process]
 
@@ -68,8 +67,8 @@ def test_two_ranks_equal_one_rank_from_a_checkpoint(tmp_path):
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
     two = run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
     assert "each of 2 ranks reading its shards; not loaded by the model class: mtp.*: 3" in two.stdout
-    a = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))
+    a = adapter_of(tmp_path / "one")
+    b = adapter_of(tmp_path / "two")
     assert a.keys() == b.keys() and a
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-10, atol=1e-13)

@@ -1,12 +1,10 @@
 """`packtrain train` on a tiny model of every family (the real CLI, in this process; two ranks as processes), and
 clear refusals of anything else."""
 
-import json
 
 import pytest
 import torch
-from cli_helpers import REPO, TINY_MODEL, run_in_process, run_ranks, write_config
-from safetensors.torch import load_file
+from cli_helpers import REPO, TINY_MODEL, adapter_of, metrics_of, run_in_process, run_ranks, write_config
 
 from packtrain.packed.families import FAMILIES as FAMILY_TABLE
 
@@ -40,9 +38,9 @@ def _trains_and_loads(model_type, tmp_path, **sections):
     proc = run_in_process("train", cfg)
     assert f"model: {model_type}" in proc.stdout, proc.stdout
     run = tmp_path / "run"
-    steps = [m for m in _metrics(run) if m.get("split") != "eval"]
+    steps = [m for m in metrics_of(run) if m.get("split") != "eval"]
     assert [m["step"] for m in steps] == [1, 2] and all(m["grad_norm"] > 0 for m in steps)
-    adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    adapter = adapter_of(run)
     if lora.get("target_parameters"):
         assert any("experts" in k for k in adapter), sorted(adapter)
     assert not any(".mlp.gate." in k for k in adapter)
@@ -52,16 +50,12 @@ def _trains_and_loads(model_type, tmp_path, **sections):
     model = PeftModel.from_pretrained(base, run / "adapter")
     loaded = {k for k, _ in model.named_parameters() if "lora_" in k}
     assert len(loaded) == len(adapter)
-    evals = [m for m in _metrics(run) if m.get("split") == "eval"]
+    evals = [m for m in metrics_of(run) if m.get("split") == "eval"]
     if evals:  # the final packed eval == transformers' forward with the adapter peft loaded, example by example
         assert evals[-1]["step"] == 2
         # float64 model, transformers' float32 casts (RMSNorm, chunk rule, logits.float()): see test_parity.py
         assert evals[-1]["loss"] == pytest.approx(_peft_mean_loss(model.eval(), tmp_path / "eval.jsonl"), rel=5e-6)
     return cfg
-
-
-def _metrics(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def _peft_mean_loss(model, path):
@@ -103,7 +97,7 @@ def test_vision_language_moe_trains_on_images(tmp_path):
                        packing={"token_budget": 1200, "max_continuations": 4}, train={"max_steps": 1})
     proc = run_in_process("train", cfg)
     assert "model: qwen3_5_moe (Qwen3_5MoeForConditionalGeneration" in proc.stdout, proc.stdout
-    adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    adapter = adapter_of(tmp_path / "run")
     assert any("experts" in k for k in adapter) and any("merger" in k for k in adapter)
 
 
@@ -114,7 +108,7 @@ def test_moe_trains_and_two_ranks_equal_one_rank(tmp_path):
     cfg = _trains_and_loads("qwen3_5_moe_text", tmp_path)
     two = run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
     assert "FSDP2 over 2 ranks" in two.stdout
-    one, two = (load_file(str(tmp_path / d / "adapter" / "adapter_model.safetensors")) for d in ("run", "two"))
+    one, two = (adapter_of(tmp_path / d) for d in ("run", "two"))
     assert one.keys() == two.keys()
     for name in one:  # float64: only the order of the cross-rank sums differs
         torch.testing.assert_close(one[name], two[name], rtol=1e-10, atol=1e-13)

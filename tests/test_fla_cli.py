@@ -10,9 +10,8 @@ import sys
 
 import pytest
 import torch
-from cli_helpers import REPO, TINY_MODEL, run_in_process, write_config
+from cli_helpers import REPO, TINY_MODEL, adapter_of, metrics_of, run_in_process, write_config
 from fla_interp import needs_interpreter
-from safetensors.torch import load_file
 
 pytestmark = needs_interpreter
 
@@ -28,26 +27,18 @@ TRAIN = {"max_steps": 2, "packs_per_step": 1}
 LOSS_REL, GRAD_REL, ADAPTER_REL, ADAPTER_ABS = 1e-7, 2e-6, 4e-6, 5e-7
 
 
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _adapter(run_dir):
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
-
-
 def test_train_with_fla_kernels_under_the_interpreter_matches_torch_kernels(tmp_path):
     cfg = write_config(tmp_path, model=MODEL, optim=OPTIM, train=TRAIN)
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'torch'}", "--set", "model.kernels=torch")
     proc = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'fla'}", "--set", "model.kernels=fla")
     assert "gated-deltanet=fla, attention=batched" in proc.stdout + proc.stderr
-    ref, got = _metrics(tmp_path / "torch"), _metrics(tmp_path / "fla")
+    ref, got = metrics_of(tmp_path / "torch"), metrics_of(tmp_path / "fla")
     assert [m.get("split") for m in got] == [m.get("split") for m in ref] and len(ref) >= 3
     for a, b in zip(got, ref):
         assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_REL), (a, b)
         if "grad_norm" in b:
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=GRAD_REL), (a, b)
-    fla_adapter, torch_adapter = _adapter(tmp_path / "fla"), _adapter(tmp_path / "torch")
+    fla_adapter, torch_adapter = adapter_of(tmp_path / "fla"), adapter_of(tmp_path / "torch")
     assert fla_adapter.keys() == torch_adapter.keys() and fla_adapter
     for name in torch_adapter:
         torch.testing.assert_close(fla_adapter[name], torch_adapter[name], rtol=ADAPTER_REL, atol=ADAPTER_ABS)

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 from parity import packed_run, without_float32_casts
-from tiny_models import random_pack, tiny_lora_model
+from tiny_models import patched_lora_model, random_pack
 
 from packtrain.packed import kernels as kernels_pkg
 from packtrain.packed.kernels import Backend, torch_ref
@@ -64,14 +64,12 @@ def fake_fla(monkeypatch):
 
 @pytest.mark.parametrize("prefix_len", [1, 2, 65])
 def test_fla_plumbing_equals_torch_back_end(fake_fla, monkeypatch, prefix_len):
-    from packtrain.packed.patch import patch_model
-
     with without_float32_casts(monkeypatch):
         prefix, conts = random_pack(prefix_len, [(0, 1), (3, 2), (70, 5), (10, 1)], seed=prefix_len)
-        ref = packed_run(patch_model(tiny_lora_model(["linear_attention", "full_attention"], seed=5),
-                                     Backend("torch", "batched")), prefix, conts)
-        got = packed_run(patch_model(tiny_lora_model(["linear_attention", "full_attention"], seed=5),
-                                     Backend("fla", "batched")), prefix, conts)
+        ref = packed_run(patched_lora_model(["linear_attention", "full_attention"], seed=5,
+                                            backend=Backend("torch", "batched")), prefix, conts)
+        got = packed_run(patched_lora_model(["linear_attention", "full_attention"], seed=5,
+                                            backend=Backend("fla", "batched")), prefix, conts)
     assert torch.allclose(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=1e-13, atol=0)
     for name in ref[1]:
         torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-10, atol=1e-13)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from fla_interp import needs_interpreter
 from test_vlm import IMAGE, image_item, tiny_vlm
-from tiny_models import random_pack, tiny_family_model, tiny_lora_model
+from tiny_models import patched_lora_model, random_pack, tiny_family_model, tiny_lora_model
 
 from packtrain.distributed import DistInfo
 from packtrain.packed.decode import ItemsCall
@@ -202,8 +202,8 @@ def test_the_item_pass_through_fla_kernels_records_the_torch_back_ends_state():
     prefix, conts = random_pack(5, [(3, 1), (1, 1), (70, 1), (2, 1)], seed=7)
     rows = {}
     for name, backend in (("fla", fla_cpu_backend()), ("torch", Backend("torch", "batched"))):
-        model = patch_model(tiny_lora_model([L, F], dtype=torch.float32, seed=4, linear_num_key_heads=1,
-                                            linear_num_value_heads=2), backend)
+        model = patched_lora_model([L, F], dtype=torch.float32, seed=4, linear_num_key_heads=1,
+                                   linear_num_value_heads=2, backend=backend)
         lm = PackedLM(model).eval()
         with torch.no_grad():
             layout = build_pack_layout(prefix, [Continuation(c.item_ids, ()) for c in conts], targets=False)

@@ -12,8 +12,8 @@ dropped): 0.83 off.
 
 import pytest
 import torch
-from parity import rel, standalone_run, trainable_grads, without_float32_casts
-from tiny_models import random_pack, tiny_family_model, tiny_lora_model
+from parity import max_rel, rel, standalone_run, trainable_grads, without_float32_casts
+from tiny_models import patched_lora_model, random_pack, tiny_family_model
 
 from packtrain.packed import groups as groups_module
 from packtrain.packed.groups import Groups, split, train_groups
@@ -59,11 +59,11 @@ def test_groups_equal_the_standalone_examples(case, n_groups, monkeypatch):
     prefix_len, specs, layer_types = CASES[case]
     prefix, conts = random_pack(prefix_len, specs, seed=case)
     with without_float32_casts(monkeypatch):
-        model = patch_model(tiny_lora_model(layer_types, seed=case), BACKEND)
+        model = patched_lora_model(layer_types, seed=case, backend=BACKEND)
         total, ga = groups_run(model, prefix, conts, n_groups)
         losses, gb = standalone_run(model, prefix, conts)
     assert abs(total - sum(losses)) < 1e-13 * abs(sum(losses))
-    assert max(rel(ga[n], gb[n]) for n in gb) < 5e-7
+    assert max_rel(ga, gb) < 5e-7
 
 
 @pytest.mark.parametrize("mode", ["full", "frozen"])
@@ -71,11 +71,11 @@ def test_groups_with_the_loss_in_chunks_of_5_rows(mode, monkeypatch):
     prefix_len, specs, layer_types = CASES[0]
     prefix, conts = random_pack(prefix_len, specs, seed=0)
     with without_float32_casts(monkeypatch):
-        model = patch_model(tiny_lora_model(layer_types, seed=0), BACKEND)
+        model = patched_lora_model(layer_types, seed=0, backend=BACKEND)
         total, ga = groups_run(model, prefix, conts, 2, mode, loss_chunk_rows=5)
         losses, gb = standalone_run(model, prefix, conts, context_grad=mode)
     assert abs(total - sum(losses)) < 1e-13 * abs(sum(losses))
-    assert max(rel(ga[n], gb[n]) for n in gb) < 5e-7
+    assert max_rel(ga, gb) < 5e-7
 
 
 @pytest.mark.parametrize("mode", ["kv_only", "frozen"])
@@ -84,12 +84,12 @@ def test_groups_equal_the_pack_under_each_context_mode(case, mode, monkeypatch):
     prefix_len, specs, layer_types = CASES[case]
     prefix, conts = random_pack(prefix_len, specs, seed=case)
     with without_float32_casts(monkeypatch):
-        model = patch_model(tiny_lora_model(layer_types, seed=case), BACKEND)
+        model = patched_lora_model(layer_types, seed=case, backend=BACKEND)
         la, ga = pack_run(model, prefix, conts, mode)
         lb, gb = groups_run(model, prefix, conts, 3, mode)
         _, g_full = pack_run(model, prefix, conts, "full")
     assert abs(la - lb) < 1e-13 * abs(la)
-    assert max(rel(gb[n], ga[n]) for n in ga) < 1e-12
+    assert max_rel(gb, ga) < 1e-12
     assert max(rel(ga[n], g_full[n]) for n in ga) > 1e-3  # the mode trains something else: the check can tell
 
 
@@ -103,18 +103,18 @@ def test_groups_per_family(model_type, layer_types, monkeypatch):
         la, ga = pack_run(model, prefix, conts, "full")
         lb, gb = groups_run(model, prefix, conts, 2)
     assert abs(la - lb) < 1e-13 * abs(la)
-    assert max(rel(gb[n], ga[n]) for n in ga) < 1e-12
+    assert max_rel(gb, ga) < 1e-12
 
 
 def test_without_the_backward_through_p_the_gradient_differs(monkeypatch):
     """The control: drop the groups' summed gradients on P's outputs (no step 3) and the comparison fails."""
     prefix_len, specs, layer_types = CASES[0]
     prefix, conts = random_pack(prefix_len, specs, seed=0)
-    model = patch_model(tiny_lora_model(layer_types, seed=0), BACKEND)
+    model = patched_lora_model(layer_types, seed=0, backend=BACKEND)
     _, ga = pack_run(model, prefix, conts, "full")
     monkeypatch.setattr(groups_module, "backward_through", lambda outputs, grads, losses=(): None)
     _, gb = groups_run(model, prefix, conts, 2)
-    assert max(rel(gb[n], ga[n]) for n in ga) > 1e-3
+    assert max_rel(gb, ga) > 1e-3
 
 
 def test_split_keeps_order_and_balances_positions():
@@ -151,7 +151,7 @@ def test_groups_hold_less_of_the_continuations_graph():
     about a quarter of it (saved tensors at their peak, of the one-forward pack's: 2 groups 0.56, 4 groups 0.33,
     12 groups 0.18, P's own share being the floor)."""
     prefix, conts = random_pack(16, [(20, 20)] * 12, seed=5)
-    model = patch_model(tiny_lora_model([L, F, L], dtype=torch.float32, seed=5), BACKEND)
+    model = patched_lora_model([L, F, L], dtype=torch.float32, seed=5, backend=BACKEND)
     lm = PackedLM(model, "full")
     whole = _peak_saved_bytes(lambda: lm(PackCall(build_pack_layout(prefix, conts))).loss_sum.backward())
     four = _peak_saved_bytes(lambda: train_groups(lm, grouped(prefix, conts, 4), 1.0))
@@ -171,14 +171,14 @@ def test_one_update_in_groups_is_the_one_forward_update(monkeypatch):
         after = []
         for kind, n_groups, unit in ((PACK, 1, build_pack_layout(prefix, conts)),
                                      (GROUPS, 3, grouped(prefix, conts, 3))):
-            model = patch_model(tiny_lora_model(layer_types, seed=0), BACKEND)
+            model = patched_lora_model(layer_types, seed=0, backend=BACKEND)
             params = [p for p in model.parameters() if p.requires_grad]
             sgd = torch.optim.SGD(params, lr=0.5)
             step = Step(PackedLM(model, "full"), UnitSetup("shared_prefix", n_groups), None, [],
                         DistInfo(0, 1, 0, torch.device("cpu")), params, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0))
             one_update(step, Built(Unit(kind, 0, tuple(range(len(conts)))), unit))
             after.append(trainable_values(model))
-    assert max(rel(after[1][n], after[0][n]) for n in after[0]) < 1e-12
+    assert max_rel(after[1], after[0]) < 1e-12
 
 
 def trainable_values(model):

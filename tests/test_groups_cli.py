@@ -3,7 +3,7 @@ forward per pack, on 1 and 2 ranks (packs of 1-3 continuations in 3 groups: fill
 differ in size, all issue the same calls); refusals name the key."""
 
 import pytest
-from cli_helpers import SGD, adapter_of, max_rel, run_in_process, run_ranks, train_losses, write_config
+from cli_helpers import SGD, adapter_of, adapter_rel, run_in_process, run_ranks, train_losses, write_config
 
 
 @pytest.mark.parametrize("memory", ["", "train.activation_checkpointing=true", "train.offload=true"])
@@ -18,7 +18,7 @@ def test_groups_train_the_one_forward_adapter(tmp_path, memory, trained):
     assert "continuation_groups 3: each pack's continuations in 3 groups against one P graph" in grouped.stdout
     # float64 except transformers' float32 casts (RMSNorm, gated norm, GDN kernel) in P's own forward: measured
     # 8.1e-8 here, 2.4e-8 on 2 ranks below
-    assert max_rel(adapter_of(tmp_path / "groups"), adapter_of(one.run)) < 1e-6
+    assert adapter_rel(adapter_of(tmp_path / "groups"), adapter_of(one.run)) < 1e-6
     assert train_losses(tmp_path / "groups") == pytest.approx(train_losses(one.run), rel=1e-7)
 
 
@@ -29,7 +29,7 @@ def test_two_ranks_with_groups_equal_one_rank_without(tmp_path):
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
     run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}", "--set", "packing.continuation_groups=3")
     # as above: P's own forward keeps transformers' float32 casts, where the one-forward pack's P runs float64
-    assert max_rel(adapter_of(tmp_path / "two"), adapter_of(tmp_path / "one")) < 1e-6
+    assert adapter_rel(adapter_of(tmp_path / "two"), adapter_of(tmp_path / "one")) < 1e-6
     assert train_losses(tmp_path / "two") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-7)
 
 

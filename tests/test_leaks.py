@@ -3,11 +3,10 @@
 import pytest
 import torch
 from parity import compare, without_float32_casts
-from tiny_models import random_pack, tiny_lora_model
+from tiny_models import patched_lora_model, random_pack
 
 from packtrain.packed import attention, gdn, layout
 from packtrain.packed.kernels import Backend
-from packtrain.packed.patch import patch_model
 
 L, F = "linear_attention", "full_attention"
 SPECS = [(3, 2), (70, 4), (10, 3)]
@@ -15,7 +14,7 @@ SPECS = [(3, 2), (70, 4), (10, 3)]
 
 def _diff(monkeypatch, attention_impl="batched"):
     with without_float32_casts(monkeypatch):
-        model = patch_model(tiny_lora_model([L, F, L], seed=2), Backend(gdn="torch", attention=attention_impl))
+        model = patched_lora_model([L, F, L], seed=2, backend=Backend(gdn="torch", attention=attention_impl))
         prefix, conts = random_pack(65, SPECS, seed=5)
         return compare(model, prefix, conts)
 

@@ -11,7 +11,7 @@ from cli_helpers import REPO, run_in_process
 from tiny_models import FAMILY_CONFIGS
 
 from packtrain.config import load_config
-from packtrain.ops import memory
+from packtrain.models import memory
 from packtrain.run.measure import GDN_NOTE, LiveBytes
 from packtrain.run.units import unit_shape
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from parity import hf_losses, packed_run, standalone_run
-from tiny_models import random_pack, tiny_lora_model
+from tiny_models import patched_lora_model, random_pack, tiny_lora_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from packtrain.models.wrap import checkpoint_decoder_layers
@@ -19,8 +19,8 @@ BACKEND = Backend(gdn="torch", attention="batched")
 @pytest.mark.parametrize("run", [packed_run, standalone_run], ids=["packed", "standalone"])
 def test_activation_checkpointing_changes_nothing(run):
     prefix, conts = random_pack(65, [(0, 1), (70, 5), (10, 2)], seed=7)
-    plain = patch_model(tiny_lora_model([L, F, L], seed=3), BACKEND)
-    checkpointed = checkpoint_decoder_layers(patch_model(tiny_lora_model([L, F, L], seed=3), BACKEND))
+    plain = patched_lora_model([L, F, L], seed=3, backend=BACKEND)
+    checkpointed = checkpoint_decoder_layers(patched_lora_model([L, F, L], seed=3, backend=BACKEND))
     la, ga = run(plain, prefix, conts)
     lb, gb = run(checkpointed, prefix, conts)
     assert la == lb  # identical, not merely close: the recompute runs the same layout through the same kernels
@@ -32,7 +32,7 @@ def test_activation_checkpointing_changes_nothing(run):
 
 
 def test_no_grad_eval_gives_the_training_losses():
-    model = patch_model(tiny_lora_model([L, F], seed=4), BACKEND)
+    model = patched_lora_model([L, F], seed=4, backend=BACKEND)
     prefix, conts = random_pack(20, [(5, 2), (9, 3)], seed=8)
     losses, _ = packed_run(model, prefix, conts)
     with torch.no_grad():
@@ -42,7 +42,7 @@ def test_no_grad_eval_gives_the_training_losses():
 
 
 def test_loss_sum_is_sum_of_per_example_means():
-    model = patch_model(tiny_lora_model([L, F], seed=4), BACKEND)
+    model = patched_lora_model([L, F], seed=4, backend=BACKEND)
     prefix, conts = random_pack(20, [(5, 2), (9, 3), (1, 7)], seed=9)
     out = PackedLM(model)(PackCall(build_pack_layout(prefix, conts)))
     assert out.target_tokens.tolist() == [2, 3, 7]
@@ -134,7 +134,7 @@ def test_mlp_tiles_in_every_forward_and_survive_checkpointing():
     tiles = Backend(gdn="torch", attention="batched", mlp_rows=16)
 
     def model(backend, checkpointing=False):
-        m = patch_model(tiny_lora_model([L, F, L], seed=3), backend)
+        m = patched_lora_model([L, F, L], seed=3, backend=backend)
         return checkpoint_decoder_layers(m) if checkpointing else m
 
     def mlp_rows_seen(m, run):

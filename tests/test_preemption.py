@@ -15,25 +15,13 @@ import os
 import signal
 
 import pytest
-import torch
-from cli_helpers import RESUMED, run_in_process, run_ranks, write_config
+from cli_helpers import RESUMED, adapter_of, assert_equal_adapters, run_in_process, run_ranks, write_config
 from long_run_helpers import finish, no_packtrain_traceback, rank_pid, start_cli, steps_logged, wait_for
-from safetensors.torch import load_file
 
 from packtrain.exits import PREEMPTED_EXIT
 from packtrain.rundir.checkpoint import checkpoints, verify_checkpoint
 
 pytestmark = pytest.mark.process
-
-
-def _adapter(run):
-    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
-
-
-def _assert_equal(a, b):
-    assert a.keys() == b.keys() and a
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 def _config(tmp_path, **sections):
@@ -69,7 +57,7 @@ def test_sigterm_checkpoints_and_resume_gives_the_uninterrupted_adapter(tmp_path
     _assert_preempted(run, code, err, "SIGTERM")
     resumed = run_in_process("train", cfg, "--resume")
     assert "continuing from" in resumed.stdout
-    _assert_equal(_adapter(straight.run), _adapter(run))
+    assert_equal_adapters(adapter_of(straight.run), adapter_of(run))
 
 
 @pytest.mark.distributed
@@ -86,7 +74,7 @@ def test_sigint_to_one_rank_stops_both_and_resume_matches(tmp_path):
     assert "KeyboardInterrupt" not in err
     assert (checkpoints(run)[0] / "rng-rank-1.pt").exists() and step >= 1
     run_ranks(2, "train", str(cfg), "--resume")
-    _assert_equal(_adapter(tmp_path / "straight"), _adapter(run))
+    assert_equal_adapters(adapter_of(tmp_path / "straight"), adapter_of(run))
 
 
 def test_a_signal_during_setup_is_a_clean_stop_too(tmp_path):

@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 from cli_helpers import TINY_MODEL
-from parity import compare, packed_run, rel, without_float32_casts
+from parity import compare, max_rel, packed_run, without_float32_casts
 from test_groups import _peak_saved_bytes
-from tiny_models import random_pack, tiny_lora_model
+from tiny_models import patched_lora_model, random_pack, with_lora_dropout
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
@@ -25,7 +25,6 @@ from packtrain.packed import recompute, rowsparse
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import build_pack_layout
 from packtrain.packed.lm import PackCall, PackedLM
-from packtrain.packed.patch import patch_model
 
 L, F = "linear_attention", "full_attention"
 TILES = Backend(gdn="torch", attention="batched", mlp_rows=7)
@@ -54,20 +53,12 @@ def test_tiles_keep_no_intermediate_activation_for_backward():
     rows = 40 + 3 + 5 + 30 + 9
     saved = {}
     for name, backend in (("whole", Backend(gdn="torch", attention="batched")), ("tiles", TILES)):
-        model = patch_model(tiny_lora_model([L, F, L], seed=3), backend)
+        model = patched_lora_model([L, F, L], seed=3, backend=backend)
         wide = [s for s in _saved_activations(model, prefix, conts) if s[-1:] == (INTERMEDIATE,)]
         saved[name] = wide, _peak_saved_bytes(lambda m=model: PackedLM(m)(PackCall(build_pack_layout(prefix, conts))))
     assert saved["tiles"][0] == []
     assert len([s for s in saved["whole"][0] if rows in s]) >= 4 * 3
     assert saved["whole"][1] - saved["tiles"][1] >= 4 * 3 * rows * INTERMEDIATE * 8
-
-
-def _with_dropout(model, p):
-    for module in model.modules():  # LoRA dropout (peft holds an Identity for dropout 0)
-        if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict):
-            for name in module.lora_dropout:
-                module.lora_dropout[name] = torch.nn.Dropout(p)
-    return model
 
 
 def _kept_tiles(forward, rows, start, x, *params):
@@ -81,7 +72,7 @@ def test_dropout_in_a_tile_draws_the_same_mask_in_its_recompute(monkeypatch):
     RNG state its forward drew from, so it draws the forward's masks: the losses equal, bit for bit, those of the
     same tiles kept for backward (same seed), and the gradients to float64 rounding (the recompute sums a weight's
     gradient over tiles itself; another mask changes them by more than 1e-2)."""
-    model = _with_dropout(patch_model(tiny_lora_model([L, F, L], seed=4), TILES), 0.3)
+    model = with_lora_dropout(patched_lora_model([L, F, L], seed=4, backend=TILES), 0.3)
     prefix, conts = random_pack(20, [(5, 6), (30, 4)], seed=4)
     torch.manual_seed(1)
     la, ga = packed_run(model, prefix, conts)
@@ -89,7 +80,7 @@ def test_dropout_in_a_tile_draws_the_same_mask_in_its_recompute(monkeypatch):
     torch.manual_seed(1)
     lb, gb = packed_run(model, prefix, conts)
     assert la == lb
-    assert ga.keys() == gb.keys() and max(rel(ga[n], g) for n, g in gb.items()) < 1e-13
+    assert ga.keys() == gb.keys() and max_rel(ga, gb) < 1e-13
     torch.manual_seed(2)
     assert packed_run(model, prefix, conts)[0] != la  # the masks matter
 
@@ -98,7 +89,7 @@ def test_dropout_in_a_tile_draws_the_same_mask_in_its_recompute(monkeypatch):
 def test_each_mode_in_7_row_tiles_packed_equals_standalone(mode, monkeypatch):
     """P of 40 rows: tiles wholly in P, across its end and after it, packed and standalone."""
     with without_float32_casts(monkeypatch):
-        model = patch_model(tiny_lora_model([L, F, L], seed=2), TILES)
+        model = patched_lora_model([L, F, L], seed=2, backend=TILES)
         prefix, conts = random_pack(40, [(0, 3), (20, 9), (33, 12)], seed=2)
         d = compare(model, prefix, conts, context_grad=mode)
     assert d.loss < 1e-13 and d.grad < 5e-7, d
@@ -118,7 +109,7 @@ def test_kv_only_recompute_runs_the_row_sparse_backward_again(monkeypatch):
         return inner(ctx, x, weight, bias, start)
 
     monkeypatch.setattr(rowsparse._RowSparseLinear, "forward", staticmethod(forward))
-    model = patch_model(tiny_lora_model([L, F, L], seed=2), TILES)
+    model = patched_lora_model([L, F, L], seed=2, backend=TILES)
     prefix, conts = random_pack(40, [(0, 3), (20, 9), (33, 12)], seed=2)
     packed_run(model, prefix, conts, context_grad="kv_only")
     assert {0, 4, 5, 7} <= set(starts)
@@ -174,7 +165,7 @@ def test_norm_saves_only_its_inputs_and_gives_the_same_bits(cls, gated, dtype):
 
 
 def test_patch_model_recomputes_every_norm_of_the_text_stack():
-    model = patch_model(tiny_lora_model([L, F], seed=1), TILES)
+    model = patched_lora_model([L, F], seed=1, backend=TILES)
     norms = [m for m in model.modules() if recompute.is_rmsnorm(m)]
     # 2 per layer, q_norm and k_norm, the gated norm, the final norm
     assert len(norms) == 2 * 2 + 2 + 1 + 1

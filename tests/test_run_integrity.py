@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from cli_helpers import RESUMED, run_in_process, write_config
+from cli_helpers import RESUMED, adapter_of, refused, run_in_process, write_config
 from safetensors.torch import load_file
 
 from packtrain.exits import PREEMPTED_EXIT
@@ -27,19 +27,13 @@ def _tree(run):
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
-def _refused(proc) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return proc.stderr
-
-
 @pytest.mark.parametrize("max_steps", [1, 2])
 def test_a_resume_below_what_was_trained_is_refused_and_keeps_the_final_adapter(trained, tmp_path, max_steps):
     """A finished 3-step run (checkpoint step-2, adapter from step 3). Before: `--resume --set train.max_steps=1`
     (or 2) exited 0 and replaced the final adapter with step 2's; the header said one number, the bar another."""
     cfg, run = _copy(trained(**SHORT), tmp_path)
     before = _tree(run)
-    err = _refused(run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", "--set",
+    err = refused(run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", "--set",
                                   f"train.max_steps={max_steps}", check=False))
     assert f"this config trains {max_steps} steps" in err, err
     assert "its final adapter is from step 3" in err, err
@@ -52,7 +46,7 @@ def test_a_resume_below_what_was_trained_is_refused_and_keeps_the_final_adapter(
 def test_a_checkpoint_past_the_new_total_is_refused_without_a_final_adapter(trained, tmp_path):
     cfg, run = _copy(trained(**SHORT), tmp_path)
     shutil.rmtree(run / "adapter")  # a run stopped before its end
-    err = _refused(run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", "--set",
+    err = refused(run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", "--set",
                                   "train.max_steps=1", check=False))
     assert "this config trains 1 steps" in err and "its newest valid checkpoint is step 2" in err, err
     assert "final adapter" not in err.split("is past that:")[1].split(". A resume")[0]
@@ -61,7 +55,7 @@ def test_a_checkpoint_past_the_new_total_is_refused_without_a_final_adapter(trai
     run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", "--set", "train.max_steps=2")
     saved = {k.replace(".default", ""): v
              for k, v in load_file(str(run / "checkpoints/step-2/trainable.safetensors")).items()}
-    adapter = load_file(str(run / "adapter/adapter_model.safetensors"))
+    adapter = adapter_of(run)
     assert adapter.keys() == saved.keys() and all(torch.equal(adapter[k], saved[k]) for k in adapter)
 
 
@@ -87,7 +81,7 @@ def test_an_edited_state_json_is_damaged(trained, tmp_path):
     (ckpt / "state.json").write_text(json.dumps({**state, "step": 3}, indent=2))
     (ckpt / "state.sha256").write_text(file_digest(ckpt / "state.json"))
     shutil.rmtree(run / "adapter")
-    err = _refused(run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", check=False))
+    err = refused(run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", check=False))
     assert "every checkpoint is damaged" in err and "step 3 in a directory named step-2" in err, err
     assert not (run / "adapter").exists()
 
@@ -113,7 +107,7 @@ def test_a_stop_after_an_epochs_last_step_runs_that_epochs_eval_on_resume(traine
     run_in_process("train", cfg, "--set", f"output_dir={run}", "--resume")
     assert [s for s, _ in evals(straight.run)] == [0, 6, 12]
     assert evals(run) == evals(straight.run)  # the same losses: the eval ran on step 6's restored adapter
-    a, b = (load_file(str(r / "adapter/adapter_model.safetensors")) for r in (straight.run, run))
+    a, b = (adapter_of(r) for r in (straight.run, run))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # data.eval removed on resume (an allowed change): the owed evaluation has nothing to run on, and is skipped
     run_in_process("train", cfg, "--set", f"output_dir={without_eval}", "--resume", "--set", "data.eval=null")
@@ -130,7 +124,7 @@ def test_a_refused_resume_moves_no_damaged_checkpoint(trained, tmp_path):
     data[-9] ^= 0x01
     weights.write_bytes(bytes(data))
     names = [p.name for p in (run / "checkpoints").iterdir()]
-    err = _refused(run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", "--set",
+    err = refused(run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", "--set",
                                   "optim.lr=0.002", check=False))
     assert "belongs to another run" in err and "optim.lr" in err, err
     assert [p.name for p in (run / "checkpoints").iterdir()] == names

@@ -5,35 +5,35 @@ import json
 
 import pytest
 import torch
-from cli_helpers import RESUMED, max_rel, run_in_process, run_ranks, write_config
-from safetensors.torch import load_file
+from cli_helpers import (
+    RESUMED,
+    adapter_of,
+    adapter_rel,
+    assert_equal_adapters,
+    metrics_of,
+    run_in_process,
+    run_ranks,
+    write_config,
+)
 
 # 2 steps of the default tiny config: the packed run the standalone and checkpointed runs are compared with
 TWO_STEPS = {"train": {"max_steps": 2}}
-
-
-def _adapter(run_dir):
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
-
-
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_shared_prefix_and_standalone_give_the_same_adapter(tmp_path, trained):
     packed_run = trained(**TWO_STEPS)
     run_in_process("train", packed_run.config, "--set", f"output_dir={tmp_path / 'alone'}",
                    "--set", "packing.mode=standalone")
-    packed, alone = _adapter(packed_run.run), _adapter(tmp_path / "alone")
+    packed, alone = adapter_of(packed_run.run), adapter_of(tmp_path / "alone")
     assert packed.keys() == alone.keys() and packed
     # float64 as shipped: the model's float32 casts bound the agreement (tests/test_parity.py: 1e-4 on grads). They
     # round at the scale of a tensor's values, so the bound is on each tensor's largest difference over its largest
     # value, as in the other packed == standalone tests: an element near zero sees the same absolute rounding (an
     # AVX-only CPU: 2.2e-9 at an element of 1.1e-3, 2e-6 of it; the tensors' scales are 0.13-0.5). Measured there:
     # 4.7e-8; tests/mutations.py's broken plumbings give 6.1e-5 (zero initial state) to 1.8e-2 (tail off by one).
-    assert max_rel(packed, alone) < 1e-6
-    steps = [m for m in _metrics(packed_run.run) if m.get("split") != "eval"]
-    steps_alone = [m for m in _metrics(tmp_path / "alone") if m.get("split") != "eval"]
+    assert adapter_rel(packed, alone) < 1e-6
+    steps = [m for m in metrics_of(packed_run.run) if m.get("split") != "eval"]
+    steps_alone = [m for m in metrics_of(tmp_path / "alone") if m.get("split") != "eval"]
     assert [m["examples"] for m in steps] == [m["examples"] for m in steps_alone]
     assert [m["positions"] for m in steps] < [m["positions"] for m in steps_alone]  # sharing P: fewer positions
     for a, b in zip(steps, steps_alone):
@@ -47,11 +47,11 @@ def test_activation_checkpointing_saves_the_same_adapter(tmp_path, trained):
     plain_run = trained(**TWO_STEPS)
     run_in_process("train", plain_run.config, "--set", f"output_dir={tmp_path / 'ckpt'}", "--set",
                    "train.activation_checkpointing=true", "--set", "train.save_every=1")
-    plain = _adapter(plain_run.run)
+    plain = adapter_of(plain_run.run)
     for adapter_dir in (tmp_path / "ckpt", tmp_path / "ckpt" / "checkpoints" / "step-1"):
-        saved = _adapter(adapter_dir)
+        saved = adapter_of(adapter_dir)
         assert saved.keys() == plain.keys() and len(saved) > 0
-    saved = _adapter(tmp_path / "ckpt")
+    saved = adapter_of(tmp_path / "ckpt")
     assert all(torch.equal(saved[k], plain[k]) for k in plain)
 
 
@@ -69,7 +69,7 @@ def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path, train
                  "checkpoints/step-2/trainable.safetensors",
                  "checkpoints/step-2/adapter/adapter_model.safetensors"):
         assert (run / name).exists(), name
-    metrics = _metrics(run)
+    metrics = metrics_of(run)
     assert metrics[0]["split"] == "eval" and metrics[0]["step"] == 0  # eval before any update
     train_lines = [m for m in metrics if m.get("split") != "eval"]
     assert [m["step"] for m in train_lines] == [1, 2, 3]
@@ -115,11 +115,9 @@ def test_resume_after_kill_gives_the_uninterrupted_adapter(tmp_path, trained):
     assert not (tmp_path / "killed" / "adapter").exists()
     resumed = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'killed'}", "--resume")
     assert "continuing from" in resumed.stdout and "step-4" in resumed.stdout
-    a, b = _adapter(straight.run), _adapter(tmp_path / "killed")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name  # bitwise on CPU (dropout RNG restored too)
-    steps = [m["step"] for m in _metrics(tmp_path / "killed") if m.get("split") != "eval"]
+    a, b = adapter_of(straight.run), adapter_of(tmp_path / "killed")
+    assert_equal_adapters(a, b)  # bitwise on CPU (dropout RNG restored too)
+    steps = [m["step"] for m in metrics_of(tmp_path / "killed") if m.get("split") != "eval"]
     assert steps == sorted(set(steps)) and steps[-1] == len(steps)  # no step logged twice or lost
 
 
@@ -142,12 +140,10 @@ def test_evals_leave_training_alone_and_the_last_step_is_evaluated(tmp_path):
                        train={"epochs": 2, "packs_per_step": 1, "eval_every": 4, "max_steps": 9})
     with_eval = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'eval'}")
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'plain'}", "--set", "data.eval=null")
-    a, b = _adapter(tmp_path / "eval"), _adapter(tmp_path / "plain")
-    assert a.keys() == b.keys() and a
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    a, b = adapter_of(tmp_path / "eval"), adapter_of(tmp_path / "plain")
+    assert_equal_adapters(a, b)
 
-    records = _metrics(tmp_path / "eval")
+    records = metrics_of(tmp_path / "eval")
     evals = [m for m in records if m.get("split") == "eval"]
     assert [m["step"] for m in evals] == [0, 4, 6, 8, 9]  # every 4, the epoch's end (6 packs), the last step
     assert f"-> {evals[-1]['loss']:.4f} at step 9" in with_eval.stdout
@@ -169,5 +165,5 @@ def test_a_plain_sgd_run_resumes(tmp_path):
     resumed = run_in_process("train", cfg, "--set", "train.max_steps=3", "--resume")
     line = next(x for x in resumed.stdout.splitlines() if x.startswith("resume: continuing from"))
     assert "(step 1, written with world size 1, now 1)" in line, line  # the newest checkpoint: step 1
-    straight, again = _adapter(tmp_path / "straight"), _adapter(tmp_path / "run")
+    straight, again = adapter_of(tmp_path / "straight"), adapter_of(tmp_path / "run")
     assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)

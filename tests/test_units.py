@@ -9,13 +9,12 @@ Float64 with the float32 casts removed; measured worst case 2.2e-16 relative (gr
 from dataclasses import dataclass
 
 import pytest
-from parity import rel, trainable_grads, without_float32_casts
-from tiny_models import random_pack, tiny_lora_model
+from parity import max_rel, trainable_grads, without_float32_casts
+from tiny_models import patched_lora_model, random_pack
 
 from packtrain.data.planner import Pack, Plan
 from packtrain.packed.kernels import Backend
 from packtrain.packed.lm import PackedLM
-from packtrain.packed.patch import patch_model
 from packtrain.run.steps import rank_units, step_examples
 from packtrain.run.units import UnitSetup, build, run_unit, step_scale
 
@@ -64,11 +63,11 @@ def _step(lm, plan, examples, setup, world):
 def test_ranks_dummies_and_groups_train_the_one_rank_step(mode, n_groups, world, monkeypatch):
     plan, examples = _plan()
     with without_float32_casts(monkeypatch):
-        model = patch_model(tiny_lora_model([L, F, L], seed=3), Backend(gdn="torch", attention="batched"))
+        model = patched_lora_model([L, F, L], seed=3, backend=Backend(gdn="torch", attention="batched"))
         lm = PackedLM(model).train()
         ref, _, ref_loss = _step(lm, plan, examples, UnitSetup(mode), 1)
         got, calls, loss = _step(lm, plan, examples, UnitSetup(mode, n_groups), world)
-    assert max(rel(got[k], ref[k]) for k in ref) < 1e-12
+    assert max_rel(got, ref) < 1e-12
     assert abs(loss - ref_loss) < 1e-12 * abs(ref_loss)
     assert all(c == calls[0] for c in calls), calls  # every rank issues the same forward calls
     assert all(c == n_groups + 1 for c in calls[0]) if n_groups > 1 else all(c == 1 for c in calls[0])
@@ -76,7 +75,7 @@ def test_ranks_dummies_and_groups_train_the_one_rank_step(mode, n_groups, world,
 
 def test_a_dummy_unit_learns_nothing_and_reports_nothing(monkeypatch):
     plan, examples = _plan()
-    model = patch_model(tiny_lora_model([L, F], seed=4), Backend(gdn="torch", attention="batched"))
+    model = patched_lora_model([L, F], seed=4, backend=Backend(gdn="torch", attention="batched"))
     lm = PackedLM(model).train()
     units = rank_units(plan, [0, 1, 2], UnitSetup("shared_prefix"), 1, 2)  # rank 1: pack 1, then a dummy
     assert [u.dummy for u in units] == [False, True]

@@ -15,8 +15,8 @@ differs: chunk boundaries, the loss summed per window); the leaks (a constant ca
 import pytest
 import torch
 import torch.nn.functional as F_
-from parity import rel, standalone_run, trainable_grads, transformers_mlp, without_float32_casts
-from tiny_models import random_pack, tiny_lora_model
+from parity import max_rel, rel, standalone_run, trainable_grads, transformers_mlp, without_float32_casts
+from tiny_models import patched_lora_model, random_pack, with_lora_dropout
 
 from packtrain.data.examples import Example
 from packtrain.data.planner import plan_packs, plan_stats
@@ -25,7 +25,7 @@ from packtrain.packed import context as context_module
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import build_standalone_layout
 from packtrain.packed.lm import PackedLM
-from packtrain.packed.patch import patch_model, text_parts
+from packtrain.packed.patch import text_parts
 from packtrain.packed.walk import train_walk
 from packtrain.run.steps import rank_units
 from packtrain.run.units import WALK, Unit, UnitSetup
@@ -43,7 +43,7 @@ IDS = [f"P{c[0]}-i{c[1]}-t{c[2]}-c{c[3]}" for c in CASES]
 
 
 def _model(layer_types, seed):
-    return patch_model(tiny_lora_model(layer_types, seed=seed), Backend(gdn="torch", attention="batched", mlp_rows=7))
+    return patched_lora_model(layer_types, seed=seed, backend=Backend(gdn="torch", attention="batched", mlp_rows=7))
 
 
 def walk_run(model, prefix, cont, spec, context_grad="full", loss_chunk_rows=0):
@@ -93,7 +93,7 @@ def _check(la, ga, lb, gb, loss_tol, grad_tol):
     for name, g in gb.items():
         assert g.abs().max() > 0, f"zero reference gradient for {name}"
     assert abs(la - lb) / abs(lb) < loss_tol, (la, lb)
-    worst = max(rel(ga[k], gb[k]) for k in gb)
+    worst = max_rel(ga, gb)
     assert worst < grad_tol, worst
 
 
@@ -144,7 +144,7 @@ def test_the_horizon_changes_the_gradient_not_the_loss(monkeypatch):
         (lb,), gb = standalone_run(model, prefix, [cont])
     for h, (la, ga) in runs.items():
         assert abs(la - lb) / lb < 1e-12, h
-    leak = {h: max(rel(ga[k], gb[k]) for k in gb) for h, (_, ga) in runs.items()}
+    leak = {h: max_rel(ga, gb) for h, (_, ga) in runs.items()}
     assert leak[None] < 1e-10 and leak[0] > 1e-3 and leak[16] > 1e-3, leak
     assert max(rel(runs[0][1][k], runs[16][1][k]) for k in gb) > 1e-3
 
@@ -183,11 +183,7 @@ def test_dropout_masks_are_replayed_in_the_reverse_pass(monkeypatch):
     from packtrain.packed.walk import Window
 
     with without_float32_casts(monkeypatch):
-        model = _model([L, F, L], seed=8)
-        for module in model.modules():  # LoRA dropout (peft holds an Identity for dropout 0)
-            if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict):
-                for name in module.lora_dropout:
-                    module.lora_dropout[name] = torch.nn.Dropout(0.3)
+        model = with_lora_dropout(_model([L, F, L], seed=8), 0.3)
         prefix, (cont,) = random_pack(5, [(12, 30)], seed=8)
         torch.manual_seed(1)
         la, ga = walk_run(model, prefix, cont, WalkSpec(10, None))

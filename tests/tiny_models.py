@@ -33,6 +33,22 @@ def tiny_lora_model(layer_types, dtype=torch.float64, seed=0, targets=ALL_PROJEC
     return _random_lora(Qwen3_5ForCausalLM(tiny_text_config(layer_types, **config)).to(dtype), targets)
 
 
+def patched_lora_model(layer_types, *, backend, **model):
+    """:func:`tiny_lora_model` (``model``: its arguments) patched for packing with ``backend``."""
+    from packtrain.packed.patch import patch_model
+
+    return patch_model(tiny_lora_model(layer_types, **model), backend)
+
+
+def with_lora_dropout(model, p: float):
+    """``model`` with dropout ``p`` in every LoRA adapter (peft holds an Identity for dropout 0)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict):
+            for name in module.lora_dropout:
+                module.lora_dropout[name] = torch.nn.Dropout(p)
+    return model
+
+
 def _random_lora(model, targets, params=None):
     with torch.no_grad():  # larger weights than the default init so every route matters at float64 scale
         for name, p in model.named_parameters():

@@ -27,7 +27,7 @@ from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.variants import Models, Workload, _whole_example
 from packtrain.config import config_from_dict
 from packtrain.data.planner import plan_for
-from packtrain.ops import memory
+from packtrain.models import memory
 from packtrain.packed import attention
 from packtrain.packed.lm import PackCall
 from packtrain.run.steps import rank_units

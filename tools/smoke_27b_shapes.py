@@ -180,7 +180,7 @@ def main() -> int:
         print(text[-3000:])
         return proc.returncode
 
-    from packtrain.ops.memory import estimate, format_table, text_config
+    from packtrain.models.memory import estimate, format_table, text_config
 
     est = estimate(text_config(TEXT), 2048, 4 * 32, dtype="bfloat16", lora_r=8,
                    lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"], world_size=args.ranks,

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from packtrain.bench.variants import Models, Workload, run_variant
-from packtrain.ops import memory
+from packtrain.models import memory
 from packtrain.run.harness import PeakMemory, is_out_of_memory
 
 
@@ -151,7 +151,7 @@ def interleave(models: Models, work: Workload, variants: list[str], repeats: int
 
 
 def model_flops(text: dict, positions: int, pairs: int, head_rows: int, lora_r: int, lora_targets) -> float:
-    """Forward + backward model FLOPs (see the module docstring) for a text config dict (ops.memory.text_config)."""
+    """Forward + backward model FLOPs (see the module docstring) for a text config dict (models.memory.text_config)."""
     per_position = 0.0
     for kind in text["kinds"]:
         for name, (d_in, d_out, _) in memory.linears(text, kind).items():

@@ -59,7 +59,7 @@ def _generated(args) -> bool:
 
 
 def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
-    from packtrain.ops.memory import FULL
+    from packtrain.models.memory import FULL
 
     types = text["layer_types"]
     full = sum(t == FULL for t in types)
@@ -98,7 +98,7 @@ def _config_and_data(args, preset):
     from packtrain.bench.presets import generate_examples
     from packtrain.config import apply_overrides, config_from_dict, load_config
     from packtrain.data.examples import load_split
-    from packtrain.ops import memory
+    from packtrain.models import memory
 
     if args.config is not None:
         cfg = load_config(args.config, args.overrides)

@@ -1,7 +1,7 @@
 """`packtrain plan CONFIG [--set ...] [--json] [--world-size N] [--memory]`: plan the training data's packs and
 print the statistics, the steps' utilisation at N ranks under both ``train.balance`` settings
 (:mod:`packtrain.run.balance`); with ``--memory``, the per-GPU memory estimate for the largest pack
-(:mod:`packtrain.ops.memory`), and with ``--gpu-memory GIB`` the largest budget that fits it.
+(:mod:`packtrain.models.memory`), and with ``--gpu-memory GIB`` the largest budget that fits it.
 
 Nothing touches torch or a model: this is how to size ``packing.token_budget`` before a run. ``--measure`` is the
 exception: it runs the training step under fake tensors (:mod:`packtrain.run.measure`), seconds and no memory.
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from pathlib import Path
 
-from packtrain.config import ConfigError, load_config
+from packtrain.config import ConfigError, PackingConfig, load_config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_packs, plan_stats
-from packtrain.ops import memory
+from packtrain.models import memory
 from packtrain.run import balance
 from packtrain.run.units import unit_shape
 
@@ -118,7 +119,9 @@ def run_plan(args) -> int:
         if args.gpu_memory <= 0:
             raise ValueError(f"--gpu-memory: must be positive, got {args.gpu_memory}")
         budget = memory.max_token_budget(cfg, shape, args.world_size, args.gpu_memory)
-    modes = ({m: memory.estimate_for_unit(cfg, shape, args.world_size, m) for m in memory.CONTEXT_GRADS}
+    # packing.context_grad's values off the config's type: packtrain.packed.context.MODES would import torch
+    context_grads = typing.get_args(typing.get_type_hints(PackingConfig)["context_grad"])
+    modes = ({m: memory.estimate_for_unit(cfg, shape, args.world_size, m) for m in context_grads}
              if args.memory and shape.shares_prefix else None)
     pool = None
     if est is not None and cfg.train.offload:

@@ -3,7 +3,6 @@
 - :mod:`~packtrain.ops.nodes`: what every rank actually imports, compared across ranks (``packtrain check-nodes``).
 - :mod:`~packtrain.ops.fla_tune`: FLA autotune winners pinned as ``default_config`` files (``pretune-fla``).
 - :mod:`~packtrain.ops.watchdog`: stacks and GPU power of every rank when no step completes (``dump-stacks``).
-- :mod:`~packtrain.ops.memory`: per-GPU memory estimate for the largest pack (``plan --memory``).
 - :mod:`~packtrain.run.harness`: one update on one pack, for ``smoke`` and ``pretune-fla``.
 - :mod:`~packtrain.ops.wandb_mirror`: metrics.jsonl mirrored to Weights & Biases (optional).
 - :mod:`~packtrain.ops.runtime`: :class:`RunOps`, the hooks a training process calls.

@@ -52,8 +52,8 @@ class CostModel:
 
     @classmethod
     def from_text_config(cls, text: dict) -> CostModel:
-        """From a text config as :func:`packtrain.ops.memory.text_config` gives it."""
-        from packtrain.ops.memory import FULL, expert_shapes, linears
+        """From a text config as :func:`packtrain.models.memory.text_config` gives it."""
+        from packtrain.models.memory import FULL, expert_shapes, linears
 
         per_token, pair = 0, 0
         for kind in text["kinds"]:
@@ -68,7 +68,7 @@ class CostModel:
     @classmethod
     def for_config(cls, cfg) -> CostModel:
         """The model config's figures, each replaced by ``train.cost_per_position`` / ``train.cost_per_pair``."""
-        from packtrain.ops.memory import config_dict_of, text_config
+        from packtrain.models.memory import config_dict_of, text_config
 
         t = cfg.train
         if t.cost_per_position is not None and t.cost_per_pair is not None:

@@ -19,7 +19,7 @@ layer, divided over ``--world-size`` FSDP ranks, with the gathered units of the 
 
 What runs as on a GPU, on this CPU: dropout masks count one byte per element (CUDA's fused dropout keeps a bool mask;
 the CPU keeps one in the input's dtype); the GDN kernels are fla's, counted by shape-only stand-ins that allocate
-fla's outputs and save what fla's autograd functions save (:mod:`packtrain.ops.fla_shapes`), not the CPU reference's
+fla's outputs and save what fla's autograd functions save (:mod:`packtrain.models.fla_shapes`), not the CPU reference's
 per-chunk states; attention runs the CPU flash kernels, which save what FlexAttention saves (q, k, v, output, log-sum-
 exp). The layout's index tensors are real: an op whose tensor inputs are all real runs for real, so the index
 builders work as in training; a scalar read off a fake tensor (the loss's ``.item()``) reads 0.
@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from packtrain.ops.memory import FULL, config_dict_of, kind_name, reduced_config, text_config
+from packtrain.models.memory import FULL, config_dict_of, kind_name, reduced_config, text_config
 
 _MASK_OPS = {torch.ops.aten.bernoulli_.float, torch.ops.aten.bernoulli_.Tensor, torch.ops.aten.bernoulli.p,
              torch.ops.aten.bernoulli.default}
@@ -247,10 +247,10 @@ def measure(cfg, plan, examples) -> Measured:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from packtrain.distributed import DistInfo
+    from packtrain.models import fla_shapes
     from packtrain.models.build import build_base_model
     from packtrain.models.offload import OffloadedCheckpoint
     from packtrain.models.wrap import assemble
-    from packtrain.ops import fla_shapes
     from packtrain.packed.patch import text_parts
     from packtrain.run.harness import one_update, update_step
     from packtrain.run.units import UnitSetup, build, largest_unit

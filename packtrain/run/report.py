@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from packtrain.data.planner import plan_stats
+from packtrain.models import memory
 from packtrain.models.lora_compute import describe as describe_lora
-from packtrain.ops import memory
 from packtrain.packed.families import describe as describe_model
 from packtrain.run.balance import BALANCES, epoch_steps, utilisation
 from packtrain.run.units import pack_kind, unit_shape

@@ -50,7 +50,7 @@ from packtrain.rundir import resume as resuming
 def check_node_pool(cfg, plan, examples, world_size: int) -> None:
     """Refuse a run whose offload pools (this node's ranks: LOCAL_WORLD_SIZE) would not fit the node's host memory
     (``ops.host_memory_per_node_gib``, else MemAvailable now), before the model is built."""
-    from packtrain.ops import memory
+    from packtrain.models import memory
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     have = cfg.ops.host_memory_per_node_gib

@@ -41,7 +41,7 @@ from packtrain.data.examples import processor_dir
 from packtrain.data.images import ImageLoader, load_image_processor
 from packtrain.data.planner import Pack, Plan, target_count
 from packtrain.data.walk_calls import WalkCalls
-from packtrain.ops.memory import UnitShape
+from packtrain.models.memory import UnitShape
 
 if TYPE_CHECKING:
     from packtrain.packed.groups import Groups

@@ -334,8 +334,3 @@ def checkpoints(output_dir: Path) -> list[Path]:
         return []
     steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(steps, reverse=True)]
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    found = checkpoints(output_dir)
-    return found[0] if found else None

@@ -4,7 +4,7 @@ Pure arithmetic from the model's text config (a dict) and the pack's size; no to
 pack, M target tokens, H hidden, I intermediate, V vocabulary, b bytes of the model dtype, a bytes of the LoRA
 weights (peft's autocast keeps adapters of a bf16 model in float32: packtrain's ``apply_lora`` does).
 
-Exact terms (Qwen3.6-27B's figures at a 70K-token pack, tested in tests/test_ops_memory.py): a checkpointed layer
+Exact terms (Qwen3.6-27B's figures at a 70K-token pack, tested in tests/test_memory.py): a checkpointed layer
 input is [T, H] in b bytes (70K x 5120 bf16 = 0.67 GiB; 64 layers = 43 GiB); an MLP intermediate is [T, I] (70K x
 17408 = 2.3 GiB) and SwiGLU saves three of them (gate, SiLU(gate), up), one tile's rows of them when the MLP runs in
 tiles; a LoRA adapter computing in the model's dtype saves the input its base layer reads (once per input, shared by
@@ -609,7 +609,6 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
 
 
 _TRANSIENT = {"workspace", "lora_out", "mlp_first", "mlp_tile", "norm_backward", "gated_norm_backward"}  # alive only for a moment of the layer's recompute or backward
-_BACKWARD = {"workspace"}
 
 
 def frozen_prefix_terms(text: dict, prefix: int, b: int) -> list[Term]:
@@ -728,9 +727,6 @@ def format_phases(est: MemoryEstimate, measured=None) -> str:
         lines += [f"  measured: {note}" for note in measured.notes]
     lines.append("  savings: " + "; ".join(est.savings.describe()))
     return "\n".join(lines)
-
-
-CONTEXT_GRADS = ("full", "kv_only", "frozen")
 
 
 def format_modes(estimates: dict[str, MemoryEstimate]) -> str:

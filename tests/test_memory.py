@@ -8,7 +8,7 @@ import torch
 from cli_helpers import REPO, TINY_MODEL, run_in_process, write_config
 
 from packtrain.config import config_from_dict, load_config
-from packtrain.ops import memory
+from packtrain.models import memory
 
 GiB = 2**30
 # Qwen3.6-27B's text config (docs/FACTS: hidden 5120, 64 layers [linear x3, full] x 16, 24 heads, 4 KV heads,
