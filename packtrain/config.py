@@ -186,7 +186,7 @@ class TrainConfig:
     # re-planning: a unit over it is skipped on every rank and counted. None: the packing budget is the cap.
     max_positions: int | None = None
     # Exception class names that skip a unit (on every rank, counted) instead of stopping the run, when raised
-    # while the unit is prepared, before any collective of the step; e.g. [DataError].
+    # while the unit is built, before any collective of the step; e.g. [DataError].
     skippable_errors: list[str] = field(default_factory=list)
     # Steps whose loss or gradient norm is NaN/inf that are skipped (no update, counted in metrics.jsonl) before
     # the run stops (exit 4); 0: the first one stops it.

@@ -76,13 +76,12 @@ class PackedLM(nn.Module):
                  loss_chunk_rows: int = TrainConfig.loss_chunk_rows):
         super().__init__()
         self.model = model
-        _, lm_head = text_parts(model)  # fail early on an unsupported model
         self.context = ContextGrad(context_grad)
         self.context.install(model)
         self.loss_chunk_rows = loss_chunk_rows
         # (hidden [M, D], target ids [M], constant rows [M] or None) -> per-token losses [M]; under FSDP2 run as the
-        # head unit's forward (packtrain.models.wrap.prepare)
-        self.target_losses = functools.partial(loss.target_losses, lm_head, chunk_rows=loss_chunk_rows)
+        # head unit's forward (packtrain.models.wrap.wrap)
+        self.target_losses = functools.partial(loss.target_losses, text_parts(model)[1], chunk_rows=loss_chunk_rows)
         self.calls = 0  # forward calls of this root: each runs FSDP's collectives (packtrain.run.units counts them)
 
     def describe_loss(self) -> str:
