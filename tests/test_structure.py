@@ -3,6 +3,7 @@ place decides and runs a unit's kind (the unit kinds, packtrain/run/units.py).""
 
 import ast
 import collections
+import functools
 from pathlib import Path
 
 import packtrain
@@ -173,11 +174,12 @@ ok = lm.context.name == "frozen" and unit.kind is WALK
         "isinstance on a call or work type"]
 
 
-def _call_types() -> set[str]:
+@functools.cache
+def _call_types() -> frozenset[str]:
     """The calls of packtrain.packed.lm.PackedLM: the classes of packtrain/packed that define ``run``."""
-    return {node.name for path in (ROOT / "packed").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.ClassDef)
-            and any(isinstance(f, ast.FunctionDef) and f.name == "run" for f in node.body)}
+    return frozenset(node.name for path in (ROOT / "packed").rglob("*.py")
+                     for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+                     and any(isinstance(f, ast.FunctionDef) and f.name == "run" for f in node.body))
 
 
 def _type_checks(tree: ast.AST, names: set[str]) -> list[int]:
