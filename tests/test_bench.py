@@ -162,6 +162,7 @@ def test_the_shared_prefix_variant_trains_the_steps_train_trains(tmp_path):
     out = tmp_path / "bench"
     bench = run_in_process("bench", "--preset", "cpu", "--variants", "shared_prefix", "--prompts", "3",
                            "--prefix-tokens", "24", "--continuations", "5", "--cont-tokens", "4:40", "--repeats", "1",
+                           "--no-warmup",
                            "--set", "packing.token_budget=90", "--set", "train.packs_per_step=2",
                            "--set", "model.config.hidden_size=64", "--set", "model.config.intermediate_size=96",
                            "--set", "model.config.head_dim=16", "--set", "model.config.linear_key_head_dim=16",
