@@ -68,10 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pid", type=int, action="append", default=[], help="only this process (repeatable); "
                    "without CONFIG: py-spy on any process")
 
-    p = sub.add_parser("bench", help="time shared-prefix (each packing.context_grad) vs standalone vs a plain "
-                       "transformers + peft loop on the same examples; table, bench.json and bench.png")
+    p = sub.add_parser("bench", help="time shared-prefix (each packing.context_grad) vs prefix trees vs standalone vs "
+                       "a plain transformers + peft loop on the same examples; table, bench.json and bench.png")
     _add_config_args(p, optional=True)
-    p.add_argument("--preset", choices=["tiny", "cpu", "gpu"], help="config and data shape (default cpu; with CONFIG: "
+    p.add_argument("--preset", choices=["tiny", "cpu", "gpu", "tree"], help="config and data shape (default cpu; with CONFIG: "
                    "only the data shape, repeats and threads)")
     p.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.png (default runs/bench)")
     p.add_argument("--repeats", type=int, help="timed epochs per variant (the median is reported)")
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-tokens", type=int, metavar="N", help="generated data: tokens in each P")
     p.add_argument("--continuations", type=int, metavar="N", help="generated data: continuations per prompt")
     p.add_argument("--cont-tokens", metavar="N|MIN:MAX", help="generated data: tokens per continuation")
+    p.add_argument("--turns", metavar="N|MIN:MAX", help="generated data: every continuation a conversation of that "
+                   "many turns of --cont-tokens each, every turn an example whose item is the history before its "
+                   "answer (the tree preset's shape)")
     p.add_argument("--extra-continuations", action="append", metavar="COUNTxN|COUNTxMIN:MAX",
                    help="generated data: more continuations per prompt of other lengths (e.g. 1x1000: one long "
                    "one among the others); repeatable")

@@ -68,7 +68,7 @@ def test_cpu_preset_shortened_writes_every_variant_and_equal_losses(tmp_path, mo
     # each variant is read off the calls, not off unequal losses: two independent float32 computations over a few
     # tokens can round alike (shared_prefix and plain did, bitwise, on an AVX-only CPU).
     v = result["variants"]
-    order = list(variants.VARIANTS)  # the order of the one repeat: --variants' default
+    order = list(variants.DEFAULT_VARIANTS)  # the order of the one repeat: --variants' default
     assert len(scored) == len(order)
     expected = {"plain": ("plain_mean_loss", None), "standalone": ("evaluate", "standalone")}
     for name, (evaluator, mode, loss) in zip(order, scored):

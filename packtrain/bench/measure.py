@@ -167,7 +167,10 @@ def model_flops(text: dict, positions: int, pairs: int, head_rows: int, lora_r: 
 
 
 def variant_work(variant: str, stats: dict, target_tokens: int) -> tuple[int, int, int]:
-    """(positions, attention pairs per layer and head, lm_head rows) the variant computes in one epoch."""
+    """(positions, attention pairs per layer and head, lm_head rows) the variant computes in one epoch; the tree
+    variant's from its own plan's statistics (``stats["tree"]``)."""
+    if variant == "tree":
+        return stats["tree"]["positions_packed"], stats["tree"]["attention_pairs_packed"], target_tokens
     if variant in ("shared_prefix", "kv_only", "frozen"):
         return stats["positions_packed"], stats["attention_pairs_packed"], target_tokens
     positions = stats["positions_standalone"]

@@ -10,6 +10,13 @@ whose lengths are drawn uniformly from ``cont_tokens`` (inclusive); the target i
   docs/performance.md, "Shared-prefix vs standalone vs a plain transformers + peft loop").
 - ``gpu``: Qwen3.6-27B's layer shapes with 4 layers (3 GDN + 1 attention), random init, bf16, fla kernels,
   checkpointed layers, one P of 32,768 tokens with 16 continuations of 768-1,280 tokens (ratio ~11).
+- ``tree``: the ``cpu`` model on multi-turn data trained under ``data.train_on: each``: one P of 2,048 tokens, 4
+  conversations of 8-24 turns of 56-72 tokens, every turn an example whose item is the whole history before its
+  answer; variants tree, shared_prefix and standalone (docs/performance.md, "Prefix trees").
+
+With ``turns``, each of a prompt's ``continuations`` is a conversation of that many turns (drawn uniformly), each
+turn ``cont_tokens`` long (its first half the user's, its second the answer): turn k is an example whose item is
+turns 0..k-1 and turn k's first half, and whose target is turn k's answer, as ``each`` makes them.
 """
 
 from __future__ import annotations
@@ -32,12 +39,17 @@ class Shape:
     cont_tokens: tuple[int, int]  # (shortest, longest) continuation, item + target
     # more continuations per prompt, (count, shortest, longest) each: e.g. one long one among short ones
     extra: tuple[tuple[int, int, int], ...] = ()
+    turns: tuple[int, int] | None = None  # (fewest, most) turns per conversation; None: one turn each
 
     def describe(self) -> str:
         def lengths(lo, hi):
             return f"{lo}" if lo == hi else f"{lo}-{hi}"
 
         more = "".join(f" + {n} of {lengths(lo, hi)}" for n, lo, hi in self.extra)
+        if self.turns is not None:
+            return (f"{self.prompts} prompt(s) of {self.prefix_tokens:,} tokens x {self.continuations} conversations "
+                    f"of {lengths(*self.turns)} turns of {lengths(*self.cont_tokens)} tokens{more}, every turn an "
+                    "example")
         return (f"{self.prompts} prompt(s) of {self.prefix_tokens:,} tokens x {self.continuations} continuations "
                 f"of {lengths(*self.cont_tokens)} tokens{more}")
 
@@ -49,6 +61,8 @@ class Preset:
     shape: Shape
     repeats: int
     warmup: bool  # one untimed step of every variant (CUDA: Triton autotuning, FlexAttention compile; CPU: the heap)
+    # the variants run when --variants is not given (None: every variant but tree, whose data must share histories)
+    variants: tuple[str, ...] | None = None
     # torch CPU threads (None: torch's choice). The CPU presets use one: on a 2-core machine that others share, a
     # 2-thread OpenMP team waits on whichever thread is descheduled, and epochs slow down many times over,
     # erratically (docs/performance.md, "One thread").
@@ -117,6 +131,8 @@ PRESETS = {
                   repeats=3, warmup=True, threads=1),
     "gpu": Preset("gpu", _config(GPU_MODEL, "bfloat16", "fla", 65536, checkpointing=True, device="cuda"),
                   Shape(1, 32768, 16, (768, 1280)), repeats=3, warmup=True),
+    "tree": Preset("tree", _config(CPU_MODEL, "float32", "torch", 8192), Shape(1, 2048, 4, (56, 72), turns=(8, 24)),
+                   repeats=3, warmup=True, variants=("tree", "shared_prefix", "standalone"), threads=1),
 }
 
 
@@ -130,9 +146,12 @@ def get_preset(name: str) -> Preset:
 def generate_examples(shape: Shape, vocab: int, seed: int = 0) -> list[Example]:
     """Random token ids in [1, vocab) for the shape; the same seed gives the same examples."""
     ranges = [(shape.continuations, *shape.cont_tokens), *shape.extra]
-    if shape.prompts < 1 or shape.prefix_tokens < 1 or not all(n >= 1 and 2 <= lo <= hi for n, lo, hi in ranges):
-        raise ValueError(f"bench data shape: need at least 1 prompt, 1 continuation, a prefix of 1 token and "
-                         f"continuations of at least 2 tokens (item + target); got {shape}")
+    turns_ok = shape.turns is None or 1 <= shape.turns[0] <= shape.turns[1]
+    if shape.prompts < 1 or shape.prefix_tokens < 1 or not all(n >= 1 and 2 <= lo <= hi for n, lo, hi in ranges) \
+            or not turns_ok:
+        raise ValueError(f"bench data shape: need at least 1 prompt, 1 continuation, a prefix of 1 token, "
+                         f"continuations of at least 2 tokens (item + target) and conversations of at least 1 "
+                         f"turn; got {shape}")
     rng = random.Random(seed)
 
     def tokens(n: int) -> tuple[int, ...]:
@@ -143,7 +162,15 @@ def generate_examples(shape: Shape, vocab: int, seed: int = 0) -> list[Example]:
         prefix = tokens(shape.prefix_tokens)
         bounds = [(lo, hi) for count, lo, hi in ranges for _ in range(count)]
         for c, (lo, hi) in enumerate(bounds):
-            n = rng.randint(lo, hi)
-            item = tokens(n - n // 2)
-            examples.append(Example(f"p{p}-c{c}", prefix, item, tokens(n // 2)))
+            if shape.turns is None:
+                n = rng.randint(lo, hi)
+                item = tokens(n - n // 2)
+                examples.append(Example(f"p{p}-c{c}", prefix, item, tokens(n // 2)))
+                continue
+            history: tuple[int, ...] = ()
+            for t in range(rng.randint(*shape.turns)):
+                n = rng.randint(lo, hi)
+                user, answer = tokens(n - n // 2), tokens(n // 2)
+                examples.append(Example(f"p{p}-c{c}-t{t}", prefix, history + user, answer))
+                history += user + answer
     return examples

@@ -4,6 +4,9 @@
   through P (``packing.context_grad=full``).
 - ``kv_only`` / ``frozen``: the same packs under the other ``packing.context_grad`` modes (packtrain/packed/context.py):
   they train something else (docs/design.md), so their final losses differ; they are here for their cost.
+- ``tree``: packtrain under ``packing.mode: tree``: a prompt group's continuations as a prefix tree, every run of
+  tokens they share computed once (multi-turn data under ``data.train_on: each``: the tree preset). Its packs are
+  the tree planner's, so its steps are ``packtrain train``'s under that mode, not the other variants'.
 - ``standalone``: packtrain, one forward per example (``concat(P, C)`` through the model's own forward, target-only
   head).
 - ``plain``: what a user writes without packtrain: transformers' ``model(input_ids=..., labels=...)`` on each whole
@@ -13,14 +16,15 @@
 Every variant trains the steps ``packtrain train`` trains on one rank (epoch 0 of
 :meth:`packtrain.run.steps.StepPlan.for_run`, under ``train.balance``); the packtrain variants run the trainer's own
 step (:class:`packtrain.run.step.Step`), and the plain loop scales each loss by 1 / (examples in the step), clips
-to ``optim.max_grad_norm`` and steps the same optimizer and schedule. Each run starts from the same initial adapter and a fresh optimizer, and ends with
-an evaluation of the adapter it trained, each variant through its own forward (packed, standalone, or
+to ``optim.max_grad_norm`` and steps the same optimizer and schedule. Each run starts from the same initial adapter
+and a fresh optimizer, and ends with an evaluation of the adapter it trained, each variant through its own forward (packed, standalone, or
 transformers' forward with labels), so that equal final losses compare independent computations.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -28,7 +32,7 @@ import torch
 from peft import get_peft_model
 
 from packtrain.config import Config
-from packtrain.data.planner import Plan
+from packtrain.data.planner import Plan, plan_for
 from packtrain.distributed import DistInfo
 from packtrain.models.build import build_base_model, lora_config
 from packtrain.models.wrap import assemble
@@ -39,8 +43,9 @@ from packtrain.run.step import Step
 from packtrain.run.steps import StepPlan
 from packtrain.run.units import UnitSetup
 
-VARIANTS = ("shared_prefix", "kv_only", "frozen", "standalone", "plain")
-CONTEXT_GRAD = {"shared_prefix": "full", "kv_only": "kv_only", "frozen": "frozen", "standalone": "full"}
+VARIANTS = ("shared_prefix", "kv_only", "frozen", "tree", "standalone", "plain")
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "tree")  # a tree pays only on data that shares histories
+CONTEXT_GRAD = {"shared_prefix": "full", "kv_only": "kv_only", "frozen": "frozen", "tree": "full", "standalone": "full"}
 
 
 @dataclass
@@ -50,11 +55,22 @@ class Workload:
     plan: Plan
     steps: list[list[int]]  # pack ids of each optimizer step of one epoch, as `packtrain train` takes them
     device: torch.device
+    _variants: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, cfg: Config, examples, plan: Plan, device: torch.device) -> Workload:
         steps = StepPlan.for_run(cfg, plan, examples, 1)
         return cls(cfg, examples, plan, [steps.pack_ids(0, i) for i in range(steps.steps_per_epoch)], device)
+
+    def for_variant(self, variant: str) -> Workload:
+        """The workload a variant trains: the tree variant's plan is the tree planner's (``packing.mode: tree``),
+        every other variant's the config's."""
+        if variant != "tree" or self.cfg.packing.mode == "tree":
+            return self
+        if "tree" not in self._variants:
+            cfg = dataclasses.replace(self.cfg, packing=dataclasses.replace(self.cfg.packing, mode="tree"))
+            self._variants["tree"] = Workload.of(cfg, self.examples, plan_for(cfg, self.examples), self.device)
+        return self._variants["tree"]
 
 
 def trainable_by_name(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -72,13 +88,15 @@ class Trainable:
                 p.copy_(initial[name])
         self.initial = {n: p.detach().clone() for n, p in params.items()}
 
-    def reset(self):
+    def reset(self, n_steps: int | None = None):
+        """The initial values again, and a fresh optimizer and schedule (over ``n_steps``, default the config
+        plan's)."""
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(self.initial[name])
                 p.grad = None
         optimizer = build_optimizer(self.params.values(), self.cfg.optim)
-        return optimizer, build_scheduler(optimizer, self.cfg.optim, self.n_steps)
+        return optimizer, build_scheduler(optimizer, self.cfg.optim, n_steps or self.n_steps)
 
     def update(self, optimizer, scheduler) -> None:
         max_norm = self.cfg.optim.max_grad_norm
@@ -117,6 +135,7 @@ class Models:
         the plain model, so that equal final losses compare independent computations."""
         if variant == "plain":
             return plain_mean_loss(self.plain, work)
+        work = work.for_variant(variant)
         rows = evaluate(self.lms[CONTEXT_GRAD[variant]], work.plan, work.examples, unit_setup(variant, work.cfg),
                         DistInfo(0, 1, 0, work.device))
         return mean_loss(rows)
@@ -145,14 +164,15 @@ def plain_mean_loss(plain: torch.nn.Module, work: Workload) -> float:
 
 def unit_setup(variant: str, cfg: Config) -> UnitSetup:
     """How a packtrain variant's units run: its packing mode, and the config's groups and walk."""
-    mode = "standalone" if variant == "standalone" else "shared_prefix"
+    mode = variant if variant in ("standalone", "tree") else "shared_prefix"
     return UnitSetup(mode, cfg.packing.continuation_groups, cfg.walk_spec())
 
 
 def packtrain_epoch(models: Models, work: Workload, variant: str, max_steps: int | None = None) -> list[float]:
     """One epoch through the trainer's step on one rank; returns each step's mean per-example loss."""
+    work = work.for_variant(variant)
     cfg, state = work.cfg, models.packtrain_state
-    optimizer, scheduler = state.reset()
+    optimizer, scheduler = state.reset(len(work.steps))
     step = Step(models.lms[CONTEXT_GRAD[variant]], unit_setup(variant, cfg), work.plan, work.examples,
                 DistInfo(0, 1, 0, work.device), list(state.params.values()), optimizer, scheduler,
                 cfg.optim.max_grad_norm, cfg.train.max_positions)

@@ -17,14 +17,20 @@ import sys
 from pathlib import Path
 
 
+def _range(flag: str, value: str) -> tuple[int, int]:
+    lo, _, hi = value.partition(":")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"{flag}: expected N or MIN:MAX, got {value!r}") from None
+
+
 def _shape(args, preset):
     shape = preset.shape
     if args.cont_tokens is not None:
-        lo, _, hi = args.cont_tokens.partition(":")
-        try:
-            shape = dataclasses.replace(shape, cont_tokens=(int(lo), int(hi or lo)))
-        except ValueError:
-            raise ValueError(f"--cont-tokens: expected N or MIN:MAX, got {args.cont_tokens!r}") from None
+        shape = dataclasses.replace(shape, cont_tokens=_range("--cont-tokens", args.cont_tokens))
+    if args.turns is not None:
+        shape = dataclasses.replace(shape, turns=_range("--turns", args.turns))
     for name in ("prompts", "prefix_tokens", "continuations"):
         if getattr(args, name) is not None:
             shape = dataclasses.replace(shape, **{name: getattr(args, name)})
@@ -33,9 +39,9 @@ def _shape(args, preset):
     return shape
 
 
-def _variants(args, known) -> list[str]:
+def _variants(args, known, default) -> list[str]:
     if args.variants is None:
-        return list(known)
+        return list(default)
     chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in chosen if v not in known]
     if unknown or not chosen:
@@ -55,7 +61,7 @@ def _extra(spec: str) -> tuple[int, int, int]:
 
 def _generated(args) -> bool:
     return any(getattr(args, n) is not None for n in ("prompts", "prefix_tokens", "continuations", "cont_tokens",
-                                                      "extra_continuations"))
+                                                      "extra_continuations", "turns"))
 
 
 def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
@@ -137,7 +143,7 @@ def run_bench(args) -> int:
     from packtrain.bench.measure import interleave, summarize
     from packtrain.bench.presets import H100_BF16_DENSE_TFLOPS, H100_SOURCE, get_preset
     from packtrain.bench.report import format_table, plot, speedups, write_json
-    from packtrain.bench.variants import VARIANTS, Models, Workload
+    from packtrain.bench.variants import DEFAULT_VARIANTS, VARIANTS, Models, Workload
     from packtrain.data.planner import plan_for, plan_stats, target_count
     from packtrain.distributed import init_distributed
     from packtrain.rundir.disk import check_not_an_input, check_output_path, config_inputs
@@ -162,7 +168,10 @@ def run_bench(args) -> int:
           f"position ratio {stats['position_ratio']:.2f}x; building the models on {device}")
     models = Models(work)
     warmup = preset.warmup if args.warmup is None else args.warmup
-    runs = interleave(models, work, _variants(args, VARIANTS), repeats, warmup)
+    chosen = _variants(args, VARIANTS, preset.variants or DEFAULT_VARIANTS)
+    if "tree" in chosen:  # its own packs: the tree planner's
+        stats["tree"] = plan_stats(work.for_variant("tree").plan, examples)
+    runs = interleave(models, work, chosen, repeats, warmup)
     peak = args.peak_tflops or (H100_BF16_DENSE_TFLOPS if device.type == "cuda" else None)
     target_tokens = sum(target_count(examples[e]) for pack in plan.packs for e in pack.examples)
     result = {
