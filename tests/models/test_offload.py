@@ -5,7 +5,7 @@ import torch
 from tiny_models import random_pack, tiny_lora_model
 
 from packtrain.models.offload import ChunkPool
-from packtrain.models.wrap import prepare
+from packtrain.models.wrap import wrap
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import build_pack_layout
 from packtrain.packed.lm import PackCall
@@ -27,8 +27,8 @@ def _run(lm, prefix, conts):
                          ids=["checkpoint", "offload", "both"])
 def test_offload_and_checkpointing_change_nothing(checkpointing, offload):
     prefix, conts = random_pack(65, [(0, 1), (70, 5), (10, 2)], seed=7)
-    plain = prepare(tiny_lora_model([L, F, L], seed=3), BACKEND)
-    wrapped = prepare(tiny_lora_model([L, F, L], seed=3), BACKEND, checkpointing=checkpointing, offload=offload,
+    plain = wrap(tiny_lora_model([L, F, L], seed=3), BACKEND)
+    wrapped = wrap(tiny_lora_model([L, F, L], seed=3), BACKEND, checkpointing=checkpointing, offload=offload,
                       chunk_bytes=4096)
     la, ga = _run(plain, prefix, conts)
     lb, gb = _run(wrapped, prefix, conts)
@@ -52,7 +52,7 @@ def test_chunks_are_ceil_of_size_not_a_power_of_two():
 
 def test_pool_memory_stays_flat_across_steps():
     prefix, conts = random_pack(40, [(5, 3), (30, 4)], seed=9)
-    lm = prepare(tiny_lora_model([L, F, L, L], seed=4), BACKEND, offload=True, chunk_bytes=2048)
+    lm = wrap(tiny_lora_model([L, F, L, L], seed=4), BACKEND, offload=True, chunk_bytes=2048)
     pool = next(m.pool for m in lm.modules() if hasattr(m, "pool"))
     sizes = []
     for _ in range(4):
@@ -66,7 +66,7 @@ def test_pool_memory_stays_flat_across_steps():
 
 def test_no_grad_skips_the_offload():
     prefix, conts = random_pack(10, [(5, 3)], seed=1)
-    lm = prepare(tiny_lora_model([L, F], seed=4), BACKEND, offload=True)
+    lm = wrap(tiny_lora_model([L, F], seed=4), BACKEND, offload=True)
     pool = next(m.pool for m in lm.modules() if hasattr(m, "pool"))
     with torch.no_grad():
         lm(PackCall(build_pack_layout(prefix, conts)))
