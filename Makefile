@@ -8,7 +8,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# the pinned CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	# fla + triton: CI runs fla's kernels on CPU under Triton's interpreter (tests/test_fla_interpreter*.py)
+	# fla + triton: CI runs fla's kernels on CPU under Triton's interpreter (tests/packed/kernels/test_fla_interpreter*.py)
 	$(BIN)/pip install -q -e '.[dev,fla]'
 	touch $(STAMP)
 

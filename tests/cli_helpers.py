@@ -33,6 +33,16 @@ TINY_MODEL = {
                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
 }
 
+# TINY_MODEL's MoE form (qwen3_5_moe_text: Qwen3.6-35B-A3B's family) as a model.config, for the CLI runs of MoE
+TINY_MOE = {"model_type": "qwen3_5_moe_text",
+            **{k: TINY_MODEL[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                          "head_dim", "tie_word_embeddings", "linear_num_key_heads",
+                                          "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                                          "rope_parameters")},
+            "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16, "num_experts": 4,
+            "num_experts_per_tok": 2}
+
 RULEBOOKS = [
     "Rulebook A. Map each colour word to its code: red is alpha, blue is beta, green is gamma. Answer with the code.",
     "Rulebook B. Map each colour word to its code: red is gamma, blue is alpha, green is beta. Answer with the code.",
@@ -53,7 +63,8 @@ def write_text_data(path: Path, items_per_rulebook: int = 5, offset: int = 0) ->
 
 
 # 12 steps (6 with 2 packs per step); dropout and a cosine schedule make the RNG and scheduler state part of what a
-# resume must restore: the run the resume proofs (tests/test_train_cli.py, tests/test_preemption.py) compare with
+# resume must restore: the run the resume proofs (tests/commands/test_train.py, tests/run/test_preemption.py)
+# compare with
 RESUMED = {"train": {"epochs": 2, "packs_per_step": 1, "save_every": 2}, "lora": {"dropout": 0.1},
            "optim": {"schedule": "cosine", "warmup_steps": 2}}
 

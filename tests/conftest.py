@@ -18,7 +18,7 @@ import torch
 
 # fla's kernels run on CPU only under Triton's interpreter, and Triton reads this when fla is imported (with
 # transformers' Qwen3.5 module), so it is set before any test module imports either; with CUDA the GPU tests run
-# fla compiled. See packtrain/packed/kernels/interpreter.py and tests/test_fla_interpreter.py.
+# fla compiled. See packtrain/packed/kernels/interpreter.py and tests/packed/kernels/test_fla_interpreter.py.
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -1,12 +1,17 @@
-"""Shared by the tests that run fla's Triton kernels on CPU under Triton's interpreter: the skip condition and
-the interpreter's back end."""
+"""Shared by the tests that run the fla back end on CPU: under Triton's interpreter (the skip condition and the
+interpreter's back end), or with fla's two kernels replaced by pure-torch varlen stand-ins (the ``fake_fla`` fixture:
+a loop over cu_seqlens segments of the torch reference, so the plumbing around them runs without fla)."""
 
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 import torch
 
-from packtrain.packed.kernels import fla_available
+from packtrain.packed import kernels as kernels_pkg
+from packtrain.packed.kernels import fla_available, torch_ref
 from packtrain.packed.kernels.interpreter import interpreter_on
 
 
@@ -14,7 +19,7 @@ def _skip_reason() -> str | None:
     if not fla_available():
         return "fla is not installed (pip install -e '.[dev,fla]')"
     if torch.cuda.is_available():
-        return "CUDA present: fla runs compiled there (tests/test_gpu.py)"
+        return "CUDA present: fla runs compiled there (tests/packed/kernels/test_gpu.py)"
     if not interpreter_on():
         return "TRITON_INTERPRET is not set (tests/conftest.py sets it before fla is imported)"
     return None
@@ -28,3 +33,50 @@ def fla_cpu_backend():
     from packtrain.packed.kernels import select_backend
 
     return select_backend("fla", "cpu")  # applies the interpreter shims
+
+
+def _segments(cu):
+    cu = [int(c) for c in cu]
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def fake_causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None, **kw):
+    assert x.shape[0] == 1 and activation == "silu"
+    bounds = _segments(cu_seqlens) if cu_seqlens is not None else [(0, x.shape[1])]
+    outs = [torch_ref.causal_conv_silu(x[:, a:b].transpose(1, 2), weight, bias).transpose(1, 2) for a, b in bounds]
+    return torch.cat(outs, dim=1), None
+
+
+def fake_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kw):
+    assert use_qk_l2norm_in_kernel
+    if cu_seqlens is None:
+        return torch_ref.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                                output_final_state=output_final_state)
+    assert q.shape[0] == 1 and initial_state.shape[0] == len(cu_seqlens) - 1
+    outs, states = [], []
+    for n, (a, b) in enumerate(_segments(cu_seqlens)):
+        o, s = torch_ref.chunk_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                                initial_state=initial_state[n:n + 1], output_final_state=True)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, dim=1), (torch.cat(states) if output_final_state else None)
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    modules = {name: types.ModuleType(name) for name in
+               ("fla", "fla.modules", "fla.modules.causal_conv1d", "fla.ops", "fla.ops.gated_delta_rule")}
+    modules["fla.modules.causal_conv1d"].causal_conv1d = fake_causal_conv1d
+    modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = fake_chunk_gated_delta_rule
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delitem(sys.modules, "packtrain.packed.kernels.fla_backend", raising=False)
+    # `from packtrain.packed.kernels import fla_backend` reads the package attribute first: where the real back end was
+    # imported earlier in the session (the interpreter tests), it would be used instead of the fake one
+    real = vars(kernels_pkg).pop("fla_backend", None)
+    yield
+    sys.modules.pop("packtrain.packed.kernels.fla_backend", None)
+    vars(kernels_pkg).pop("fla_backend", None)
+    if real is not None:
+        kernels_pkg.fla_backend = real

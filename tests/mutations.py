@@ -53,13 +53,13 @@ def long_memory_model(layer_types, dtype=torch.float32, seed=0, **config):
     return model
 
 
-# The bf16 criterion (tests/test_gpu.py; its margin is shown on CPU by tests/test_bf16_criterion.py): a pack in
-# bf16 against the same model's standalone examples in bf16 with the same kernels. Measured on CPU with the torch
-# back end in bf16 (long_memory_model([L, F, L, L, F]), test_gpu's continuations, P = 1 / 65 / 300, seeds 0 and 1):
-# correct code gives loss gaps <= 1.4e-2 and gradient gaps <= 0.38; the three broken plumbings give gradient gaps
-# >= 1.38 (their loss gaps can be as small as 5.9e-3: zero initial state at P = 65, so gradients decide). The
-# gradient bound is half the smallest broken gap, 1.8x the largest correct one; the loss bound ~3.5x the largest
-# correct loss gap.
+# The bf16 criterion (tests/packed/kernels/test_gpu.py; its margin is shown on CPU by
+# tests/packed/kernels/test_bf16_criterion.py): a pack in bf16 against the same model's standalone examples in bf16 with
+# the same kernels. Measured on CPU with the torch back end in bf16 (long_memory_model([L, F, L, L, F]), test_gpu's
+# continuations, P = 1 / 65 / 300, seeds 0 and 1): correct code gives loss gaps <= 1.4e-2 and gradient gaps <= 0.38; the
+# three broken plumbings give gradient gaps >= 1.38 (their loss gaps can be as small as 5.9e-3: zero initial state at P
+# = 65, so gradients decide). The gradient bound is half the smallest broken gap, 1.8x the largest correct one; the loss
+# bound ~3.5x the largest correct loss gap.
 BF16_LOSS_BOUND = 0.05
 BF16_GRAD_BOUND = 0.69
 GPU_SPECS = [(0, 1), (3, 2), (70, 5), (130, 20), (10, 1), (64, 64)]

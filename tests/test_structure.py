@@ -1,5 +1,5 @@
-"""The package's structure: dependencies run one way, no module imports in a cycle (lazy imports included), and one
-place decides and runs a unit's kind (the unit kinds, packtrain/run/units.py)."""
+"""The package's structure: dependencies run one way, no module imports in a cycle (lazy imports included), one
+place decides and runs a unit's kind (the unit kinds, packtrain/run/units.py), and tests/ mirrors the package."""
 
 import ast
 import collections
@@ -220,3 +220,30 @@ def test_the_design_map_lists_every_module():
     missing = [f"packtrain/{p.relative_to(ROOT)}" for p in sorted(ROOT.rglob("*.py"))
                if p.name != "__init__.py" and f"`packtrain/{p.relative_to(ROOT)}`" not in design]
     assert not missing, f"docs/design.md's map does not list {missing}"
+
+
+def tree_mismatches(tests: Path, package: Path) -> list[str]:
+    """Where ``tests`` does not mirror ``package``: a folder that is no subpackage of it (tests/packed/kernels holds
+    the tests of packtrain/packed/kernels; the root those of the top-level modules and the helpers), or a test file's
+    name in two folders (with no __init__.py, pytest imports a test file by its name alone)."""
+    wrong = [f"tests/{d.relative_to(tests)}/ is no packtrain subpackage" for d in sorted(tests.rglob("*"))
+             if d.is_dir() and "__pycache__" not in d.parts
+             and not (package / d.relative_to(tests) / "__init__.py").is_file()]
+    names = collections.Counter(path.name for path in tests.rglob("test_*.py"))
+    return wrong + [f"{name} is in {n} folders" for name, n in sorted(names.items()) if n > 1]
+
+
+def test_the_tests_mirror_the_package():
+    assert not tree_mismatches(Path(__file__).resolve().parent, ROOT)
+
+
+def test_the_mirror_check_sees_a_stray_folder_and_a_name_twice(tmp_path):
+    """The check above can fail: tests/nonsense/ has no packtrain/nonsense, and test_a.py is in two folders."""
+    for folder in ("packtrain", "packtrain/packed", "packtrain/packed/kernels"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "__init__.py").write_text("")
+    for name in ("nonsense/test_a.py", "packed/test_a.py", "packed/kernels/test_b.py", "__pycache__/x.pyc"):
+        (tmp_path / "tests" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests" / name).write_text("")
+    assert tree_mismatches(tmp_path / "tests", tmp_path / "packtrain") == [
+        "tests/nonsense/ is no packtrain subpackage", "test_a.py is in 2 folders"]

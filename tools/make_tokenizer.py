@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerFast
 REPO = Path(__file__).resolve().parents[1]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # The Qwen3.6-like chat template, maintained by hand in the file it is saved to (tools, reasoning, tool calls and
-# responses, enable_thinking; see the file's header); tests/test_chat.py checks its behaviours.
+# responses, enable_thinking; see the file's header); tests/data/test_chat.py checks its behaviours.
 TEMPLATE_FILE = REPO / "packtrain/assets/tokenizer/chat_template.jinja"
 # Qwen2/3/3.5's pre-tokenizer split rule (its tokenizer.json): contractions, letters with one leading non-letter,
 # single digits, punctuation runs with their newlines, newline runs, spaces.

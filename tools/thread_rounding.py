@@ -5,7 +5,7 @@ outputs differ bitwise between the two thread counts, and the largest difference
     python tools/thread_rounding.py
 
 Measured with torch 2.13.0+cpu (MKL 2024.2, 2 cores): float64 differs for odd T of 9-31 (1 ulp; one query block
-of odd length), float32 nowhere. tests/test_preemption.py therefore compares runs with the same thread count.
+of odd length), float32 nowhere. tests/run/test_preemption.py therefore compares runs with the same thread count.
 """
 
 from __future__ import annotations

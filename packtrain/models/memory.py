@@ -4,7 +4,7 @@ Pure arithmetic from the model's text config (a dict) and the pack's size; no to
 pack, M target tokens, H hidden, I intermediate, V vocabulary, b bytes of the model dtype, a bytes of the LoRA
 weights (peft's autocast keeps adapters of a bf16 model in float32: packtrain's ``apply_lora`` does).
 
-Exact terms (Qwen3.6-27B's figures at a 70K-token pack, tested in tests/test_memory.py): a checkpointed layer
+Exact terms (Qwen3.6-27B's figures at a 70K-token pack, tested in tests/models/test_memory.py): a checkpointed layer
 input is [T, H] in b bytes (70K x 5120 bf16 = 0.67 GiB; 64 layers = 43 GiB); an MLP intermediate is [T, I] (70K x
 17408 = 2.3 GiB) and SwiGLU saves three of them (gate, SiLU(gate), up), one tile's rows of them when the MLP runs in
 tiles; a LoRA adapter computing in the model's dtype saves the input its base layer reads (once per input, shared by
@@ -20,7 +20,7 @@ each GDN layer's float32 state and conv tail), and P's no_grad pass peaks before
 
 Approximate terms (marked ~): what the attention / Gated DeltaNet kernels (fla's) and the RMSNorms save, the backward
 workspace, an adapter's output while its linear runs, and FSDP's gathered weights. They depend on kernels:
-``plan --memory --measure`` counts the step itself (:mod:`packtrain.run.measure`; tests/test_measure.py holds the
+``plan --memory --measure`` counts the step itself (:mod:`packtrain.run.measure`; tests/run/test_measure.py holds the
 estimate within 10% of it), ``packtrain smoke`` measures it on the device.
 
 The peak is the largest phase (:attr:`MemoryEstimate.phases`): the forward, the loss, one layer's recompute (the
@@ -389,7 +389,7 @@ def norm_terms(text: dict, layer_type, T: int, b: int) -> list[Term]:
     """Recomputed RMSNorms (packtrain/packed/recompute.py) save only their input in the model's dtype, and during
     a norm's backward its recompute runs in float32: six float32 pieces of its input's shape (the input cast, the
     squares' gradient and the mean's, two products' gradients), while its saved input is gone (inside a checkpointed
-    layer the norm's checkpoint lets it go once recomputed; tests/test_measure.py counts both).
+    layer the norm's checkpoint lets it go once recomputed; tests/run/test_measure.py counts both).
     The layer's input norm reads the layer's input (kept anyway); the post-attention norm saves [T, H]; a GDN's
     gated norm saves its input and gate ([T, value] each) and recomputes six float32 pieces plus one in the model's
     dtype. The q/k norms' inputs are the projections' outputs (:func:`mixer_term`)."""

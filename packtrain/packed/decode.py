@@ -13,7 +13,7 @@ Three calls of :class:`packtrain.packed.lm.PackedLM` (the FSDP root), each a who
 
 An item with no tokens (a continuation that is its target alone) starts from P's state itself: its first logits are
 P's last row's. Exactness: row for row this is the model's own computation of ``concat(P, item, generated)``
-(tests/test_generate.py compares the tokens with transformers' ``generate``).
+(tests/run/test_generate.py compares the tokens with transformers' ``generate``).
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ One pack is G + 1 calls of :class:`packtrain.packed.lm.PackedLM` (the FSDP root,
    group's graph.
 3. One backward through P's graph with those summed gradients (:func:`packtrain.packed.prefix.backward_through`).
 
-The gradient is the one-group pack's (the chain rule taken in two parts; float rounding aside, tests/test_groups.py
-compares both with the standalone examples). What peak memory holds: P's graph, one group's graph, and the
-gradients of P's state (K/V of every attention layer over P, one state and tail per GDN layer), instead of P's
-graph and every continuation's.
+The gradient is the one-group pack's (the chain rule taken in two parts; float rounding aside,
+tests/packed/test_groups.py compares both with the standalone examples). What peak memory holds: P's graph, one group's
+graph, and the gradients of P's state (K/V of every attention layer over P, one state and tail per GDN layer), instead
+of P's graph and every continuation's.
 
 Under ``packing.context_grad`` kv_only, step 1 cuts the gradient at P's rows of every decoder-layer input (all of
 its rows), as the mode's standalone reference does; under frozen, step 1 runs under no_grad and step 3 is skipped.

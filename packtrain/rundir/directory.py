@@ -8,7 +8,7 @@ Why: re-running a finished config without ``--resume`` silently replaced its ada
   a live holder, or one on another host, refuses the run naming it. Deciding and taking over happen under an
   ``flock`` of OUTPUT itself: two restarts that found the same dead holder at once both took over before (the
   second unlinked the first's fresh lock as "the stale one"; 125 of 300 trials in
-  tests/test_rundir.py), now exactly one does and the other is refused naming it.
+  tests/rundir/test_directory.py), now exactly one does and the other is refused naming it.
 - A directory holding a previous run's ``adapter/``, ``checkpoints/step-N`` or ``metrics.jsonl`` is refused unless
   ``--resume`` (continue it) or ``--overwrite`` (remove :data:`OUTPUTS` first, listed in the log).
 - A run directory carries :data:`MARKER`, written by the first run in it, listing what packtrain writes there. A

@@ -8,7 +8,8 @@ CPU under Triton's interpreter: packtrain/packed/kernels/interpreter.py).
 - The delta rule: P once from the zero state (``output_final_state``), then every continuation in one varlen
   call with ``cu_seqlens`` and ``initial_state`` = P's state expanded to [N, HV, K, V] (fla returns dh0, which
   the expand sums into P's state).
-Tested against the torch back end by ``tests/test_gpu.py`` (skipped without CUDA) and ``tools/gpu_check.sh``.
+Tested against the torch back end by ``tests/packed/kernels/test_gpu.py`` (skipped without CUDA) and
+``tools/gpu_check.sh``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """FlexAttention for packs (CUDA): one BlockMask per pack from the shared-prefix predicate, and one compilation of
 ``flex_attention`` for every pack length. Forward-only on CPU (no backward there), which is how the compilation
-count is tested on CPU (tests/test_flex_compile.py).
+count is tested on CPU (tests/packed/kernels/test_flex_compile.py).
 """
 
 from __future__ import annotations

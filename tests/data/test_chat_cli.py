@@ -4,7 +4,7 @@ conversation with labels -100 outside the assistant spans (tests/chat_data.py's 
 model, the MoE and the VLM; reasoning, tools and tool responses included.
 
 Tolerances: float64 as shipped (transformers' float32 casts in RMSNorm, the gated norm and the GDN kernel), as in
-tests/test_families_cli.py (5e-6 on losses) and tests/test_walk_cli.py (1e-6 on SGD adapters).
+tests/packed/test_families_cli.py (5e-6 on losses) and tests/packed/test_walk_cli.py (1e-6 on SGD adapters).
 """
 
 import json
@@ -23,8 +23,7 @@ from chat_data import (
     reference_examples,
     write_jsonl,
 )
-from cli_helpers import REPO, SGD, TINY_MODEL, adapter_of, adapter_rel, run_in_process, write_config
-from test_families_cli import MOE
+from cli_helpers import REPO, SGD, TINY_MODEL, TINY_MOE, adapter_of, adapter_rel, run_in_process, write_config
 
 from packtrain.data.examples import load_tokenizer
 
@@ -150,7 +149,7 @@ def test_the_27b_configs_data_settings_under_the_official_template_plan_train_an
 
 
 def test_moe_eval_losses_equal_transformers_and_peft(tmp_path):
-    cfg = _config(tmp_path, "all", model={k: v for k, v in MOE.items() if v is not None},
+    cfg = _config(tmp_path, "all", model={k: v for k, v in TINY_MOE.items() if v is not None},
                   lora={"target_modules": ["q_proj", "v_proj", "in_proj_qkv", "gate_proj", "down_proj"]},
                   train={"max_steps": 1})
     run_in_process("train", cfg)
@@ -229,10 +228,10 @@ def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path, template):
                              pixel_values=vision["pixel_values"].double(), image_grid_thw=vision["image_grid_thw"],
                              mm_token_type_ids=(input_ids == pad).int()).loss.item()
                 assert got[name]["target_tokens"] == sum(t != -100 for t in labels), name
-                # float64 as shipped: the VLM's float32 casts (tests/test_vlm.py: 1.1e-5 vs transformers)
+                # float64 as shipped: the VLM's float32 casts (tests/packed/test_vlm.py: 1.1e-5 vs transformers)
                 assert got[name]["loss"] == pytest.approx(loss, rel=3e-5), name
     if template != "bundled":  # the run above was packed, SGD, one step over all the data
         alone = tmp_path / "alone"
         run_in_process("train", cfg, *sets, "--set", f"output_dir={alone}", "--set", "packing.mode=standalone")
-        # float64 as shipped: the VLM's float32 casts (tests/test_vlm.py)
+        # float64 as shipped: the VLM's float32 casts (tests/packed/test_vlm.py)
         assert adapter_rel(adapter_of(tmp_path / "run"), adapter_of(alone)) < 1e-5

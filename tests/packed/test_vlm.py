@@ -6,94 +6,22 @@ Tolerances, measured over seeds 0-7 of these fixtures (reproduce: loop `compare`
 - float64 with the model's float32 casts removed (`without_float32_casts`): losses 6e-16, gradients 5e-11 —
   the structure (positions, image placement, the one vision batch, isolation) is exact. Bounds 1e-13, 1e-9.
 - MoE form (Qwen3_5MoeForConditionalGeneration, routed experts with LoRA), seed 1: losses 3.2e-16, gradients
-  7.0e-8 (in_proj_qkv: the GDN gate's float32 `a`, bounded at 5e-7 as in tests/test_parity.py; the experts'
+  7.0e-8 (in_proj_qkv: the GDN gate's float32 `a`, bounded at 5e-7 as in tests/packed/test_parity.py; the experts'
   gradients 2.3e-10); as shipped: losses 4.5e-7 (4.2e-7 vs transformers), gradients 1.1e-5.
 - float64 as shipped: losses 9.2e-6 packed vs standalone and 1.1e-5 vs transformers, gradients 7.1e-5 — the
-  RMSNorm / gated-norm / chunk-rule float32 casts of tests/test_parity.py, on larger activations here.
+  RMSNorm / gated-norm / chunk-rule float32 casts of tests/packed/test_parity.py, on larger activations here.
   Bounds 3e-5 and 2e-4.
 """
 
 import pytest
 import torch
 from parity import compare, packed_run, transformers_mlp, without_float32_casts
-from peft import LoraConfig, get_peft_model
-from tiny_models import EXPERTS, FAMILY_CONFIGS, tiny_text_config
-from transformers import (
-    Qwen3_5Config,
-    Qwen3_5ForConditionalGeneration,
-    Qwen3_5MoeConfig,
-    Qwen3_5MoeForConditionalGeneration,
-)
+from tiny_models import IMAGE, tiny_vlm, vlm_pack
 
 from packtrain.data.images import VisionSpec, mrope_positions
 from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import Continuation, build_pack_layout
 from packtrain.packed.patch import patch_model, vision_spec
-
-L, F = "linear_attention", "full_attention"
-IMAGE, START, END = 90, 91, 92
-PATCH_DIM = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch
-
-
-def tiny_vlm(seed=0, moe=False):
-    """moe: Qwen3_5MoeForConditionalGeneration (Qwen3.6-35B-A3B's form), LoRA on the routed experts too."""
-    torch.manual_seed(seed)
-    config_cls, model_cls = (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe else (
-        Qwen3_5Config, Qwen3_5ForConditionalGeneration)
-    text = tiny_text_config([L, F, L]).to_dict()
-    if moe:
-        text = {**{k: v for k, v in text.items() if k != "intermediate_size"}, **FAMILY_CONFIGS["qwen3_5_moe_text"]}
-    cfg = config_cls(
-        text_config=text,
-        vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
-                           num_position_embeddings=64),
-        image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END, video_token_id=93)
-    model = model_cls(cfg).double()
-    if moe:
-        model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if (p.dim() == 2 or ".experts." in name) and "visual" not in name:
-                p.normal_(0.0, 0.2)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                             "in_proj_qkv", "out_proj"],
-                                             target_parameters=EXPERTS if moe else None,
-                                             modules_to_save=["merger"]))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.requires_grad and "lora" in name:
-                p.normal_(0.0, 0.1)
-    model.enable_input_require_grads()
-    return patch_model(model, Backend(gdn="torch", attention="batched", mlp_rows=7))
-
-
-def image_item(text_before, grids, text_after, gen):
-    """Item tokens with one vision block per grid, and random pixels for each image."""
-    ids, pixels = list(text_before), []
-    for t, h, w in grids:
-        ids += [START] + [IMAGE] * (t * h * w // 4) + [END]
-        pixels.append(torch.randn(t * h * w, PATCH_DIM, generator=gen, dtype=torch.float64))
-    return ids + list(text_after), pixels
-
-
-def vlm_pack(seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda n: torch.randint(0, 89, (n,), generator=gen).tolist()  # noqa: E731 - text tokens only
-    prefix = rnd(37)
-    specs = [  # (grids, item text before, after, target length)
-        ([(1, 4, 6)], 3, 5, 4),
-        ([], 6, 0, 3),  # no image
-        ([(1, 4, 4), (1, 6, 2)], 2, 4, 5),  # two images, different grids
-        ([(1, 2, 8)], 0, 70, 6),  # straddles the 64-token GDN chunk
-    ]
-    conts, pixels = [], []
-    for grids, before, after, target in specs:
-        item, px = image_item(rnd(before), grids, rnd(after), gen)
-        conts.append(Continuation(item, rnd(target), images=grids))
-        pixels.append(px)
-    return prefix, conts, pixels
 
 
 def hf_vlm_losses(model, prefix, conts, pixels):
@@ -120,7 +48,7 @@ def test_vlm_packed_equals_standalone_exactly(seed, moe, monkeypatch):
         prefix, conts, pixels = vlm_pack(seed)
         d = compare(model, prefix, conts, vision_spec(model), pixels)
     # the MoE fixture's worst gradient (7.0e-8, in_proj_qkv of a GDN layer) is the GDN gate's `a.float()` that
-    # tests/test_parity.py bounds at 5e-7; the experts' own gradients agree to 2.3e-10
+    # tests/packed/test_parity.py bounds at 5e-7; the experts' own gradients agree to 2.3e-10
     assert d.loss < 1e-13 and d.grad < (5e-7 if moe else 1e-9), d
     # compare() asserts every trainable gradient is non-zero: the merger (modules_to_save) trains
     assert any("merger" in n and p.requires_grad for n, p in model.named_parameters())

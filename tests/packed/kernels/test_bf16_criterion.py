@@ -1,5 +1,5 @@
-"""The bf16 criterion tests/test_gpu.py judges fla with (bf16 pack vs bf16 standalone, same kernels), run here
-with the torch back end in bf16 on CPU: correct code meets it, and each of the three broken plumbings fails it, so
+"""The bf16 criterion tests/packed/kernels/test_gpu.py judges fla with (bf16 pack vs bf16 standalone, same kernels), run
+here with the torch back end in bf16 on CPU: correct code meets it, and each of the three broken plumbings fails it, so
 a correct GPU passes and a broken one cannot."""
 
 import pytest

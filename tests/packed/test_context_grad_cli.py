@@ -33,7 +33,7 @@ def test_two_ranks_equal_one_rank_in_each_mode(tmp_path):
         adapters[mode] = a
     assert any((adapters["kv_only"][n] - adapters["frozen"][n]).abs().max() > 1e-6 for n in adapters["frozen"])
     # eval: a mode changes the gradient, not the forward (frozen computes P with transformers' own forward, so only
-    # its float32 casts round differently: tests/test_parity.py's as-shipped bound)
+    # its float32 casts round differently: tests/packed/test_parity.py's as-shipped bound)
     plain = _eval(cfg, tmp_path / "frozen" / "adapter", tmp_path / "full.jsonl", "full")
     frozen = _eval(cfg, tmp_path / "frozen" / "adapter", tmp_path / "frozen.jsonl", "frozen")
     assert len(plain) == len(frozen) == 15

@@ -10,7 +10,7 @@ Tolerances (float64 with the model's float32 casts removed, `without_float32_cas
 VLM fixture: packed vs standalone losses <= 9e-16 in every mode; gradients 5.6e-8 (full), 1.7e-9 (kv_only),
 1.1e-14 (frozen); frozen vs transformers' cache path: losses and logits 1e-15, gradients 1e-14; kv_only vs the
 hook reference: gradients 1.7e-9 (full's GDN gate `a.float()` rounding). Bounds: losses 1e-13, gradients 5e-7
-(full's bound in tests/test_parity.py); leaks are >= 1e-3.
+(full's bound in tests/packed/test_parity.py); leaks are >= 1e-3.
 """
 
 import copy
@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F_
+from fla_interp import fake_fla  # noqa: F401 - the fixture, used by name
 from parity import (
     compare,
     max_rel,
@@ -29,7 +30,6 @@ from parity import (
     transformers_mlp,
     without_float32_casts,
 )
-from test_fla_plumbing import fake_fla  # noqa: F401 - the fixture, used by name
 from tiny_models import patched_lora_model, random_pack, tiny_lora_model
 
 from packtrain.models.offload import ChunkPool
@@ -335,7 +335,7 @@ def test_frozen_continuations_seeing_each_other_is_caught(monkeypatch):
 # -- VLM ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["kv_only", "frozen"])
 def test_vlm_each_mode_packed_equals_standalone(mode, monkeypatch):
-    from test_vlm import tiny_vlm, vlm_pack
+    from tiny_models import tiny_vlm, vlm_pack
 
     from packtrain.packed.patch import vision_spec
 
@@ -343,7 +343,7 @@ def test_vlm_each_mode_packed_equals_standalone(mode, monkeypatch):
         model = tiny_vlm(1)
         prefix, conts, pixels = vlm_pack(1)
         d = compare(model, prefix, conts, vision_spec(model), pixels, context_grad=mode)
-    assert d.loss < 1e-13 and d.grad < 1e-9, d  # tests/test_vlm.py's exact bounds
+    assert d.loss < 1e-13 and d.grad < 1e-9, d  # tests/packed/test_vlm.py's exact bounds
     assert unwrap(model).config.image_token_id in [t for c in conts for t in c.item_ids]
 
 
@@ -356,14 +356,14 @@ def test_unknown_mode_is_a_clear_error():
         PackedLM(tiny_lora_model([L]), "partial")
 
 
-# -- the fla back end's frozen plumbing, on CPU with tests/test_fla_plumbing.py's pure-torch stand-ins ------------
+# -- the fla back end's frozen plumbing, on CPU with fla's kernels as pure-torch stand-ins (fla_interp.fake_fla) --
 @pytest.fixture
 def fake_fla_frozen(monkeypatch):
     import packtrain.packed.kernels as kernels_pkg
 
     monkeypatch.delitem(sys.modules, "packtrain.packed.kernels.fla_frozen", raising=False)
     # `from packtrain.packed.kernels import fla_frozen` reads the package attribute first: where the real one was
-    # imported earlier in the session (tests/test_generate.py's interpreter test), it would be used instead
+    # imported earlier in the session (tests/run/test_generate.py's interpreter test), it would be used instead
     monkeypatch.delattr(kernels_pkg, "fla_frozen", raising=False)
     yield
     sys.modules.pop("packtrain.packed.kernels.fla_frozen", None)

@@ -23,7 +23,7 @@ OPTIM = {"name": "sgd", "lr": 0.5, "warmup_steps": 0}
 TRAIN = {"max_steps": 2, "packs_per_step": 1}
 # Measured here (two runs): losses (eval and train) agree to <= 1.2e-8 relative, gradient norms to <= 2.8e-7,
 # adapters to <= 4.3e-7 of their largest entry (6e-8 absolute). Bounds with ~5-10x headroom, far below what a
-# broken plumbing moves (tests/test_fla_interpreter_model.py: loss >= 5e-2).
+# broken plumbing moves (tests/packed/kernels/test_fla_interpreter_model.py: loss >= 5e-2).
 LOSS_REL, GRAD_REL, ADAPTER_REL, ADAPTER_ABS = 1e-7, 2e-6, 4e-6, 5e-7
 
 

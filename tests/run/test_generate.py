@@ -9,8 +9,7 @@ chunks (70: transformers' 64, packtrain's 32), items of 0, 1 and many tokens, se
 import pytest
 import torch
 from fla_interp import needs_interpreter
-from test_vlm import IMAGE, image_item, tiny_vlm
-from tiny_models import patched_lora_model, random_pack, tiny_family_model, tiny_lora_model
+from tiny_models import IMAGE, image_item, patched_lora_model, random_pack, tiny_family_model, tiny_lora_model, tiny_vlm
 
 from packtrain.distributed import DistInfo
 from packtrain.packed.decode import ItemsCall

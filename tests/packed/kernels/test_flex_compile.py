@@ -2,7 +2,7 @@
 reference. CPU, forward without grad (FlexAttention has no CPU backward). Counted with a backend that records each
 graph dynamo hands it and runs it eagerly: inductor's C++ compile of flex on CPU takes minutes (and its dynamic
 variant fails there with CppCompileError), while the recompilations being bounded are dynamo's, decided by the
-guards on the inputs' shapes. tests/test_gpu.py counts them with inductor on CUDA."""
+guards on the inputs' shapes. tests/packed/kernels/test_gpu.py counts them with inductor on CUDA."""
 
 import torch
 from tiny_models import random_pack

@@ -26,8 +26,8 @@ def test_shared_prefix_and_standalone_give_the_same_adapter(tmp_path, trained):
                    "--set", "packing.mode=standalone")
     packed, alone = adapter_of(packed_run.run), adapter_of(tmp_path / "alone")
     assert packed.keys() == alone.keys() and packed
-    # float64 as shipped: the model's float32 casts bound the agreement (tests/test_parity.py: 1e-4 on grads). They
-    # round at the scale of a tensor's values, so the bound is on each tensor's largest difference over its largest
+    # float64 as shipped: the model's float32 casts bound the agreement (tests/packed/test_parity.py: 1e-4 on grads).
+    # They round at the scale of a tensor's values, so the bound is on each tensor's largest difference over its largest
     # value, as in the other packed == standalone tests: an element near zero sees the same absolute rounding (an
     # AVX-only CPU: 2.2e-9 at an element of 1.1e-3, 2e-6 of it; the tensors' scales are 0.13-0.5). Measured there:
     # 4.7e-8; tests/mutations.py's broken plumbings give 6.1e-5 (zero initial state) to 1.8e-2 (tail off by one).
@@ -93,7 +93,8 @@ def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path, train
             labels[0, start:] = ids[0, start:]
             reference = model(input_ids=ids, labels=labels).loss.item()
             assert r["target_tokens"] == len(ex.target_ids)
-            # float64 model, transformers' float32 casts (RMSNorm, chunk rule, logits.float()): see test_parity.py
+            # float64 model, transformers' float32 casts (RMSNorm, chunk rule, logits.float()):
+            # see tests/packed/test_parity.py
             assert r["loss"] == pytest.approx(reference, rel=5e-6), r["id"]
 
     standalone = tmp_path / "eval_standalone.jsonl"

@@ -13,7 +13,7 @@ margin. Reproduce with the loop in `compare` over CASES.
   (packed P is chunked from 0 and each continuation from |P|; standalone from 0 throughout): losses 1.1e-6
   (also vs transformers' forward), gradients 3.9e-5. Bounds 5e-6 and 1e-4.
 - float32: losses 2.9e-7 (3.8e-7 vs transformers), gradients 5.8e-5. Bounds 3e-6 and 2e-4.
-A leak is orders of magnitude above all of these (tests/test_leaks.py shows the check failing).
+A leak is orders of magnitude above all of these (tests/packed/test_leaks.py shows the check failing).
 
 The packed and standalone forwards run their MLPs in checkpointed tiles of 7 rows (the back end's ``mlp_rows``, here
 small enough that every buffer is split), transformers' no-grad reference in one piece.

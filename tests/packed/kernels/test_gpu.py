@@ -2,10 +2,10 @@
 
 - float32 with TF32 off everywhere (torch matmuls, Triton's default dot precision, fla's triangular solve, which
   asks for tf32 explicitly): fla + flex packs against the torch reference and against standalone, within the
-  bounds the same kernels meet on CPU under Triton's interpreter (tests/test_fla_interpreter_model.py).
+  bounds the same kernels meet on CPU under Triton's interpreter (tests/packed/kernels/test_fla_interpreter_model.py).
 - bf16: the criterion of tests/mutations.py (a bf16 pack against the same model's bf16 standalone examples, same
   kernels), which correct code meets and each broken plumbing fails: shown on CPU with the torch back end in bf16
-  (tests/test_bf16_criterion.py) and here with fla.
+  (tests/packed/kernels/test_bf16_criterion.py) and here with fla.
 - FlexAttention compilations over many pack lengths, counted with inductor: at most two.
 """
 
@@ -80,8 +80,8 @@ def test_bf16_broken_plumbing_fails_the_criterion_on_fla(mutation, monkeypatch):
 
 
 def test_fp32_vlm_fla_flex_equals_torch_reference():
-    """Vision-language packs on the GPU back end against the torch reference (tests/test_vlm.py's fixture)."""
-    from test_vlm import tiny_vlm, vlm_pack
+    """Vision-language packs on the GPU back end against the torch reference (tests/packed/test_vlm.py's fixture)."""
+    from tiny_models import tiny_vlm, vlm_pack
 
     from packtrain.packed.patch import vision_spec
 

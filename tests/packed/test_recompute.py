@@ -1,9 +1,10 @@
 """What the patched model recomputes in backward instead of keeping (packtrain/packed/recompute.py): the dense MLP
 in checkpointed tiles of rows (``train.mlp_chunk_rows``) and the RMSNorms from their inputs.
 
-The tiles' exactness against standalone and transformers runs in the parity tests (tests/test_parity.py,
-tests/test_families.py, tests/test_vlm.py, tests/test_walk.py at 7-row tiles), kv_only's row-sparse backward across
-tiles in tests/test_context_grad.py; here: what is saved, dropout under the recompute, the config key, the norms."""
+The tiles' exactness against standalone and transformers runs in the parity tests (tests/packed/test_parity.py,
+tests/packed/test_families.py, tests/packed/test_vlm.py, tests/packed/test_walk.py at 7-row tiles), kv_only's row-sparse
+backward across tiles in tests/packed/test_context_grad.py; here: what is saved, dropout under the recompute, the config
+key, the norms."""
 
 import types
 

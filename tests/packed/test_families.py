@@ -1,7 +1,7 @@
 """Every model family (packtrain.packed.families) trains exactly: packed == standalone (losses and every trainable
 gradient: attention, GDN, dense and shared-expert MLPs, routed experts) and == transformers' own forward.
 
-Tolerances: the bounds of tests/test_parity.py, which hold here with margin. Measured worst case over CASES
+Tolerances: the bounds of tests/packed/test_parity.py, which hold here with margin. Measured worst case over CASES
 (reproduce: the loop of `test_packed_equals_standalone_and_transformers` over CASES):
 - float64 with the float32 casts of each family's norms and chunk rule removed (`without_float32_casts`): losses
   4.0e-16, gradients 2.9e-8 (the GDN gate's `a.float()` and the MoE router's float32 softmax stay), losses vs
@@ -128,7 +128,7 @@ def test_moe_trains_experts_and_shared_expert_not_router():
     assert not any(".mlp.gate." in n for n in trainable)
 
 
-# -- refusals and LoRA targeting (in process; tests/test_families_cli.py runs two refusals through the CLI) ------
+# -- refusals and LoRA targeting (in process; tests/packed/test_families_cli.py runs two refusals through the CLI) --
 
 def _cfg(model, lora=None):
     from packtrain.config import config_from_dict

@@ -3,7 +3,7 @@ cli_helpers.start_ranks): SIGTERM / SIGINT (sent by pid once a step is logged, n
 at the next step boundary with a checkpoint and exit 75; --resume then gives the uninterrupted run's adapter bit for
 bit. With two ranks, SIGINT to rank 1 alone stops both at the same step (no KeyboardInterrupt), and the resume
 restores both ranks' RNG (each rank trains a pack per step, with dropout). These are the suite's proofs of those two
-resume paths (SIGKILL: test_train_cli; 2 -> 1 ranks: test_distributed).
+resume paths (SIGKILL: commands/test_train; 2 -> 1 ranks: test_distributed).
 
 Every run of one comparison has the same torch thread count, one (the forked ranks and the pytest process:
 cli_helpers, conftest.py): torch's own CPU kernels do not round the same with 1 and 2 threads (its flash attention in

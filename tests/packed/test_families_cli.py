@@ -4,22 +4,18 @@ clear refusals of anything else."""
 
 import pytest
 import torch
-from cli_helpers import REPO, TINY_MODEL, adapter_of, metrics_of, run_in_process, run_ranks, write_config
+from cli_helpers import REPO, TINY_MODEL, TINY_MOE, adapter_of, metrics_of, run_in_process, run_ranks, write_config
 
 from packtrain.packed.families import FAMILIES as FAMILY_TABLE
 
 SHAPE = {k: TINY_MODEL[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
                                     "head_dim", "tie_word_embeddings")}
-GDN = {k: TINY_MODEL[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                                  "linear_value_head_dim", "rope_parameters")}
 L, F = "linear_attention", "full_attention"
-MOE = {"model_type": "qwen3_5_moe_text", **SHAPE, **GDN, "num_hidden_layers": 3, "layer_types": [L, F, L],
-       "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}
 EXPERT_LORA = {"target_modules": ["q_proj", "v_proj", "in_proj_qkv", "gate_proj", "down_proj"],
                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 FAMILIES = {
-    "qwen3_5_moe_text": (MOE, EXPERT_LORA),
-    "qwen3_next": ({**MOE, "model_type": "qwen3_next", "rope_parameters": None, "intermediate_size": 24,
+    "qwen3_5_moe_text": (TINY_MOE, EXPERT_LORA),
+    "qwen3_next": ({**TINY_MOE, "model_type": "qwen3_next", "rope_parameters": None, "intermediate_size": 24,
                     "layer_types": [F, L, L], "decoder_sparse_step": 2, "tie_word_embeddings": True},
                    {"target_parameters": ["mlp.experts.gate_up_proj"]}),  # default target_modules
     "qwen3": ({"model_type": "qwen3", **SHAPE, "intermediate_size": 40, "num_hidden_layers": 2}, {}),
@@ -126,7 +122,7 @@ def _refused(tmp_path, model_cfg, **sections):
 
 
 def test_unknown_model_type_is_refused_naming_it_and_the_supported(tmp_path):
-    """(Unknown layer types: tests/test_families.py, in process; the CLI path of the error is this one.)"""
+    """(Unknown layer types: tests/packed/test_families.py, in process; the CLI path of the error is this one.)"""
     line = _refused(tmp_path, {**TINY_MODEL, "model_type": "qwen4_exp"})
     assert "'qwen4_exp'" in line and "model.config.model_type" in line
     for supported in ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "qwen3"):
