@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from packtrain.config import Config, WalkSpec
+from packtrain.data.tree import example_tree, pack_tree
 from packtrain.data.walk_calls import WalkCalls, walk_calls
 
 
@@ -35,8 +36,9 @@ class PlanError(ValueError):
 class Pack:
     prompt: int  # index into Plan.prompts
     examples: tuple[int, ...]  # indices into the examples, in the order they are laid out after P
-    positions: int  # len(P) + sum of the continuation lengths
+    positions: int  # len(P) + sum of the continuation lengths (a tree pack: len(P) + its tree's tokens)
     walk: WalkCalls | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
+    pairs: int | None = None  # a tree pack's attention pairs (data/tree.attention_pairs); None: a flat pack
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Plan:
     token_budget: int
     max_continuations: int
     seed: int = 0
+    tree: bool = False  # packing.mode tree: each pack is the prefix tree of its examples (plan_tree_packs)
 
 
 def _where(ex: Any, index: int) -> str:
@@ -93,6 +96,12 @@ def _best_fit_decreasing(lengths: list[int], capacity: int, max_items: int) -> l
     return bins
 
 
+def _over_budget(ex: Any, index: int, prefix_len: int, length: int, token_budget: int) -> PlanError:
+    return PlanError(f"{_where(ex, index)} needs {prefix_len + length} positions (P {prefix_len} + continuation "
+                     f"{length}), over packing.token_budget={token_budget}; raise the budget or set "
+                     "packing.on_overflow=skip")
+
+
 def target_count(ex: Any) -> int:
     """The tokens of an example that carry loss (its whole target unless it has loss spans)."""
     spans = getattr(ex, "spans", ())
@@ -134,9 +143,7 @@ def plan_packs(
                                     "the walk takes text-only examples")
                 walked.append((str(getattr(ex, "id", "")), i, length))
             else:
-                raise PlanError(f"{_where(ex, i)} needs {len(prefix) + length} positions (P {len(prefix)} + "
-                                f"continuation {length}), over packing.token_budget={token_budget}; raise the "
-                                "budget or set packing.on_overflow=skip")
+                raise _over_budget(ex, i, len(prefix), length, token_budget)
         for _, i, length in sorted(walked):
             sched = walk_calls(len(prefix), len(examples[i].item_ids), length, walk_spec, frozen)
             packs.append(Pack(len(prompts), (i,), len(prefix) + length, sched))
@@ -154,6 +161,49 @@ def plan_packs(
     if not packs:
         raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
     return Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed)
+
+
+def plan_tree_packs(
+    examples: Sequence[Any], token_budget: int, max_continuations: int, on_overflow: str = "error", seed: int = 0,
+) -> Plan:
+    """Packs for ``packing.mode: tree``: per prompt group, the prefix tree of its examples' continuations
+    (item + target, examples with other images apart: :func:`packtrain.data.tree.example_tree`) cut into packs
+    whose tree fits, ``len(P)`` + the pack tree's tokens <= ``token_budget`` and its distinct leaves <=
+    ``max_continuations`` (the rule: :func:`packtrain.data.tree.pack_tree`). A pack's ``positions`` is len(P) +
+    its tree's tokens, ``pairs`` its tree's attention pairs. An example over the budget on its own goes by
+    ``on_overflow`` (error or skip; the walk is not built for trees). The tree and the packs depend on the tokens
+    only; examples with the same tokens keep the order of their ids."""
+    if not examples:
+        raise PlanError("no examples to plan")
+    if on_overflow not in ("error", "skip"):
+        raise ValueError(f"packing.mode tree: packing.on_overflow {on_overflow} is not built (error or skip)")
+    packs: list[Pack] = []
+    prompts: list[tuple[int, ...]] = []
+    skipped: list[int] = []
+    groups = _group_by_prompt(examples)
+    for prefix in sorted(groups):
+        p = len(prefix)
+        fitting = []
+        for i in groups[prefix]:
+            ex = examples[i]
+            length = len(ex.item_ids) + len(ex.target_ids)
+            if p + length <= token_budget:
+                fitting.append(i)
+            elif on_overflow == "skip":
+                skipped.append(i)
+            else:
+                raise _over_budget(ex, i, p, length, token_budget)
+        if not fitting:
+            continue
+        tree = example_tree([examples[i] for i in fitting])
+        tie = lambda j: (str(getattr(examples[fitting[j]], "id", "")), fitting[j])  # noqa: E731
+        for tp in pack_tree(tree, token_budget - p, max_continuations, tie):
+            packs.append(Pack(len(prompts), tuple(fitting[j] for j in tp.paths), p + tp.positions,
+                              pairs=p * (p + 1) // 2 + p * tp.positions + tp.pairs))
+        prompts.append(prefix)
+    if not packs:
+        raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
+    return Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed, tree=True)
 
 
 def epoch_order(plan: Plan, epoch: int, seed: int | None = None) -> list[int]:
@@ -232,6 +282,8 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
 def plan_for(cfg: Config, examples) -> Plan:
     """The plan of ``examples`` under a config's packing settings."""
     p = cfg.packing
+    if p.mode == "tree":
+        return plan_tree_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed)
     return plan_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed,
                       walk_spec=cfg.walk_spec(), frozen=p.context_grad == "frozen")
 
