@@ -27,7 +27,9 @@ VOCAB = list(range(50_000))
 
 def conversation(rng: random.Random, prefix: tuple[int, ...], name: str, drop_reasoning: bool) -> list[Example]:
     """One conversation's examples under ``each``."""
-    tokens = lambda n: tuple(rng.choice(VOCAB) for _ in range(n))  # noqa: E731
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.choice(VOCAB) for _ in range(n))
+
     history: tuple[int, ...] = ()
     out = []
     for turn in range(rng.randint(8, 24)):

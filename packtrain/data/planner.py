@@ -15,11 +15,13 @@ docs/performance.md, "Planner: 1,000,000 examples" (``python tools/bench_planner
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import random
 import statistics
 from bisect import bisect_left, insort
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +179,25 @@ def plan_tree_packs(
         raise PlanError("no examples to plan")
     if on_overflow not in ("error", "skip"):
         raise ValueError(f"packing.mode tree: packing.on_overflow {on_overflow} is not built (error or skip)")
+    with _collector_paused():
+        return _plan_tree_groups(examples, token_budget, max_continuations, on_overflow, seed)
+
+
+@contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off: a tree plan makes millions of small lists and tuples and no cycles,
+    and the collector's passes over them took half the planner's time (tools/bench_tree_planner.py)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuations: int, on_overflow: str,
+                      seed: int) -> Plan:
     packs: list[Pack] = []
     prompts: list[tuple[int, ...]] = []
     skipped: list[int] = []
@@ -196,14 +217,18 @@ def plan_tree_packs(
         if not fitting:
             continue
         tree = example_tree([examples[i] for i in fitting])
-        tie = lambda j: (str(getattr(examples[fitting[j]], "id", "")), fitting[j])  # noqa: E731
-        for tp in pack_tree(tree, token_budget - p, max_continuations, tie):
+        for tp in pack_tree(tree, token_budget - p, max_continuations, _by_id(examples, fitting)):
             packs.append(Pack(len(prompts), tuple(fitting[j] for j in tp.paths), p + tp.positions,
                               pairs=p * (p + 1) // 2 + p * tp.positions + tp.pairs))
         prompts.append(prefix)
     if not packs:
         raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
     return Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed, tree=True)
+
+
+def _by_id(examples: Sequence[Any], indices: list[int]):
+    """A sort key of positions in ``indices``: the example's id, then its index."""
+    return lambda j: (str(getattr(examples[indices[j]], "id", "")), indices[j])
 
 
 def epoch_order(plan: Plan, epoch: int, seed: int | None = None) -> list[int]:
@@ -228,6 +253,11 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     continuations per pack is the lower median, so an integer like the rest. A walked example computes its own
     sequence once, chunk by chunk (the same positions and pairs in both columns); it is counted apart from the packs
     (``walked``, ``walk_chunks``) and not in the per-pack or budget figures.
+
+    A tree plan's packs count their trees (``Pack.positions``, ``Pack.pairs``: every token reads P, its ancestors
+    and its own node's earlier tokens), and the figures gain shared_prefix's: the same examples planned flat
+    (``positions_shared_prefix``, ``attention_pairs_shared_prefix``, ``packs_shared_prefix`` and the ratios of
+    shared_prefix's over the tree's).
     """
     per_pack = []
     positions_standalone = pairs_standalone = pairs_packed = walk_positions = 0
@@ -241,16 +271,18 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         if pack.walk is not None:
             continue
         p = len(plan.prompts[pack.prompt])
-        pairs_packed += _pairs(p)
+        pairs_packed += _pairs(p) if pack.pairs is None else pack.pairs
         for i in pack.examples:
             ex = examples[i]
             c = len(ex.item_ids) + len(ex.target_ids)
             positions_standalone += p + c
             pairs_standalone += _pairs(p + c)
-            pairs_packed += c * p + _pairs(c)
+            if pack.pairs is None:
+                pairs_packed += c * p + _pairs(c)
         per_pack.append(len(pack.examples))
     positions_packed = sum(pack.positions for pack in plan.packs)
     planned = [examples[i] for pack in plan.packs for i in pack.examples]
+    tree = _against_flat(plan, examples, positions_packed, pairs_packed) if plan.tree else {}
     return {
         "examples": sum(per_pack) + len(walks),
         # the lines the planned examples come from (one per conversation), the assistant turns they train and the
@@ -276,7 +308,20 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         "attention_pairs_standalone": pairs_standalone,
         "attention_pairs_packed": pairs_packed,
         "attention_pair_ratio": pairs_standalone / pairs_packed,
+        **tree,
     }
+
+
+def _against_flat(plan: Plan, examples: Sequence[Any], positions: int, pairs: int) -> dict:
+    """A tree plan's figures beside shared_prefix's: the same examples packed flat, as that mode plans them (the
+    same budget; the examples the tree plan skipped are over it flat too)."""
+    flat = plan_stats(plan_packs(examples, plan.token_budget, plan.max_continuations, "skip", plan.seed), examples)
+    return {"packs_shared_prefix": flat["packs"],
+            "positions_shared_prefix": flat["positions_packed"],
+            "attention_pairs_shared_prefix": flat["attention_pairs_packed"],
+            # shared_prefix's over the tree's
+            "shared_prefix_position_ratio": flat["positions_packed"] / positions,
+            "shared_prefix_attention_pair_ratio": flat["attention_pairs_packed"] / pairs}
 
 
 def plan_for(cfg: Config, examples) -> Plan:

@@ -15,8 +15,8 @@ Shapes: a tree of n paths of total length L has at most 2n nodes; building it is
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 
 @dataclass(slots=True)
