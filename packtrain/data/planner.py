@@ -11,6 +11,10 @@ depends on the seed: ``epoch_order`` shuffles them per epoch.
 
 Speed: one grouping pass, one sort per group and a bisect per example; how long a million examples take:
 docs/performance.md, "Planner: 1,000,000 examples" (``python tools/bench_planner.py``).
+
+Under ``packing.mode: tree`` (:func:`plan_tree_packs`) a group's continuations are one prefix tree, cut into packs
+whose tree fits the budget (the rule: :func:`packtrain.data.tree.pack_tree`; docs/design.md, "Prefix trees: the
+planner"); a pack's positions and attention pairs are its tree's.
 """
 
 from __future__ import annotations
