@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from packtrain.config import Config, WalkSpec
-from packtrain.data.tree import example_tree, pack_tree
+from packtrain.data.tree import build_tree, example_paths, pack_tree
 from packtrain.data.walk_calls import WalkCalls, walk_calls
 
 
@@ -173,7 +173,7 @@ def plan_tree_packs(
     examples: Sequence[Any], token_budget: int, max_continuations: int, on_overflow: str = "error", seed: int = 0,
 ) -> Plan:
     """Packs for ``packing.mode: tree``: per prompt group, the prefix tree of its examples' continuations
-    (item + target, examples with other images apart: :func:`packtrain.data.tree.example_tree`) cut into packs
+    (item + target, examples with other images apart: :func:`packtrain.data.tree.example_paths`) cut into packs
     whose tree fits, ``len(P)`` + the pack tree's tokens <= ``token_budget`` and its distinct leaves <=
     ``max_continuations`` (the rule: :func:`packtrain.data.tree.pack_tree`). A pack's ``positions`` is len(P) +
     its tree's tokens, ``pairs`` its tree's attention pairs. An example over the budget on its own goes by
@@ -207,20 +207,22 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
     skipped: list[int] = []
     groups = _group_by_prompt(examples)
     for prefix in sorted(groups):
-        p = len(prefix)
-        fitting = []
-        for i in groups[prefix]:
-            ex = examples[i]
-            length = len(ex.item_ids) + len(ex.target_ids)
-            if p + length <= token_budget:
-                fitting.append(i)
-            elif on_overflow == "skip":
-                skipped.append(i)
-            else:
-                raise _over_budget(ex, i, p, length, token_budget)
-        if not fitting:
-            continue
-        tree = example_tree([examples[i] for i in fitting])
+        p, fitting = len(prefix), groups[prefix]
+        paths, salts = example_paths([examples[i] for i in fitting])
+        if max(map(len, paths)) > token_budget - p:
+            keep = []
+            for k, i in enumerate(fitting):
+                if p + len(paths[k]) <= token_budget:
+                    keep.append(k)
+                elif on_overflow == "skip":
+                    skipped.append(i)
+                else:
+                    raise _over_budget(examples[i], i, p, len(paths[k]), token_budget)
+            if not keep:
+                continue
+            fitting, paths = [fitting[k] for k in keep], [paths[k] for k in keep]
+            salts = None if salts is None else [salts[k] for k in keep]
+        tree = build_tree(paths, salts)
         for tp in pack_tree(tree, token_budget - p, max_continuations, _by_id(examples, fitting)):
             packs.append(Pack(len(prompts), tuple(fitting[j] for j in tp.paths), p + tp.positions,
                               pairs=p * (p + 1) // 2 + p * tp.positions + tp.pairs))

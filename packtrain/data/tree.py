@@ -317,8 +317,13 @@ def image_salt(ex) -> tuple:
     return tuple((ref.path, ref.grid_thw) for ref in getattr(ex, "images", ()))
 
 
-def example_tree(examples: Sequence) -> Tree:
-    """The tree of examples of one prompt group: each one's continuation (item + target), salted by its images
-    (no salts when none has images: the same tree, sorted faster)."""
+def example_paths(examples: Sequence) -> tuple[list[tuple[int, ...]], list[tuple] | None]:
+    """Examples' paths, each one's continuation (item + target), and their salts, their images (None when none
+    has images: the same tree, sorted faster)."""
     salts = [image_salt(ex) for ex in examples] if any(getattr(ex, "images", ()) for ex in examples) else None
-    return build_tree([ex.item_ids + ex.target_ids for ex in examples], salts)
+    return [ex.item_ids + ex.target_ids for ex in examples], salts
+
+
+def example_tree(examples: Sequence) -> Tree:
+    """The tree of examples of one prompt group."""
+    return build_tree(*example_paths(examples))
