@@ -2,8 +2,8 @@
 
 Every example is a path from the root (P) through its continuation's tokens (item + target). Continuations that
 start with the same tokens share them: the tree keeps each shared run once, as one *node* (a radix tree: a node
-ends where two paths part or a path ends inside a longer one's run only when nothing follows it on its own). A
-node's tokens are positions ``[start, start + length)`` of every path through it, counted after P.
+ends where two paths part, or where a path ends). A node's tokens are positions ``[start, start + length)`` of
+every path through it, counted after P. Packs of a tree (``pack_tree``) are sets of its subtrees.
 
 Built from the paths sorted by their tokens, so the tree, its node order and everything derived from it depend on
 the examples' tokens only, never on their input order. Nodes are numbered in depth-first order (a parent before
@@ -161,7 +161,7 @@ class TreePack:
 
 def pack_tree(tree: Tree, capacity: int, max_leaves: int, tie=None) -> list[TreePack]:
     """The paths of ``tree`` in packs of at most ``capacity`` tree tokens and ``max_leaves`` leaves, each pack the
-    tree of its paths (every path must fit alone: ``len(path) <= capacity``).
+    tree of its paths (every path non-empty and fitting alone: ``1 <= len(path) <= capacity``).
 
     Items: from the roots down, a node whose subtree fits with its path (``start + subtree tokens <= capacity``,
     its leaves <= ``max_leaves``) is one item, every path ending in it; a node that does not fit is *split*: the
@@ -263,6 +263,8 @@ class _Packer:
             self.room[b] -= len(self.nodes[g].tokens)
             self.pairs[b] += node_pairs(self.nodes[g])
         self.room[b] -= size
+        # the split node the pack already held has a held child (what brought it there lies below it), so it was no
+        # leaf: the pack gains exactly the subtree's leaves
         self.leaves[b] += leaves
         self.pairs[b] += pairs
         self.paths[b].extend(paths)
