@@ -72,22 +72,20 @@ def build_tree(paths: Sequence[Sequence[int]], salts: Sequence | None = None) ->
         order = sorted(range(len(paths)), key=paths.__getitem__)
     else:
         order = sorted(range(len(paths)), key=lambda i: (salts[i], paths[i]))
-    lcp = [0] * len(order)
-    for k in range(1, len(order)):
-        a, b = order[k - 1], order[k]
-        if salts is None or salts[a] == salts[b]:
-            lcp[k] = _common(paths[a], paths[b])
+    ordered = [paths[i] for i in order]
+    lcp = [0, *map(_common, ordered, ordered[1:])]
+    if salts is not None:  # the first path of each salt shares nothing with the one before it
+        lcp = [c if k == 0 or salts[order[k - 1]] == salts[order[k]] else 0 for k, c in enumerate(lcp)]
     cuts = _cuts(lcp)
     nodes: list[Node] = []
     chains: list[list[int]] = [[] for _ in paths]
     stack: list[int] = []  # the previous path's nodes, root side first
     ends: list[int] = []  # their ends
-    for k, i in enumerate(order):
-        path, start = paths[i], lcp[k]
+    for i, path, start, cut in zip(order, ordered, lcp, cuts):
         while ends and ends[-1] > start:
             stack.pop()
             ends.pop()
-        for end in ([*(c for c in reversed(cuts[k]) if c < len(path)), len(path)] if cuts[k] else (len(path),)):
+        for end in ([*(c for c in reversed(cut) if c < len(path)), len(path)] if cut else (len(path),)):
             if end > start:
                 parent = stack[-1] if stack else -1
                 nodes.append(Node(parent, start, path[start:end]))
