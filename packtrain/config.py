@@ -124,7 +124,9 @@ class WalkConfig:
 
 @dataclass
 class PackingConfig:
-    mode: Literal["shared_prefix", "standalone"] = "shared_prefix"
+    # shared_prefix: packs of P + continuations; standalone: each example alone (the reference); tree: P + the
+    # prefix tree of the pack's continuations, each shared run of tokens computed once (data/planner.py)
+    mode: Literal["shared_prefix", "standalone", "tree"] = "shared_prefix"
     token_budget: int = 150_000  # positions per pack: len(P) + sum of continuation lengths
     max_continuations: int = 90
     # An example whose P + continuation alone exceeds the budget: error, skip (counted), or walk: trained chunk by
@@ -458,6 +460,17 @@ def _template_kwargs_problems(kwargs: dict) -> list[str]:
     return problems
 
 
+def _tree_problems(p: PackingConfig) -> list[str]:
+    """What packing.mode tree does not build (continuation_groups > 1 is refused for every mode but
+    shared_prefix, below)."""
+    problems = []
+    if p.context_grad != "full":
+        problems.append(f"packing.mode tree: packing.context_grad {p.context_grad} is not built (full only)")
+    if p.on_overflow == "walk":
+        problems.append("packing.mode tree: packing.on_overflow walk is not built (error or skip)")
+    return problems
+
+
 def _validate(cfg: Config) -> list[str]:
     problems = []
     for path, ok, msg in _BOUNDS:
@@ -466,6 +479,8 @@ def _validate(cfg: Config) -> list[str]:
             problems.append(f"{path}: {msg}, got {value!r}")
     if cfg.packing.on_overflow == "walk" and cfg.packing.context_grad == "kv_only":
         problems.append("packing.on_overflow: walk needs packing.context_grad full or frozen, not kv_only")
+    if cfg.packing.mode == "tree":
+        problems += _tree_problems(cfg.packing)
     if cfg.packing.continuation_groups > 1 and cfg.packing.mode != "shared_prefix":
         problems.append(f"packing.continuation_groups: groups a pack's continuations, so it needs packing.mode "
                         f"shared_prefix, got mode {cfg.packing.mode!r} with {cfg.packing.continuation_groups} groups")

@@ -191,3 +191,18 @@ def test_an_alias_bomb_in_template_kwargs_is_refused_without_expanding_it(tmp_pa
         deep = {"k": deep}
     assert problems_of({"data": {"template_kwargs": deep}})[0].startswith("data.template_kwargs: more than")
 
+
+
+@pytest.mark.parametrize("packing, problem", [
+    ({"context_grad": "kv_only"}, "packing.mode tree: packing.context_grad kv_only is not built (full only)"),
+    ({"context_grad": "frozen"}, "packing.mode tree: packing.context_grad frozen is not built (full only)"),
+    ({"on_overflow": "walk"}, "packing.mode tree: packing.on_overflow walk is not built (error or skip)"),
+    ({"continuation_groups": 2}, ("packing.continuation_groups: groups a pack's continuations, so it needs "
+                                  "packing.mode shared_prefix, got mode 'tree' with 2 groups")),
+])
+def test_what_tree_does_not_build_is_refused_in_one_line(packing, problem):
+    assert problems_of({"packing": {"mode": "tree", **packing}}) == [problem]
+
+
+def test_tree_mode_loads():
+    assert config_from_dict({"packing": {"mode": "tree", "on_overflow": "skip"}}).packing.mode == "tree"

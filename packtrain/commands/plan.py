@@ -16,7 +16,7 @@ from pathlib import Path
 
 from packtrain.config import ConfigError, PackingConfig, load_config
 from packtrain.data.examples import load_split
-from packtrain.data.planner import plan_packs, plan_stats
+from packtrain.data.planner import plan_for, plan_stats
 from packtrain.models import memory
 from packtrain.run import balance
 from packtrain.run.units import unit_shape
@@ -51,12 +51,30 @@ def format_table(stats: dict, title: str) -> str:
         *([f"  walked     {s['walked']:,} examples over the budget, in {s['walk_chunks']:,} chunks"]
           if s.get("walked") else []),
         "",
-        f"  {'':<17}{'standalone':>{width}}{'packed':>{width}}{'ratio':>9}",
     ]
-    for name, standalone, packed, ratio in rows:
-        lines.append(f"  {name:<17}{standalone:>{width},}{packed:>{width},}{ratio:>8.1f}x")
+    if "positions_shared_prefix" in s:
+        lines += _mode_rows(s)
+    else:
+        lines.append(f"  {'':<17}{'standalone':>{width}}{'packed':>{width}}{'ratio':>9}")
+        for name, standalone, packed, ratio in rows:
+            lines.append(f"  {name:<17}{standalone:>{width},}{packed:>{width},}{ratio:>8.1f}x")
     lines.append("  (attention pairs: query-key pairs of causal attention, per full-attention layer and head)")
     return "\n".join(lines)
+
+
+def _mode_rows(s: dict) -> list[str]:
+    """A tree plan's rows: standalone, shared_prefix (the same examples packed flat) and tree, each with its
+    positions and attention pairs and their ratio over the tree's."""
+    rows = [("standalone", s["positions_standalone"], s["attention_pairs_standalone"]),
+            ("shared_prefix", s["positions_shared_prefix"], s["attention_pairs_shared_prefix"]),
+            ("tree", s["positions_packed"], s["attention_pairs_packed"])]
+    pos = max(len("positions"), *(len(f"{r[1]:,}") for r in rows)) + 2
+    pairs = max(len("attention pairs"), *(len(f"{r[2]:,}") for r in rows)) + 2
+    lines = [f"  {'':<17}{'positions':>{pos}}{'vs tree':>9}{'attention pairs':>{pairs}}{'vs tree':>9}"]
+    for name, positions, n_pairs in rows:
+        lines.append(f"  {name:<17}{positions:>{pos},}{positions / s['positions_packed']:>8.1f}x"
+                     f"{n_pairs:>{pairs},}{n_pairs / s['attention_pairs_packed']:>8.1f}x")
+    return lines
 
 
 def step_figures(cfg, plan, examples, world: int) -> dict:
@@ -99,9 +117,7 @@ def run_plan(args) -> int:
     if cfg.data.train is None:
         raise ConfigError(["data.train: not set (the training data to plan)"], args.config)
     examples = load_split(cfg, "train")
-    packing = cfg.packing
-    plan = plan_packs(examples, packing.token_budget, packing.max_continuations, packing.on_overflow, cfg.train.seed,
-                      walk_spec=cfg.walk_spec(), frozen=packing.context_grad == "frozen")
+    plan = plan_for(cfg, examples)
     stats = plan_stats(plan, examples)
     if args.world_size < 1:
         raise ValueError(f"--world-size: must be at least 1, got {args.world_size}")

@@ -11,19 +11,26 @@ depends on the seed: ``epoch_order`` shuffles them per epoch.
 
 Speed: one grouping pass, one sort per group and a bisect per example; how long a million examples take:
 docs/performance.md, "Planner: 1,000,000 examples" (``python tools/bench_planner.py``).
+
+Under ``packing.mode: tree`` (:func:`plan_tree_packs`) a group's continuations are one prefix tree, cut into packs
+whose tree fits the budget (the rule: :func:`packtrain.data.tree.pack_tree`; docs/design.md, "Prefix trees: the
+planner"); a pack's positions and attention pairs are its tree's.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import random
 import statistics
 from bisect import bisect_left, insort
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from packtrain.config import Config, WalkSpec
+from packtrain.data.tree import build_tree, example_paths, pack_tree
 from packtrain.data.walk_calls import WalkCalls, walk_calls
 
 
@@ -35,8 +42,9 @@ class PlanError(ValueError):
 class Pack:
     prompt: int  # index into Plan.prompts
     examples: tuple[int, ...]  # indices into the examples, in the order they are laid out after P
-    positions: int  # len(P) + sum of the continuation lengths
+    positions: int  # len(P) + sum of the continuation lengths (a tree pack: len(P) + its tree's tokens)
     walk: WalkCalls | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
+    pairs: int | None = None  # a tree pack's attention pairs (data/tree.attention_pairs); None: a flat pack
 
 
 @dataclass
@@ -47,6 +55,7 @@ class Plan:
     token_budget: int
     max_continuations: int
     seed: int = 0
+    tree: bool = False  # packing.mode tree: each pack is the prefix tree of its examples (plan_tree_packs)
 
 
 def _where(ex: Any, index: int) -> str:
@@ -93,6 +102,12 @@ def _best_fit_decreasing(lengths: list[int], capacity: int, max_items: int) -> l
     return bins
 
 
+def _over_budget(ex: Any, index: int, prefix_len: int, length: int, token_budget: int) -> PlanError:
+    return PlanError(f"{_where(ex, index)} needs {prefix_len + length} positions (P {prefix_len} + continuation "
+                     f"{length}), over packing.token_budget={token_budget}; raise the budget or set "
+                     "packing.on_overflow=skip")
+
+
 def target_count(ex: Any) -> int:
     """The tokens of an example that carry loss (its whole target unless it has loss spans)."""
     spans = getattr(ex, "spans", ())
@@ -134,9 +149,7 @@ def plan_packs(
                                     "the walk takes text-only examples")
                 walked.append((str(getattr(ex, "id", "")), i, length))
             else:
-                raise PlanError(f"{_where(ex, i)} needs {len(prefix) + length} positions (P {len(prefix)} + "
-                                f"continuation {length}), over packing.token_budget={token_budget}; raise the "
-                                "budget or set packing.on_overflow=skip")
+                raise _over_budget(ex, i, len(prefix), length, token_budget)
         for _, i, length in sorted(walked):
             sched = walk_calls(len(prefix), len(examples[i].item_ids), length, walk_spec, frozen)
             packs.append(Pack(len(prompts), (i,), len(prefix) + length, sched))
@@ -154,6 +167,74 @@ def plan_packs(
     if not packs:
         raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
     return Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed)
+
+
+def plan_tree_packs(
+    examples: Sequence[Any], token_budget: int, max_continuations: int, on_overflow: str = "error", seed: int = 0,
+) -> Plan:
+    """Packs for ``packing.mode: tree``: per prompt group, the prefix tree of its examples' continuations
+    (item + target, examples with other images apart: :func:`packtrain.data.tree.example_paths`) cut into packs
+    whose tree fits, ``len(P)`` + the pack tree's tokens <= ``token_budget`` and its distinct leaves <=
+    ``max_continuations`` (the rule: :func:`packtrain.data.tree.pack_tree`). A pack's ``positions`` is len(P) +
+    its tree's tokens, ``pairs`` its tree's attention pairs. An example over the budget on its own goes by
+    ``on_overflow`` (error or skip; the walk is not built for trees). The tree and the packs depend on the tokens
+    only; examples with the same tokens keep the order of their ids."""
+    if not examples:
+        raise PlanError("no examples to plan")
+    if on_overflow not in ("error", "skip"):
+        raise ValueError(f"packing.mode tree: packing.on_overflow {on_overflow} is not built (error or skip)")
+    with _collector_paused():
+        return _plan_tree_groups(examples, token_budget, max_continuations, on_overflow, seed)
+
+
+@contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off: a tree plan makes millions of small lists and tuples and no cycles,
+    and the collector's passes over them took half the planner's time (tools/bench_tree_planner.py)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuations: int, on_overflow: str,
+                      seed: int) -> Plan:
+    packs: list[Pack] = []
+    prompts: list[tuple[int, ...]] = []
+    skipped: list[int] = []
+    groups = _group_by_prompt(examples)
+    for prefix in sorted(groups):
+        p, fitting = len(prefix), groups[prefix]
+        paths, salts = example_paths([examples[i] for i in fitting])
+        if max(map(len, paths)) > token_budget - p:
+            keep = []
+            for k, i in enumerate(fitting):
+                if p + len(paths[k]) <= token_budget:
+                    keep.append(k)
+                elif on_overflow == "skip":
+                    skipped.append(i)
+                else:
+                    raise _over_budget(examples[i], i, p, len(paths[k]), token_budget)
+            if not keep:
+                continue
+            fitting, paths = [fitting[k] for k in keep], [paths[k] for k in keep]
+            salts = None if salts is None else [salts[k] for k in keep]
+        tree = build_tree(paths, salts)
+        for tp in pack_tree(tree, token_budget - p, max_continuations, _by_id(examples, fitting)):
+            packs.append(Pack(len(prompts), tuple(fitting[j] for j in tp.paths), p + tp.positions,
+                              pairs=p * (p + 1) // 2 + p * tp.positions + tp.pairs))
+        prompts.append(prefix)
+    if not packs:
+        raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
+    return Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed, tree=True)
+
+
+def _by_id(examples: Sequence[Any], indices: list[int]):
+    """A sort key of positions in ``indices``: the example's id, then its index."""
+    return lambda j: (str(getattr(examples[indices[j]], "id", "")), indices[j])
 
 
 def epoch_order(plan: Plan, epoch: int, seed: int | None = None) -> list[int]:
@@ -178,6 +259,11 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     continuations per pack is the lower median, so an integer like the rest. A walked example computes its own
     sequence once, chunk by chunk (the same positions and pairs in both columns); it is counted apart from the packs
     (``walked``, ``walk_chunks``) and not in the per-pack or budget figures.
+
+    A tree plan's packs count their trees (``Pack.positions``, ``Pack.pairs``: every token reads P, its ancestors
+    and its own node's earlier tokens), and the figures gain shared_prefix's: the same examples planned flat
+    (``positions_shared_prefix``, ``attention_pairs_shared_prefix``, ``packs_shared_prefix`` and the ratios of
+    shared_prefix's over the tree's).
     """
     per_pack = []
     positions_standalone = pairs_standalone = pairs_packed = walk_positions = 0
@@ -191,16 +277,18 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         if pack.walk is not None:
             continue
         p = len(plan.prompts[pack.prompt])
-        pairs_packed += _pairs(p)
+        pairs_packed += _pairs(p) if pack.pairs is None else pack.pairs
         for i in pack.examples:
             ex = examples[i]
             c = len(ex.item_ids) + len(ex.target_ids)
             positions_standalone += p + c
             pairs_standalone += _pairs(p + c)
-            pairs_packed += c * p + _pairs(c)
+            if pack.pairs is None:
+                pairs_packed += c * p + _pairs(c)
         per_pack.append(len(pack.examples))
     positions_packed = sum(pack.positions for pack in plan.packs)
     planned = [examples[i] for pack in plan.packs for i in pack.examples]
+    tree = _against_flat(plan, examples, positions_packed, pairs_packed) if plan.tree else {}
     return {
         "examples": sum(per_pack) + len(walks),
         # the lines the planned examples come from (one per conversation), the assistant turns they train and the
@@ -226,12 +314,27 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         "attention_pairs_standalone": pairs_standalone,
         "attention_pairs_packed": pairs_packed,
         "attention_pair_ratio": pairs_standalone / pairs_packed,
+        **tree,
     }
+
+
+def _against_flat(plan: Plan, examples: Sequence[Any], positions: int, pairs: int) -> dict:
+    """A tree plan's figures beside shared_prefix's: the same examples packed flat, as that mode plans them (the
+    same budget; the examples the tree plan skipped are over it flat too)."""
+    flat = plan_stats(plan_packs(examples, plan.token_budget, plan.max_continuations, "skip", plan.seed), examples)
+    return {"packs_shared_prefix": flat["packs"],
+            "positions_shared_prefix": flat["positions_packed"],
+            "attention_pairs_shared_prefix": flat["attention_pairs_packed"],
+            # shared_prefix's over the tree's
+            "shared_prefix_position_ratio": flat["positions_packed"] / positions,
+            "shared_prefix_attention_pair_ratio": flat["attention_pairs_packed"] / pairs}
 
 
 def plan_for(cfg: Config, examples) -> Plan:
     """The plan of ``examples`` under a config's packing settings."""
     p = cfg.packing
+    if p.mode == "tree":
+        return plan_tree_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed)
     return plan_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed,
                       walk_spec=cfg.walk_spec(), frozen=p.context_grad == "frozen")
 

@@ -4,7 +4,8 @@ rank. A step lasts as long as its costliest rank (the collectives wait for it), 
 **utilisation**: per step the mean rank cost over the largest, averaged over the epoch's steps.
 
 Cost of a pack, in FLOPs of one forward and backward (:class:`CostModel`): ``per_position`` times its positions plus
-``per_pair`` times its query-key pairs of causal attention (P's own, and each continuation's against P and itself).
+``per_pair`` times its query-key pairs of causal attention (P's own, and each continuation's against P and itself;
+a tree pack's: each token's against P, its ancestors and its own node's earlier tokens).
 ``per_position`` is 6 x the linear parameters one token meets (a MoE layer: its active experts), ``per_pair`` is
 12 x heads x head_dim per full-attention layer (QK and PV, forward and backward); both are read from the model config
 and can be replaced by measured figures (``train.cost_per_position``, ``train.cost_per_pair``: any unit, e.g.
@@ -80,8 +81,11 @@ class CostModel:
         return cls(model.per_position if t.cost_per_position is None else float(t.cost_per_position),
                    model.per_pair if t.cost_per_pair is None else float(t.cost_per_pair))
 
+    def cost(self, positions: int, pairs: int) -> float:
+        return self.per_position * positions + self.per_pair * pairs
+
     def pack_cost(self, prefix_len: int, cont_lens) -> float:
-        return self.per_position * (prefix_len + sum(cont_lens)) + self.per_pair * attention_pairs(prefix_len, cont_lens)
+        return self.cost(prefix_len + sum(cont_lens), attention_pairs(prefix_len, cont_lens))
 
     def describe(self) -> str:
         return f"{self.per_position:.3g} per position + {self.per_pair:.3g} per attention pair"
@@ -96,14 +100,21 @@ def _pack_shape(plan: Plan, examples, pack) -> tuple[int, list[int]]:
     return len(plan.prompts[pack.prompt]), [examples[e].len_continuation for e in pack.examples]
 
 
+def _pack_pairs(plan: Plan, examples, pack) -> int:
+    """A tree pack's pairs are its tree's (the planner counts them: every token reads P, its ancestors and its own
+    node's earlier tokens); a flat pack's are :func:`attention_pairs` of its continuations."""
+    return pack.pairs if pack.pairs is not None else attention_pairs(*_pack_shape(plan, examples, pack))
+
+
 def pack_attention_pairs(plan: Plan, examples) -> list[int]:
-    """Each pack's attention pairs (:func:`attention_pairs`), by pack index."""
-    return [attention_pairs(*_pack_shape(plan, examples, p)) for p in plan.packs]
+    """Each pack's attention pairs, by pack index."""
+    return [_pack_pairs(plan, examples, p) for p in plan.packs]
 
 
 def pack_costs(plan: Plan, examples, model: CostModel) -> list[float]:
-    """Each pack's cost, by pack index (a walked example: its whole sequence, as one continuation)."""
-    return [model.pack_cost(*_pack_shape(plan, examples, p)) for p in plan.packs]
+    """Each pack's cost, by pack index: per_position x its positions + per_pair x its attention pairs (a walked
+    example: its whole sequence, as one continuation; a tree pack: its tree's positions and pairs)."""
+    return [model.cost(p.positions, _pack_pairs(plan, examples, p)) for p in plan.packs]
 
 
 def _seeded(seed: int, epoch: int, what: str) -> random.Random:

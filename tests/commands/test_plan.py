@@ -82,6 +82,35 @@ def test_table_output(tmp_path):
     ]
 
 
+TREE_RECORDS = [{"id": i, "prefix_ids": [1, 2, 3, 4], "item_ids": item, "target_ids": target}
+                for i, item, target in (("a", [5, 6], [7]), ("b", [5, 6], [8]), ("c", [5, 6, 7], [9]),
+                                        ("d", [10], [11]))]
+
+
+def test_tree_positions_packed_are_the_distinct_prefixes(tmp_path):
+    config = write_config(tmp_path, TREE_RECORDS, "packing:\n  mode: tree\n  token_budget: 100\n")
+    stats = json.loads(run_plan(config, "--json").stdout)
+    continuations = [tuple(r["item_ids"] + r["target_ids"]) for r in TREE_RECORDS]
+    distinct = len({c[:k] for c in continuations for k in range(1, len(c) + 1)})  # one prompt group
+    assert stats["packs"] == 1
+    assert stats["positions_packed"] == 4 * stats["packs"] + distinct == 11
+    assert stats["pack_positions"] == [11]
+    assert (stats["positions_standalone"], stats["positions_shared_prefix"]) == (28, 16)
+
+
+def test_tree_table_has_a_row_per_mode(tmp_path):
+    config = write_config(tmp_path, TREE_RECORDS, "packing:\n  mode: tree\n  token_budget: 100\n")
+    lines = run_plan(config).stdout.splitlines()
+    # pairs: standalone 28 + 28 + 36 + 21; flat 10 + 18 + 18 + 26 + 11; tree 10 + each token's |P| + depth
+    assert lines[7:12] == [
+        "                     positions  vs tree  attention pairs  vs tree",
+        "  standalone                28     2.5x              113     2.1x",
+        "  shared_prefix             16     1.5x               83     1.5x",
+        "  tree                      11     1.0x               54     1.0x",
+        "  (attention pairs: query-key pairs of causal attention, per full-attention layer and head)",
+    ]
+
+
 def test_set_overrides_the_config(tmp_path):
     records = [{"prefix_ids": [1, 2, 3, 4], "item_ids": [5, 5], "target_ids": [6]} for _ in range(6)]
     config = write_config(tmp_path, records, "packing:\n  token_budget: 10\n")

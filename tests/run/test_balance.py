@@ -121,6 +121,37 @@ def test_plan_json_schedule_recomputes_to_the_reported_utilisation(tmp_path):
     assert f"utilisation (mean / largest rank cost per step, epoch 0) cost {out['utilisation']['cost']:.3f}" in table
 
 
+def test_a_tree_pack_costs_its_trees_positions_and_pairs():
+    from packtrain.data.planner import plan_tree_packs
+
+    examples = [Example(i, (1, 2), item, (9,)) for i, item in (("a", (3, 4)), ("b", (3, 5)), ("c", (3, 4, 9)))]
+    [pack] = plan_tree_packs(examples, 100, 90).packs
+    # after P (2): "3" (start 0), "4 9" (start 1, a's end), "9" (start 3, c's), "5 9" (start 1, b's): 6 tokens,
+    # each reading P, the tokens before it on its path and itself
+    assert (pack.positions, pack.pairs) == (8, 3 + (1 * 2 + 1) + (2 * 3 + 3) + (1 * 5 + 1) + (2 * 3 + 3))
+    assert pack_costs(plan_tree_packs(examples, 100, 90), examples, MODEL) == [100.0 * 8 + 1.0 * 30]
+
+
+def test_plan_json_tree_costs_are_the_trees(tmp_path):
+    from packtrain.data.examples import load_examples
+    from packtrain.data.planner import plan_tree_packs
+    from packtrain.data.tree import attention_pairs, example_tree
+
+    out = json.loads(run_in_process("plan", write_config(tmp_path, packing={"mode": "tree"}), "--json").stdout)
+    examples = load_examples(tmp_path / "train.jsonl")
+    plan = plan_tree_packs(examples, 208, 3)  # write_config's packing
+    assert [p.positions for p in plan.packs] == out["pack_positions"]
+    trees = [example_tree([examples[i] for i in p.examples]) for p in plan.packs]
+    prefixes = [len(plan.prompts[p.prompt]) for p in plan.packs]
+    assert out["pack_positions"] == [n + t.positions for n, t in zip(prefixes, trees, strict=True)]
+    assert out["pack_attention_pairs"] == [attention_pairs(n, t) for n, t in zip(prefixes, trees, strict=True)]
+    model = out["cost_model"]
+    assert out["pack_cost"] == pytest.approx([model["per_position"] * n + model["per_pair"] * pairs for n, pairs
+                                              in zip(out["pack_positions"], out["pack_attention_pairs"], strict=True)],
+                                             rel=1e-12)
+    assert out["positions_packed"] < out["positions_shared_prefix"]
+
+
 @pytest.mark.process
 def test_every_process_computes_the_same_schedule(tmp_path):
     """Ranks agree: the schedule depends on the plan and the seed alone, not on the process's hash seed."""
