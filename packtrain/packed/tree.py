@@ -23,8 +23,8 @@ and key/value dims, C conv channels, W conv width.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
