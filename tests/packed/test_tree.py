@@ -15,14 +15,16 @@ cross-entropy taken in float64). Measured worst cases over seeds 0-3 (text) and 
 fixtures: losses 4.9e-16 (text), 4.4e-16 (MoE, Qwen3-Next), 1.7e-15 (VLM); gradients 3.9e-8 (text, MoE), 4.3e-8
 (Qwen3-Next), 2.3e-9 (VLM); vs transformers 6.2e-16 (text), 4.5e-16 (families), 1.9e-15 (VLM). A wrong parent
 state, conv history, ancestor set, target row or position is orders of magnitude above (losses 4e-3 to 0.5,
-gradients 0.1 to 5); the control below (as shipped), parent states detached, leaves the losses within float32 rounding (1.2e-7)
-and the gradients 0.67 off.
+gradients 0.1 to 5); the control below (as shipped), parent states detached, leaves the losses within float32
+rounding (1.2e-7) and the gradients 0.67 off.
 """
 
 import random
 
 import pytest
 import torch
+from fla_interp import fla_cpu_backend, needs_interpreter
+from mutations import long_memory_model
 from parity import (
     max_rel,
     peft_lora_forward,
@@ -230,6 +232,24 @@ def test_context_grad_modes_other_than_full_are_refused(mode):
     model = patched_lora_model([L, F], seed=0, backend=BACKEND)
     with pytest.raises(ValueError, match=f"packing.context_grad {mode} is not built for prefix trees"):
         PackedLM(model, mode)(TreeCall(build_tree_layout(prefix, conts)))
+
+
+@needs_interpreter
+def test_fla_tree_equals_the_torch_tree_and_standalone():
+    """The fla back end on a tree (its varlen conv over the node histories, its chunk rule level by level from the
+    parents' states) under Triton's interpreter, float32, within tests/test_fla_interpreter_model.py's bounds
+    (measured: losses 1.3e-7, gradients 1.4e-6 vs standalone, 1.2e-6 vs the torch tree)."""
+    from test_fla_interpreter_model import GRAD_BOUND, LOSS_BOUND, SMALL_GDN
+
+    prefix, conts = branches(seed=0)
+    model = long_memory_model([L, F], dtype=torch.float32, seed=3, **SMALL_GDN)
+    fla = tree_run(patch_model(model, fla_cpu_backend()), prefix, conts)[:2]
+    references = (standalone_run(model, prefix, conts),
+                  tree_run(patch_model(model, Backend("torch", "batched")), prefix, conts)[:2])
+    for (lb, gb), name in zip(references, ("standalone", "torch tree")):
+        loss = rel(torch.tensor(fla[0], dtype=torch.float64), torch.tensor(lb, dtype=torch.float64))
+        grad = max_rel(fla[1], gb)
+        assert loss < LOSS_BOUND and grad < GRAD_BOUND, (name, loss, grad)
 
 
 @pytest.mark.gpu

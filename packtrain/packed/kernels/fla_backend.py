@@ -2,12 +2,14 @@
 CPU under Triton's interpreter: packtrain/packed/kernels/interpreter.py).
 
 - Conv-tail replay without an initial-state conv: each continuation is laid out as [P's last W-1 conv inputs ;
-  its own tokens] (a prefix tree's node: [its path's last W-1 ; its own]) in one varlen buffer, fla's ``causal_conv1d`` runs over it with ``cu_seqlens`` (so segments
-  never read each other), and the W-1 warm-up outputs are dropped. The tail is a gather from P's rows, so its
-  gradient sums back into P.
+  its own tokens] (a prefix tree's node: [its path's last W-1 ; its own]) in one varlen buffer, fla's
+  ``causal_conv1d`` runs over it with ``cu_seqlens`` (so segments never read each other), and the W-1 warm-up
+  outputs are dropped. The tail is a gather from P's rows, so its gradient sums back into P.
 - The delta rule: P once from the zero state (``output_final_state``), then every continuation in one varlen
   call with ``cu_seqlens`` and ``initial_state`` = P's state expanded to [N, HV, K, V] (fla returns dh0, which
   the expand sums into P's state).
+- A prefix tree's delta rule (:func:`delta_rule`): one varlen call per tree level, every node from its parent's
+  final state (:func:`packtrain.packed.tree.tree_delta_rule`).
 Tested against the torch back end by ``tests/test_gpu.py`` (skipped without CUDA) and ``tools/gpu_check.sh``.
 """
 
