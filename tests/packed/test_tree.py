@@ -133,6 +133,9 @@ def test_layout_of_a_small_tree():
     # conv width 4: each node after its path's last 3 rows (-1: before the sequence)
     assert layout.conv_histories(4) == [([-1, -1, -1], 0, 2), ([-1, 0, 1], 2, 3), ([0, 1, 2], 3, 4),
                                         ([1, 2, 3], 4, 5), ([1, 2, 3], 5, 7), ([0, 1, 2], 7, 8), ([-1, 0, 1], 8, 9)]
+    moved = layout.to("cpu")  # a TreeLayout still, its tree with it
+    assert moved.parents == layout.parents and torch.equal(moved.last_segment, layout.last_segment)
+    assert moved.conv_histories(4) == layout.conv_histories(4)
 
 
 @pytest.mark.parametrize("make,layer_types", [(branches, [L, F, L]), (chunked, [L, L, F])], ids=["branches", "chunked"])
