@@ -187,6 +187,22 @@ def test_tree_with_images_in_items(monkeypatch):
     assert rel(torch.tensor(losses, dtype=torch.float64), reference) < 1e-13
 
 
+def test_a_tree_cut_into_packs_trains_the_standalone_update(monkeypatch):
+    """A tree cut into subtrees (the examples of one branch in one pack, the rest in another, as the planner cuts
+    a tree over the token budget): the two packs' summed gradients and their losses are the examples' alone."""
+    prefix, conts = branches(seed=6)
+    cut = [0, 1, 4, 5]  # the subtree under s + [1, 2]
+    with without_float32_casts(monkeypatch):
+        model = patched_lora_model([L, F, L], seed=6, backend=BACKEND)
+        parts = [[conts[i] for i in cut], [c for i, c in enumerate(conts) if i not in cut]]
+        runs = [tree_run(model, prefix, part) for part in parts]
+        lb, gb = standalone_run(model, prefix, [c for part in parts for c in part])
+    la = [x for losses, _, _ in runs for x in losses]
+    ga = {n: runs[0][1][n] + runs[1][1][n] for n in gb}
+    assert rel(torch.tensor(la, dtype=torch.float64), torch.tensor(lb, dtype=torch.float64)) < 1e-13
+    assert max_rel(ga, gb) < 5e-7
+
+
 def test_checkpointed_layers_rebuild_the_same_tree(monkeypatch):
     """Activation checkpointing per decoder layer: the recompute reads the same TreePass, so losses and gradients
     are those without it, bit for bit, and those of the examples alone."""
