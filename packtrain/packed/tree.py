@@ -96,19 +96,14 @@ def build_tree_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
         starts.append(starts[-1] + n)
     # per example: the buffer row of each of its tokens, in path order
     rows = [[r for n in path for r in range(starts[n], starts[n + 1])] for path in tree.paths]
-    coords = [mrope_positions(t, c.images, vision, start=p)[0] for t, c in zip(tokens, continuations)]
-    positions = [list(range(p)) + [0] * (starts[-1] - p) for _ in range(3)]
-    for path_rows, path_coords in zip(rows, coords):  # any path through a node gives it the same coordinates
-        for axis, values in zip(positions, path_coords):
-            for r, v in zip(path_rows, values):
-                axis[r] = v
+    positions = _positions(p, starts[-1], rows, tokens, continuations, vision)
     t_pos, t_ids, t_ex = [], [], []
     for j, c in enumerate(continuations):
         offsets, tok = _targets(0, c, -1)  # rows relative to the path: -1 is the token before the path
         t_pos.extend(rows[j][o] if o >= 0 else p - 1 for o in offsets)
         t_ids.extend(tok)
         t_ex.extend([j] * len(tok))
-    sources = _image_sources(tree, tokens, continuations, vision, starts)
+    sources = _image_sources(rows, tokens, continuations, vision)
     grids = [continuations[j].images[k] for j, k in sources]
     ids = list(prefix_ids) + [t for n in tree.nodes for t in n.tokens]
     segments = [0] * p + [i + 1 for i, n in enumerate(lens) for _ in range(n)]
@@ -130,6 +125,18 @@ def _salts(continuations: Sequence[Continuation], image_keys: Sequence | None) -
     return out
 
 
+def _positions(p: int, length: int, rows, tokens, continuations, vision) -> list[list[int]]:
+    """[3, T] M-RoPE coordinates (text: the position on all three axes): P's 0..|P|-1, and every node's from each
+    example alone (:func:`~packtrain.data.images.mrope_positions` from |P|), written through its path's rows: any
+    path through a node gives it the same coordinates (equal tokens and images before it)."""
+    positions = [list(range(p)) + [0] * (length - p) for _ in range(3)]
+    for path_rows, t, c in zip(rows, tokens, continuations):
+        for axis, values in zip(positions, mrope_positions(t, c.images, vision, start=p)[0]):
+            for r, v in zip(path_rows, values):
+                axis[r] = v
+    return positions
+
+
 def _depths(tree: Tree) -> list[int]:
     depths: list[int] = []
     for n in tree.nodes:  # a parent comes before its children
@@ -148,19 +155,18 @@ def _last_segments(tree: Tree) -> torch.Tensor:
     return torch.tensor(last, dtype=torch.long)
 
 
-def _image_sources(tree: Tree, tokens, continuations, vision, starts) -> list[tuple[int, int]]:
+def _image_sources(rows, tokens, continuations, vision) -> list[tuple[int, int]]:
     """The images in buffer order, each as (example, its k-th image): the order the vision encoder's batch and
     ``image_grid_thw`` take. An image block never straddles two nodes (paths that share part of it share it all:
     equal keys, equal grids), so each node's images are those whose first token it holds, from any path."""
     if vision is None:
         return []
     first: dict[int, tuple[int, int]] = {}  # buffer row of an image's first token -> its source
-    for j, (path, toks, c) in enumerate(zip(tree.paths, tokens, continuations)):
-        rows = [r for n in path for r in range(starts[n], starts[n + 1])]
+    for j, (path_rows, toks, c) in enumerate(zip(rows, tokens, continuations)):
         i, k = 0, 0
         while i < len(toks):
             if toks[i] == vision.image_token_id:
-                first.setdefault(rows[i], (j, k))
+                first.setdefault(path_rows[i], (j, k))
                 i += vision.tokens(c.images[k])
                 k += 1
             else:
