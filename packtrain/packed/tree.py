@@ -63,6 +63,32 @@ class TreeLayout(PackLayout):
         cu = self.cu_seqlens_host
         return self.prefix_len + cu[node], self.prefix_len + cu[node + 1]
 
+    def runs(self) -> list[tuple[int, int, int]]:
+        """Chains of nodes that compute as one sequence: a node whose parent has no other child continues its
+        parent's run (depth-first, it comes right after it in the buffer, and reads exactly its parent's final
+        state and last rows, as the rest of one sequence does). A conversation's turns, one node each, are one run.
+        Per run: (first node, last node, parent run; -1 under P)."""
+        if "runs" not in self._cache:
+            only_child = [0] * len(self.parents)
+            for parent in self.parents:
+                if parent >= 0:
+                    only_child[parent] += 1
+            runs: list[list[int]] = []
+            run_of: list[int] = []
+            for node, parent in enumerate(self.parents):
+                if parent >= 0 and only_child[parent] == 1:
+                    runs[run_of[parent]][1] = node
+                    run_of.append(run_of[parent])
+                else:
+                    runs.append([node, node, run_of[parent] if parent >= 0 else -1])
+                    run_of.append(len(runs) - 1)
+            self._cache["runs"] = [tuple(r) for r in runs]
+        return self._cache["runs"]
+
+    def run_span(self, run: tuple[int, int, int]) -> tuple[int, int]:
+        """The buffer rows [start, end) of a run (its nodes are contiguous)."""
+        return self.span(run[0])[0], self.span(run[1])[1]
+
     def conv_histories(self, width: int) -> list[tuple[list[int], int, int]]:
         """P after W-1 zero rows; every node after the last W-1 rows of its path before it (P and its ancestors,
         which span several nodes where they are shorter than W-1; zero rows before the sequence start)."""
@@ -191,18 +217,20 @@ class _Bucket:
 
 
 def node_buckets(layout: TreeLayout) -> tuple[list[_Bucket], torch.Tensor]:
-    """The nodes in padded batches of similar shape, and [S] the row of each node token in the buckets'
-    concatenated outputs. A node's keys are its path: P, its ancestors, its own rows (gathered, so no [T, T] mask
-    or score matrix exists). Grouped as the pack's buckets are: contiguous runs of the nodes sorted by key count,
-    minimising the padded work n x L x K (plus a call's overhead) per bucket."""
+    """The tree's runs (:meth:`TreeLayout.runs`: chains of nodes) in padded batches of similar shape, and [S] the
+    row of each node token in the buckets' concatenated outputs. A run's keys are its path: P, the runs above it,
+    its own rows (gathered, so no [T, T] mask or score matrix exists). Grouped as the pack's buckets are:
+    contiguous runs of them sorted by key count, minimising the padded work n x L x K (plus a call's overhead) per
+    bucket."""
     if "node_buckets" in layout._cache:
         return layout._cache["node_buckets"]
     p, T = layout.prefix_len, layout.length
-    keys: list[list[int]] = []  # per node: its path's rows up to its own end
-    for node, parent in enumerate(layout.parents):
-        start, end = layout.span(node)
+    runs = layout.runs()
+    spans = [layout.run_span(run) for run in runs]
+    keys: list[list[int]] = []  # per run: its path's rows up to its own end
+    for (start, end), (_, _, parent) in zip(spans, runs):
         keys.append((keys[parent] if parent >= 0 else list(range(p))) + list(range(start, end)))
-    lens = [end - start for start, end in map(layout.span, range(len(layout.parents)))]
+    lens = [end - start for start, end in spans]
     order = sorted(range(len(keys)), key=lambda i: -len(keys[i]))
     device = layout.input_ids.device
     buckets, unpad, row = [], [0] * (T - p), 0
@@ -212,11 +240,11 @@ def node_buckets(layout: TreeLayout) -> tuple[list[_Bucket], torch.Tensor]:
         key = torch.full((len(group), K), T, dtype=torch.long)
         mask = torch.zeros(len(group), 1, L, K, dtype=torch.bool)
         for r, i in enumerate(group):
-            start, end = layout.span(i)
+            start, end = spans[i]
             query[r, :lens[i]] = torch.arange(start, end)
             key[r, :len(keys[i])] = torch.tensor(keys[i])
             unpad[start - p:end - p] = range(row + r * L, row + r * L + lens[i])
-            # query t of node i is its path's key len(keys[i]) - lens[i] + t; padding queries see every real key
+            # query t of run i is its path's key len(keys[i]) - lens[i] + t; padding queries see every real key
             q_at = torch.arange(L)[:, None] + len(keys[i]) - lens[i]
             k_at = torch.arange(K)[None, :]
             mask[r, 0] = (k_at <= q_at) & (k_at < len(keys[i]))
@@ -259,27 +287,28 @@ def tree_attention(module, q_1HTD, k_1GTD, v_1GTD, layout: TreeLayout, scaling, 
 
 # -- Gated DeltaNet -----------------------------------------------------------------------------------------------
 def tree_levels(layout: TreeLayout) -> tuple[list[tuple[torch.Tensor, list[int], torch.Tensor]], torch.Tensor]:
-    """The nodes by depth: per level (its nodes' buffer rows [S_d] in node order, their lengths, the row of each
-    one's parent among the previous level's final states: P's one state for level 0), and [S] the row of each
-    node token in the levels' concatenated outputs (after P's)."""
+    """The tree's runs (:meth:`TreeLayout.runs`) by depth: per level (its runs' buffer rows [S_d] in order, their
+    lengths, the row of each one's parent run among the previous level's final states: P's one state for level 0),
+    and [S] the row of each node token in the levels' concatenated outputs (after P's)."""
     if "tree_levels" in layout._cache:
         return layout._cache["tree_levels"]
     p = layout.prefix_len
-    by_depth: dict[int, list[int]] = {}
-    for node, depth in enumerate(layout.depths):
-        by_depth.setdefault(depth, []).append(node)
+    runs = layout.runs()
+    depth: list[int] = []
+    for _, _, parent in runs:  # a parent run comes before its children
+        depth.append(depth[parent] + 1 if parent >= 0 else 0)
     device = layout.input_ids.device
     levels, unpad, at, row_of = [], [0] * (layout.length - p), 0, {}
-    for depth in range(len(by_depth)):
-        nodes = by_depth[depth]
-        rows = [r for n in nodes for r in range(*layout.span(n))]
-        parents = [row_of[layout.parents[n]] if depth else 0 for n in nodes]
+    for d in range(max(depth) + 1):
+        level = [i for i in range(len(runs)) if depth[i] == d]
+        spans = [layout.run_span(runs[i]) for i in level]
+        rows = [r for start, end in spans for r in range(start, end)]
         for r in rows:
             unpad[r - p] = at
             at += 1
-        row_of.update((n, i) for i, n in enumerate(nodes))
-        levels.append((torch.tensor(rows, dtype=torch.long, device=device), [len(range(*layout.span(n)))
-                                                                             for n in nodes],
+        parents = [row_of[runs[i][2]] if d else 0 for i in level]
+        row_of.update((i, k) for k, i in enumerate(level))
+        levels.append((torch.tensor(rows, dtype=torch.long, device=device), [end - start for start, end in spans],
                        torch.tensor(parents, dtype=torch.long, device=device)))
     layout._cache["tree_levels"] = levels, torch.tensor(unpad, dtype=torch.long, device=device)
     return layout._cache["tree_levels"]
@@ -298,8 +327,9 @@ def _torch_rule(q, k, v, g, beta, initial_state, lengths):
 
 
 def tree_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: TreeLayout, backend: Backend) -> torch.Tensor:
-    """P from the zero state, then the tree level by level: one varlen call per depth, every node from its
-    parent's final state (gathered, so the gradients of all its children sum into it). [T, HV, V]."""
+    """P from the zero state, then the tree level by level (:func:`tree_levels`): one varlen call per depth of
+    runs, every run from its parent run's final state (gathered, so the gradients of all its children sum into
+    it). [T, HV, V]."""
     if backend.gdn == "fla":
         from packtrain.packed.kernels import fla_backend
 

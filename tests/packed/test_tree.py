@@ -133,6 +133,10 @@ def test_layout_of_a_small_tree():
     # conv width 4: each node after its path's last 3 rows (-1: before the sequence)
     assert layout.conv_histories(4) == [([-1, -1, -1], 0, 2), ([-1, 0, 1], 2, 3), ([0, 1, 2], 3, 4),
                                         ([1, 2, 3], 4, 5), ([1, 2, 3], 5, 7), ([0, 1, 2], 7, 8), ([-1, 0, 1], 8, 9)]
+    assert layout.runs() == [(0, 0, -1), (1, 1, 0), (2, 2, 1), (3, 3, 1), (4, 4, 0), (5, 5, -1)]  # no chains
+    # a conversation: turn 1 [1 | 2], turn 2 [1, 2, 3 | 4] after it; its two nodes one run (one sequence)
+    chain = build_tree_layout([50], [Continuation([1], [2]), Continuation([1, 2, 3], [4])])
+    assert chain.parents == [-1, 0] and chain.runs() == [(0, 1, -1)] and chain.run_span(chain.runs()[0]) == (1, 5)
     moved = layout.to("cpu")  # a TreeLayout still, its tree with it
     assert moved.parents == layout.parents and torch.equal(moved.last_segment, layout.last_segment)
     assert moved.conv_histories(4) == layout.conv_histories(4)
