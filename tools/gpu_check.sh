@@ -37,7 +37,8 @@ step environment 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
   python3 -c \"import torch, transformers, triton, fla; print('torch', torch.__version__, 'transformers', \
   transformers.__version__, 'triton', triton.__version__, 'fla', fla.__version__)\""
 step tests 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/packed/kernels/test_gpu.py \
-  tests/ops/test_fla_tune.py tests/bench/test_bench.py tests/models/test_lora_compute.py --junitxml "$OUT/tests.xml"
+  tests/ops/test_fla_tune.py tests/bench/test_bench.py tests/models/test_lora_compute.py tests/packed/test_tree.py \
+  --junitxml "$OUT/tests.xml"
 step report 75 python3 tools/gpu_report.py
 step bench 75 python3 -m packtrain bench --preset gpu --out "$OUT/bench"
 if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then

@@ -48,6 +48,25 @@ class _Bucket:
     mask: torch.Tensor  # [n, 1, L, P + L] all of P, then causal over the continuation's own real keys
 
 
+def cheapest_runs(order: list[int], keys: list[int], rows: list[int]) -> list[list[int]]:
+    """``order`` (sorted by ``keys``, most first) cut into contiguous runs, one padded attention call each, that
+    minimise the padded work: a run's queries (its length x its most ``rows``, plus a call's overhead) times its
+    first's ``keys``. Ties go to the longer run."""
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        most = 0
+        for i in range(j - 1, -1, -1):  # the run order[i:j]
+            most = max(most, rows[order[i]])
+            cost = best[i] + ((j - i) * most + _CALL_ROWS) * keys[order[i]]
+            if cost <= best[j]:
+                best[j], cut[j] = cost, i
+    runs, j = [], len(order)
+    while j > 0:
+        runs.append(order[cut[j]:j])
+        j = cut[j]
+    return runs[::-1]
+
+
 def attention_buckets(layout: PackLayout, p: int) -> tuple[list[_Bucket], torch.Tensor]:
     """Continuations grouped by length into padded batches, and [S] the row of each token in the buckets'
     concatenated outputs. The grouping minimises the padded attention work (n x L x (P + L) per bucket, plus a
@@ -58,20 +77,9 @@ def attention_buckets(layout: PackLayout, p: int) -> tuple[list[_Bucket], torch.
         return layout._cache[key]
     lens, starts = layout.cont_lens, layout.cu_seqlens_host
     order = sorted(range(len(lens)), key=lambda i: -lens[i])
-    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
-    for j in range(1, len(order) + 1):
-        for i in range(j):
-            L = lens[order[i]]
-            cost = best[i] + ((j - i) * L + _CALL_ROWS) * (p + L)
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], len(order)
-    while j > 0:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
     device = layout.input_ids.device
     buckets, unpad, row = [], [0] * starts[-1], 0
-    for group in reversed(groups):
+    for group in cheapest_runs(order, [p + n for n in lens], lens):
         L = lens[group[0]]
         index = torch.full((len(group), L), starts[-1], dtype=torch.long)
         for r, i in enumerate(group):

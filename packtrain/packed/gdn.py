@@ -25,21 +25,20 @@ from packtrain.packed.layout import PackLayout
 
 
 def conv_rows(layout: PackLayout, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index the conv reads the buffer through: (rows [T + (N+1)(W-1)], keep [T]).
+    """Index the conv reads the buffer through: (rows [T + segments x (W-1)], keep [T]).
 
-    ``rows`` lays every segment out after its own history: W-1 zero rows then P, and for each continuation P's
-    last W-1 rows then the continuation (buffer indices, -1 for a zero row). A conv over that sequence computes
-    every token from exactly its standalone inputs; ``keep`` picks the outputs of real tokens (the W-1 outputs
-    that straddle two segments are never read). No padding to the longest continuation.
+    ``rows`` lays every segment out after its own history (``layout.conv_histories``: W-1 zero rows before P, P's
+    last W-1 rows before each continuation of a pack, a node's path before it in a prefix tree; buffer indices, -1
+    for a zero row). A conv over that sequence computes every token from exactly its standalone inputs; ``keep``
+    picks the outputs of real tokens (the W-1 outputs that straddle two segments are never read). No padding to
+    the longest continuation.
     """
     key = ("conv_rows", width)
     if key not in layout._cache:
-        p, h = layout.prefix_len, width - 1
-        tail = layout.conv_tail_index(width).tolist()
-        rows, keep = [-1] * h + list(range(p)), list(range(p))
-        for start, end in zip(layout.cu_seqlens_host, layout.cu_seqlens_host[1:]):
+        rows, keep = [], []
+        for history, start, end in layout.conv_histories(width):
             keep.extend(range(len(rows), len(rows) + end - start))  # output r reads rows r..r+h
-            rows.extend(tail + list(range(p + start, p + end)))
+            rows.extend(history + list(range(start, end)))
         device = layout.input_ids.device
         layout._cache[key] = (torch.tensor(rows, dtype=torch.long, device=device),
                               torch.tensor(keep, dtype=torch.long, device=device))
@@ -108,6 +107,45 @@ def continuation_tails(conv_in_RC: torch.Tensor, layout: PackLayout, width: int)
     return conv_in_RC[index].transpose(1, 2)
 
 
+def gdn_projections(module, hidden_states: torch.Tensor):
+    """The family's projection split (:mod:`packtrain.packed.families`) of a batch-1 buffer: (pre-conv q|k|v
+    [T, C], z, b, a, the conv weight [C, W]), each projection through its own call (LoRA, FSDP hooks)."""
+    assert hidden_states.shape[0] == 1, "a pack is batch 1"
+    mixed_TC, z, b, a = module.packtrain_split(module, hidden_states[0])
+    return mixed_TC, z, b, a, module.conv1d.weight.squeeze(1)
+
+
+def buffer_conv(module, conv_in_TC: torch.Tensor, weight_CW: torch.Tensor, layout: PackLayout,
+                backend: Backend) -> torch.Tensor:
+    """The causal conv + SiLU of every segment of ``layout`` from its own history (``layout.conv_histories``), in
+    the back end's kernel."""
+    if backend.gdn == "fla":
+        from packtrain.packed.kernels import fla_backend
+
+        return fla_backend.packed_conv(conv_in_TC, weight_CW, module.conv1d.bias, layout)
+    return packed_conv_torch(conv_in_TC, weight_CW, module.conv1d.bias, layout)
+
+
+def gdn_heads(module, conv_TC: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+    """The conv's output split into heads, and the gates: (q [T, H, K], k, v [T, HV, V], g [T, HV], beta)."""
+    T = conv_TC.shape[0]
+    q, k, v = torch.split(conv_TC, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q = q.reshape(T, -1, module.head_k_dim)
+    k = k.reshape(T, -1, module.head_k_dim)
+    v = v.reshape(T, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    # If the model is loaded in fp16, without the .float() here, A might be -inf (as transformers does)
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    return q, k, v, g, beta
+
+
+def gdn_output(module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The delta rule's output [T, HV, V] through the gated norm (with z) and out_proj: [1, T, D]."""
+    T = core.shape[0]
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(1, T, -1))
+
+
 def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, backend: Backend, prefix=None,
                        states: bool = False):
     """Same computation as ``Qwen3_5GatedDeltaNet.forward`` / ``Qwen3NextGatedDeltaNet.forward`` (no cache, no
@@ -115,35 +153,17 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
     outside (frozen context, continuation groups, a generation's items): the buffer holds only the continuations,
     which start from P's conv tail and recurrent state. With ``states`` (a generation's item pass, with ``prefix``):
     (output, each continuation's conv state [N, C, W-1], its recurrent state [N, HV, K, V])."""
-    assert hidden_states.shape[0] == 1, "a pack is batch 1"
-    x_TD = hidden_states[0]
-    T = x_TD.shape[0]
-    # the family's projection split (packtrain.packed.families): pre-conv q|k|v, z, b, a
-    mixed_TC, z, b, a = module.packtrain_split(module, x_TD)
-    weight_CW = module.conv1d.weight.squeeze(1)
+    mixed_TC, z, b, a, weight_CW = gdn_projections(module, hidden_states)
     W = weight_CW.shape[-1]
     if prefix is not None:
         tail_W1C, state = prefix.conv_and_state(module.layer_idx, W)
         conv_in, conv_layout = torch.cat([tail_W1C.to(mixed_TC.dtype), mixed_TC]), _tail_layout(layout, W)
     else:
         conv_in, conv_layout = mixed_TC, layout
-
-    if backend.gdn == "fla":
-        from packtrain.packed.kernels import fla_backend
-
-        mixed_TC = fla_backend.packed_conv(conv_in, weight_CW, module.conv1d.bias, conv_layout)
-    else:
-        mixed_TC = packed_conv_torch(conv_in, weight_CW, module.conv1d.bias, conv_layout)
+    mixed_TC = buffer_conv(module, conv_in, weight_CW, conv_layout, backend)
     if prefix is not None:
         mixed_TC = mixed_TC[W - 1:]
-
-    q, k, v = torch.split(mixed_TC, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-    q = q.reshape(T, -1, module.head_k_dim)
-    k = k.reshape(T, -1, module.head_k_dim)
-    v = v.reshape(T, -1, module.head_v_dim)
-    beta = b.sigmoid()
-    # If the model is loaded in fp16, without the .float() here, A might be -inf (as transformers does)
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    q, k, v, g, beta = gdn_heads(module, mixed_TC, b, a)
 
     if prefix is not None and backend.gdn == "fla":
         from packtrain.packed.kernels import fla_frozen
@@ -160,8 +180,7 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
     if states:
         core, recurrent_states = core
 
-    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    out = module.out_proj(core.reshape(1, T, -1))
+    out = gdn_output(module, core, z)
     if states:
         return out, continuation_tails(conv_in, layout, W), recurrent_states
     return out

@@ -90,10 +90,18 @@ class PackLayout:
             self._cache[key] = torch.tensor(idx, dtype=torch.long, device=self.input_ids.device)
         return self._cache[key]
 
+    def conv_histories(self, width: int) -> list[tuple[list[int], int, int]]:
+        """Per segment, in buffer order: (the buffer rows its conv reads before it, -1 for a zero row; its first and
+        end row). P starts from W-1 zero rows; every continuation from P's last W-1 rows (its standalone history)."""
+        tail = self.conv_tail_index(width).tolist()
+        p = self.prefix_len
+        return [([-1] * (width - 1), 0, p)] + [(tail, p + a, p + b) for a, b in
+                                               zip(self.cu_seqlens_host, self.cu_seqlens_host[1:])]
+
     def to(self, device: torch.device | str) -> "PackLayout":
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()
                  if k != "_cache"}
-        return PackLayout(**moved)
+        return type(self)(**moved)
 
 
 def _targets(offset: int, c: Continuation, prefix_last: int) -> tuple[list[int], list[int]]:
@@ -111,17 +119,29 @@ def _targets(offset: int, c: Continuation, prefix_last: int) -> tuple[list[int],
     return rows, tokens
 
 
-def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continuation],
-                      vision: VisionSpec | None = None, targets: bool = True) -> PackLayout:
-    """Lay out P once followed by every continuation, each keeping its standalone positions. ``targets=False``:
-    continuations that are items alone (a generation's prompt), none of them empty."""
-    p = len(prefix_ids)
-    if p == 0:
+def check_pack(prefix_ids: Sequence[int], continuations: Sequence[Continuation], vision: VisionSpec | None,
+               targets: bool = True) -> None:
+    """What every pack needs (a flat one or a prefix tree): a non-empty, text-only P, and continuations that are
+    not empty, with a target unless ``targets`` is False."""
+    if len(prefix_ids) == 0:
         raise ValueError("a pack needs a non-empty prefix P")
     if not continuations:
         raise ValueError("a pack needs at least one continuation")
     if vision is not None and vision.image_token_id in prefix_ids:
         raise ValueError("P must be text-only: image tokens in the shared prefix are not supported")
+    for i, c in enumerate(continuations):
+        if targets and len(c.target_ids) == 0:
+            raise ValueError(f"continuation {i} has an empty target")
+        if len(c) == 0:
+            raise ValueError(f"continuation {i} is empty")
+
+
+def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continuation],
+                      vision: VisionSpec | None = None, targets: bool = True) -> PackLayout:
+    """Lay out P once followed by every continuation, each keeping its standalone positions. ``targets=False``:
+    continuations that are items alone (a generation's prompt), none of them empty."""
+    check_pack(prefix_ids, continuations, vision, targets)
+    p = len(prefix_ids)
     ids = list(prefix_ids)
     positions = [list(range(p)) for _ in range(3)]
     segments = [0] * p
@@ -130,10 +150,6 @@ def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
     t_ex: list[int] = []
     lens = []
     for i, c in enumerate(continuations):
-        if targets and len(c.target_ids) == 0:
-            raise ValueError(f"continuation {i} has an empty target")
-        if len(c) == 0:
-            raise ValueError(f"continuation {i} is empty")
         offset = len(ids)
         n = len(c)
         lens.append(n)
@@ -189,6 +205,15 @@ def shared_prefix_allowed(seg_q: torch.Tensor, seg_kv: torch.Tensor, q_idx: torc
                           kv_idx: torch.Tensor) -> torch.Tensor:
     """The shared-prefix predicate: causal, and a key is visible if it is in P or in the query's own segment."""
     return (kv_idx <= q_idx) & ((seg_kv == 0) | (seg_kv == seg_q))
+
+
+def tree_allowed(seg_q: torch.Tensor, seg_kv: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor,
+                 last: torch.Tensor) -> torch.Tensor:
+    """The prefix-tree predicate (:mod:`packtrain.packed.tree`): causal, and a key is visible if its segment is the
+    query's own or an ancestor of it (P, segment 0, is everyone's). Segments are numbered depth-first with every
+    subtree contiguous, so ``a`` is ``b``'s ancestor-or-self exactly when ``a <= b <= last[a]``, ``last[a]`` the
+    last segment of ``a``'s subtree: one lookup per pair, no [segments, segments] table."""
+    return (kv_idx <= q_idx) & (seg_kv <= seg_q) & (seg_q <= last[seg_kv])
 
 
 def dense_mask(layout: PackLayout) -> torch.Tensor:

@@ -11,6 +11,7 @@ call                                                        returns
 :class:`~packtrain.packed.walk.Window`: a walk's window     :class:`~packtrain.packed.walk.WindowOut`
 :class:`~packtrain.packed.decode.ItemsCall`: items on P     (first logits [B, V], :class:`~packtrain.packed.rows.Rows`)
 :class:`~packtrain.packed.decode.DecodeCall`: one token     logits [B, V]
+:class:`~packtrain.packed.tree.TreeCall`: a prefix tree     :class:`~packtrain.packed.loss.LossOutput`
 ==========================================================  =========================================================
 
 A pack's loss uses the target-only head: only the hidden states just before each target token go through

@@ -3,9 +3,9 @@
 A packed forward hands the model's body one object under ``LAYOUT_KWARG`` (:mod:`packtrain.packed.patch`), and
 every patched layer asks it what to do: a full-attention layer calls its ``attention``, a Gated DeltaNet layer its
 ``gated_deltanet``, kv_only's row-sparse hook on a decoder layer (:mod:`packtrain.packed.context`) its
-``grad_rows_from``. Two kinds of object answer those three: a :class:`PackPass` (a pack's buffer and how its kernels
-run on it) and the decoding rows of a generation (:class:`packtrain.packed.rows.Rows`, one token per row). The
-layers dispatch by these methods, never by type.
+``grad_rows_from``. Three kinds of object answer those three: a :class:`PackPass` (a pack's buffer and how its kernels
+run on it), a prefix tree's :class:`packtrain.packed.tree.TreePass`, and the decoding rows of a generation
+(:class:`packtrain.packed.rows.Rows`, one token per row). The layers dispatch by these methods, never by type.
 
 A PackPass is the buffer (:class:`~packtrain.packed.layout.PackLayout`, which describes only the buffer) and what
 the kernels read besides it:

@@ -1,4 +1,5 @@
-"""FlexAttention for packs (CUDA): one BlockMask per pack from the shared-prefix predicate, and one compilation of
+"""FlexAttention for packs (CUDA): one BlockMask per pack from the shared-prefix predicate (a prefix tree's from its
+ancestor predicate), and one compilation of
 ``flex_attention`` for every pack length. Forward-only on CPU (no backward there), which is how the compilation
 count is tested on CPU (tests/packed/kernels/test_flex_compile.py).
 """
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 
-from packtrain.packed.layout import PackLayout, shared_prefix_allowed
+from packtrain.packed.layout import PackLayout, shared_prefix_allowed, tree_allowed
 
 FLEX_BLOCK = 128  # FlexAttention's block size (create_block_mask's default)
 _compiled_flex = torch.compile(_flex_attention, dynamic=True)
@@ -34,6 +35,12 @@ def _mark_block_dims_dynamic(bm) -> None:
                 torch._dynamo.mark_dynamic(t, dim)
 
 
+def _create(mask_mod, Tp: int, device):
+    bm = create_block_mask(mask_mod, 1, None, Tp, Tp, device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=Tp > 8192)
+    _mark_block_dims_dynamic(bm)
+    return bm
+
+
 def block_mask(layout: PackLayout, device):
     if "block_mask" not in layout._cache:
         T = layout.length
@@ -45,18 +52,43 @@ def block_mask(layout: PackLayout, device):
         def mask_mod(b, h, q_idx, kv_idx):
             return shared_prefix_allowed(seg[q_idx], seg[kv_idx], q_idx, kv_idx)
 
-        bm = create_block_mask(mask_mod, 1, None, Tp, Tp, device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=Tp > 8192)
-        _mark_block_dims_dynamic(bm)
-        layout._cache["block_mask"] = bm
+        layout._cache["block_mask"] = _create(mask_mod, Tp, device)
     return layout._cache["block_mask"]
 
 
-def flex_attention(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout):
+def tree_block_mask(layout, device):
+    """A prefix tree's BlockMask (a :class:`~packtrain.packed.tree.TreeLayout`): the ancestor predicate
+    :func:`~packtrain.packed.layout.tree_allowed`, reading each row's node (segment) and the last segment of each
+    subtree. Padding rows form one more segment N + 1 after every node, a subtree of its own: real queries never
+    see it (no node lies under it), its queries see only each other (causal: none is empty), and are dropped."""
+    if "tree_block_mask" not in layout._cache:
+        T = layout.length
+        Tp = padded_length(T)
+        n = int(layout.last_segment.numel())  # segments: P and the nodes
+        seg = F.pad(layout.segment_ids.to(device), (0, Tp - T), value=n)
+        last = torch.cat([layout.last_segment.to(device), torch.tensor([n], device=device)])
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return tree_allowed(seg[q_idx], seg[kv_idx], q_idx, kv_idx, last)
+
+        layout._cache["tree_block_mask"] = _create(mask_mod, Tp, device)
+    return layout._cache["tree_block_mask"]
+
+
+def _run(q_1HTD, k_1GTD, v_1GTD, bm, scaling, dropout):
     if dropout:
         raise ValueError("FlexAttention path: attention dropout is not supported (Qwen3.5 uses none)")
-    bm = block_mask(layout, q_1HTD.device)
     T = q_1HTD.shape[2]
     pad = (0, 0, 0, padded_length(T) - T)
     q, k, v = (F.pad(x, pad) for x in (q_1HTD, k_1GTD, v_1GTD))
     out = _compiled_flex(q, k, v, block_mask=bm, scale=scaling, enable_gqa=k_1GTD.shape[1] != q_1HTD.shape[1])
     return out[:, :, :T]
+
+
+def flex_attention(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout):
+    return _run(q_1HTD, k_1GTD, v_1GTD, block_mask(layout, q_1HTD.device), scaling, dropout)
+
+
+def tree_flex_attention(q_1HTD, k_1GTD, v_1GTD, layout, scaling, dropout):
+    """A prefix tree's attention (CUDA), one BlockMask per tree pack (:func:`tree_block_mask`)."""
+    return _run(q_1HTD, k_1GTD, v_1GTD, tree_block_mask(layout, q_1HTD.device), scaling, dropout)
