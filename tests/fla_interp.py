@@ -80,3 +80,10 @@ def fake_fla(monkeypatch):
     vars(kernels_pkg).pop("fla_backend", None)
     if real is not None:
         kernels_pkg.fla_backend = real
+
+
+# The fla-interpreter model tests' shape and bounds (float32 under Triton's interpreter; tests/packed/kernels/
+# test_fla_interpreter_model.py measures them), shared with the tree's fla check (tests/packed/test_tree.py)
+SMALL_GDN = {"linear_num_key_heads": 1, "linear_num_value_heads": 2}
+LOSS_BOUND = 2e-6
+GRAD_BOUND = 5e-5

@@ -65,7 +65,7 @@ class Workload:
     def for_variant(self, variant: str) -> Workload:
         """The workload a variant trains: the tree variant's plan is the tree planner's (``packing.mode: tree``),
         every other variant's the config's."""
-        if variant != "tree" or self.cfg.packing.mode == "tree":
+        if variant != "tree":
             return self
         if "tree" not in self._variants:
             cfg = dataclasses.replace(self.cfg, packing=dataclasses.replace(self.cfg.packing, mode="tree"))

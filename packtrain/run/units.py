@@ -131,22 +131,25 @@ class Kind:
     def build(self, unit: Unit, plan: Plan, examples, setup: UnitSetup):
         return _layout(unit, plan, examples, setup.images, packed=True)
 
+    def call(self, work):
+        """The one call of the root a one-call unit makes on what it built."""
+        from packtrain.packed.lm import PackCall
+
+        return PackCall(work)
+
     def train(self, lm, unit: Unit, work, setup: UnitSetup, scale: float):
         """Forward and backward (gradients into the parameters, ``loss_sum * scale``): (loss sum, per-example
         losses, target tokens per example)."""
-        from packtrain.packed.lm import PackCall
         from packtrain.packed.loss import require_grad
 
-        out = lm(PackCall(work))
+        out = lm(self.call(work))
         require_grad(out.loss_sum)
         (out.loss_sum * scale).backward()
         return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
 
     def evaluate(self, lm, unit: Unit, work, setup: UnitSetup):
         """The same under no_grad (the caller's)."""
-        from packtrain.packed.lm import PackCall
-
-        out = lm(PackCall(work))
+        out = lm(self.call(work))
         return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
 
     def calls(self, unit: Unit, setup: UnitSetup, training: bool) -> int:
@@ -160,6 +163,10 @@ class Kind:
     def group_positions(self, lengths: list[int], setup: UnitSetup) -> int | None:
         """The continuation positions of the largest of a unit's groups (None: one call holds them all)."""
         return None
+
+    def segments(self, unit: Unit, plan: Plan, examples) -> list[int]:
+        """The lengths of the buffer's segments after P (each continuation, or each node of a tree)."""
+        return [examples[e].len_continuation for e in unit.examples]
 
     def describe(self, unit: Unit, setup: UnitSetup) -> str:
         """What the unit is, in a line of output: "pack", "example", ..."""
@@ -307,6 +314,35 @@ class WalkKind(Kind):
         return f" in {unit.walk.chunks} chunks"
 
 
+class TreeKind(Kind):
+    """A prompt group's examples as a prefix tree (``packing.mode: tree``, :mod:`packtrain.data.tree`): every run
+    of tokens that several continuations share is computed once (:mod:`packtrain.packed.tree`)."""
+    name = "tree"
+
+    def takes(self, pack, setup):
+        return setup.mode == "tree"
+
+    def positions(self, unit, plan, examples):
+        return len(plan.prompts[unit.prompt]) + sum(self.segments(unit, plan, examples))
+
+    def segments(self, unit, plan, examples):
+        """The tree's nodes, as the planner counts them (:func:`packtrain.data.tree.example_tree`)."""
+        from packtrain.data.tree import example_tree
+
+        return [len(n.tokens) for n in example_tree([examples[e] for e in unit.examples]).nodes]
+
+    def build(self, unit, plan, examples, setup):
+        return _layout(unit, plan, examples, setup.images, packed=True, tree=True)
+
+    def call(self, work):
+        from packtrain.packed.tree import TreeCall
+
+        return TreeCall(work)
+
+    def describe(self, unit, setup):
+        return "tree pack"
+
+
 class ItemsKind(Kind):
     """A generation's unit (:mod:`packtrain.run.generate`): built, padded and decoded there, never trained."""
     name = "items"
@@ -319,9 +355,10 @@ class ItemsKind(Kind):
         return _layout(unit, plan, examples, setup.images, packed=True, items_only=True)
 
 
-PACK, GROUPS, STANDALONE, WALK, ITEMS = PackKind(), GroupsKind(), StandaloneKind(), WalkKind(), ItemsKind()
-# the order decides: a walked pack is a walk in either packing mode
-KINDS: tuple[Kind, ...] = (WALK, GROUPS, PACK, STANDALONE, ITEMS)
+PACK, GROUPS, STANDALONE, WALK, TREE, ITEMS = (PackKind(), GroupsKind(), StandaloneKind(), WalkKind(), TreeKind(),
+                                               ItemsKind())
+# the order decides: a walked pack is a walk in any packing mode
+KINDS: tuple[Kind, ...] = (WALK, GROUPS, PACK, STANDALONE, TREE, ITEMS)
 
 
 def units_of(pack: Pack, setup: UnitSetup) -> list[Unit]:
@@ -357,7 +394,7 @@ def pad_units(per_rank: list[list[Unit]], rank: int) -> list[Unit]:
     return out
 
 
-_PAD_ORDER = (GROUPS, PACK, STANDALONE, ITEMS, WALK)  # a rank runs its packs first, then its walks
+_PAD_ORDER = (GROUPS, PACK, STANDALONE, TREE, ITEMS, WALK)  # a rank runs its packs first, then its walks
 
 
 def pad_slots(per_rank: list[list[U]], rank: int, dummy_of) -> list[U]:
@@ -398,7 +435,7 @@ def unit_shape(cfg: Config, plan: Plan, examples) -> UnitShape:
     """The shape of the plan's largest unit under the config, what the memory estimate sizes."""
     setup = UnitSetup.of(cfg)
     unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
-    lengths = [examples[e].len_continuation for e in unit.examples]
+    lengths = unit.kind.segments(unit, plan, examples)
     return UnitShape(len(plan.prompts[unit.prompt]), lengths, [target_count(examples[e]) for e in unit.examples],
                      unit.kind.group_positions(lengths, setup), unit.kind.shares_prefix)
 
@@ -439,10 +476,10 @@ def run_unit(lm, built: Built, setup: UnitSetup, device, scale: float | None = N
 
 
 def _layout(unit: Unit, plan: Plan, examples, images: ImageLoader | None, packed: bool,
-            items_only: bool = False) -> PackLayout | None:
-    """The layout of one unit (a pack, or one example alone when not ``packed``); with ``images``, its examples'
-    images are loaded (in buffer order) as well. ``items_only``: a pack of the examples' items alone, those with
-    an item (a generation's prompts; None when no example has one)."""
+            items_only: bool = False, tree: bool = False) -> PackLayout | None:
+    """The layout of one unit (a pack, or one example alone when not ``packed``, or a pack's prefix tree with
+    ``tree``); with ``images``, its examples' images are loaded (in buffer order) as well. ``items_only``: a pack of
+    the examples' items alone, those with an item (a generation's prompts; None when no example has one)."""
     from packtrain.packed.layout import Continuation, build_pack_layout, build_standalone_layout
 
     prefix = plan.prompts[unit.prompt]
@@ -457,7 +494,13 @@ def _layout(unit: Unit, plan: Plan, examples, images: ImageLoader | None, packed
     conts = [Continuation(ex.item_ids, () if items_only else ex.target_ids, [r.grid_thw for r in refs],
                           () if items_only else getattr(ex, "spans", ())) for ex, refs in zip(chosen, per_example)]
     refs = [r for ex_refs in per_example for r in ex_refs]
-    if packed:
+    if tree:  # images: the buffer holds each shared one once, in the tree's order
+        from packtrain.data.tree import image_salt
+        from packtrain.packed.tree import build_tree_layout
+
+        layout = build_tree_layout(prefix, conts, spec, image_keys=[image_salt(ex) for ex in chosen])
+        refs = [per_example[j][k] for j, k in layout.image_sources]
+    elif packed:
         layout = build_pack_layout(prefix, conts, spec, targets=not items_only)
     else:
         (cont,) = conts

@@ -167,7 +167,7 @@ def test_tree_per_family(model_type, layer_types, monkeypatch):
 def test_tree_with_images_in_items(monkeypatch):
     """Two examples with one image (equal keys) share its node and part at their targets; a third with another
     image of the same grid and the same tokens shares nothing with them; one without images shares P only."""
-    from test_vlm import IMAGE, image_item, tiny_vlm
+    from tiny_models import IMAGE, image_item, tiny_vlm
 
     gen = torch.Generator().manual_seed(0)
     rnd = lambda n: torch.randint(0, 89, (n,), generator=gen).tolist()
@@ -260,9 +260,9 @@ def test_context_grad_modes_other_than_full_are_refused(mode):
 @needs_interpreter
 def test_fla_tree_equals_the_torch_tree_and_standalone():
     """The fla back end on a tree (its varlen conv over the node histories, its chunk rule level by level from the
-    parents' states) under Triton's interpreter, float32, within tests/test_fla_interpreter_model.py's bounds
+    parents' states) under Triton's interpreter, float32, within tests/packed/kernels/test_fla_interpreter_model.py's bounds
     (measured: losses 1.3e-7, gradients 1.4e-6 vs standalone, 1.2e-6 vs the torch tree)."""
-    from test_fla_interpreter_model import GRAD_BOUND, LOSS_BOUND, SMALL_GDN
+    from fla_interp import GRAD_BOUND, LOSS_BOUND, SMALL_GDN
 
     prefix, conts = branches(seed=0)
     model = long_memory_model([L, F], dtype=torch.float32, seed=3, **SMALL_GDN)

@@ -5,7 +5,7 @@ same check. Skipped where fla is not installed."""
 
 import pytest
 import torch
-from fla_interp import fla_cpu_backend, needs_interpreter
+from fla_interp import GRAD_BOUND, LOSS_BOUND, SMALL_GDN, fla_cpu_backend, needs_interpreter
 from mutations import MUTATIONS, break_plumbing, long_memory_model
 from parity import packed_run, rel, standalone_run
 from tiny_models import random_pack
@@ -17,7 +17,6 @@ pytestmark = needs_interpreter
 
 L, F = "linear_attention", "full_attention"
 # One GDN key head, two value heads: grouped heads kept, half the interpreted programs of the default tiny model.
-SMALL_GDN = {"linear_num_key_heads": 1, "linear_num_value_heads": 2}
 # (P length, continuations as (item, target) lengths). fla's chunk is 64 tokens, the conv width 4.
 PACKS = {
     # P of one token (the conv tail is mostly the zero row); one-token continuations; 63/64/65-token ones
@@ -35,8 +34,6 @@ PACKS = {
 # <= 3.6e-7 and on every LoRA gradient to <= 1.0e-5 (max abs diff / max abs value; float32 summation order).
 # The bounds keep ~5x headroom; the broken plumbings measured loss gaps >= 5.2e-2 and gradient gaps >= 0.54, four
 # orders of magnitude above them (asserted below with a 100x margin).
-LOSS_BOUND = 2e-6
-GRAD_BOUND = 5e-5
 
 
 def _model(backend: Backend) -> torch.nn.Module:
