@@ -125,7 +125,7 @@ def test_resume_after_kill_gives_the_uninterrupted_adapter(tmp_path, trained):
 def test_bad_config_is_one_clear_error(tmp_path):
     cfg = write_config(tmp_path)
     proc = run_in_process("train", cfg, "--set", "optim.lr=-1", "--set", "train.bogus=3", "--set",
-                          "packing.mode=tree", check=False)
+                          "packing.mode=ring", check=False)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     for path in ("optim.lr", "train.bogus", "packing.mode"):
