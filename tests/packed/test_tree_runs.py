@@ -2,6 +2,8 @@
 the tree packs' costs), a stopped and resumed tree run equals the uninterrupted one, a resume under another
 packing.mode is refused, and `eval --generate` under tree generates what shared_prefix generates."""
 
+import json
+
 import pytest
 import torch
 from cli_helpers import (
@@ -61,3 +63,18 @@ def test_a_stopped_tree_run_resumes_to_the_uninterrupted_run_and_refuses_another
     assert_equal_adapters(adapter_of(straight), adapter_of(run))
     steps = [m["step"] for m in metrics_of(run) if m.get("split") != "eval"]
     assert steps == [1, 2, 3, 4] and train_losses(run) == train_losses(straight)
+
+
+def test_eval_generate_under_tree_generates_what_shared_prefix_generates(tmp_path):
+    """Generation keeps sharing P only: under tree it decodes the tree plan's packs' items (other packs than
+    shared_prefix's on the training data: (5, 9, 7), (6, 8), ... against (9, 8), (7, 5, 6), ...), and each row's
+    greedy tokens are its own, whatever pack it is in."""
+    cfg = write_config(tmp_path, data={"eval": None}, generate={"max_new_tokens": 4})
+    rows, printed = {}, {}
+    for mode in ("tree", "shared_prefix"):
+        out = tmp_path / f"{mode}.jsonl"
+        printed[mode] = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", out,
+                                       "--set", f"packing.mode={mode}").stdout
+        rows[mode] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows["tree"]) == 15 and rows["tree"] == rows["shared_prefix"]
+    assert "15 examples of data.train in 3 prompt groups" in printed["tree"]
