@@ -95,7 +95,6 @@ def test_tree_positions_packed_are_the_distinct_prefixes(tmp_path):
     assert stats["packs"] == 1
     assert stats["positions_packed"] == 4 * stats["packs"] + distinct == 11
     assert stats["pack_positions"] == [11]
-    assert stats["pack_attention_pairs"] == [stats["attention_pairs_packed"]] == [54]  # the balance's cost: the tree's
     assert (stats["positions_standalone"], stats["positions_shared_prefix"]) == (28, 16)
 
 
