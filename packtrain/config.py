@@ -460,11 +460,18 @@ def _template_kwargs_problems(kwargs: dict) -> list[str]:
     return problems
 
 
+def built_context_grads(p: PackingConfig) -> tuple[str, ...]:
+    """The packing.context_grad values built under the config's packing.mode (tree: full only)."""
+    if p.mode == "tree":
+        return ("full",)
+    return typing.get_args(typing.get_type_hints(PackingConfig)["context_grad"])
+
+
 def _tree_problems(p: PackingConfig) -> list[str]:
     """What packing.mode tree does not build (continuation_groups > 1 is refused for every mode but
     shared_prefix, below)."""
     problems = []
-    if p.context_grad != "full":
+    if p.context_grad not in built_context_grads(p):
         problems.append(f"packing.mode tree: packing.context_grad {p.context_grad} is not built (full only)")
     if p.on_overflow == "walk":
         problems.append("packing.mode tree: packing.on_overflow walk is not built (error or skip)")

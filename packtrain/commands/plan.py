@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import typing
 from pathlib import Path
 
-from packtrain.config import ConfigError, PackingConfig, load_config
+from packtrain.config import ConfigError, built_context_grads, load_config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_for, plan_stats
 from packtrain.models import memory
@@ -135,10 +134,10 @@ def run_plan(args) -> int:
         if args.gpu_memory <= 0:
             raise ValueError(f"--gpu-memory: must be positive, got {args.gpu_memory}")
         budget = memory.max_token_budget(cfg, shape, args.world_size, args.gpu_memory)
-    # packing.context_grad's values off the config's type: packtrain.packed.context.MODES would import torch
-    context_grads = typing.get_args(typing.get_type_hints(PackingConfig)["context_grad"])
+    # the modes the packing mode builds (tree: full alone, the estimate above: no table)
+    context_grads = built_context_grads(cfg.packing)
     modes = ({m: memory.estimate_for_unit(cfg, shape, args.world_size, m) for m in context_grads}
-             if args.memory and shape.shares_prefix else None)
+             if args.memory and shape.shares_prefix and len(context_grads) > 1 else None)
     pool = None
     if est is not None and cfg.train.offload:
         per_node = args.ranks_per_node or (1 if cfg.train.device == "cpu" else 8)

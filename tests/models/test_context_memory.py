@@ -81,6 +81,20 @@ def test_plan_memory_prints_every_mode(tmp_path, capsys):
     assert totals["kv_only"] == totals["full"] > totals["frozen"] > 0
 
 
+def test_plan_memory_under_tree_has_no_table_of_modes_it_does_not_build(tmp_path, capsys):
+    """packing.mode tree builds context_grad full only (the config refuses kv_only and frozen): `plan --memory`
+    estimates it, and neither the table nor the JSON offers the other modes."""
+    cfg = write_config(tmp_path, packing={"mode": "tree"})
+    for as_json in (False, True):
+        run_plan(argparse.Namespace(config=str(cfg), overrides=[], world_size=1, memory=True, json=as_json,
+                                    measure=False, gpu_memory=None))
+        out = capsys.readouterr().out
+        if as_json:
+            assert "context_grad" not in json.loads(out)["memory"] and json.loads(out)["memory"]["terms"]
+        else:
+            assert "total on the device" in out and "each packing.context_grad" not in out and "kv_only" not in out
+
+
 def test_continuation_groups_at_the_seed_pack():
     """packing.continuation_groups: 8 groups of 10 x 1K hold P's and one group's checkpointed inputs, the larger
     recompute (P's), and the gradients of P's outputs (the size of frozen's cache)."""

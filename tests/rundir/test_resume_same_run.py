@@ -12,7 +12,8 @@ from packtrain.rundir.resume import compare, is_trajectory
 
 @pytest.mark.parametrize("key,trajectory", [
     ("optim.lr", True), ("optim.name", True), ("lora.r", True), ("model.dtype", True), ("model.config", True),
-    ("packing.token_budget", True), ("train.seed", True), ("train.packs_per_step", True), ("data.processor", True),
+    ("packing.token_budget", True), ("packing.mode", True), ("train.seed", True), ("train.packs_per_step", True),
+    ("data.processor", True),
     ("model.kernels", False), ("train.max_steps", False), ("train.epochs", False), ("train.save_every", False),
     ("train.eval_every", False), ("train.keep_checkpoints", False), ("train.max_nonfinite_skips", False),
     ("train.device", False), ("logging.progress", False), ("ops.hang_timeout", False), ("output_dir", False),

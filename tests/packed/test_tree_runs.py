@@ -1,0 +1,80 @@
+"""packing.mode: tree across ranks and runs, through the CLI: 2 ranks train what 1 rank trains (balanced steps over
+the tree packs' costs), a stopped and resumed tree run equals the uninterrupted one, a resume under another
+packing.mode is refused, and `eval --generate` under tree generates what shared_prefix generates."""
+
+import json
+
+import pytest
+import torch
+from cli_helpers import (
+    RESUMED,
+    adapter_of,
+    assert_equal_adapters,
+    metrics_of,
+    refused,
+    run_in_process,
+    run_ranks,
+    train_losses,
+    write_config,
+)
+
+from packtrain.exits import PREEMPTED_EXIT
+from packtrain.faults import SIGTERM_IN_STEP
+from packtrain.rundir.checkpoint import checkpoints
+
+# The bundled rulebooks under tree: 6 packs (193, 145, 167, 119, 181 and 140 positions; `packtrain plan`); 3 packs a
+# step over 2 ranks, so rank 0 trains 2 packs a step and rank 1 one, and step 3 starts the second epoch
+TWO_RANKS = {"data": {"eval": None}, "packing": {"mode": "tree"},
+             "train": {"epochs": 2, "max_steps": 3, "packs_per_step": 3}}
+
+
+@pytest.mark.process
+@pytest.mark.distributed
+def test_two_ranks_equal_one_rank_under_tree(tmp_path):
+    cfg = write_config(tmp_path, **TWO_RANKS)
+    run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
+    run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
+    one, two = adapter_of(tmp_path / "one"), adapter_of(tmp_path / "two")
+    assert one.keys() == two.keys() and one
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-10, atol=1e-13)
+    assert len(train_losses(tmp_path / "one")) == 3
+    assert train_losses(tmp_path / "one") == pytest.approx(train_losses(tmp_path / "two"), rel=1e-12)
+
+
+def test_a_stopped_tree_run_resumes_to_the_uninterrupted_run_and_refuses_another_mode(tmp_path):
+    """SIGTERM during step 3 (in this process): the run stops with step 3's checkpoint. A resume under
+    packing.mode shared_prefix is refused (packing is a trajectory key; its packs are other packs); the resume under
+    tree trains the uninterrupted run's adapter bit for bit (dropout and a cosine schedule: the RNG and the
+    scheduler restored)."""
+    cfg = write_config(tmp_path, **{**RESUMED, "data": {"eval": None}, "packing": {"mode": "tree"},
+                                    "train": {**RESUMED["train"], "max_steps": 4}})
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    run_in_process("train", cfg, "--set", f"output_dir={straight}")
+    stopped = run_in_process("train", cfg, env={SIGTERM_IN_STEP: "3"}, check=False)
+    assert stopped.returncode == PREEMPTED_EXIT, stopped.stderr[-3000:]
+    assert [p.name for p in checkpoints(run)] == ["step-3", "step-2"]
+
+    err = refused(run_in_process("train", cfg, "--resume", "--set", "packing.mode=shared_prefix", check=False))
+    assert "resume refused" in err and "packing.mode: 'tree' -> 'shared_prefix'" in err, err
+
+    resumed = run_in_process("train", cfg, "--resume")
+    assert "continuing from" in resumed.stdout and "step-3" in resumed.stdout
+    assert_equal_adapters(adapter_of(straight), adapter_of(run))
+    steps = [m["step"] for m in metrics_of(run) if m.get("split") != "eval"]
+    assert steps == [1, 2, 3, 4] and train_losses(run) == train_losses(straight)
+
+
+def test_eval_generate_under_tree_generates_what_shared_prefix_generates(tmp_path):
+    """Generation keeps sharing P only: under tree it decodes the tree plan's packs' items (other packs than
+    shared_prefix's on the training data: (5, 9, 7), (6, 8), ... against (9, 8), (7, 5, 6), ...), and each row's
+    greedy tokens are its own, whatever pack it is in."""
+    cfg = write_config(tmp_path, data={"eval": None}, generate={"max_new_tokens": 4})
+    rows, printed = {}, {}
+    for mode in ("tree", "shared_prefix"):
+        out = tmp_path / f"{mode}.jsonl"
+        printed[mode] = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", out,
+                                       "--set", f"packing.mode={mode}").stdout
+        rows[mode] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows["tree"]) == 15 and rows["tree"] == rows["shared_prefix"]
+    assert "15 examples of data.train in 3 prompt groups" in printed["tree"]
