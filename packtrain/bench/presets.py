@@ -12,7 +12,8 @@ whose lengths are drawn uniformly from ``cont_tokens`` (inclusive); the target i
   checkpointed layers, one P of 32,768 tokens with 16 continuations of 768-1,280 tokens (ratio ~11).
 - ``tree``: the ``cpu`` model on multi-turn data trained under ``data.train_on: each``: one P of 2,048 tokens, 4
   conversations of 8-24 turns of 56-72 tokens, every turn an example whose item is the whole history before its
-  answer; variants tree, shared_prefix and standalone (docs/performance.md, "Prefix trees").
+  answer; variants tree, shared_prefix and standalone, each one optimizer step per epoch (every pack in it), so
+  that the three make the same update (docs/performance.md, "Prefix trees").
 
 With ``turns``, each of a prompt's ``continuations`` is a conversation of that many turns (drawn uniformly), each
 turn ``cont_tokens`` long (its first half the user's, its second the answer): turn k is an example whose item is
@@ -75,7 +76,7 @@ def _rope(partial: float, section: list[int]) -> dict:
 
 
 def _config(model: dict, dtype: str, kernels: str, budget: int, checkpointing: bool = False,
-            device: str = "auto") -> dict:
+            device: str = "auto", packs_per_step: int = 1) -> dict:
     return {
         "model": {"config": model, "seed": 0, "dtype": dtype, "kernels": kernels},
         "packing": {"mode": "shared_prefix", "token_budget": budget, "max_continuations": 90},
@@ -85,7 +86,7 @@ def _config(model: dict, dtype: str, kernels: str, budget: int, checkpointing: b
         # gradient) runs it: a quarter of the GDN backward in a 4-layer model, 1/48 in Qwen3.6-27B.
         "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": LORA_TARGETS},
         "optim": {"name": "adamw", "lr": 1.0e-3, "warmup_steps": 0, "schedule": "constant"},
-        "train": {"packs_per_step": 1, "seed": 0, "activation_checkpointing": checkpointing, "device": device},
+        "train": {"packs_per_step": packs_per_step, "seed": 0, "activation_checkpointing": checkpointing, "device": device},
         "logging": {"progress": False},
     }
 
@@ -131,8 +132,10 @@ PRESETS = {
                   repeats=3, warmup=True, threads=1),
     "gpu": Preset("gpu", _config(GPU_MODEL, "bfloat16", "fla", 65536, checkpointing=True, device="cuda"),
                   Shape(1, 32768, 16, (768, 1280)), repeats=3, warmup=True),
-    "tree": Preset("tree", _config(CPU_MODEL, "float32", "torch", 8192), Shape(1, 2048, 4, (56, 72), turns=(8, 24)),
-                   repeats=3, warmup=True, variants=("tree", "shared_prefix", "standalone"), threads=1),
+    # one step per epoch: the tree planner's packs are not shared_prefix's, so only then do all three variants make
+    # the same update (and end at the same loss)
+    "tree": Preset("tree", _config(CPU_MODEL, "float32", "torch", 8192, packs_per_step=64),
+                   Shape(1, 2048, 4, (56, 72), turns=(8, 24)), repeats=3, warmup=True, variants=("tree", "shared_prefix", "standalone"), threads=1),
 }
 
 

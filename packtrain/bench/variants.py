@@ -6,7 +6,8 @@
   they train something else (docs/design.md), so their final losses differ; they are here for their cost.
 - ``tree``: packtrain under ``packing.mode: tree``: a prompt group's continuations as a prefix tree, every run of
   tokens they share computed once (multi-turn data under ``data.train_on: each``: the tree preset). Its packs are
-  the tree planner's, so its steps are ``packtrain train``'s under that mode, not the other variants'.
+  the tree planner's, so its steps are ``packtrain train``'s under that mode, not the other variants' (the tree
+  preset makes one step of every pack per epoch: there all three make the same update).
 - ``standalone``: packtrain, one forward per example (``concat(P, C)`` through the model's own forward, target-only
   head).
 - ``plain``: what a user writes without packtrain: transformers' ``model(input_ids=..., labels=...)`` on each whole

@@ -178,3 +178,45 @@ def test_the_shared_prefix_variant_trains_the_steps_train_trains(tmp_path):
     train_losses = [x["loss"] for x in lines if "split" not in x]
     assert result["steps_per_epoch"] >= 3 and len(train_losses) == result["steps_per_epoch"]
     assert bench_losses == train_losses
+
+
+def test_generated_turns_carry_their_whole_history():
+    """--turns: each conversation's turn k is an example whose item is turns 0..k-1 (user + answer) and turn k's
+    user half, whose target is turn k's answer (what ``train_on: each`` makes of a conversation)."""
+    shape = Shape(prompts=1, prefix_tokens=3, continuations=2, cont_tokens=(4, 5), turns=(2, 3))
+    examples = generate_examples(shape, vocab=50, seed=3)
+    by_conversation = {}
+    for ex in examples:
+        by_conversation.setdefault(ex.id.rsplit("-t", 1)[0], []).append(ex)
+    assert len(by_conversation) == 2 and all(2 <= len(turns) <= 3 for turns in by_conversation.values())
+    for turns in by_conversation.values():
+        history = ()
+        for ex in turns:
+            turn = len(ex.item_ids) - len(history) + len(ex.target_ids)
+            assert ex.item_ids[:len(history)] == history and 4 <= turn <= 5 and len(ex.target_ids) == turn // 2
+            history = ex.item_ids + ex.target_ids
+
+
+def test_tree_preset_shortened_counts_the_trees_positions_and_trains_the_same_update(tmp_path):
+    """`packtrain bench --preset tree`, shortened: the tree variant's positions are P once per tree pack plus the
+    distinct prefixes of the continuations (counted here from the generated examples, a set of tuples), and with the
+    preset's one step per epoch tree, shared_prefix and standalone make the same update (equal losses) although
+    shared_prefix needs more packs (a budget of 100 positions) than the tree."""
+    args = ["--prefix-tokens", "40", "--continuations", "2", "--cont-tokens", "4:6", "--turns", "3:4",
+            "--set", "packing.token_budget=100"]
+    result = _bench(tmp_path, "--preset", "tree", *args, "--repeats", "1", "--no-warmup")
+    assert set(result["variants"]) == {"tree", "shared_prefix", "standalone"}
+    examples = generate_examples(Shape(1, 40, 2, (4, 6), turns=(3, 4)), vocab=1024)
+    prefixes = {tuple(ex.item_ids + ex.target_ids)[:k] for ex in examples
+                for k in range(1, len(ex.item_ids) + len(ex.target_ids) + 1)}
+    tree = result["plan"]["tree"]
+    assert tree["packs"] == 1 and result["steps_per_epoch"] == 1
+    assert result["variants"]["tree"]["positions"] == tree["positions_packed"] == 40 + len(prefixes)
+    flat = result["plan"]
+    assert flat["packs"] >= 2
+    assert flat["positions_packed"] == 40 * flat["packs"] + sum(ex.len_continuation for ex in examples)
+    v = result["variants"]
+    for name in ("tree", "standalone"):
+        assert v[name]["error"] is None, name
+        assert _rel(v[name]["final_loss"], v["shared_prefix"]["final_loss"]) < 1e-5, name
+        assert v[name]["step_losses"][0] == pytest.approx(v["shared_prefix"]["step_losses"][0], rel=1e-5), name
