@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/packtrain train configs/demo.yaml --overwrite  # a second `make demo` starts over
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
 
 # the in-process tier: no test that starts processes (ranks, signals, kills, the launcher; pyproject.toml's markers)
 test-fast: $(STAMP)
