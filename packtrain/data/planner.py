@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from packtrain.config import Config, WalkSpec
-from packtrain.data.tree import build_tree, example_paths, pack_tree
+from packtrain.data.tree import example_tree, pack_tree
 from packtrain.data.walk_calls import WalkCalls, walk_calls
 
 
@@ -208,23 +208,23 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
     groups = _group_by_prompt(examples)
     for prefix in sorted(groups):
         p, fitting = len(prefix), groups[prefix]
-        paths, salts = example_paths([examples[i] for i in fitting])
-        if max(map(len, paths)) > token_budget - p:
+        group = list(map(examples.__getitem__, fitting))
+        lengths = [len(ex.item_ids) + len(ex.target_ids) for ex in group]
+        if max(lengths) > token_budget - p:
             keep = []
-            for k, i in enumerate(fitting):
-                if p + len(paths[k]) <= token_budget:
-                    keep.append(k)
+            for i, ex, length in zip(fitting, group, lengths):
+                if p + length <= token_budget:
+                    keep.append(i)
                 elif on_overflow == "skip":
                     skipped.append(i)
                 else:
-                    raise _over_budget(examples[i], i, p, len(paths[k]), token_budget)
+                    raise _over_budget(ex, i, p, length, token_budget)
             if not keep:
                 continue
-            fitting, paths = [fitting[k] for k in keep], [paths[k] for k in keep]
-            salts = None if salts is None else [salts[k] for k in keep]
-        tree = build_tree(paths, salts)
-        for tp in pack_tree(tree, token_budget - p, max_continuations, _by_id(examples, fitting)):
-            packs.append(Pack(len(prompts), tuple(fitting[j] for j in tp.paths), p + tp.positions,
+            fitting = keep
+            group = list(map(examples.__getitem__, fitting))
+        for tp in pack_tree(example_tree(group), token_budget - p, max_continuations, _by_id(examples, fitting)):
+            packs.append(Pack(len(prompts), tuple(map(fitting.__getitem__, tp.paths)), p + tp.positions,
                               pairs=p * (p + 1) // 2 + p * tp.positions + tp.pairs))
         prompts.append(prefix)
     if not packs:
