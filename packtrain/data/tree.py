@@ -54,6 +54,7 @@ class Tree:
     stop: list[int]  # one past the node's subtree: a subtree is the run of nodes [i, stop[i])
     source: list[int]  # a path through the node (whose tokens [start, end) are the node's)
     last: list[int]  # per path: the last node it runs through, -1 for an empty path
+    by_last: list[int]  # the paths by their last node in depth-first order, ties by index
     path_tokens: Callable[[int], Sequence[int]]  # a path's tokens, for Node.tokens
 
     @cached_property
@@ -106,6 +107,11 @@ def path_key(tokens: Sequence[int], more: Sequence[int] = ()) -> bytes:
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
+def key_tokens(key: bytes) -> int:
+    """The tokens of a path_key."""
+    return len(key) // _WIDTH
+
+
 def _keys(*pieces: Sequence[Sequence[int]]) -> list[bytes]:
     try:
         return list(map(path_key, *pieces))
@@ -132,7 +138,8 @@ def tree_of_keys(keys: list[bytes], salts: Sequence | None, path_tokens: Callabl
     else:
         order = sorted(range(len(keys)), key=lambda i: (salts[i], keys[i]))
     ordered = list(map(keys.__getitem__, order))
-    lcp = [0, *map(_common, ordered, ordered[1:])]
+    chains = map(bytes.startswith, ordered[1:], ordered)  # a path a prefix of the next one: the next turn
+    lcp = [0, *(len(a) // _WIDTH if chain else _common(a, b) for a, b, chain in zip(ordered, ordered[1:], chains))]
     if salts is not None:  # the first path of each salt shares nothing with the one before it
         lcp = [c if k == 0 or salts[order[k - 1]] == salts[order[k]] else 0 for k, c in enumerate(lcp)]
     made: list[tuple[int, int, int, int]] = []  # per node: parent, start, end, the path that made it
@@ -154,17 +161,15 @@ def tree_of_keys(keys: list[bytes], salts: Sequence | None, path_tokens: Callabl
     for node in stack[1:]:
         stop[node] = len(made)
     parent, start, end, source = (list(column) for column in zip(*made)) if made else ([], [], [], [])
-    return Tree(parent, start, end, stop[:len(made)], source, last, path_tokens)
+    # sorted paths reach their last nodes in depth-first order (a path makes nodes or repeats the one before it)
+    return Tree(parent, start, end, stop[:len(made)], source, last, order, path_tokens)
 
 
 def _common(a: bytes, b: bytes) -> int:
-    """The tokens key ``b`` starts with in common with key ``a``, where ``a <= b``. Neighbours in sorted order
-    mostly part early (another conversation), not at all (``a`` a prefix of ``b``: the next turn) or shortly
-    before ``a`` ends (``a`` a turn whose piece the next turns' history drops, e.g. its reasoning): the last two
-    take one or two compares (memcmp), the first a short bisection; then the bytes in doubt, as two integers,
-    give the first byte that differs."""
-    if b.startswith(a):
-        return len(a) // _WIDTH
+    """The tokens key ``b`` starts with in common with key ``a``, where ``a < b`` and ``a`` is no prefix of ``b``.
+    Neighbours in sorted order mostly part shortly before ``a`` ends (``a`` a turn whose piece the next turns'
+    history drops, e.g. its reasoning: one compare, memcmp) or early (another conversation: a short bisection);
+    then the bytes in doubt, as two integers, give the first byte that differs."""
     lo, hi = 0, min(len(a), len(b))  # in bytes: a[:lo] == b[:lo], a[:hi] != b[:hi] (a is no prefix of b)
     if hi > _TAIL:
         if b.startswith(a[:hi - _TAIL]):
@@ -205,9 +210,8 @@ def _bounds(lcp: list[int], lengths: list[int]) -> list[list[int]]:
 def node_pairs(start: int, end: int) -> int:
     """What a node's tokens (positions [start, end) after P) add to causal attention past P's keys: the token at
     position q (counted after P, from 0) reads q + 1 keys there (its ancestors' tokens, its node's earlier tokens
-    and itself)."""
-    length = end - start
-    return length * start + length * (length + 1) // 2
+    and itself), 1 + 2 + ... + end less 1 + 2 + ... + start."""
+    return (end * (end + 1) - start * (start + 1)) // 2
 
 
 def attention_pairs(prefix_len: int, tree: Tree) -> int:
@@ -250,7 +254,7 @@ def pack_tree(tree: Tree, capacity: int, max_leaves: int, tie=None) -> list[Tree
     tokens = [0, *accumulate(map(sub, end, start))]
     leaves = [0, *accumulate(map(eq, stop, range(1, n + 1)))]  # a leaf's subtree is itself
     pairs = [0, *accumulate(map(node_pairs, start, end))]
-    ranked = sorted(range(len(tree.last)), key=tree.last.__getitem__)  # ties: by path index
+    ranked = tree.by_last[:]
     lasts = list(map(tree.last.__getitem__, ranked))
     if tie is not None:
         _sort_ties(ranked, lasts, tie)
@@ -406,6 +410,11 @@ def example_keys(examples: Sequence) -> tuple[list[bytes], list[tuple] | None]:
     return _keys([ex.item_ids for ex in examples], [ex.target_ids for ex in examples]), salts
 
 
+def continuations(examples: Sequence) -> Callable[[int], tuple[int, ...]]:
+    """Path j's tokens for tree_of_keys: example j's item + target."""
+    return lambda j: examples[j].item_ids + examples[j].target_ids
+
+
 def example_tree(examples: Sequence) -> Tree:
     """The tree of examples of one prompt group."""
-    return tree_of_keys(*example_keys(examples), lambda j: examples[j].item_ids + examples[j].target_ids)
+    return tree_of_keys(*example_keys(examples), continuations(examples))
