@@ -173,7 +173,7 @@ def plan_tree_packs(
     examples: Sequence[Any], token_budget: int, max_continuations: int, on_overflow: str = "error", seed: int = 0,
 ) -> Plan:
     """Packs for ``packing.mode: tree``: per prompt group, the prefix tree of its examples' continuations
-    (item + target, examples with other images apart: :func:`packtrain.data.tree.example_paths`) cut into packs
+    (item + target, examples with other images apart: :func:`packtrain.data.tree.example_keys`) cut into packs
     whose tree fits, ``len(P)`` + the pack tree's tokens <= ``token_budget`` and its distinct leaves <=
     ``max_continuations`` (the rule: :func:`packtrain.data.tree.pack_tree`). A pack's ``positions`` is len(P) +
     its tree's tokens, ``pairs`` its tree's attention pairs. An example over the budget on its own goes by

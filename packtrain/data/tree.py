@@ -127,7 +127,7 @@ def build_tree(paths: Sequence[Sequence[int]], salts: Sequence | None = None) ->
 
 
 def tree_of_keys(keys: list[bytes], salts: Sequence | None, path_tokens: Callable[[int], Sequence[int]]) -> Tree:
-    """build_tree from the paths' ``token_keys``; ``path_tokens(j)``: path j's tokens (read only for Tree.nodes).
+    """build_tree from the paths' keys (``path_key``); ``path_tokens(j)``: path j's tokens (read only for Tree.nodes).
 
     The paths in sorted order (salt, then key), with the tokens each has in common with the one before it (the
     *lcp*). In that order a depth-first walk meets each path's nodes past its lcp for the first time, so nodes are
@@ -404,7 +404,7 @@ def image_salt(ex) -> tuple:
 
 
 def example_keys(examples: Sequence) -> tuple[list[bytes], list[tuple] | None]:
-    """Examples' paths, each one's continuation (item + target), as token_keys, and their salts, their images
+    """Examples' paths, each one's continuation (item + target), as keys (path_key), and their salts, their images
     (None when none has images: the same tree, sorted faster)."""
     salts = [image_salt(ex) for ex in examples] if any(getattr(ex, "images", ()) for ex in examples) else None
     return _keys([ex.item_ids for ex in examples], [ex.target_ids for ex in examples]), salts
