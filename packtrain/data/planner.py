@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from packtrain.config import Config, WalkSpec
-from packtrain.data.tree import build_tree, example_paths, pack_tree
+from packtrain.data.tree import continuations, example_keys, key_tokens, pack_tree, tree_of_keys
 from packtrain.data.walk_calls import WalkCalls, walk_calls
 
 
@@ -173,7 +173,7 @@ def plan_tree_packs(
     examples: Sequence[Any], token_budget: int, max_continuations: int, on_overflow: str = "error", seed: int = 0,
 ) -> Plan:
     """Packs for ``packing.mode: tree``: per prompt group, the prefix tree of its examples' continuations
-    (item + target, examples with other images apart: :func:`packtrain.data.tree.example_paths`) cut into packs
+    (item + target, examples with other images apart: :func:`packtrain.data.tree.example_keys`) cut into packs
     whose tree fits, ``len(P)`` + the pack tree's tokens <= ``token_budget`` and its distinct leaves <=
     ``max_continuations`` (the rule: :func:`packtrain.data.tree.pack_tree`). A pack's ``positions`` is len(P) +
     its tree's tokens, ``pairs`` its tree's attention pairs. An example over the budget on its own goes by
@@ -208,23 +208,24 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
     groups = _group_by_prompt(examples)
     for prefix in sorted(groups):
         p, fitting = len(prefix), groups[prefix]
-        paths, salts = example_paths([examples[i] for i in fitting])
-        if max(map(len, paths)) > token_budget - p:
+        group = list(map(examples.__getitem__, fitting))
+        keys, salts = example_keys(group)
+        if key_tokens(max(keys, key=len)) > token_budget - p:
             keep = []
-            for k, i in enumerate(fitting):
-                if p + len(paths[k]) <= token_budget:
+            for k, (i, ex, key) in enumerate(zip(fitting, group, keys)):
+                if p + key_tokens(key) <= token_budget:
                     keep.append(k)
                 elif on_overflow == "skip":
                     skipped.append(i)
                 else:
-                    raise _over_budget(examples[i], i, p, len(paths[k]), token_budget)
+                    raise _over_budget(ex, i, p, key_tokens(key), token_budget)
             if not keep:
                 continue
-            fitting, paths = [fitting[k] for k in keep], [paths[k] for k in keep]
+            fitting, group, keys = ([column[k] for k in keep] for column in (fitting, group, keys))
             salts = None if salts is None else [salts[k] for k in keep]
-        tree = build_tree(paths, salts)
+        tree = tree_of_keys(keys, salts, continuations(group))
         for tp in pack_tree(tree, token_budget - p, max_continuations, _by_id(examples, fitting)):
-            packs.append(Pack(len(prompts), tuple(fitting[j] for j in tp.paths), p + tp.positions,
+            packs.append(Pack(len(prompts), tuple(map(fitting.__getitem__, tp.paths)), p + tp.positions,
                               pairs=p * (p + 1) // 2 + p * tp.positions + tp.pairs))
         prompts.append(prefix)
     if not packs:
@@ -266,6 +267,7 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     shared_prefix's over the tree's).
     """
     per_pack = []
+    lengths: dict[int, list[int]] = {}  # a tree plan's continuation lengths per prompt, for shared_prefix's figures
     positions_standalone = pairs_standalone = pairs_packed = walk_positions = 0
     walks = [pack for pack in plan.packs if pack.walk is not None]
     for pack in walks:
@@ -278,17 +280,17 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
             continue
         p = len(plan.prompts[pack.prompt])
         pairs_packed += _pairs(p) if pack.pairs is None else pack.pairs
-        for i in pack.examples:
-            ex = examples[i]
-            c = len(ex.item_ids) + len(ex.target_ids)
-            positions_standalone += p + c
-            pairs_standalone += _pairs(p + c)
-            if pack.pairs is None:
-                pairs_packed += c * p + _pairs(c)
+        cs = [len(examples[i].item_ids) + len(examples[i].target_ids) for i in pack.examples]
+        positions_standalone += p * len(cs) + sum(cs)
+        pairs_standalone += sum(_pairs(p + c) for c in cs)
+        if pack.pairs is None:
+            pairs_packed += p * sum(cs) + sum(map(_pairs, cs))
+        elif plan.tree:
+            lengths.setdefault(pack.prompt, []).extend(cs)
         per_pack.append(len(pack.examples))
     positions_packed = sum(pack.positions for pack in plan.packs)
     planned = [examples[i] for pack in plan.packs for i in pack.examples]
-    tree = _against_flat(plan, examples, positions_packed, pairs_packed) if plan.tree else {}
+    tree = _against_flat(plan, lengths, positions_packed, pairs_packed) if plan.tree else {}
     return {
         "examples": sum(per_pack) + len(walks),
         # the lines the planned examples come from (one per conversation), the assistant turns they train and the
@@ -318,16 +320,26 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     }
 
 
-def _against_flat(plan: Plan, examples: Sequence[Any], positions: int, pairs: int) -> dict:
-    """A tree plan's figures beside shared_prefix's: the same examples packed flat, as that mode plans them (the
-    same budget; the examples the tree plan skipped are over it flat too)."""
-    flat = plan_stats(plan_packs(examples, plan.token_budget, plan.max_continuations, "skip", plan.seed), examples)
-    return {"packs_shared_prefix": flat["packs"],
-            "positions_shared_prefix": flat["positions_packed"],
-            "attention_pairs_shared_prefix": flat["attention_pairs_packed"],
+def _against_flat(plan: Plan, lengths: dict[int, list[int]], positions: int, pairs: int) -> dict:
+    """A tree plan's figures beside shared_prefix's: the same examples packed flat, as plan_packs plans them (the
+    same budget; the examples the tree plan skipped are over it flat too), from the continuation lengths per
+    prompt (``lengths``) without planning again: plan_packs' packs of a prompt group are
+    ``_best_fit_decreasing`` over its lengths sorted descending, whose count depends on nothing else, and a flat
+    pack's positions and pairs follow from its P and its continuations' lengths."""
+    packs = flat_positions = flat_pairs = 0
+    for prompt, cs in lengths.items():
+        p = len(plan.prompts[prompt])
+        cs.sort(reverse=True)
+        n = len(_best_fit_decreasing(cs, plan.token_budget - p, plan.max_continuations))
+        packs += n
+        flat_positions += n * p + sum(cs)
+        flat_pairs += n * _pairs(p) + p * sum(cs) + sum(map(_pairs, cs))
+    return {"packs_shared_prefix": packs,
+            "positions_shared_prefix": flat_positions,
+            "attention_pairs_shared_prefix": flat_pairs,
             # shared_prefix's over the tree's
-            "shared_prefix_position_ratio": flat["positions_packed"] / positions,
-            "shared_prefix_attention_pair_ratio": flat["attention_pairs_packed"] / pairs}
+            "shared_prefix_position_ratio": flat_positions / positions,
+            "shared_prefix_attention_pair_ratio": flat_pairs / pairs}
 
 
 def plan_for(cfg: Config, examples) -> Plan:

@@ -9,14 +9,27 @@ Built from the paths sorted by their tokens, so the tree, its node order and eve
 the examples' tokens only, never on their input order. Nodes are numbered in depth-first order (a parent before
 its children, children by their first token): the order a tree pack lays them out in one buffer.
 
+Speed: the planner builds trees over millions of paths, each of hundreds of tokens that mostly repeat another
+path's. So a path is compared as one ``bytes`` key (its tokens big-endian, 4 bytes each: the bytes compare, in C,
+as the token tuples do) and the tree is columns of ints; ``Tree.nodes`` (with each node's tokens) is made only when
+read. Figures: docs/performance.md, "Tree planner: 1,000,000 multi-turn examples".
+
 Shapes: a tree of n paths of total length L has at most 2n nodes; building it is O(L log n) (the sort).
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
 from bisect import bisect_left, insort
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import accumulate, compress
+from operator import eq, sub
+
+_WIDTH = 4  # bytes per token in a key
+_TYPECODE = next(code for code in "IL" if array(code).itemsize == _WIDTH)
 
 
 @dataclass(slots=True)
@@ -33,120 +46,179 @@ class Node:
 
 @dataclass
 class Tree:
-    nodes: list[Node]  # depth-first order
-    # per path (in the input order): the nodes it runs through, root side first
-    paths: list[list[int]]
+    """Columns per node, in depth-first order, and per path (in the input order)."""
+
+    parent: list[int]  # -1: a child of P
+    start: list[int]  # positions [start, end) of every path through the node, counted after P
+    end: list[int]
+    stop: list[int]  # one past the node's subtree: a subtree is the run of nodes [i, stop[i])
+    source: list[int]  # a path through the node (whose tokens [start, end) are the node's)
+    last: list[int]  # per path: the last node it runs through, -1 for an empty path
+    by_last: list[int]  # the paths by their last node in depth-first order, ties by index
+    path_tokens: Callable[[int], Sequence[int]]  # a path's tokens, for Node.tokens
+
+    @cached_property
+    def nodes(self) -> list[Node]:
+        nodes = [Node(parent, start, tuple(self.path_tokens(j)[start:end]))
+                 for parent, start, end, j in zip(self.parent, self.start, self.end, self.source)]
+        for i, node in enumerate(nodes):
+            if node.parent >= 0:
+                nodes[node.parent].children.append(i)
+        return nodes
+
+    @cached_property
+    def paths(self) -> list[list[int]]:
+        """Per path, the nodes it runs through, root side first."""
+        return [[*self.ancestors(n), n] if n >= 0 else [] for n in self.last]
 
     @property
     def positions(self) -> int:
         """The tokens of every node: what a tree pack computes after P."""
-        return sum(len(n.tokens) for n in self.nodes)
+        return sum(self.end) - sum(self.start)
 
     def ancestors(self, node: int) -> list[int]:
         """``node``'s ancestors, root side first (``node`` not included)."""
         out = []
-        while self.nodes[node].parent >= 0:
-            node = self.nodes[node].parent
+        while self.parent[node] >= 0:
+            node = self.parent[node]
             out.append(node)
         return out[::-1]
 
     def node_at(self, path: int, position: int) -> int:
         """The node holding position ``position`` (counted after P) of path ``path``."""
         for n in self.paths[path]:
-            if self.nodes[n].start <= position < self.nodes[n].end:
+            if self.start[n] <= position < self.end[n]:
                 return n
         raise IndexError(f"position {position} is past the end of path {path}")
+
+
+def path_key(tokens: Sequence[int], more: Sequence[int] = ()) -> bytes:
+    """A path's tokens (``tokens`` then ``more``: an item, then its target) as one ``bytes`` key: each token
+    big-endian in 4 bytes, so keys compare (memcmp) as the token tuples do, the shorter of two first where one is a
+    prefix of the other. Token ids in [0, 2**32)."""
+    key = array(_TYPECODE, tokens)
+    if more:
+        key += array(_TYPECODE, more)
+    if _LITTLE_ENDIAN:
+        key.byteswap()
+    return key.tobytes()
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def key_tokens(key: bytes) -> int:
+    """The tokens of a path_key."""
+    return len(key) // _WIDTH
+
+
+def _keys(*pieces: Sequence[Sequence[int]]) -> list[bytes]:
+    try:
+        return list(map(path_key, *pieces))
+    except OverflowError as e:
+        raise ValueError(f"a prefix tree takes token ids in [0, 2**32): {e}") from None
 
 
 def build_tree(paths: Sequence[Sequence[int]], salts: Sequence | None = None) -> Tree:
     """The radix tree of ``paths`` (token sequences after P; duplicates and paths that are
     prefixes of others allowed; an empty path runs through no node). Paths with different ``salts`` (any orderable
-    values, e.g. the images an example's tokens stand for) share no node: equal tokens are not equal inputs there.
+    values, e.g. the images an example's tokens stand for) share no node: equal tokens are not equal inputs there."""
+    return tree_of_keys(_keys(paths), salts, paths.__getitem__)
 
-    The paths in sorted order (salt, then tokens; tuples compare in C), with the common prefix of each with the one before it (the
+
+def tree_of_keys(keys: list[bytes], salts: Sequence | None, path_tokens: Callable[[int], Sequence[int]]) -> Tree:
+    """build_tree from the paths' keys (``path_key``); ``path_tokens(j)``: path j's tokens (read only for Tree.nodes).
+
+    The paths in sorted order (salt, then key), with the tokens each has in common with the one before it (the
     *lcp*). In that order a depth-first walk meets each path's nodes past its lcp for the first time, so nodes are
     made in depth-first order, never split: a path's nodes past its lcp end where a later path parts from it (the
     running minima of the later lcps, found with one stack from the right) and at its own end."""
-    paths = [tuple(p) for p in paths]
     if salts is None:
-        order = sorted(range(len(paths)), key=paths.__getitem__)
+        order = sorted(range(len(keys)), key=keys.__getitem__)
     else:
-        order = sorted(range(len(paths)), key=lambda i: (salts[i], paths[i]))
-    ordered = [paths[i] for i in order]
-    lcp = [0, *map(_common, ordered, ordered[1:])]
+        order = sorted(range(len(keys)), key=lambda i: (salts[i], keys[i]))
+    ordered = list(map(keys.__getitem__, order))
+    chains = map(bytes.startswith, ordered[1:], ordered)  # a path a prefix of the next one: the next turn
+    lcp = [0, *(len(a) // _WIDTH if chain else _common(a, b) for a, b, chain in zip(ordered, ordered[1:], chains))]
     if salts is not None:  # the first path of each salt shares nothing with the one before it
         lcp = [c if k == 0 or salts[order[k - 1]] == salts[order[k]] else 0 for k, c in enumerate(lcp)]
-    cuts = _cuts(lcp)
-    nodes: list[Node] = []
-    chains: list[list[int]] = [[] for _ in paths]
-    stack: list[int] = []  # the previous path's nodes, root side first
-    ends: list[int] = []  # their ends
-    for i, path, start, cut in zip(order, ordered, lcp, cuts):
-        while ends and ends[-1] > start:
-            stack.pop()
+    made: list[tuple[int, int, int, int]] = []  # per node: parent, start, end, the path that made it
+    stop = [0] * (2 * len(keys))
+    last = [-1] * len(keys)
+    stack = [-1]  # the previous path's nodes, root side first, under the root (P: -1, ending at 0)
+    ends = [0]  # their ends
+    for i, at, bounds in zip(order, lcp, _bounds(lcp, [len(key) // _WIDTH for key in ordered])):
+        while ends[-1] > at:
+            stop[stack.pop()] = len(made)
             ends.pop()
-        for end in ([*(c for c in reversed(cut) if c < len(path)), len(path)] if cut else (len(path),)):
-            if end > start:
-                parent = stack[-1] if stack else -1
-                nodes.append(Node(parent, start, path[start:end]))
-                if parent >= 0:
-                    nodes[parent].children.append(len(nodes) - 1)
-                stack.append(len(nodes) - 1)
-                ends.append(end)
-                start = end
-        chains[i] = stack[:]
-    return Tree(nodes, chains)
+        for to in reversed(bounds):
+            if to > at:
+                made.append((stack[-1], at, to, i))
+                stack.append(len(made) - 1)
+                ends.append(to)
+                at = to
+        last[i] = stack[-1]
+    for node in stack[1:]:
+        stop[node] = len(made)
+    parent, start, end, source = (list(column) for column in zip(*made)) if made else ([], [], [], [])
+    # sorted paths reach their last nodes in depth-first order (a path makes nodes or repeats the one before it)
+    return Tree(parent, start, end, stop[:len(made)], source, last, order, path_tokens)
 
 
-def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """The tokens ``b`` starts with in common with ``a``, where ``a <= b``. Neighbours in sorted order mostly part
-    early (another conversation) or not at all (``a`` a prefix of ``b``: the next turn), so those two are tried
-    first; else a bisection that compares only the slice still in doubt (it halves: about 2 len(a) tokens
-    compared, in C)."""
-    head = min(len(a), _HEAD)
-    if a[:head] != b[:head]:
-        lo, hi = 0, head  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
-    elif b[:len(a)] == a:
-        return len(a)
-    else:
-        lo, hi = head, min(len(a), len(b))
-    while hi - lo > 1:
+def _common(a: bytes, b: bytes) -> int:
+    """The tokens key ``b`` starts with in common with key ``a``, where ``a < b`` and ``a`` is no prefix of ``b``.
+    Neighbours in sorted order mostly part shortly before ``a`` ends (``a`` a turn whose piece the next turns'
+    history drops, e.g. its reasoning: one compare, memcmp) or early (another conversation: a short bisection);
+    then the bytes in doubt, as two integers, give the first byte that differs."""
+    lo, hi = 0, min(len(a), len(b))  # in bytes: a[:lo] == b[:lo], a[:hi] != b[:hi] (a is no prefix of b)
+    if hi > _TAIL:
+        if b.startswith(a[:hi - _TAIL]):
+            lo = hi - _TAIL
+        else:
+            hi -= _TAIL
+    while hi - lo > _TAIL:
         mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
+        if b.startswith(a[lo:mid], lo):
             lo = mid
         else:
             hi = mid
-    return lo
+    differ = int.from_bytes(a[lo:hi], "big") ^ int.from_bytes(b[lo:hi], "big")
+    return (hi - (differ.bit_length() + 7) // 8) // _WIDTH
 
 
-_HEAD = 16  # tokens compared first: a chat turn's opening (role tokens) and a little more
+_TAIL = 64 * _WIDTH  # bytes: a turn's answer and more
 
 
-def _cuts(lcp: list[int]) -> list[list[int]]:
-    """Per sorted path k, where later paths part from it past its own lcp: the running minima of lcp[k + 1:] that
-    exceed lcp[k], largest first (one stack of running minima, right to left: each value is pushed and popped
-    once)."""
-    cuts: list[list[int]] = [[] for _ in lcp]
+def _bounds(lcp: list[int], lengths: list[int]) -> list[list[int]]:
+    """Per sorted path k, where its nodes past its lcp end, last first: its own end, and where later paths part
+    from it, the running minima of lcp[k + 1:] that exceed lcp[k] (one stack of running minima, right to left:
+    each value is pushed and popped once; the largest is at most the path's length)."""
+    out: list[list[int]] = [[]] * len(lcp)
     minima: list[int] = []  # the running minima of lcp[k + 1:], the smallest at the bottom
     for k in range(len(lcp) - 1, -1, -1):
-        while minima and minima[-1] > lcp[k]:
-            cuts[k].append(minima.pop())
-        if not minima or minima[-1] < lcp[k]:
-            minima.append(lcp[k])
-    return cuts
+        at, bounds = lcp[k], [lengths[k]]
+        while minima and minima[-1] > at:
+            cut = minima.pop()
+            if cut < bounds[0]:
+                bounds.append(cut)
+        if not minima or minima[-1] < at:
+            minima.append(at)
+        out[k] = bounds
+    return out
 
 
-def node_pairs(node: Node) -> int:
-    """What ``node``'s tokens add to causal attention past P's keys: the token at position q (counted after P,
-    from 0) reads q + 1 keys there (its ancestors' tokens, its node's earlier tokens and itself)."""
-    length = len(node.tokens)
-    return length * node.start + length * (length + 1) // 2
+def node_pairs(start: int, end: int) -> int:
+    """What a node's tokens (positions [start, end) after P) add to causal attention past P's keys: the token at
+    position q (counted after P, from 0) reads q + 1 keys there (its ancestors' tokens, its node's earlier tokens
+    and itself), 1 + 2 + ... + end less 1 + 2 + ... + start."""
+    return (end * (end + 1) - start * (start + 1)) // 2
 
 
 def attention_pairs(prefix_len: int, tree: Tree) -> int:
     """A tree pack's query-key pairs of causal attention: P's own, and each node's token reading P, its ancestors
     and its own node's earlier tokens, ``len * (|P| + start) + len * (len + 1) / 2`` per node."""
-    return prefix_len * (prefix_len + 1) // 2 + prefix_len * tree.positions + sum(map(node_pairs, tree.nodes))
+    return (prefix_len * (prefix_len + 1) // 2 + prefix_len * tree.positions
+            + sum(map(node_pairs, tree.start, tree.end)))
 
 
 @dataclass(frozen=True)
@@ -173,82 +245,92 @@ def pack_tree(tree: Tree, capacity: int, max_leaves: int, tie=None) -> list[Tree
     none has room. An end item always finds its node held (every item below a node comes before it, and a split
     node has items below it), so it adds no token and no leaf. What a pack holds is counted exactly: the tokens
     and leaves of its subtrees and split nodes.
+
+    Subtrees are runs of depth-first indices, so a subtree's tokens, leaves and pairs are differences of prefix
+    sums, and its paths (by last node, then ``tie``) one run of the paths in that order.
     """
-    nodes = tree.nodes
-    n = len(nodes)
-    size, count, leaves, pairs = _subtree_sums(nodes)
-    ends: list[list[int]] = [[] for _ in range(n)]
-    for j, chain in enumerate(tree.paths):
-        ends[chain[-1]].append(j)
+    start, end, stop = tree.start, tree.end, tree.stop
+    n = len(stop)
+    tokens = [0, *accumulate(map(sub, end, start))]
+    leaves = [0, *accumulate(map(eq, stop, range(1, n + 1)))]  # a leaf's subtree is itself
+    pairs = [0, *accumulate(map(node_pairs, start, end))]
+    ranked = tree.by_last[:]
+    lasts = list(map(tree.last.__getitem__, ranked))
     if tie is not None:
-        for e in ends:
-            if len(e) > 1:
-                e.sort(key=tie)
-    rank = [0] * len(tree.paths)  # a path's place in depth-first order of last nodes, then ``tie``
-    for r, j in enumerate(j for e in ends for j in e):
-        rank[j] = r
+        _sort_ties(ranked, lasts, tie)
     items = []  # (-full cost, node, is an end item)
-    todo = [i for i in range(n) if nodes[i].parent < 0]
+    todo = _children(stop, -1, n)
     while todo:
         i = todo.pop()
-        if nodes[i].start + size[i] <= capacity and leaves[i] <= max_leaves:
-            items.append((-(nodes[i].start + size[i]), i, False))
+        size = tokens[stop[i]] - tokens[i]
+        if start[i] + size <= capacity and leaves[stop[i]] - leaves[i] <= max_leaves:
+            items.append((-(start[i] + size), i, False))
         else:
-            if ends[i]:
-                items.append((-nodes[i].end, i, True))
-            todo.extend(nodes[i].children)
+            if bisect_left(lasts, i + 1) > bisect_left(lasts, i):
+                items.append((-end[i], i, True))
+            todo.extend(_children(stop, i, stop[i]))
     items.sort()
-    packer = _Packer(nodes, capacity, max_leaves, len(items) + 1)
+    packer = _Packer(tree, capacity, max_leaves, len(items) + 1)
     for _, i, end_item in items:
         if end_item:
-            packer.add_end(i, ends[i])
+            packer.add_end(i, (bisect_left(lasts, i), bisect_left(lasts, i + 1)))
         else:
-            packer.add_subtree(i, size[i], leaves[i], pairs[i], [j for k in range(i, i + count[i]) for j in ends[k]])
-    return packer.packs(rank.__getitem__)
+            j = stop[i]
+            packer.add_subtree(i, tokens[j] - tokens[i], leaves[j] - leaves[i], pairs[j] - pairs[i],
+                               (bisect_left(lasts, i), bisect_left(lasts, j)))
+    return packer.packs(ranked)
 
 
-def _subtree_sums(nodes: list[Node]) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Per node, over its subtree: tokens, nodes (a subtree is a run of depth-first indices), leaves, node_pairs."""
-    size = [len(node.tokens) for node in nodes]
-    pairs = list(map(node_pairs, nodes))
-    count, leaves = [1] * len(nodes), [0] * len(nodes)
-    for i in range(len(nodes) - 1, -1, -1):  # children come after their parent
-        leaves[i] = leaves[i] or 1
-        p = nodes[i].parent
-        if p >= 0:
-            size[p] += size[i]
-            count[p] += count[i]
-            leaves[p] += leaves[i]
-            pairs[p] += pairs[i]
-    return size, count, leaves, pairs
+def _children(stop: list[int], node: int, until: int) -> list[int]:
+    """The children of ``node`` (-1: the roots), whose subtree ends at ``until``: each child's subtree is followed by
+    its next sibling's."""
+    out = []
+    child = node + 1
+    while child < until:
+        out.append(child)
+        child = stop[child]
+    return out
+
+
+def _sort_ties(ranked: list[int], lasts: list[int], tie) -> None:
+    """Paths with the same last node (the runs of equal ``lasts``) sorted by ``tie``, in place."""
+    runs: list[list[int]] = []
+    for k in compress(range(1, len(lasts)), map(eq, lasts, lasts[1:])):  # lasts[k] == lasts[k - 1]
+        if runs and runs[-1][1] == k:
+            runs[-1][1] = k + 1
+        else:
+            runs.append([k - 1, k + 1])
+    for lo, hi in runs:
+        ranked[lo:hi] = sorted(ranked[lo:hi], key=tie)
 
 
 class _Packer:
     """pack_tree's packs as they fill. Open packs (fewer than max_leaves leaves) sit in sorted lists of
     ``room * stride + pack``: one of all of them, and one per split node of those that hold it; bisect finds the
-    least room that fits, ties to the oldest pack."""
+    least room that fits, ties to the oldest pack. A pack's paths are runs ``(lo, hi)`` of pack_tree's ranked paths."""
 
-    def __init__(self, nodes: list[Node], capacity: int, max_leaves: int, stride: int):
-        self.nodes, self.capacity, self.max_leaves, self.stride = nodes, capacity, max_leaves, stride
+    def __init__(self, tree: Tree, capacity: int, max_leaves: int, stride: int):
+        self.parent, self.start, self.end = tree.parent, tree.start, tree.end
+        self.capacity, self.max_leaves, self.stride = capacity, max_leaves, stride
         self.room: list[int] = []
         self.leaves: list[int] = []
         self.pairs: list[int] = []
-        self.paths: list[list[int]] = []
+        self.paths: list[list[tuple[int, int]]] = []
         self.held: list[list[int]] = []  # per pack, the split nodes it holds
         self.open_all: list[int] = []
         self.open_at: dict[int, list[int]] = {}  # split node -> open packs holding it
         self.holders: dict[int, list[int]] = {}  # split node -> every pack holding it
 
-    def add_end(self, node: int, paths: list[int]) -> None:
+    def add_end(self, node: int, paths: tuple[int, int]) -> None:
         """The paths ending at split node ``node``: into the pack holding it with the least room (ties: oldest)."""
         b = min(self.holders[node], key=lambda b: (self.room[b], b))
-        self.paths[b].extend(paths)
+        self.paths[b].append(paths)
 
-    def add_subtree(self, root: int, size: int, leaves: int, pairs: int, paths: list[int]) -> None:
-        chain = self._split_chain(self.nodes[root].parent)  # deepest first
-        anchor_end = self.nodes[chain[0]].end if chain else 0
+    def add_subtree(self, root: int, size: int, leaves: int, pairs: int, paths: tuple[int, int]) -> None:
+        chain = self._split_chain(self.parent[root])  # deepest first
+        anchor_end = self.end[chain[0]] if chain else 0
         for level, h in enumerate([*chain, -1]):
-            need = size + anchor_end - (self.nodes[h].end if h >= 0 else 0)
+            need = size + anchor_end - (self.end[h] if h >= 0 else 0)
             b = self._best_fit(self.open_at.get(h, []) if h >= 0 else self.open_all, need, leaves)
             if b is not None:
                 break
@@ -258,21 +340,21 @@ class _Packer:
         for g in chain[:level]:  # the split nodes the pack did not hold
             self.held[b].append(g)
             self.holders.setdefault(g, []).append(b)
-            self.room[b] -= len(self.nodes[g].tokens)
-            self.pairs[b] += node_pairs(self.nodes[g])
+            self.room[b] -= self.end[g] - self.start[g]
+            self.pairs[b] += node_pairs(self.start[g], self.end[g])
         self.room[b] -= size
         # the split node the pack already held has a held child (what brought it there lies below it), so it was no
         # leaf: the pack gains exactly the subtree's leaves
         self.leaves[b] += leaves
         self.pairs[b] += pairs
-        self.paths[b].extend(paths)
+        self.paths[b].append(paths)
         self._list(b)
 
     def _split_chain(self, anchor: int) -> list[int]:
         chain = []
         while anchor >= 0:
             chain.append(anchor)
-            anchor = self.nodes[anchor].parent
+            anchor = self.parent[anchor]
         return chain
 
     def _best_fit(self, keys: list[int], need: int, leaves: int) -> int | None:
@@ -304,11 +386,15 @@ class _Packer:
             for keys in self._lists(b):
                 insort(keys, key)
 
-    def packs(self, order) -> list[TreePack]:
-        """The packs, each one's paths sorted by ``order``."""
-        return [TreePack(tuple(sorted(self.paths[b], key=order)), self.capacity - self.room[b], self.pairs[b],
-                         self.leaves[b])
-                for b in range(len(self.room))]
+    def packs(self, ranked: list[int]) -> list[TreePack]:
+        """The packs, each one's paths in the order of ``ranked``."""
+        out = []
+        for b in range(len(self.room)):
+            paths: list[int] = []
+            for lo, hi in sorted(self.paths[b]):
+                paths += ranked[lo:hi]
+            out.append(TreePack(tuple(paths), self.capacity - self.room[b], self.pairs[b], self.leaves[b]))
+        return out
 
 
 def image_salt(ex) -> tuple:
@@ -317,13 +403,18 @@ def image_salt(ex) -> tuple:
     return tuple((ref.path, ref.grid_thw) for ref in getattr(ex, "images", ()))
 
 
-def example_paths(examples: Sequence) -> tuple[list[tuple[int, ...]], list[tuple] | None]:
-    """Examples' paths, each one's continuation (item + target), and their salts, their images (None when none
-    has images: the same tree, sorted faster)."""
+def example_keys(examples: Sequence) -> tuple[list[bytes], list[tuple] | None]:
+    """Examples' paths, each one's continuation (item + target), as keys (path_key), and their salts, their images
+    (None when none has images: the same tree, sorted faster)."""
     salts = [image_salt(ex) for ex in examples] if any(getattr(ex, "images", ()) for ex in examples) else None
-    return [ex.item_ids + ex.target_ids for ex in examples], salts
+    return _keys([ex.item_ids for ex in examples], [ex.target_ids for ex in examples]), salts
+
+
+def continuations(examples: Sequence) -> Callable[[int], tuple[int, ...]]:
+    """Path j's tokens for tree_of_keys: example j's item + target."""
+    return lambda j: examples[j].item_ids + examples[j].target_ids
 
 
 def example_tree(examples: Sequence) -> Tree:
     """The tree of examples of one prompt group."""
-    return build_tree(*example_paths(examples))
+    return tree_of_keys(*example_keys(examples), continuations(examples))

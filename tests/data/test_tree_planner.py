@@ -2,12 +2,13 @@
 these examples -> these packs; and the tree's properties over random paths."""
 
 import random
+from collections import defaultdict
 
 import pytest
 
 from packtrain.data.examples import Example
 from packtrain.data.images import ImageRef
-from packtrain.data.planner import plan_stats, plan_tree_packs
+from packtrain.data.planner import plan_packs, plan_stats, plan_tree_packs
 from packtrain.data.tree import attention_pairs, build_tree, example_tree
 
 
@@ -75,6 +76,65 @@ def test_tree_properties_over_random_paths(seed):
     again = build_tree([paths[i] for i in order], [salts[i] for i in order])
     assert nodes_of(again) == nodes_of(tree)
     assert [again.paths[k] for k in range(len(order))] == [tree.paths[i] for i in order]
+
+
+def reference_tree(paths, salts) -> tuple[list[tuple[tuple[int, ...], int]], list[list[int]]]:
+    """A per-token trie of (salt, path), its runs of one child with no path ending inside compressed into nodes,
+    walked depth-first (salts, then tokens, in order): (tokens, parent) per node and each path's nodes."""
+    children, ends = defaultdict(set), set()
+    for path, salt in zip(paths, salts):
+        for k in range(len(path)):
+            children[salt, path[:k]].add(path[k])
+        ends.add((salt, path))
+    nodes, where = [], {}
+
+    def walk(salt, prefix, parent):
+        for token in sorted(children[salt, prefix]):
+            run = prefix + (token,)
+            while len(children[salt, run]) == 1 and (salt, run) not in ends:
+                run += tuple(children[salt, run])
+            nodes.append((run[len(prefix):], parent))
+            where[salt, run] = len(nodes) - 1
+            walk(salt, run, len(nodes) - 1)
+
+    for salt in sorted(set(salts)):
+        walk(salt, (), -1)
+    chains = [[where[salt, path[:k]] for k in range(1, len(path) + 1) if (salt, path[:k]) in where]
+              for path, salt in zip(paths, salts)]
+    return nodes, chains
+
+
+# token ids around the byte boundaries of a key (1, 2, 3 and 4 bytes big-endian)
+WIDE = [0, 1, 255, 256, 257, 65535, 65536, 2**24 - 1, 2**24, 2**31, 2**32 - 1]
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_tree_equals_a_per_token_trie(seed):
+    rng = random.Random(seed)
+    paths, salts = random_paths(rng)
+    if seed % 2:  # wide token ids: the keys' byte order must sort them as numbers
+        alphabet = rng.sample(WIDE, 3)
+        paths = [tuple(alphabet[t] for t in p) for p in paths]
+    if seed % 3 == 0:
+        salts = None
+    if seed % 5 == 0:  # long paths that part anywhere: near their end, early, or in between
+        base = tuple(rng.randrange(4) for _ in range(400))
+        paths = [base[: rng.choice([rng.randint(0, 400), rng.randint(380, 400), rng.randint(0, 20)])] + p
+                 for p in paths]
+    tree = build_tree(paths, salts)
+    assert (nodes_of(tree), tree.paths) == reference_tree(paths, salts or [()] * len(paths))
+
+
+def test_two_long_paths_part_at_every_position():
+    """The tokens two paths share, wherever they part: their tree's tokens are the shared ones once and each
+    one's rest."""
+    rng = random.Random(0)
+    base = tuple(rng.randrange(2**32) for _ in range(300))
+    for length in (70, 300):
+        for at in range(length):
+            a = base[:length]
+            b = a[:at] + (a[at] ^ 1 << rng.randrange(32),) + a[at + 1:] + (7,) * rng.randrange(3)
+            assert build_tree([a, b]).positions == build_tree([b, a]).positions == len(a) + len(b) - at
 
 
 P = (90, 91)
@@ -173,3 +233,19 @@ def test_stats_beside_shared_prefix():
     assert s["attention_pairs_packed"] == 3 + (2 * 2 + 3) + (1 * 4 + 1) + (1 * 5 + 1) + (1 * 4 + 1)
     assert s["attention_pairs_shared_prefix"] == 3 + (3 * 2 + 6) + (4 * 2 + 10) + (3 * 2 + 6)
     assert s["shared_prefix_position_ratio"] == 12 / 7
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_shared_prefix_figures_are_the_flat_plans(seed):
+    """plan_stats's shared_prefix figures of a tree plan (counted without planning flat) equal those of
+    plan_packs' own plan of the same examples."""
+    rng = random.Random(seed)
+    examples = [ex(f"e{k}", *(rng.randrange(3) for _ in range(rng.randint(1, 12))), prefix=rng.choice([(1,), (2, 2, 2)]))
+                for k in range(rng.randint(1, 40))]
+    budget, max_cont = rng.randint(10, 30), rng.randint(1, 5)
+    if all(len(e.prefix_ids) + e.len_continuation > budget for e in examples):
+        return
+    s = plan_stats(plan_tree_packs(examples, budget, max_cont, on_overflow="skip"), examples)
+    flat = plan_stats(plan_packs(examples, budget, max_cont, on_overflow="skip"), examples)
+    assert (s["packs_shared_prefix"], s["positions_shared_prefix"], s["attention_pairs_shared_prefix"]) == (
+        flat["packs"], flat["positions_packed"], flat["attention_pairs_packed"])
