@@ -81,8 +81,12 @@ def check_same_run(state: dict, cfg_dict: dict, plan_fingerprint: str, total_ste
                    log) -> None:
     refused, allowed = compare(state["config"], cfg_dict, state["total_steps"], total_steps)
     if state["plan"] != plan_fingerprint:
-        refused.append("training data: the tokens of the system prompts, items or targets (or the packs) differ "
-                       "from the run that wrote the checkpoint")
+        if any(line.startswith("packing.") for line in refused):  # those settings make other packs of the same data
+            refused.append("training data: the packs differ from the run that wrote the checkpoint (the packing "
+                           "settings above make other packs; the tokens may differ too)")
+        else:
+            refused.append("training data: the tokens of the system prompts, items or targets (or the packs) "
+                           "differ from the run that wrote the checkpoint")
     if refused:
         raise RunDirError(f"resume refused: {ckpt} belongs to another run; these differ and change what is "
                           "trained:\n  " + "\n  ".join(refused)

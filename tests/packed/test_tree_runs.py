@@ -57,6 +57,8 @@ def test_a_stopped_tree_run_resumes_to_the_uninterrupted_run_and_refuses_another
 
     err = refused(run_in_process("train", cfg, "--resume", "--set", "packing.mode=shared_prefix", check=False))
     assert "resume refused" in err and "packing.mode: 'tree' -> 'shared_prefix'" in err, err
+    # the other packs are the mode's, not edited data: the data line says so
+    assert "the packing settings above make other packs" in err and "training data: the tokens" not in err, err
 
     resumed = run_in_process("train", cfg, "--resume")
     assert "continuing from" in resumed.stdout and "step-3" in resumed.stdout
