@@ -86,7 +86,8 @@ def _config(model: dict, dtype: str, kernels: str, budget: int, checkpointing: b
         # gradient) runs it: a quarter of the GDN backward in a 4-layer model, 1/48 in Qwen3.6-27B.
         "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": LORA_TARGETS},
         "optim": {"name": "adamw", "lr": 1.0e-3, "warmup_steps": 0, "schedule": "constant"},
-        "train": {"packs_per_step": packs_per_step, "seed": 0, "activation_checkpointing": checkpointing, "device": device},
+        "train": {"packs_per_step": packs_per_step, "seed": 0, "activation_checkpointing": checkpointing,
+                  "device": device},
         "logging": {"progress": False},
     }
 
@@ -135,7 +136,8 @@ PRESETS = {
     # one step per epoch: the tree planner's packs are not shared_prefix's, so only then do all three variants make
     # the same update (and end at the same loss)
     "tree": Preset("tree", _config(CPU_MODEL, "float32", "torch", 8192, packs_per_step=64),
-                   Shape(1, 2048, 4, (56, 72), turns=(8, 24)), repeats=3, warmup=True, variants=("tree", "shared_prefix", "standalone"), threads=1),
+                   Shape(1, 2048, 4, (56, 72), turns=(8, 24)), repeats=3, warmup=True,
+                   variants=("tree", "shared_prefix", "standalone"), threads=1),
 }
 
 

@@ -240,7 +240,8 @@ def test_shared_prefix_figures_are_the_flat_plans(seed):
     """plan_stats's shared_prefix figures of a tree plan (counted without planning flat) equal those of
     plan_packs' own plan of the same examples."""
     rng = random.Random(seed)
-    examples = [ex(f"e{k}", *(rng.randrange(3) for _ in range(rng.randint(1, 12))), prefix=rng.choice([(1,), (2, 2, 2)]))
+    examples = [ex(f"e{k}", *(rng.randrange(3) for _ in range(rng.randint(1, 12))),
+                   prefix=rng.choice([(1,), (2, 2, 2)]))
                 for k in range(rng.randint(1, 40))]
     budget, max_cont = rng.randint(10, 30), rng.randint(1, 5)
     if all(len(e.prefix_ids) + e.len_continuation > budget for e in examples):
