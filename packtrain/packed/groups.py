@@ -121,5 +121,5 @@ def _run_groups(lm, groups: Groups, scale: float | None) -> tuple[float, list[fl
         if weight:
             losses += out.per_example.tolist()
     if grad:  # into P's graph
-        backward_through(prefix, leaves.grads())
+        backward_through(lm, prefix, leaves.grads())
     return total, losses

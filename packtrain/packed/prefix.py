@@ -77,10 +77,16 @@ class PrefixState:
         return {key: t.grad for key, t in self.named().items()}
 
 
-def backward_through(outputs: PrefixState, grads: dict[tuple, torch.Tensor | None], losses=()) -> None:
+def backward_through(lm, outputs: PrefixState, grads: dict[tuple, torch.Tensor | None], losses=()) -> None:
     """One backward of ``losses`` (scalars) together with ``grads`` (by :meth:`PrefixState.named` key) on the
     tensors of ``outputs``: the gradient its consumers left returns into the graph that produced it. Tensors
-    without a gradient, or outside any graph, are left out."""
+    without a gradient, or outside any graph, are left out.
+
+    ``lm`` is the root that ran the forward. Under FSDP2 its own parameters (the final norm; tied embeddings) are
+    gathered again first: this graph's forward ran before its consumers' backwards, after which FSDP may have
+    resharded the root (torch 2.11's does), and no hook of the root regathers them: the root's outputs here are a
+    :class:`PrefixState` or a window's, which FSDP does not look into. A recomputed norm would otherwise read
+    the root's shards ("got mixed torch.Tensor and DTensor")."""
     tensors = [t for t in losses if t.requires_grad]
     gradients: list[torch.Tensor | None] = [None] * len(tensors)
     for key, t in outputs.named().items():
@@ -89,6 +95,9 @@ def backward_through(outputs: PrefixState, grads: dict[tuple, torch.Tensor | Non
             tensors.append(t)
             gradients.append(g)
     if tensors:
+        unshard = getattr(lm, "unshard", None)  # FSDPModule.unshard; a no-op where the root is gathered already
+        if unshard is not None:
+            unshard()
         torch.autograd.backward(tensors, gradients)
 
 

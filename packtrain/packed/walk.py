@@ -110,7 +110,7 @@ class _Walk:
         """Backward of ``out.loss * scale`` plus the gradients later chunks left on the window's outputs."""
         grads = {("kv", i, j): g for i, pair in (grads_kv or {}).items() for j, g in enumerate(pair)}
         grads.update({("gdn", i, j): g for i, pair in (grads_gdn or {}).items() for j, g in enumerate(pair)})
-        backward_through(out.state, grads, losses=[out.loss * self.scale])
+        backward_through(self.lm, out.state, grads, losses=[out.loss * self.scale])
 
     # -- horizon all --------------------------------------------------------------------------------------------
     def exact(self, slot: WalkCalls) -> None:
