@@ -160,7 +160,8 @@ def test_norm_saves_only_its_inputs_and_gives_the_same_bits(cls, gated, dtype):
     out_b, grads_b, saved_b = run()
     assert torch.equal(out_a, out_b)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
-    assert [(t.shape, t.dtype) for t in saved_b] == [(x.shape, dtype) for x in inputs]
+    kept = [t for t in saved_b if t.numel()]  # torch 2.11's checkpoint also saves an empty placeholder: 0 bytes
+    assert [(t.shape, t.dtype) for t in kept] == [(x.shape, dtype) for x in inputs]
     if dtype == torch.bfloat16:
         assert sum(t.numel() * t.element_size() for t in saved_a) >= 2 * T * D * 4  # two float32 copies
 

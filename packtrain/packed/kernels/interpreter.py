@@ -4,13 +4,15 @@ back end, never for speed. Applied only in interpreter mode; nothing here runs o
 Triton reads ``TRITON_INTERPRET`` when a kernel is decorated, i.e. when fla is imported (transformers imports it
 with its Qwen3.5 module), so it must be in the environment before the process starts.
 
-Two shims, needed for fla 0.6.0 on triton 3.9.0 (check again before raising either pin):
+Shims for fla 0.6.0 on triton 3.6 to 3.9 (packtrain.versions' range; check again before raising a pin):
 - triton's autotuner benchmarks every config through the active driver, and the interpreter has none ("0 active
   drivers"): under the interpreter ``Autotuner.do_bench`` returns one constant time, so each kernel keeps its first
   config and no config is run just to be timed;
 - the interpreter hands ``range`` loop variables to kernels as Python ints, and fla calls tensor methods on them
   (``i_t.to(tl.int64)``, fla/ops/common/chunk_delta_h.py:176): every ``for`` body now starts with ``i = i``, which
-  the interpreter's own rewrite of assignments turns into ``i = to_tensor(i)``.
+  the interpreter's own rewrite of assignments turns into ``i = to_tensor(i)``;
+- and on triton before 3.9 (3.6 is what torch 2.11 pins): a one-element block used as an index is squeezed first,
+  as 3.9 does, since NumPy 2 refuses ``int()`` of a 1-D array.
 
 And one for speed: the interpreter re-patches ``triton.language`` on every call of a device function
 (``_patch_lang``, which walks every member of the language modules) although the running grid has patched them
@@ -99,6 +101,16 @@ def _patch_lang_once_per_grid(patch_lang):
     return patch
 
 
+def _index_of_one_element(patch_lang_tensor):
+    """triton before 3.9 converts a one-element block to an index with ``int(data)``, which NumPy 2 refuses for a
+    1-D array ("only 0-dimensional arrays can be converted"); 3.9 squeezes it first, as this does."""
+    def patch(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    return patch
+
+
 def _check_fla_interpreted() -> None:
     """fla imported before TRITON_INTERPRET was set holds compiled kernels that cannot run on CPU."""
     from fla.ops.common import chunk_delta_h
@@ -127,6 +139,7 @@ def apply() -> None:
     rewriter = interpreter.FunctionRewriter
     rewriter.ast_transformer = _loop_variables_as_tensors(type(rewriter.ast_transformer))
     interpreter._patch_lang = _patch_lang_once_per_grid(interpreter._patch_lang)
+    interpreter._patch_lang_tensor = _index_of_one_element(interpreter._patch_lang_tensor)
     interpreter.InterpretedFunction.rewritten_fn.clear()  # anything rewritten before the shim is rewritten again
     _check_fla_interpreted()
     _applied = True
