@@ -20,8 +20,26 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
 
+# The oldest versions packtrain admits (packtrain/versions.py: torch 2.11, the GPU image's; transformers, peft,
+# accelerate, triton and fla at their floors), in a second venv: the version-sensitive tests (the cache and the
+# patched forward, FSDP, the kernels under Triton's interpreter, generation, loading). .ci/run runs it after `make
+# test`. torch 2.11 comes from PyPI as a CUDA build (about 4.6 GB with its CUDA libraries; it runs on CPU): pip's
+# cache keeps the download between runs on one machine.
+FLOOR := .venv-floor
+FLOOR_TESTS := tests/test_versions.py tests/packed tests/run/test_generate.py tests/models/test_loading.py \
+	tests/models/test_lora_compute.py tests/models/test_offload.py tests/test_distributed.py
+$(FLOOR)/.installed: pyproject.toml packtrain/versions.py
+	$(PY) -m venv $(FLOOR)
+	PYTHONPATH=. $(PY) -m packtrain.versions --floor > $(FLOOR)/floor.txt
+	$(FLOOR)/bin/pip install -q -c $(FLOOR)/floor.txt -e '.[dev,fla]'
+	touch $(FLOOR)/.installed
+
+test-floor: $(FLOOR)/.installed
+	$(FLOOR)/bin/python -m packtrain.versions
+	$(FLOOR)/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder $(FLOOR_TESTS)
+
 # the in-process tier: no test that starts processes (ranks, signals, kills, the launcher; pyproject.toml's markers)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not process"
 
-.PHONY: install demo test test-fast
+.PHONY: install demo test test-fast test-floor

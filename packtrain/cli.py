@@ -146,11 +146,30 @@ def _quiet_library_noise(command: str) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+# Commands whose ranks meet under a launcher: there every rank checks the versions together once the group is up
+# (packtrain.distributed.init_distributed), so that no rank refuses alone and leaves the others waiting.
+COLLECTIVE = ("train", "eval", "smoke", "pretune-fla", "bench")
+# check-nodes shows the versions against their ranges in its table and refuses after it; dump-stacks reads a
+# running job's stacks, whatever it imports.
+VERSIONS_SHOWN = ("check-nodes", "dump-stacks")
+
+
+def _check_versions(command: str) -> None:
+    """Refuse a dependency version outside the tested ranges (:mod:`packtrain.versions`) before any work, and before
+    transformers is imported."""
+    if command in VERSIONS_SHOWN or (command in COLLECTIVE and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1):
+        return
+    from packtrain.versions import check_versions
+
+    check_versions()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _quiet_library_noise(args.command)
     module, name = COMMANDS[args.command]
     try:
+        _check_versions(args.command)
+        _quiet_library_noise(args.command)
         return getattr(importlib.import_module(module), name)(args)
     except ValueError as e:  # user errors: config, data, CLI arguments
         print(f"packtrain {args.command}: error: {e}", file=sys.stderr)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 # cannot free it, and gloo's worker threads live on into interpreter shutdown (see shutdown()).
 import torch.distributed.nn
 
+from packtrain import versions
 from packtrain.exits import Stalled
 
 # What gloo and NCCL say when the other end of a collective went away (its process killed, its machine lost)
@@ -46,8 +47,12 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) -> DistInfo:
-    """``timeout_s`` (``ops.collective_timeout``): how long the rendezvous and each collective may wait."""
+def init_distributed(device_pref: str = "auto", timeout_s: float | None = None,
+                     refuse_versions: bool = True) -> DistInfo:
+    """``timeout_s`` (``ops.collective_timeout``): how long the rendezvous and each collective may wait. Under a
+    launcher every rank's dependency versions are gathered with the peers, and a version outside the tested ranges
+    on any rank is refused on every rank, unless ``refuse_versions`` is False (``check-nodes``: it shows them in its
+    table and refuses after it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -67,9 +72,31 @@ def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) 
                           f"({e}); check that every rank started and can reach that address") from None
         mine = (rank, int(os.environ.get("GROUP_RANK", "0") or 0), socket.gethostname(), os.getpid())
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, mine)
-        _peers[:] = gathered
+        # with the peers, each rank's dependency versions outside the tested ranges: refused on every rank alike
+        # (a rank that refused alone would leave the others waiting at their first collective)
+        dist.all_gather_object(gathered, (mine, versions.findings(versions.found_versions())))
+        _peers[:] = [peer for peer, _ in gathered]
+        if refuse_versions:
+            _agree_on_versions([(peer[0], lines) for peer, lines in gathered])
     return DistInfo(rank, world, local_rank, device)
+
+
+def _agree_on_versions(findings: list[tuple[int, list[str]]]) -> None:
+    """Refuse on every rank when any rank imports a version outside the tested ranges (what the single-process
+    check in ``packtrain.cli`` refuses), naming the ranks of each finding."""
+    by_line: dict[str, list[int]] = {}
+    for rank, lines in findings:
+        for line in lines:
+            by_line.setdefault(line, []).append(rank)
+    if not by_line:
+        return
+    lines = [f"{line} (rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))})"
+             for line, ranks in by_line.items()]
+    try:
+        versions.check_versions_of(lines)
+    except versions.UntestedVersionError:
+        shutdown()
+        raise
 
 
 def process_gone(pid: int) -> bool:

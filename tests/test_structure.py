@@ -11,7 +11,7 @@ import packtrain
 ROOT = Path(packtrain.__file__).parent
 # A package (or top-level module) imports only those before it: the packed computation never imports the run.
 # The package itself (packtrain/__init__.py: the public helpers, lazily) comes last, as the CLI does.
-ORDER = ["exits", "faults", "config", "distributed", "data", "packed", "models", "rundir", "ops", "run", "bench", "commands",
+ORDER = ["versions", "exits", "faults", "config", "distributed", "data", "packed", "models", "rundir", "ops", "run", "bench", "commands",
          "cli", "__main__", "__init__"]
 
 

@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from packtrain import versions
 from packtrain.faults import OVERRIDE_RANK, node_override
 from packtrain.ops import fla_tune
 
@@ -39,6 +40,7 @@ GPU_ONLY = ("fla", "causal_conv1d", "triton")  # described without importing on 
 DISTRIBUTIONS = {"fla": "flash-linear-attention"}  # import name -> distribution name, where they differ
 NOT_INSTALLED = "not installed"
 NOT_COMPARED = ("host",)
+RANGES = "tested ranges"  # the field saying which imported versions lie outside packtrain.versions.TESTED
 
 
 class NodeMismatchError(ValueError):
@@ -187,6 +189,8 @@ def node_report(rank: int, device=None, cfg=None) -> NodeReport:
     for name in PACKAGES:
         fields[name], fields[f"{name} path"] = _package(name)
     fields["packtrain source"] = _source_digest()
+    # after the imports above, so a package imported here is read from the module it loaded
+    fields[RANGES] = "; ".join(versions.findings(versions.found_versions())) or "all inside"
     fields.update(_gpu_fields(device))
     fields.update(fla_cache_fields(fields["fla"]))
     settings = config_settings(cfg) if cfg is not None else {}
@@ -385,4 +389,5 @@ def check_nodes(info, log=print, cfg=None) -> list[NodeReport]:
     diff = differences(reports)
     if diff:
         raise mismatch_error(diff)
+    versions.check_versions_of([line for line in reports[0].fields[RANGES].split("; ") if line != "all inside"])
     return reports
