@@ -81,6 +81,10 @@ class ModelConfig:
     # Kernels for the packed forward: torch (CPU reference, also runs on CUDA) or fla (CUDA: fla + FlexAttention;
     # CPU only under TRITON_INTERPRET=1). `auto` picks fla on CUDA when fla imports, else torch; always printed.
     kernels: Literal["auto", "torch", "fla"] = "auto"
+    # Which fla kernel runs the packed delta rule: fla's own Triton kernel (tested against the torch reference), or
+    # FlashQLA (fla dispatches to it on SM90/SM100 at K = V = 128 when flash_qla imports; opt-in: its dg had a
+    # precision bug until 2026-07). Pinned either way (FLA_FLASH_QLA), printed in the run header.
+    gdn_kernel: Literal["triton", "flash_qla"] = "triton"
 
 
 @dataclass

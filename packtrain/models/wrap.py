@@ -153,7 +153,8 @@ def assemble(base_model: nn.Module, cfg: Config, device, shard: bool = False, ba
         def fill(lm, kept):
             lm.load_report = materialize(lm, kept, names, weights, device)
     model = with_adapter(base_model, cfg, adapter)
-    backend = backend or select_backend(cfg.model.kernels, device, mlp_chunk_rows=cfg.train.mlp_chunk_rows)
+    backend = backend or select_backend(cfg.model.kernels, device, mlp_chunk_rows=cfg.train.mlp_chunk_rows,
+                                        gdn_kernel=cfg.model.gdn_kernel)
     t = cfg.train
     lm = wrap(model, backend, checkpointing=training and t.activation_checkpointing, offload=training and t.offload,
               shard=shard, device=device, context_grad=cfg.packing.context_grad, loss_chunk_rows=t.loss_chunk_rows,

@@ -314,9 +314,10 @@ def tree_levels(layout: TreeLayout) -> tuple[list[tuple[torch.Tensor, list[int],
     return layout._cache["tree_levels"]
 
 
-def _torch_rule(q, k, v, g, beta, initial_state, lengths):
+def _torch_rule(q, k, v, g, beta, initial_state, lengths, cache=None, key=None):
     """torch_ref's chunk rule on [1, S, ...]: from the zero state (P), or varlen from per-sequence initial states;
-    (output, final states)."""
+    (output, final states). ``cache`` and ``key`` are fla's (:func:`fla_backend.delta_rule`): the torch rule takes
+    its bounds as a host list."""
     if lengths is None:
         return torch_ref.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, chunk_size=PREFIX_CHUNK)
     cu = [0]
@@ -341,9 +342,9 @@ def tree_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: TreeLayout, back
     out_P, states = rule(*parts, None, None)
     levels, unpad = tree_levels(layout)
     outs = []
-    for rows, lengths, parents in levels:
+    for depth, (rows, lengths, parents) in enumerate(levels):
         parts = [x.index_select(0, rows)[None] for x in (q_THK, k_THK, v_THV, g_TH, beta_TH)]
-        out, states = rule(*parts, states.index_select(0, parents), lengths)
+        out, states = rule(*parts, states.index_select(0, parents), lengths, layout._cache, ("level", depth))
         outs.append(out[0])
     return torch.cat([out_P[0], torch.cat(outs).index_select(0, unpad)]).to(q_THK.dtype)
 

@@ -242,7 +242,7 @@ def test_without_the_gradient_through_parent_states_the_update_differs(monkeypat
     was and the gradients wrong, which only the gradient check sees."""
     prefix, conts = branches(seed=5)
     rule = tree_module._torch_rule
-    monkeypatch.setattr(tree_module, "_torch_rule", lambda q, k, v, g, beta, state, lengths: rule(
+    monkeypatch.setattr(tree_module, "_torch_rule", lambda q, k, v, g, beta, state, lengths, *cache: rule(
         q, k, v, g, beta, None if state is None else state.detach(), lengths))
     model = patched_lora_model([L, F, L], seed=5, backend=BACKEND)
     loss, grad, _ = check(model, prefix, conts)

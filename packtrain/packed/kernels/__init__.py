@@ -19,6 +19,7 @@ device's default: on CPU a tile that stays in a core's cache, where a whole pack
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +30,29 @@ class Backend:
     gdn: str  # "torch" | "fla"
     attention: str  # "batched" | "dense" | "flex"
     mlp_rows: int | None = None  # the dense MLPs in checkpointed tiles of this many rows (None: whole)
+    gdn_kernel: str = "triton"  # with gdn "fla": "triton" (fla's own) | "flash_qla" (model.gdn_kernel)
 
     def describe(self) -> str:
         mlp = f"checkpointed tiles of {self.mlp_rows} rows" if self.mlp_rows else "whole"
-        return f"gated-deltanet={self.gdn}, attention={self.attention}, mlp={mlp}, rmsnorm recomputed in backward"
+        gdn = f"fla ({GDN_KERNELS[self.gdn_kernel]})" if self.gdn == "fla" else self.gdn
+        return f"gated-deltanet={gdn}, attention={self.attention}, mlp={mlp}, rmsnorm recomputed in backward"
+
+
+# model.gdn_kernel -> what the header says. fla dispatches chunk_gated_delta_rule to FlashQLA by itself on SM90 when
+# flash_qla imports and K = V = 128 (the 27B's shape); FLA_FLASH_QLA, read at every call, pins the choice.
+GDN_KERNELS = {"triton": "its Triton delta rule, FlashQLA off", "flash_qla": "FlashQLA delta rule where its "
+               "verifier takes the call (SM90/SM100, K = V = 128), else its Triton one"}
+FLASH_QLA_ENV = "FLA_FLASH_QLA"
+
+
+def pin_gdn_kernel(gdn_kernel: str) -> None:
+    """Make fla's dispatcher take ``gdn_kernel`` for every chunked delta rule of this process."""
+    if gdn_kernel not in GDN_KERNELS:
+        raise ValueError(f"model.gdn_kernel: unknown kernel {gdn_kernel!r} ({' | '.join(GDN_KERNELS)})")
+    if gdn_kernel == "flash_qla" and importlib.util.find_spec("flash_qla") is None:
+        raise ValueError("model.gdn_kernel=flash_qla but the `flash_qla` package is not installed (FlashQLA, "
+                         "QwenLM/FlashQLA); use model.gdn_kernel=triton")
+    os.environ[FLASH_QLA_ENV] = "1" if gdn_kernel == "flash_qla" else "0"
 
 
 def fla_available() -> bool:
@@ -48,9 +68,10 @@ CUDA_MLP_ROWS = 8192
 
 
 def select_backend(kernels: str, device: torch.device | str, attention: str | None = None,
-                   mlp_chunk_rows: int | None = None) -> Backend:
+                   mlp_chunk_rows: int | None = None, gdn_kernel: str = "triton") -> Backend:
     """``kernels``: auto | torch | fla. ``auto`` takes fla on CUDA when it imports, else torch.
-    ``mlp_chunk_rows`` (``train.mlp_chunk_rows``): None takes the device's default, 0 runs the MLPs whole."""
+    ``mlp_chunk_rows`` (``train.mlp_chunk_rows``): None takes the device's default, 0 runs the MLPs whole.
+    ``gdn_kernel`` (``model.gdn_kernel``): fla's delta-rule kernel, pinned for the process (:func:`pin_gdn_kernel`)."""
     device = torch.device(device)
     if mlp_chunk_rows is None:
         mlp_chunk_rows = CPU_MLP_ROWS if device.type == "cpu" else CUDA_MLP_ROWS
@@ -60,8 +81,9 @@ def select_backend(kernels: str, device: torch.device | str, attention: str | No
     if kernels == "fla":
         if not fla_available():
             raise ValueError("model.kernels=fla but the `fla` package is not installed (pip install 'packtrain[fla]')")
+        pin_gdn_kernel(gdn_kernel)
         if device.type == "cuda":
-            return Backend(gdn="fla", attention=attention or "flex", mlp_rows=mlp_rows)
+            return Backend(gdn="fla", attention=attention or "flex", mlp_rows=mlp_rows, gdn_kernel=gdn_kernel)
         from packtrain.packed.kernels import interpreter
 
         if not interpreter.interpreter_on():
@@ -69,7 +91,7 @@ def select_backend(kernels: str, device: torch.device | str, attention: str | No
                              "Triton's interpreter (slow, for tests): start with TRITON_INTERPRET=1 in the "
                              "environment, or use model.kernels=torch")
         interpreter.apply()
-        return Backend(gdn="fla", attention=attention or "batched", mlp_rows=mlp_rows)
+        return Backend(gdn="fla", attention=attention or "batched", mlp_rows=mlp_rows, gdn_kernel=gdn_kernel)
     if kernels == "torch":
         return Backend(gdn="torch", attention=attention or "batched", mlp_rows=mlp_rows)
     raise ValueError(f"model.kernels: unknown back end {kernels!r} (auto | torch | fla)")

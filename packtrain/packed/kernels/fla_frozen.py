@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 from torch.nn.attention.flex_attention import create_block_mask
 
+from packtrain.packed.kernels.fla_backend import varlen_bounds
 from packtrain.packed.kernels.flex import FLEX_BLOCK, _compiled_flex, _mark_block_dims_dynamic, padded_length
 from packtrain.packed.layout import PackLayout, shared_prefix_allowed
 
@@ -19,11 +20,11 @@ def continuation_delta_rule(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayo
     """Every continuation in one varlen call from P's final state [1, HV, K, V] (expanded per continuation). With
     ``final_state``: (output, each continuation's final state [N, HV, K, V])."""
     n = len(layout.cont_lens)
-    cu = layout.cu_seqlens.to(device=q_SHK.device, dtype=torch.long)
+    bounds = varlen_bounds(layout._cache, "continuations", layout.cont_lens, q_SHK.device)
     initial = state.expand(n, -1, -1, -1).contiguous()  # float32: transformers keeps what fla returned
     out, final = chunk_gated_delta_rule(q_SHK[None], k_SHK[None], v_SHV[None], g_SH[None], beta_SH[None],
                                         initial_state=initial, output_final_state=final_state,
-                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+                                        use_qk_l2norm_in_kernel=True, **bounds)
     return (out[0].to(q_SHK.dtype), final) if final_state else out[0].to(q_SHK.dtype)
 
 

@@ -3,11 +3,12 @@ to its torch fallbacks on CPU (where fla, if installed, cannot run compiled). Ru
 
 import pytest
 import torch
+from fla_interp import needs_interpreter
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 import packtrain.packed.patch  # noqa: F401 (installs the routing)
 from packtrain.packed import kernels
-from packtrain.packed.kernels import Backend, hf_route, interpreter, select_backend, torch_ref
+from packtrain.packed.kernels import hf_route, interpreter, select_backend, torch_ref
 
 
 def test_fla_on_cpu_needs_the_package_and_the_interpreter(monkeypatch):
@@ -103,3 +104,21 @@ def test_a_router_over_transformers_fla_binding_runs_the_torch_function():
     out, _ = route(q, k, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)
     ref, _ = torch_ref.recurrent_gated_delta_rule(q, k, v, gate, beta)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_interpreter
+def test_the_gdn_kernel_is_pinned_in_fla_and_named_in_the_header(monkeypatch):
+    """fla dispatches the chunked delta rule to FlashQLA by itself where flash_qla imports (SM90, K = V = 128):
+    selecting the fla back end pins fla's Triton kernel through fla's own switch unless FlashQLA is asked for, and
+    FlashQLA asked for without its package is refused."""
+    from fla.ops.gated_delta_rule.backends import FlashQLABackend
+
+    monkeypatch.setenv(kernels.FLASH_QLA_ENV, "1")
+    assert FlashQLABackend().is_enabled()  # fla's default where flash_qla is installed
+    backend = select_backend("fla", "cpu")
+    assert not FlashQLABackend().is_enabled()
+    assert backend.gdn_kernel == "triton" and "gated-deltanet=fla (its Triton delta rule, FlashQLA off)" in \
+        backend.describe()
+    with pytest.raises(ValueError, match="model.gdn_kernel=flash_qla but the `flash_qla` package is not installed"):
+        select_backend("fla", "cpu", gdn_kernel="flash_qla")
+    assert select_backend("torch", "cpu").describe().startswith("gated-deltanet=torch,")
