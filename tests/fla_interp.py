@@ -4,6 +4,7 @@ a loop over cu_seqlens segments of the torch reference, so the plumbing around t
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 
@@ -87,3 +88,39 @@ def fake_fla(monkeypatch):
 SMALL_GDN = {"linear_num_key_heads": 1, "linear_num_value_heads": 2}
 LOSS_BOUND = 2e-6
 GRAD_BOUND = 5e-5
+
+
+def _jit_function(obj):
+    """The JITFunction under Triton's autotuner / heuristics wrappers, else None."""
+    from triton.runtime.jit import JITFunction
+
+    while hasattr(obj, "fn") and not isinstance(obj, JITFunction):
+        obj = obj.fn
+    return obj if isinstance(obj, JITFunction) else None
+
+
+def _forget_compilations_reading(module, name: str) -> None:
+    """Each kernel of ``module`` that read global ``name`` when it compiled forgets that compilation, so its next
+    call compiles against the global's current value."""
+    for obj in vars(module).values():
+        fn = _jit_function(obj)
+        if fn is not None and any(key[0] == name for key in fn.used_global_vals):
+            fn.hash, fn.used_global_vals = None, {}
+            fn.device_caches.clear()
+
+
+@contextlib.contextmanager
+def fla_kernel_global(module, name: str, value):
+    """``module.name = value`` for the block, then put back. fla's kernels read such globals when they compile
+    (``SOLVE_TRIL_DOT_PRECISION`` in fla.ops.gated_delta_rule.chunk_fwd), and Triton refuses to run a kernel whose
+    globals changed after it compiled ("Global variable ... has changed since we compiled this kernel"): on both
+    changes every kernel of the module that read it forgets its compilation, so tests before, inside and after the
+    block run in any order."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    _forget_compilations_reading(module, name)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+        _forget_compilations_reading(module, name)

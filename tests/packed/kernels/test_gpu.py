@@ -21,6 +21,7 @@ HAVE_GPU = torch.cuda.is_available() and fla_available()
 if HAVE_GPU:  # read when Triton compiles a kernel, so before any runs: tl.dot without a precision is ieee
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
+from fla_interp import fla_kernel_global
 from mutations import GPU_SPECS, MUTATIONS, bf16_criterion_holds, break_plumbing, long_memory_model
 from parity import compare, packed_run, rel, standalone_run
 from test_fla_interpreter_model import GRAD_BOUND, LOSS_BOUND
@@ -34,13 +35,21 @@ REFERENCE = Backend("torch", "batched")
 
 @pytest.fixture(scope="module", autouse=True)
 def tf32_off():
+    """TF32 off for this module's float32 checks, and everything put back after it: torch's flags, and fla's
+    triangular-solve precision (a global its kernels read when they compile; :func:`fla_kernel_global` makes
+    them compile again on both changes, so the modules around this one run in any order)."""
     import triton.language as tl
     from fla.ops.gated_delta_rule import chunk_fwd
 
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    chunk_fwd.SOLVE_TRIL_DOT_PRECISION = tl.constexpr("ieee")  # a global the kernel reads when it compiles
+    with fla_kernel_global(chunk_fwd, "SOLVE_TRIL_DOT_PRECISION", tl.constexpr("ieee")):
+        yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+    torch.set_float32_matmul_precision(saved[2])
 
 
 def _cuda_model(dtype, backend, seed=0):
