@@ -4,8 +4,9 @@ Qwen3.6-27B's widths with 2 decoder layers (one GDN, one attention) and its voca
 0.05 on q, k, v, o and gate_proj, checkpointing + offload, one rank; the pack is P 64,000 + 80 continuations of
 400-700 item and 200-400 target tokens (tools/make_seed_data.py). The step runs for real on CUDA (packtrain's kernels:
 fla, FlexAttention) through the harness's update, and torch.cuda.max_memory_allocated is read at each phase's end
-(the phases of packtrain.run.measure: forward, loss, each layer kind's recompute, optimizer). Run by
-tools/gpu_check.sh; prints a table and writes $OUT/gpu_memory.json.
+(the phases of packtrain.run.measure: forward, loss, each layer kind's recompute, optimizer). The memory verdict of
+tools/gpu_check.sh 2 is :func:`cuda_phases` against --measure (tools/gpu_verdicts.py); by hand this prints the three
+side by side and writes $OUT/gpu_memory.json.
 
     python tools/gpu_memory_check.py [--prefix 64000] [--continuations 80]
 """
