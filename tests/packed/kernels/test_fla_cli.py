@@ -31,7 +31,7 @@ def test_train_with_fla_kernels_under_the_interpreter_matches_torch_kernels(tmp_
     cfg = write_config(tmp_path, model=MODEL, optim=OPTIM, train=TRAIN)
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'torch'}", "--set", "model.kernels=torch")
     proc = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'fla'}", "--set", "model.kernels=fla")
-    assert "gated-deltanet=fla, attention=batched" in proc.stdout + proc.stderr
+    assert "gated-deltanet=fla (its Triton delta rule, FlashQLA off), attention=batched" in proc.stdout + proc.stderr
     ref, got = metrics_of(tmp_path / "torch"), metrics_of(tmp_path / "fla")
     assert [m.get("split") for m in got] == [m.get("split") for m in ref] and len(ref) >= 3
     for a, b in zip(got, ref):
