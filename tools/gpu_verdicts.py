@@ -7,7 +7,7 @@ the bounds and their reasons: docs/operations.md, "First run on a GPU").
 Each verdict appends one JSON line to DIR/verdicts.jsonl ($OUT, default /tmp/gpu_check) the moment it is decided
 and rewrites DIR/verdicts.md, the table, so a run stopped at its time limit keeps every verdict decided before.
 ``--tiny`` runs small shapes, on CPU too where the verdict has a CPU form (the CI checks the code paths that way:
-tests/tools/test_gpu_check.py); the bounds are the same.
+tests/test_gpu_check.py); the bounds are the same.
 
   versions   every dependency as imported (the wheels over the image's packages) inside the tested ranges
   flex       FlexAttention forward + backward at head_dim 256, GQA 24/4, on the seed's pack (P 64,000 + 80
