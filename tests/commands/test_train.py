@@ -168,3 +168,24 @@ def test_a_plain_sgd_run_resumes(tmp_path):
     assert "(step 1, written with world size 1, now 1)" in line, line  # the newest checkpoint: step 1
     straight, again = adapter_of(tmp_path / "straight"), adapter_of(tmp_path / "run")
     assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
+
+
+def test_eval_of_a_diverged_adapter_writes_no_nan(tmp_path, trained):
+    # the JSONL said "loss": NaN (not JSON) with exit 0
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    run = trained()
+    adapter = tmp_path / "adapter"
+    shutil.copytree(run.run / "adapter", adapter)
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    name = next(k for k in weights if "lora_B" in k)
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, str(adapter / "adapter_model.safetensors"))
+    out = tmp_path / "losses.jsonl"
+    proc = run_in_process("eval", run.config, "--adapter", adapter, "--out", out, check=False)
+    assert proc.returncode == 4 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "packtrain eval: eval: 6 of 6 examples of data.eval have a non-finite loss (the first: 'r0-3', nan)" in \
+        proc.stderr and f"nothing written to {out}" in proc.stderr, proc.stderr
+    assert not out.exists()
