@@ -459,6 +459,12 @@ def load_split(cfg: Config, split: str, tokenizer=None) -> list[Example] | None:
                          template_kwargs=cfg.data.template_kwargs, chat_template=chat_template_of(cfg))
 
 
+def tokenizer_dir(cfg: Config) -> Path:
+    """The tokenizer directory whose files text and chat data are tokenized with, as :func:`load_split` picks it:
+    ``data.tokenizer``, else ``model.path``, else the bundled tokenizer."""
+    return cfg.resolve_path(cfg.data.tokenizer or cfg.model.path) or BUNDLED_TOKENIZER
+
+
 def chat_template_of(cfg: Config) -> Path | None:
     """The file of ``data.chat_template`` (None: the tokenizer's own template)."""
     path = cfg.resolve_path(cfg.data.chat_template)
