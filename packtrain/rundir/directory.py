@@ -29,6 +29,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -46,6 +47,11 @@ OUTPUTS = ("adapter", "checkpoints", "metrics.jsonl", "loss.png", "config.yaml",
            "generations", "wandb-run-id")
 
 
+# Folders of OUTPUTS that a user may put files of their own in: --overwrite removes only the files packtrain writes
+# there (generations/step-N.jsonl and step-N.errors.md, and their .tmp while written: packtrain.run.task)
+OWN_FILES_ONLY = {"generations": re.compile(r"step-\d+\.(jsonl|errors\.md)(\.tmp)?")}
+
+
 MARKER = "packtrain-run.json"
 # packtrain's own entries a directory may hold before a run marks it: the lock, temporaries of interrupted writes,
 # check_writable's probe, and the folders `smoke` and `pretune-fla` write under OUTPUT by default
@@ -60,7 +66,12 @@ class RunDirError(ValueError):
 def foreign_entries(out: Path) -> list[str]:
     """What makes ``out`` a directory packtrain may not take: its entries, when it has no :data:`MARKER` (nothing
     for a missing or empty directory, or one holding only packtrain's own :data:`OWN` entries)."""
-    if not out.is_dir() or (out / MARKER).exists():
+    marker = out / MARKER
+    if marker.is_symlink() and not marker.exists():  # else "no packtrain-run.json; it holds packtrain-run.json"
+        raise RunDirError(f"{marker} is a symbolic link to {os.readlink(marker)}, which does not exist: the run "
+                          f"marker must be a file; if this is a packtrain run directory, replace the link with a copy "
+                          f"of the marker (or write {{}} to {marker})")
+    if not out.is_dir() or marker.exists():
         return []
     return sorted(p.name + "/" * p.is_dir() for p in out.iterdir()
                   if p.name not in OWN and not p.name.startswith(OWN_PREFIXES))
@@ -122,7 +133,25 @@ def _policy(out: Path, resume: bool, overwrite: bool, log) -> None:
     log(f"--overwrite: removing {', '.join(n + '/' * (out / n).is_dir() for n in removed)} from {out}")
     for name in removed:
         path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if name in OWN_FILES_ONLY and path.is_dir() and not path.is_symlink():
+            _remove_own_files(path, OWN_FILES_ONLY[name], log)
+        else:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def _remove_own_files(folder: Path, pattern: re.Pattern, log) -> None:
+    """The files of ``folder`` that packtrain writes (names matching ``pattern``); anything else there stays, said
+    once, and so does the folder that holds it."""
+    kept = []
+    for path in sorted(folder.iterdir()):
+        if pattern.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+            path.unlink()
+        else:
+            kept.append(path.name)
+    if kept:
+        log(f"--overwrite: kept {', '.join(kept)} in {folder} (not written by packtrain)")
+    else:
+        folder.rmdir()
 
 
 def clean_temporaries(out: Path, log) -> None:

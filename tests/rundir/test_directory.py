@@ -270,3 +270,38 @@ def test_a_zombie_holder_has_exited_and_its_lock_is_taken_over(tmp_path):
         lock.release()
     finally:
         zombie.wait()
+
+
+def test_a_dangling_run_marker_link_is_named_as_one(tmp_path):
+    # before: "no packtrain-run.json; it holds packtrain-run.json"
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "packtrain-run.json").symlink_to(tmp_path / "elsewhere" / "packtrain-run.json")
+    with pytest.raises(RunDirError) as e:
+        claim(tmp_path, True, False, ONE, log=print)
+    assert str(e.value).startswith(f"{tmp_path / 'packtrain-run.json'} is a symbolic link to "
+                                   f"{tmp_path / 'elsewhere' / 'packtrain-run.json'}, which does not exist"), e.value
+    assert "no packtrain-run.json" not in str(e.value) and not (tmp_path / LOCK).exists()
+
+
+def test_overwrite_removes_only_packtrains_own_generations(tmp_path):
+    # before: --overwrite removed everything inside generations/, a user's notes included
+    (tmp_path / "packtrain-run.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    gen = tmp_path / "generations"
+    (gen / "mine").mkdir(parents=True)
+    own = ["step-2.jsonl", "step-2.errors.md", "step-10.jsonl", "step-10.errors.md", "step-12.jsonl.tmp"]
+    foreign = ["notes.md", "step-2.jsonl.bak", "summary.jsonl", "mine/x.txt"]
+    for name in own + foreign:
+        (gen / name).write_text(name)
+    said = []
+    claim(tmp_path, False, True, ONE, log=said.append).release()
+    assert sorted(str(p.relative_to(gen)) for p in gen.rglob("*") if p.is_file()) == sorted(foreign)
+    assert any(s == f"--overwrite: kept mine, notes.md, step-2.jsonl.bak, summary.jsonl in {gen} (not written by "
+                    "packtrain)" for s in said), said
+    (gen / "mine" / "x.txt").unlink()
+    for name in ("mine", "notes.md", "step-2.jsonl.bak", "summary.jsonl"):
+        (gen / name).rmdir() if (gen / name).is_dir() else (gen / name).unlink()
+    (gen / "step-3.jsonl").write_text("")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    claim(tmp_path, False, True, ONE, log=said.append).release()
+    assert not gen.exists()  # only packtrain's own files: the folder goes with them
