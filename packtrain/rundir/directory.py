@@ -173,17 +173,36 @@ def prune_checkpoints(out: Path, keep: int | None, log) -> None:
 
 
 # -- the lock ---------------------------------------------------------------------------------------------------
-def _process_start(pid: int) -> float | None:
-    """Start time (epoch seconds) of a live process from /proc, None where unknown; None for a zombie."""
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start in clock ticks since boot) of a process from /proc/PID/stat, None where unknown."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> float | None:
+    """Start time (epoch seconds) of a live process from /proc, None where unknown; -1.0 for a zombie. Through the
+    wall clock (btime): for locks' readers that knew nothing else (``process_ticks`` is exact)."""
+    stat = _proc_stat(pid)
+    try:
         boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                     if line.startswith("btime"))
     except (OSError, StopIteration, IndexError, ValueError):
         return None
-    if fields[0] == "Z":
+    if stat is None:
+        return None
+    if stat[0] == "Z":
         return -1.0
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return boot + stat[1] / os.sysconf("SC_CLK_TCK")
 
 
 def holder_alive(holder: dict) -> bool:
@@ -200,15 +219,23 @@ def holder_alive(holder: dict) -> bool:
         return False
     except PermissionError:
         pass
-    started = _process_start(pid)
-    if started is not None and started < 0:
+    stat = _proc_stat(pid)
+    if stat is not None and stat[0] in ("Z", "X"):
         return False  # a zombie: it has exited
+    ticks, boot = holder.get("process_ticks"), holder.get("boot_id")
+    if stat is not None and isinstance(ticks, int) and isinstance(boot, str) and boot == _boot_id():
+        # the holder's own start in clock ticks since this boot, as it read it: a reused pid has another one. No
+        # wall clock on either side: btime moves when a VM's clock is stepped, and a step between the holder's
+        # write and this read made a live holder look reused (1 of 300 concurrent trials, twice)
+        return stat[1] == ticks
+    if isinstance(boot, str) and _boot_id() not in (None, boot):
+        return False  # written before this machine last booted: its process is gone
+    started = _process_start(pid)
     if started is None:
         return True
     recorded = holder.get("process_start")
     if isinstance(recorded, (int, float)):
-        # the holder's own start, as it read it from /proc: a reused pid has another one. The same computation on
-        # both sides, so a wall clock stepped since boot (a VM) cannot make a live holder look reused.
+        # a lock of an older packtrain: its holder's start through the wall clock, read the same way
         return abs(started - float(recorded)) < 1.0
     # an older lock: a reused pid started after the lock was written (a lock without its start time cannot show
     # that: a live pid holds it)
@@ -244,9 +271,10 @@ class RunLock:
     @classmethod
     def acquire(cls, out: Path, log) -> RunLock:
         path = out / LOCK
+        stat = _proc_stat(os.getpid())
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-              "process_start": _process_start(os.getpid()),
-              "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "process_start": _process_start(os.getpid()), "process_ticks": stat[1] if stat else None,
+              "boot_id": _boot_id(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         with _deciding(out, log):
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

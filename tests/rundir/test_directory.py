@@ -149,6 +149,28 @@ def test_concurrent_takeovers_of_a_stale_lock_give_it_to_exactly_one(tmp_path):
     assert doubles == 0 and winners == [1] * trials, f"{doubles} of {trials} trials had several winners"
 
 
+def test_a_clock_stepped_between_the_write_and_the_check_leaves_a_live_holder_alive(tmp_path):
+    """The holder's start through the wall clock (btime + ticks) moves when a VM's clock is stepped: a step between the
+    holder's write and another process's check made the live holder look reused, and both ran (1 of 300 trials of
+    test_concurrent_takeovers_of_a_stale_lock_give_it_to_exactly_one, in a shuffled run). The start in ticks since
+    boot does not move."""
+    from packtrain.rundir.directory import _process_start
+
+    ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    holder = {"pid": os.getppid(), "host": socket.gethostname(), "started": time.time(),
+              "process_start": _process_start(os.getppid()) + 5.0,  # as read before a 5 s step of the clock
+              "process_ticks": ticks, "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip()}
+    (tmp_path / LOCK).write_text(json.dumps(holder))
+    with pytest.raises(RunDirError, match="in use by another run"):
+        claim(tmp_path, False, False, ONE, log=print)
+    # another process under that pid (other ticks), or a lock from before the last boot: taken over
+    for changed in ({"process_ticks": holder["process_ticks"] + 1}, {"boot_id": "another-boot"}):
+        (tmp_path / LOCK).write_text(json.dumps({**holder, **changed}))
+        said = []
+        claim(tmp_path, False, False, ONE, log=said.append).release()
+        assert any("taking over the stale lock" in s for s in said), (changed, said)
+
+
 def test_a_lock_without_a_start_time_is_not_taken_from_a_live_process(tmp_path):
     """No ``started`` field (an older or hand-written lock) proves nothing about a pid reuse: a live pid holds."""
     tmp_path.joinpath(LOCK).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
