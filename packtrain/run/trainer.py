@@ -127,7 +127,8 @@ class Trainer:
         self.scorer, self.task_tokenizer = task_start(cfg) if cfg.generate.every is not None else (None, None)
         check_data(UnitSetup.of(cfg), self.train_examples)
         self.plan = plan_for(cfg, self.train_examples)
-        check_same_plan(plan_fingerprint(self.plan, self.train_examples), self.dist)
+        self.fingerprint = plan_fingerprint(self.plan, self.train_examples)  # every token of the plan: once
+        check_same_plan(self.fingerprint, self.dist)
         self.eval_plan = plan_for(cfg, self.eval_examples) if self.eval_examples else None
         largest_unit(self.plan, self.train_examples, UnitSetup.of(cfg), cfg.train.max_positions)  # one that runs
         if cfg.train.offload:
@@ -375,7 +376,7 @@ class Trainer:
         """What state.json holds besides the step (which :func:`packtrain.rundir.checkpoint.save_checkpoint`
         writes): the counters, and what a resume checks it is the same run."""
         c = self.counters
-        return {"epoch": c.step // self.steps_per_epoch, "plan": plan_fingerprint(self.plan, self.train_examples),
+        return {"epoch": c.step // self.steps_per_epoch, "plan": self.fingerprint,
                 "world_size": self.dist.world_size, "mode": self.setup.mode, "total_steps": self.total_steps,
                 "nonfinite_skips": c.nonfinite_skips, "owed": self._due(), "config": self.cfg.to_dict()}
 
@@ -407,8 +408,7 @@ class Trainer:
             log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
             return None
         latest, state, damaged = found
-        resuming.check_same_run(state, self.cfg.to_dict(), plan_fingerprint(self.plan, self.train_examples),
-                                self.total_steps, latest, log)
+        resuming.check_same_run(state, self.cfg.to_dict(), self.fingerprint, self.total_steps, latest, log)
         resuming.check_steps(self.out, state["step"], latest, self.total_steps, self.dist)
         resuming.set_aside(damaged, latest, self.dist, log)  # accepted: only now does anything move
         return latest, state
