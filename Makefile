@@ -17,6 +17,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/packtrain train configs/demo.yaml --overwrite  # a second `make demo` starts over
 
+# in file order (pyproject.toml's addopts turn pytest-randomly off); `make test-shuffled SEED=N`: the same suite in
+# an order shuffled by N (files, and the tests in each), which passes as well
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
 
@@ -38,8 +40,12 @@ test-floor: $(FLOOR)/.installed
 	$(FLOOR)/bin/python -m packtrain.versions
 	$(FLOOR)/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder $(FLOOR_TESTS)
 
+SEED ?= 47
+test-shuffled: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -p randomly --randomly-seed=$(SEED)
+
 # the in-process tier: no test that starts processes (ranks, signals, kills, the launcher; pyproject.toml's markers)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not process"
 
-.PHONY: install demo test test-fast test-floor
+.PHONY: install demo test test-shuffled test-fast test-floor

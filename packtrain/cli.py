@@ -4,10 +4,43 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 
+from packtrain.config import MAX_GIB, MAX_POSITIONS
 from packtrain.exits import RunStopped
+
+MAX_RANKS = 2**20  # --world-size, --ranks-per-node
+
+
+def whole(low: int, high: int):
+    """An argparse type: a whole number in [low, high], else the flag is refused naming it (exit 2) before any
+    work."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low:,} to {high:,}, got {text}")
+        return value
+    return parse
+
+
+def amount(unit: str, high: float):
+    """An argparse type: a finite number of ``unit`` above 0 and at most ``high``. Why: ``--gpu-memory nan`` answered
+    a budget for "nan GiB" in JSON that is not JSON, ``inf`` an endless one, and 0 or -1 were taken."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+        if not (math.isfinite(value) and 0 < value <= high):
+            raise argparse.ArgumentTypeError(f"must be a finite number of {unit} above 0 and at most {high:,}, got "
+                                             f"{text}")
+        return value
+    return parse
 
 
 def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -24,16 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--memory", action="store_true", help="also estimate per-GPU memory for the largest pack")
-    p.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks sharing the weights (FSDP)")
-    p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+    p.add_argument("--world-size", type=whole(1, MAX_RANKS), default=1, metavar="N",
+                   help="ranks sharing the weights (FSDP)")
+    p.add_argument("--ranks-per-node", type=whole(1, MAX_RANKS), default=None, metavar="N",
                    help="with --memory: ranks on one node, whose offload pools share its host memory (default 8; 1 "
                         "with train.device cpu)")
-    p.add_argument("--host-memory-per-node", type=float, default=None, metavar="GIB",
+    p.add_argument("--host-memory-per-node", type=amount("GiB", MAX_GIB), default=None, metavar="GIB",
                    help="with --memory: one node's host memory in GiB: whether the offload pools fit")
     p.add_argument("--measure", action="store_true",
                    help="with --memory: also run the training step under fake tensors (one layer of each kind) and "
                         "count its memory per phase")
-    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+    p.add_argument("--gpu-memory", type=amount("GiB", MAX_GIB), default=None, metavar="GIB",
                    help="with --memory: the largest packing.token_budget whose estimate fits GIB per GPU")
 
     p = sub.add_parser("train", help="train a LoRA adapter (single process, or under torchrun / accelerate launch)")
@@ -60,12 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pretune-fla", help="tune fla's Triton kernels on a short update and pin the winners (GPU)")
     _add_config_args(p)
-    p.add_argument("--prompt-tokens", type=int, default=8192, metavar="N", help="cut P to N tokens (default 8192)")
+    p.add_argument("--prompt-tokens", type=whole(1, MAX_POSITIONS), default=8192, metavar="N",
+                   help="cut P to N tokens (default 8192)")
     p.add_argument("--out", help="folder for the config files (default OUTPUT/fla-configs/<GPU name>)")
 
     p = sub.add_parser("dump-stacks", help="stacks and GPU status of a running job's processes on this host")
     _add_config_args(p, optional=True)
-    p.add_argument("--pid", type=int, action="append", default=[], help="only this process (repeatable); "
+    p.add_argument("--pid", type=whole(1, 2**22), action="append", default=[], help="only this process (repeatable); "
                    "without CONFIG: py-spy on any process")
 
     p = sub.add_parser("bench", help="time shared-prefix (each packing.context_grad) vs prefix trees vs standalone vs "
@@ -74,13 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["tiny", "cpu", "gpu", "tree"], help="config and data shape (default cpu; with CONFIG: "
                    "only the data shape, repeats and threads)")
     p.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.png (default runs/bench)")
-    p.add_argument("--repeats", type=int, help="timed epochs per variant (the median is reported)")
+    p.add_argument("--repeats", type=whole(1, 10**6), help="timed epochs per variant (the median is reported)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="one untimed step of each variant before the timed repeats (default: on; CUDA: before the "
                         "memory pass, for compilation; CPU: after it, to grow the heap it released)")
-    p.add_argument("--prompts", type=int, help="generated data: number of prompts")
-    p.add_argument("--prefix-tokens", type=int, metavar="N", help="generated data: tokens in each P")
-    p.add_argument("--continuations", type=int, metavar="N", help="generated data: continuations per prompt")
+    p.add_argument("--prompts", type=whole(1, 10**7), help="generated data: number of prompts")
+    p.add_argument("--prefix-tokens", type=whole(1, MAX_POSITIONS), metavar="N",
+                   help="generated data: tokens in each P")
+    p.add_argument("--continuations", type=whole(1, 10**7), metavar="N",
+                   help="generated data: continuations per prompt")
     p.add_argument("--cont-tokens", metavar="N|MIN:MAX", help="generated data: tokens per continuation")
     p.add_argument("--turns", metavar="N|MIN:MAX", help="generated data: every continuation a conversation of that "
                    "many turns of --cont-tokens each, every turn an example whose item is the history before its "
@@ -88,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-continuations", action="append", metavar="COUNTxN|COUNTxMIN:MAX",
                    help="generated data: more continuations per prompt of other lengths (e.g. 1x1000: one long "
                    "one among the others); repeatable")
-    p.add_argument("--peak-tflops", type=float, metavar="X", help="device peak for MFU (CUDA default 989, the "
+    p.add_argument("--peak-tflops", type=amount("TFLOP/s", 1e9), metavar="X",
+                   help="device peak for MFU (CUDA default 989, the "
                    "H100/H200 bf16 dense datasheet figure)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: 1 for the "
+    p.add_argument("--threads", type=whole(1, 4096), metavar="N", help="torch CPU threads (default: 1 for the "
                    "cpu and tiny presets, else torch's choice)")
     p.add_argument("--variants", metavar="A,B,...", help="which to run (default all: shared_prefix, kv_only, "
                    "frozen, standalone, plain; kv_only/frozen are shared-prefix packs under packing.context_grad)")

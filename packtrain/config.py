@@ -319,8 +319,61 @@ _BOUNDS = [
     ("train.max_nonfinite_skips", lambda v: v >= 0, "must be >= 0"),
     ("train.keep_checkpoints", lambda v: v is None or v >= 1, "must be at least 1 (or null: keep all)"),
     ("train.loss_chunk_rows", lambda v: v >= 0, "must be >= 0 (0: one chunk)"),
+    ("train.max_positions", lambda v: v is None or v >= 1, "must be at least 1 (or null: the packing budget)"),
     ("train.mlp_chunk_rows", lambda v: v is None or v >= 0, "must be >= 0 (0: whole; null: the device's default)"),
 ]
+
+
+# Sizes at most (dotted path, largest value, why): a value past them was accepted and failed later, after the run
+# directory was written, with a traceback naming nothing ("Overflow when unpacking long long" at the first forward).
+MAX_POSITIONS = 2**31 - 1  # a pack's offsets are int32 (cu_seqlens), and nothing this long fits a device
+MAX_SECONDS = 365 * 24 * 3600  # a year; a longer timeout overflows timedelta and the collectives' own clocks
+MAX_GIB = 2**20  # one PiB
+_AT_MOST = [
+    *((path, MAX_POSITIONS, "positions are int32 in a pack's offsets") for path in (
+        "packing.token_budget", "packing.max_continuations", "packing.continuation_groups", "packing.walk.chunk",
+        "packing.walk.horizon", "train.max_positions", "train.loss_chunk_rows", "train.mlp_chunk_rows",
+        "generate.max_new_tokens")),
+    ("lora.r", 2**16, "an adapter's rank is below its layers' widths"),
+    *((path, MAX_SECONDS, "a year") for path in ("ops.hang_timeout", "ops.hang_abort", "ops.collective_timeout")),
+    ("ops.host_memory_per_node_gib", MAX_GIB, "one PiB"),
+    *((path, 1e9, "a pack's cost must stay a finite number") for path in (
+        "train.cost_per_position", "train.cost_per_pair")),
+]
+_CAPPED = {path for path, _, _ in _AT_MOST}
+INT64 = 2**63  # every integer of the config is a C long somewhere (a seed, a size): |value| < 2**63
+
+
+def _number_problems(obj: Any, prefix: str = "") -> list[str]:
+    """Every number of the config that is not a finite float or an integer that fits 64 bits (YAML's ``.nan``,
+    ``.inf`` and ``1e999`` are floats), by its dotted path; then the sizes past :data:`_AT_MOST`. A mapping field
+    (``model.config``, ``data.template_kwargs``) is the model's or the template's, not checked here."""
+    problems = []
+    for f in dataclasses.fields(obj):
+        if f.metadata.get("internal"):
+            continue
+        path, value = f"{prefix}.{f.name}" if prefix else f.name, getattr(obj, f.name)
+        values = value if isinstance(value, list) else [value]
+        if dataclasses.is_dataclass(value):
+            problems += _number_problems(value, path)
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            says = _BOUND_MESSAGES.get(path, "")  # its own bound's words, where they say it
+            problems.append(f"{path}: {says if says.startswith('must be a finite') else 'must be a finite number'}, "
+                            f"got {value!r}")
+        elif path not in _CAPPED and any(isinstance(v, int) and not isinstance(v, bool) and abs(v) >= INT64
+                                         for v in values):
+            problems.append(f"{path}: {value!r} is too large (an integer below 2**63)")
+    if prefix:
+        return problems
+    bad = {p.split(":", 1)[0] for p in problems}
+    for path, most, why in _AT_MOST:
+        value = _get(obj, path)
+        if path not in bad and isinstance(value, (int, float)) and not isinstance(value, bool) and value > most:
+            problems.append(f"{path}: must be at most {most:,} ({why}), got {value!r}")
+    return problems
+
+
+_BOUND_MESSAGES = {path: msg for path, _, msg in _BOUNDS}
 
 
 def _type_name(tp: Any) -> str:
@@ -483,10 +536,11 @@ def _tree_problems(p: PackingConfig) -> list[str]:
 
 
 def _validate(cfg: Config) -> list[str]:
-    problems = []
+    problems = _number_problems(cfg)
+    numbers = {p.split(":", 1)[0] for p in problems}  # a NaN fails every bound: said once
     for path, ok, msg in _BOUNDS:
         value = _get(cfg, path)
-        if value is not None and not ok(value):
+        if value is not None and path not in numbers and not ok(value):
             problems.append(f"{path}: {msg}, got {value!r}")
     if cfg.packing.on_overflow == "walk" and cfg.packing.context_grad == "kv_only":
         problems.append("packing.on_overflow: walk needs packing.context_grad full or frozen, not kv_only")

@@ -133,6 +133,12 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes")
 
 
+# What accelerate launch passes on from its config file that :func:`apply_launcher_settings` reads: they change the
+# config, so every machine must be started with the same (packtrain.ops.nodes compares them)
+LAUNCHER_VARIABLES = ("ACCELERATE_MIXED_PRECISION", "FSDP_ACTIVATION_CHECKPOINTING", "FSDP_SHARDING_STRATEGY",
+                      "FSDP_OFFLOAD_PARAMS")
+
+
 def apply_launcher_settings(cfg, environ=os.environ, log=print) -> list[str]:
     """What ``accelerate launch`` passes on from its config file (as environment variables) and packtrain has an
     equivalent for, applied to ``cfg``; what would conflict is a :class:`ValueError` naming the packtrain key.

@@ -91,6 +91,19 @@ def write_config(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
     return path
 
 
+def binary_tree_config(tmp_path, depth: int = 6, prefix: int = 30):
+    """Pretokenized examples whose continuations are every string of ``depth`` bits (one token each, the last one
+    the target): a full binary tree after P, 2**depth leaves and 2 + 4 + ... + 2**depth one-token nodes."""
+    import itertools
+
+    lines = [{"id": f"e{i}", "prefix_ids": list(range(100, 100 + prefix)), "item_ids": [10 + b for b in bits[:-1]],
+              "target_ids": [20 + bits[-1]]} for i, bits in enumerate(itertools.product((0, 1), repeat=depth))]
+    data = tmp_path / "tree.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return write_config(tmp_path, data={"train": str(data), "eval": None, "format": "pretokenized"},
+                        packing={"mode": "tree", "token_budget": 100_000, "max_continuations": 90})
+
+
 @contextlib.contextmanager
 def _environment(env: dict | None):
     """``env`` set in os.environ for the block, then put back as it was."""

@@ -206,3 +206,40 @@ def test_what_tree_does_not_build_is_refused_in_one_line(packing, problem):
 
 def test_tree_mode_loads():
     assert config_from_dict({"packing": {"mode": "tree", "on_overflow": "skip"}}).packing.mode == "tree"
+
+
+# (key, value as --set writes it, what the refusal says): each passed validation before, and failed later (after
+# output_dir was written: "Overflow when unpacking long long" at the first forward; a traceback in data/examples.py)
+# or printed NaN into JSON
+HUGE_OR_NOT_FINITE = [
+    ("train.loss_chunk_rows", "100000000000000000000000", "must be at most 2,147,483,647"),
+    ("packing.token_budget", "100000000000000000000000", "must be at most 2,147,483,647"),
+    ("packing.max_continuations", "4294967296", "must be at most 2,147,483,647"),
+    ("train.mlp_chunk_rows", "100000000000000000000000", "must be at most 2,147,483,647"),
+    ("train.max_positions", "0", "must be at least 1"),
+    ("train.seed", "100000000000000000000000", "too large (an integer below 2**63)"),
+    ("optim.lr", ".nan", "must be a finite number, got nan"),
+    ("optim.lr", "1e999", "must be a finite number, got inf"),
+    ("optim.betas", "[.nan, 0.9]", "must be a finite number"),
+    ("lora.alpha", "-.inf", "must be a finite number"),
+    ("generate.temperature", ".nan", "must be a finite number"),
+    ("ops.collective_timeout", "1e300", "must be at most 31,536,000"),
+    ("ops.host_memory_per_node_gib", ".inf", "must be a finite number"),
+    ("lora.r", "1000000000", "must be at most 65,536"),
+]
+
+
+@pytest.mark.parametrize("key, value, says", HUGE_OR_NOT_FINITE, ids=[f"{k}={v}" for k, v, _ in HUGE_OR_NOT_FINITE])
+def test_a_huge_or_non_finite_value_is_refused_naming_its_key(tmp_path, key, value, says):
+    err = _plan_refusal(tmp_path, "--set", f"{key}={value}")
+    line = next((x for x in err.splitlines() if x.startswith(f"  - {key}: ")), None)
+    assert line is not None and says in line, err
+
+
+@pytest.mark.parametrize("key, value, says", HUGE_OR_NOT_FINITE[:3], ids=[k for k, _, _ in HUGE_OR_NOT_FINITE[:3]])
+def test_train_refuses_them_before_it_writes_anything(tmp_path, key, value, says):
+    from cli_helpers import run_in_process, write_config
+
+    proc = run_in_process("train", write_config(tmp_path), "--set", f"{key}={value}", check=False)
+    assert proc.returncode == 2 and f"{key}: {says}" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import math
 import re
 import statistics
 import time
@@ -144,6 +145,10 @@ def interleave(models: Models, work: Workload, variants: list[str], repeats: int
             run = attempt(v, partial(timed_run, partial(run_variant, v, models, work), work.device))
             if run is not None:
                 run.final_loss = models.evaluate(v, work)
+                if not math.isfinite(run.final_loss):  # bench.json holds finite numbers: a diverged run is an error
+                    results[v].error = f"diverged: the trained adapter's loss is {run.final_loss!r}"
+                    log(f"  {v}: {results[v].error}; left out of the remaining repeats")
+                    continue
                 results[v].runs.append(run)
                 log(f"  repeat {r + 1}/{repeats} {v:<13} {run.seconds:8.2f} s ({run.cpu_seconds:.2f} s CPU)   "
                     f"final loss {run.final_loss:.7f}")

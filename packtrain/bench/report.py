@@ -88,7 +88,7 @@ def format_table(result: dict) -> str:
 
 def write_json(result: dict, out_dir: Path) -> Path:
     path = out_dir / "bench.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")  # NaN is not JSON: raised, never written
     return path
 
 

@@ -155,8 +155,6 @@ def run_bench(args) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     repeats = preset.repeats if args.repeats is None else args.repeats
-    if repeats < 1:
-        raise ValueError(f"--repeats: must be at least 1, got {repeats}")
     cfg, text, examples, data, shape = _config_and_data(args, preset)
     run_files = ("config.yaml", "train.jsonl") if shape is not None else ()
     check_not_an_input(args.out, "--out", config_inputs(cfg, args.config), writes=("bench.json", "bench.png", *run_files))

@@ -9,10 +9,12 @@ and scored with ``generate.metric`` (:mod:`packtrain.run.task`): one ``{"id", "p
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from packtrain.config import load_config
 from packtrain.distributed import init_distributed, shutdown
+from packtrain.exits import NonFiniteError
 from packtrain.rundir.disk import check_not_an_input, check_output_path, config_inputs
 
 
@@ -52,9 +54,14 @@ def run_eval(args) -> int:
             _generate(cfg, model, lm, examples, scorer, tokenizer, setup, info, out, split, args.adapter)
             return 0
         rows = evaluate(lm, plan_for(cfg, examples), examples, setup, info)
+        diverged = [r for r in rows if not math.isfinite(r["loss"])]
+        if diverged:  # the same on every rank: the rows are gathered everywhere
+            raise NonFiniteError(f"eval: {len(diverged)} of {len(rows)} examples of data.{split} have a non-finite "
+                                 f"loss (the first: {diverged[0]['id']!r}, {diverged[0]['loss']!r}); the adapter "
+                                 f"{args.adapter} has diverged; nothing written to {out}", quiet=not info.is_main)
         if info.is_main:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            out.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
             print(f"packtrain eval: {len(rows)} examples of data.{split}, mode {cfg.packing.mode}, "
                   f"context_grad {cfg.packing.context_grad}, kernels {backend.describe()}: "
                   f"mean loss {mean_loss(rows):.4f} -> {out}")

@@ -7,7 +7,13 @@ from pathlib import Path
 from packtrain.config import load_config
 from packtrain.distributed import apply_launcher_settings, shutdown
 from packtrain.rundir.directory import OUTPUTS
-from packtrain.rundir.disk import check_not_an_input, check_writable, config_inputs, output_errors
+from packtrain.rundir.disk import (
+    check_not_an_input,
+    check_writable,
+    config_inputs,
+    left_untouched_if_refused,
+    output_errors,
+)
 
 
 def run_train(args) -> int:
@@ -21,8 +27,8 @@ def run_train(args) -> int:
     check_not_an_input(out, "output_dir", config_inputs(cfg), writes=OUTPUTS)
     try:
         # Trainer closes its ops hooks (watchdog, wandb), signal handlers and the output_dir lock itself
-        with output_errors(out):  # a full or read-only output_dir: one line naming the path, not a traceback
-            check_writable(out)
+        with output_errors(out), left_untouched_if_refused(out):  # a full or read-only output_dir: one line naming
+            check_writable(out)  # the path, not a traceback; a refusal before any output: no empty output_dir left
             Trainer(cfg, resume=args.resume, overwrite=args.overwrite).train()
     finally:
         shutdown()

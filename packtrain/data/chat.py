@@ -234,12 +234,22 @@ def _expand_images(ids: list[int], images: list[tuple[str, str]], grids: dict, p
     return out, where
 
 
+def read_template(path: Path) -> str:
+    """The text of ``data.chat_template``'s file; a file that is not UTF-8 is refused naming it and the key (the
+    decoder's own error named neither)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data.chat_template: {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                         f"{e.start}): a Jinja template is text; save it as UTF-8") from None
+
+
 def tokenize(conversations: list[Conversation], tokenizer, source: Path, processor=None, train_on: str = "last",
               template_kwargs: dict | None = None, chat_template: str | Path | None = None) -> list[Example]:
     if not (chat_template or tokenizer.chat_template):
         raise ValueError(f"the tokenizer {tokenizer.name_or_path} has no chat template: text and chat data need one "
                          "(or data.chat_template)")
-    text = chat_template.read_text() if isinstance(chat_template, Path) else chat_template
+    text = read_template(chat_template) if isinstance(chat_template, Path) else chat_template
     if text is not None and not text.strip():  # else the tokenizer's own template would be used, silently
         raise ValueError(f"data.chat_template: {_template_name(tokenizer, chat_template)} is empty: give a Jinja "
                          "chat template, or leave data.chat_template unset for the tokenizer's own")

@@ -41,6 +41,7 @@ prefix of every prompt's, or the example is refused, naming its file, line and f
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,17 @@ from packtrain.data.example import Conversation, DataError, Example
 FORMATS = ("text", "chat", "pretokenized")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 ROLES = ("system", "user", "assistant", "tool")
+# The keys an example and a message may have; any other is refused, naming it: a key packtrain does not read was
+# dropped silently (``enable_thinking`` on an example, ``thinking`` on a message: neither reached the template)
+EXAMPLE_KEYS = {"text": ("id", "system", "item", "target", "images"), "chat": ("id", "messages", "tools"),
+                "pretokenized": ("id", "prefix_ids", "item_ids", "target_ids")}
+MESSAGE_KEYS = {"system": ("role", "content"), "user": ("role", "content"),
+                "assistant": ("role", "content", "reasoning_content", "tool_calls"),
+                "tool": ("role", "content", "name", "tool_call_id")}
+_UNKNOWN_HINTS = {"enable_thinking": "template switches go in data.template_kwargs, for every example",
+                  "preserve_thinking": "template switches go in data.template_kwargs, for every example",
+                  "thinking": "a turn's reasoning goes in reasoning_content", "reasoning": "a turn's reasoning goes "
+                  "in reasoning_content"}
 # A JSON line holding an example that fits a pack of B tokens has fewer than this many bytes per token of B: text
 # averages about 4 bytes per token, JSON-escaped CJK (\\uXXXX) about 9, pre-tokenized ids ("12345, ") up to 8.
 LINE_BYTES_PER_TOKEN = 32
@@ -74,9 +86,25 @@ def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
         raise ValueError(f"no tokenizer.json in the tokenizer directory {path}")
     try:
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    except UnicodeDecodeError:
+        raise ValueError(_not_utf8(path)) from None
     except Exception as e:  # noqa: BLE001 - the tokenizers library's own errors too: any means unreadable
         raise ValueError(f"tokenizer {path}: cannot be loaded ({type(e).__name__}: {str(e)[:200]}); a damaged "
                          "tokenizer.json or tokenizer_config.json?") from None
+
+
+def _not_utf8(folder: Path) -> str:
+    """Which text file of a tokenizer directory is not UTF-8, and where."""
+    for file in sorted(folder.iterdir()):
+        if file.is_file() and file.suffix in (".jinja", ".json", ".txt"):
+            try:
+                file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                what = " (the tokenizer's chat template; data.chat_template replaces it)" if file.suffix == ".jinja" \
+                    else ""
+                return (f"tokenizer {folder}: {file.name} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                        f"{e.start}){what}: save it as UTF-8")
+    return f"tokenizer {folder}: a file is not UTF-8 text"
 
 
 def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[int, dict]]:
@@ -99,58 +127,89 @@ def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[in
             if not line.strip():
                 continue
             try:
-                record = json.loads(line, object_pairs_hook=_unique_keys)
-            except _DuplicateKey as e:
-                raise DataError(path, line_no, e.key, "given twice in one object (JSON keeps the last silently)") \
-                    from None
+                record = _strict_json(line, path, line_no, "")
             except UnicodeDecodeError:
                 raise DataError(path, line_no, None, "not valid UTF-8") from None
             except json.JSONDecodeError as e:
                 raise DataError(path, line_no, None, f"not valid JSON: {e.msg} (column {e.colno})") from None
             if not isinstance(record, dict):
                 raise DataError(path, line_no, None, f"expected a JSON object, got {type(record).__name__}")
-            where = _lone_surrogate(record)
-            if where is not None:
-                raise DataError(path, line_no, where, "holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
-                                "without its pair): not text any tokenizer can encode")
             yield line_no, record
 
 
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str):
-        super().__init__(key)
+def _strict_json(text: str | bytes, source: Path, line: int, where: str):
+    """JSON as the standard has it: a key given twice in one object, ``NaN`` / ``Infinity`` (and a number too large
+    for a float, ``1e999``), and a lone UTF-16 surrogate are refused naming the field (``where``: the field whose text
+    this is, "" for a whole line); Python's json takes each silently. Other syntax errors are json's own."""
+    value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_NotANumber, parse_float=_finite_float)
+    found = _not_text(value, where)
+    if found is not None:
+        field, bad = found
+        if isinstance(bad, _Duplicated):
+            raise DataError(source, line, field, "given twice in one object (JSON keeps the last silently)")
+        if isinstance(bad, _NotANumber):
+            raise DataError(source, line, field, f"{bad.text} is not a JSON number (JSON has no NaN or infinity): "
+                            "give a finite number, or a string")
+        raise DataError(source, line, field, "holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its "
+                        "pair): not text any tokenizer can encode")
+    return value
+
+
+class _Duplicated(dict):
+    """An object that gave ``key`` twice (json keeps the last): found and refused, naming its field."""
+
+    def __init__(self, pairs, key: str):
+        super().__init__(pairs)
         self.key = key
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """json's object hook: a dict, or :class:`_DuplicateKey` for a key given twice."""
+    """json's object hook: a dict, or a :class:`_Duplicated` naming a key given twice."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen = set()
         for key, _ in pairs:
             if key in seen:
-                raise _DuplicateKey(key)
+                return _Duplicated(out, key)
             seen.add(key)
     return out
 
 
-def _lone_surrogate(value, where: str = "") -> str | None:
-    """The field (``messages[2].content``) of the first string that is not encodable text, None when all are:
-    JSON's ``\\ud800`` escapes parse to a lone surrogate that tokenizers reject with a TypeError."""
+class _NotANumber:
+    """What the strict parser makes of ``NaN``, ``Infinity`` and a float that overflows: found and refused."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _finite_float(text: str):
+    value = float(text)
+    return value if math.isfinite(value) else _NotANumber(text)
+
+
+def _not_text(value, where: str = "") -> tuple[str, object] | None:
+    """(field, value) of the first value no example may hold: a :class:`_NotANumber`, an object with a key given
+    twice (:class:`_Duplicated`), or a string that is not encodable text (JSON's ``\\ud800`` escapes parse to a lone
+    surrogate that tokenizers reject with a TypeError). The field is ``messages[2].content``; None when every value
+    is fine."""
+    if isinstance(value, _NotANumber):
+        return where, value
+    if isinstance(value, _Duplicated):
+        return f"{where}.{value.key}" if where else value.key, value
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return where or "(the key)"
+            return where or "(the key)", value
         return None
     if isinstance(value, dict):
         for key, item in value.items():
-            found = _lone_surrogate(key, where) or _lone_surrogate(item, f"{where}.{key}" if where else str(key))
+            found = _not_text(key, where) or _not_text(item, f"{where}.{key}" if where else str(key))
             if found is not None:
                 return found
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            found = _lone_surrogate(item, f"{where}[{i}]")
+            found = _not_text(item, f"{where}[{i}]")
             if found is not None:
                 return found
     return None
@@ -178,6 +237,16 @@ def detect_format(path: str | Path, max_line_bytes: int | None = None) -> str:
     for line, record in _records(path, max_line_bytes):
         return _format_of(record, path, line)
     raise _empty_file(path)
+
+
+def _known_keys(obj: dict, known: tuple[str, ...], what: str, where: str, source: Path, line: int) -> None:
+    """A key of ``obj`` (an example, or the message at ``where``) outside ``known`` is refused, naming it."""
+    unknown = [key for key in obj if key not in known]
+    if unknown:
+        key = unknown[0]
+        hint = f"; {_UNKNOWN_HINTS[key]}" if key in _UNKNOWN_HINTS else ""
+        raise DataError(source, line, f"{where}.{key}" if where else key,
+                        f"unknown key: {what} has {', '.join(known)}{hint}")
 
 
 def _field(record: dict, name: str, fmt: str, source: Path, line: int) -> Any:
@@ -214,6 +283,7 @@ def _example_id(record: dict, line: int, source: Path) -> str:
 
 
 def _pretokenized(record: dict, line: int, source: Path, vocab_size: int | None, prefixes: dict) -> Example:
+    _known_keys(record, EXAMPLE_KEYS["pretokenized"], "a pretokenized example", "", source, line)
     ids = {}
     for name in ("prefix_ids", "item_ids", "target_ids"):
         value = _field(record, name, "pretokenized", source, line)
@@ -234,6 +304,7 @@ def _image_path(value: Any, field: str, source: Path, line: int) -> str:
 
 
 def _text_conversation(record: dict, line: int, source: Path) -> Conversation:
+    _known_keys(record, EXAMPLE_KEYS["text"], "a text example", "", source, line)
     system, item, target = (_field(record, k, "text", source, line) for k in ("system", "item", "target"))
     item = _string(item, "item", source, line)
     images = record.get("images", [])
@@ -299,7 +370,7 @@ def _tool_calls(value: Any, field: str, source: Path, line: int) -> list[dict]:
         arguments = fn.get("arguments", {})
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                arguments = _strict_json(arguments, source, line, where)
             except json.JSONDecodeError as e:
                 raise DataError(source, line, where, f"not valid JSON text: {e.msg} (column {e.colno})") from None
         if not isinstance(arguments, dict):
@@ -322,6 +393,7 @@ def _order_problem(role: str, previous: dict) -> str | None:
 
 
 def _chat_conversation(record: dict, line: int, source: Path) -> Conversation:
+    _known_keys(record, EXAMPLE_KEYS["chat"], "a chat example", "", source, line)
     messages = _field(record, "messages", "chat", source, line)
     if not isinstance(messages, list) or len(messages) < 2:
         raise DataError(source, line, "messages", "expected a list of at least a system and an assistant message")
@@ -347,6 +419,8 @@ def _chat_conversation(record: dict, line: int, source: Path) -> Conversation:
             if key in m and role != "assistant":
                 raise DataError(source, line, f"{where}.{key}", f"only an assistant message may carry {key} (this "
                                                                 f"is a {role} message)")
+        _known_keys(m, MESSAGE_KEYS[role], f"{'an' if role == 'assistant' else 'a'} {role} message", where, source,
+                    line)
         out: dict[str, Any] = {"role": role}
         if role == "assistant":
             calls = _tool_calls(m["tool_calls"], f"{where}.tool_calls", source, line) if m.get("tool_calls") \
@@ -457,6 +531,12 @@ def load_split(cfg: Config, split: str, tokenizer=None) -> list[Example] | None:
     return load_examples(path, fmt, tokenizer, processor_dir(cfg), vocab_size=vocab_size,
                          max_line_bytes=max_line_bytes, train_on=cfg.data.train_on,
                          template_kwargs=cfg.data.template_kwargs, chat_template=chat_template_of(cfg))
+
+
+def tokenizer_dir(cfg: Config) -> Path:
+    """The tokenizer directory whose files text and chat data are tokenized with, as :func:`load_split` picks it:
+    ``data.tokenizer``, else ``model.path``, else the bundled tokenizer."""
+    return cfg.resolve_path(cfg.data.tokenizer or cfg.model.path) or BUNDLED_TOKENIZER
 
 
 def chat_template_of(cfg: Config) -> Path | None:

@@ -639,12 +639,18 @@ def frozen_prefix_terms(text: dict, prefix: int, b: int) -> list[Term]:
 class UnitShape:
     """What one forward holds at most (the plan's largest unit, :func:`packtrain.run.units.unit_shape`): P, each
     continuation's positions and target tokens, the positions of its largest group (None: not in groups), and
-    whether P is shared by them (a pack) or not (one example alone)."""
+    whether P is shared by them (a pack) or not (one example alone). In a prefix tree ``lengths`` are its nodes' and
+    ``continuations`` its leaves (what ``packing.max_continuations`` bounds there); else one per continuation."""
     prefix: int
     lengths: list[int]
     targets: list[int]
     group_positions: int | None = None
     shares_prefix: bool = True
+    leaves: int | None = None  # a tree's leaves (None: not a tree)
+
+    @property
+    def continuations(self) -> int:
+        return self.leaves if self.leaves is not None else len(self.lengths)
 
 
 def _plan_estimate(cfg, text: dict, world_size: int, context_grad: str, positions: int, targets: int,
@@ -663,15 +669,15 @@ def estimate_for_unit(cfg, shape: UnitShape, world_size: int, context_grad: str 
     """The estimate for the unit of ``shape`` under ``context_grad`` (default: the config's
     ``packing.context_grad``)."""
     return _plan_estimate(cfg, text_config(config_dict_of(cfg)), world_size, context_grad or cfg.packing.context_grad,
-                          shape.prefix + sum(shape.lengths), sum(shape.targets), len(shape.lengths), shape.prefix,
+                          shape.prefix + sum(shape.lengths), sum(shape.targets), shape.continuations, shape.prefix,
                           shape.group_positions)
 
 
 def max_token_budget(cfg, shape: UnitShape, world_size: int, gib: float) -> dict:
     """The largest ``packing.token_budget`` whose estimate fits ``gib`` per GPU: the largest unit's (``shape``) P
     with as many continuations of its mean length and mean target tokens as the budget holds (a binary search over
-    budgets)."""
-    p, n0 = shape.prefix, len(shape.lengths)
+    budgets). A tree's continuations are its leaves, each with its share of the tree's positions and targets."""
+    p, n0 = shape.prefix, shape.continuations
     mean_len, mean_targets = sum(shape.lengths) / n0, sum(shape.targets) / n0
     text = text_config(config_dict_of(cfg))
 

@@ -9,10 +9,14 @@ versions *and* their install folders (the same version from another folder is an
 checkout of packtrain: its sources are also hashed), CUDA and NCCL versions, the GPU name, and the FLA autotune
 cache fla will use (mode, folder, a digest of the pinned default configs). Not compared: the host name.
 
-The config too: every rank's resolved config, key by key, and the contents of the data files it names
-(:func:`check_same_config`, before ``train`` writes anything). Why: two machines launched with different ``--set``
-options (``optim.lr=0.5`` on one) trained together silently, each rank stepping with its own learning rate; the run
-directory recorded rank 0's. The table shows a ``config`` and a ``data`` digest, and a row per differing key.
+The config too, with everything that changes what a rank computes (:func:`config_settings`, compared by
+:func:`check_same_config` before ``train`` writes anything): the resolved config key by key, the contents of every
+file it reads (data, chat template, the tokenizer's and the image processor's files, the base checkpoint's config and
+index), the launcher's environment packtrain reads, and the versions. Why: two machines launched with different
+``--set`` options (``optim.lr=0.5`` on one) trained together silently, each rank stepping with its own learning rate;
+two whose ``tok/chat_template.jinja`` differed tokenized the same examples otherwise and exited 0, or, when their
+plans differed, waited for each other until ``ops.collective_timeout``. The plans themselves are compared after
+(:func:`check_same_plan`). The table shows a ``config`` and a ``data`` digest, and a row per differing key.
 
 Test hook (:mod:`packtrain.faults`): ``PACKTRAIN_TEST_OVERRIDE_RANK<N>="field=value"`` makes rank N report ``value``
 for ``field`` (an existing field, else an error); the table marks it.
@@ -26,12 +30,16 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packtrain import versions
+from packtrain import versions as tested
+from packtrain.data.examples import processor_dir, tokenizer_dir
+from packtrain.data.images import BUNDLED_PROCESSOR
+from packtrain.distributed import LAUNCHER_VARIABLES
 from packtrain.faults import OVERRIDE_RANK, node_override
 from packtrain.ops import fla_tune
 
@@ -125,15 +133,35 @@ def _gpu_fields(device) -> dict[str, str]:
             "gpu": torch.cuda.get_device_name(device) if cuda else "none (cpu)"}
 
 
-def fla_cache_fields(fla_version: str) -> dict[str, str]:
+def fla_default_config_dir(fla_folder: str) -> str:
+    """The folder fla reads its configs from when ``FLA_CONFIG_DIR`` is unset, without importing fla (seconds, and a
+    warning on a machine without CUDA): fla 0.6's ``get_fla_config_dir``, ``fla/configs/<GPU>``, the GPU named by
+    ``FLA_GPU_NAME`` or the device, sanitised as fla does (``cpu`` without one). Why: reported from the environment
+    alone, a rank that had not imported fla yet said "unset" where one that had said fla's folder."""
+    gpu = os.environ.get("FLA_GPU_NAME") or (_cuda_name() if _cuda() else None)
+    name = (re.sub(r"[^0-9A-Za-z]+", "_", gpu).strip("_") or "unknown_gpu") if gpu else "cpu"
+    return str(Path(fla_folder) / "configs" / name)
+
+
+def _cuda_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
+def fla_cache_fields(fla_version: str, fla_folder: str = "-") -> dict[str, str]:
     """The FLA cache fla will use: its own view when this process imported it (mode and folder are read at import),
-    else the environment. The pinned configs are read from the folder and summarised by kernel count and digest."""
+    else the environment and fla's default folder (``fla_folder``: where fla is installed). The pinned configs are
+    read from the folder and summarised by kernel count and digest. The same whether or not fla was imported."""
     mode = os.environ.get(fla_tune.ENV_MODE, "disabled")
     folder = os.environ.get(fla_tune.ENV_DIR)
-    if "fla" in sys.modules and fla_version != NOT_INSTALLED and not fla_version.startswith("import failed"):
+    installed = fla_version != NOT_INSTALLED and not fla_version.startswith("import failed")
+    if "fla" in sys.modules and installed:
         from fla.ops.utils import cache
 
         mode, folder = cache.FLA_CACHE_MODE.value, str(cache.get_fla_config_dir())
+    elif folder is None and installed and fla_folder != "-":
+        folder = fla_default_config_dir(fla_folder)
     fields = {"FLA_CACHE_MODE": mode, "FLA_CONFIG_DIR": folder or "unset"}
     if folder is None:
         fields["FLA default configs"] = "-"
@@ -147,6 +175,15 @@ def fla_cache_fields(fla_version: str) -> dict[str, str]:
 
 
 DATA_FILES = ("train", "eval", "chat_template")  # data.* files whose contents every rank must share
+# The files of a directory a run reads, by its role (data.tokenizer or model.path or the bundled tokenizer; the
+# image processor; model.path's checkpoint): their contents change what a rank computes. A checkpoint's weights are
+# left out (tens of GB to hash); its config and index, which say what the weights are, are in.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+MODEL_FILES = ("config.json", "model.safetensors.index.json", "generation_config.json")
+CONTENTS = " contents"  # the suffix of a setting that is a file's digest (the table's ``data`` row)
+VERSION, ENVIRONMENT = "version ", "environment "  # the prefixes of the versions' and the launcher's settings
 
 
 def _file_digest(path: Path) -> str:
@@ -159,9 +196,49 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()[:12]
 
 
+def _directory_files(folder: Path, names: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """(name, path) of each of ``names`` that ``folder`` holds, and of its ``additional_chat_templates/*.jinja``
+    (transformers reads those beside a tokenizer)."""
+    found = [(name, folder / name) for name in names if (folder / name).is_file()]
+    if "chat_template.jinja" in names and (folder / "additional_chat_templates").is_dir():
+        found += [(f"additional_chat_templates/{p.name}", p)
+                  for p in sorted((folder / "additional_chat_templates").glob("*.jinja"))]
+    return found
+
+
+def input_files(cfg) -> list[tuple[str, Path]]:
+    """(setting, path) of every file whose contents change what a rank computes: ``data.train``, ``data.eval`` and
+    ``data.chat_template``; the tokenizer's files (``data.tokenizer``, else ``model.path``, else the bundled
+    tokenizer); the image processor's (``data.processor``, else ``model.path``'s, else the bundled one); and
+    ``model.path``'s config.json, weight index and generation config."""
+    files = []
+    for name in DATA_FILES:
+        path = cfg.resolve_path(getattr(cfg.data, name))
+        if path is not None:
+            files.append((f"data.{name}{CONTENTS}", path))
+    folders = [("tokenizer", tokenizer_dir(cfg), TOKENIZER_FILES),
+               ("processor", processor_dir(cfg) or BUNDLED_PROCESSOR, PROCESSOR_FILES),
+               ("model.path", cfg.resolve_path(cfg.model.path), MODEL_FILES)]
+    for role, folder, names in folders:
+        if folder is not None:
+            files += [(f"{role} {name}{CONTENTS}", path) for name, path in _directory_files(folder, names)]
+    return files
+
+
+def versions() -> dict[str, str]:
+    """What the report's versions say (:func:`node_report`): Python, each of :data:`PACKAGES`, packtrain's sources."""
+    out = {"python": platform.python_version()}
+    out.update({name: _package(name)[0] for name in PACKAGES})
+    out["packtrain source"] = _source_digest()
+    return out
+
+
 def config_settings(cfg) -> dict[str, str]:
-    """The resolved config as dotted key -> value (JSON text; ``model.config`` key by key), plus
-    ``data.train contents`` etc.: the digest of each data file, so the same path holding other data differs."""
+    """Everything that changes what a rank computes, as setting -> value: the resolved config as dotted key -> value
+    (JSON text; ``model.config`` key by key); ``data.train contents`` etc.: the digest of each file of
+    :func:`input_files`, so the same path holding other data (another tokenizer, another template) differs; the
+    launcher's environment packtrain reads (``environment ACCELERATE_MIXED_PRECISION``, which can change the config);
+    and the versions (``version transformers``: another library version tokenizes or computes otherwise)."""
     flat: dict[str, str] = {}
 
     def walk(prefix: str, value) -> None:
@@ -172,15 +249,17 @@ def config_settings(cfg) -> dict[str, str]:
             flat[prefix] = json.dumps(value, sort_keys=True, default=str)
 
     walk("", cfg.to_dict())
-    for name in DATA_FILES:
-        path = cfg.resolve_path(getattr(cfg.data, name))
-        if path is not None:
-            flat[f"data.{name} contents"] = _file_digest(path)
+    for setting, path in input_files(cfg):
+        flat[setting] = _file_digest(path)
+    for name in LAUNCHER_VARIABLES:
+        flat[f"{ENVIRONMENT}{name}"] = os.environ.get(name, "(unset)")
+    for name, version in versions().items():
+        flat[f"{VERSION}{name}"] = version
     return flat
 
 
 def _settings_digest(settings: dict[str, str], contents: bool) -> str:
-    chosen = {k: v for k, v in settings.items() if k.endswith(" contents") == contents}
+    chosen = {k: v for k, v in settings.items() if k.endswith(CONTENTS) == contents}
     return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:12] if chosen else "-"
 
 
@@ -190,9 +269,9 @@ def node_report(rank: int, device=None, cfg=None) -> NodeReport:
         fields[name], fields[f"{name} path"] = _package(name)
     fields["packtrain source"] = _source_digest()
     # after the imports above, so a package imported here is read from the module it loaded
-    fields[RANGES] = "; ".join(versions.findings(versions.found_versions())) or "all inside"
+    fields[RANGES] = "; ".join(tested.findings(tested.found_versions())) or "all inside"
     fields.update(_gpu_fields(device))
-    fields.update(fla_cache_fields(fields["fla"]))
+    fields.update(fla_cache_fields(fields["fla"], fields["fla path"]))
     settings = config_settings(cfg) if cfg is not None else {}
     if settings:
         fields["config"] = _settings_digest(settings, contents=False)
@@ -334,8 +413,27 @@ def config_differences(reports: list[NodeReport]) -> dict[str, list[tuple[str, l
     return out
 
 
-def config_mismatch_error(diff: dict[str, list[tuple[str, list[int]]]], reports: list[NodeReport]) -> ConfigMismatchError:
-    """One line: every differing key, its values and the ranks (and machines, when there are several) holding each."""
+# What each kind of setting differing means, in the order the refusal names them: (is it one, what to do)
+_ADVICE = (
+    (lambda key: key.startswith(ENVIRONMENT),
+     ("the launcher's environment differs between machines (accelerate launch sets it from each machine's "
+      "accelerate config file, and packtrain sets model.dtype and train.activation_checkpointing from it): give "
+      "every machine the same accelerate config file")),
+    (lambda key: key.startswith(VERSION),
+     "give every machine the same installs (`packtrain check-nodes CONFIG` under the launcher shows them)"),
+    (lambda key: key.endswith(CONTENTS),
+     "give every machine the same files (data, tokenizer, chat template, processor, model config)"),
+    (lambda key: True, "give every machine the same config file, data and --set options"),
+)
+
+
+def _advice_of(key: str) -> int:
+    return next(i for i, (matches, _) in enumerate(_ADVICE) if matches(key))
+
+
+def _sides(diff: dict[str, list[tuple[str, list[int]]]], keys: list[str], reports: list[NodeReport]) -> list[str]:
+    """``key: value on ranks 0-1 (machine 0), other on rank 2 (machine 1)`` for each of ``keys`` (machines named when
+    there are several)."""
     machine_of = {r.rank: r.machine for r in reports}
     several = len(set(machine_of.values())) > 1
 
@@ -349,16 +447,24 @@ def config_mismatch_error(diff: dict[str, list[tuple[str, list[int]]]], reports:
     def short(value: str) -> str:
         return value if len(value) <= 60 else value[:57] + "..."
 
-    parts = [f"{key}: " + ", ".join(f"{short(v)} on {where(ranks)}" for v, ranks in groups)
-             for key, groups in diff.items()]
+    return [f"{key}: " + ", ".join(f"{short(v)} on {where(ranks)}" for v, ranks in diff[key]) for key in keys]
+
+
+def config_mismatch_error(diff: dict[str, list[tuple[str, list[int]]]],
+                          reports: list[NodeReport]) -> ConfigMismatchError:
+    """One line: every differing key (the launcher's environment first, which explains the config keys it sets),
+    its values and the ranks (and machines, when there are several) holding each, and what to make the same."""
+    keys = sorted(diff, key=_advice_of)  # stable: each kind's keys in their order
+    advice = [text for i, (_, text) in enumerate(_ADVICE) if any(_advice_of(key) == i for key in keys)]
     return ConfigMismatchError(
         f"ranks were started with different configs, refusing to start ({_count(len(diff), 'key')}): "
-        + "; ".join(parts) + "; give every machine the same config file, data and --set options", diff)
+        + "; ".join(_sides(diff, keys, reports)) + "; " + "; ".join(advice), diff)
 
 
 def check_same_config(cfg, info) -> None:
-    """Every rank's resolved config and data digests, compared; :class:`ConfigMismatchError` on every rank when any
-    differ. One all-gather, before anything is written."""
+    """Every rank's resolved config, input files, launcher environment and versions, compared
+    (:func:`config_settings`); :class:`ConfigMismatchError` on every rank when any differ. One all-gather, before
+    anything is written."""
     if not info.enabled:
         return
     mine = NodeReport(info.rank, {}, machine=_machine(), settings=config_settings(cfg))
@@ -366,6 +472,27 @@ def check_same_config(cfg, info) -> None:
     diff = config_differences(reports)
     if diff:
         raise config_mismatch_error(diff, reports)
+
+
+def check_same_plan(fingerprint: str, info) -> None:
+    """Every rank planned the same packs (``fingerprint``: :func:`packtrain.data.planner.plan_fingerprint`), else a
+    :class:`ConfigMismatchError` on every rank. Why: ranks whose plans differ issue different collectives and wait
+    for each other until ``ops.collective_timeout``; :func:`check_same_config` compares what makes the plan, and this
+    compares the plan itself, whatever made it differ."""
+    if not info.enabled:
+        return
+    gathered = gather_objects((fingerprint, _machine()), info)
+    by_value: dict[str, list[int]] = {}
+    for rank, (value, _) in enumerate(gathered):
+        by_value.setdefault(value, []).append(rank)
+    if len(by_value) > 1:
+        key = "plan fingerprint"
+        diff = {key: sorted(by_value.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))}
+        reports = [NodeReport(rank, {}, machine=machine) for rank, (_, machine) in enumerate(gathered)]
+        raise ConfigMismatchError(
+            f"ranks planned different packs of data.train, refusing to start: {_sides(diff, [key], reports)[0]}; "
+            "their configs, files and versions compared equal, so something else tokenizes or plans differently "
+            "there (`packtrain plan CONFIG --json` on each machine shows its packs)", diff)
 
 
 def _config_rows(reports: list[NodeReport], diff: dict) -> None:
@@ -389,5 +516,5 @@ def check_nodes(info, log=print, cfg=None) -> list[NodeReport]:
     diff = differences(reports)
     if diff:
         raise mismatch_error(diff)
-    versions.check_versions_of([line for line in reports[0].fields[RANGES].split("; ") if line != "all inside"])
+    tested.check_versions_of([line for line in reports[0].fields[RANGES].split("; ") if line != "all inside"])
     return reports

@@ -171,7 +171,7 @@ def describe(summary: dict) -> str:
 def write_task(result: TaskResult, lines_path: Path, errors_path: Path, task: Task, title: str) -> None:
     """The JSON lines and the error report, each written under a temporary name and renamed."""
     lines_path.parent.mkdir(parents=True, exist_ok=True)
-    _write(lines_path, "".join(json.dumps(public_row(r)) + "\n" for r in result.rows))
+    _write(lines_path, "".join(json.dumps(public_row(r), allow_nan=False) + "\n" for r in result.rows))
     prompts = {i: (task.tokenizer.decode(list(p)) if task.tokenizer is not None else f"{len(p)} tokens: {list(p)}")
                for i, p in enumerate(task.plan.prompts)}
     _write(errors_path, errors_markdown(result.rows, prompts, title))

@@ -28,7 +28,7 @@ from packtrain.distributed import DistInfo, barrier, init_distributed, lost_peer
 from packtrain.exits import NonFiniteError, PeerLost, Preempted
 from packtrain.models.build import build_base_model
 from packtrain.models.wrap import assemble
-from packtrain.ops.nodes import check_same_config
+from packtrain.ops.nodes import check_same_config, check_same_plan
 from packtrain.ops.runtime import RunOps
 from packtrain.packed.equal import agree
 from packtrain.packed.families import check_model
@@ -41,7 +41,7 @@ from packtrain.run.step import Step
 from packtrain.run.steps import StepPlan
 from packtrain.run.task import describe as describe_task
 from packtrain.run.task import run_task, task_for, task_start, write_task
-from packtrain.run.units import UnitSetup, check_data, image_loader, unit_shape
+from packtrain.run.units import UnitSetup, check_data, image_loader, largest_unit, unit_shape
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
 from packtrain.rundir import resume as resuming
@@ -95,6 +95,8 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         # every rank runs the same config on the same data, or none starts: checked before anything is written
         check_same_config(cfg, self.dist)
+        # and what the config asks of the data (the plan, the steps, the budget), refused before anything is written
+        self._plan(cfg)
         # One run per directory: the lock, and a previous run is only continued (--resume) or removed (--overwrite).
         self.lock = rundir.claim(self.out, resume, overwrite, self.dist, log)
         # check-nodes (refuses mismatched ranks before step 0), hang watchdog, SIGUSR1 stacks, wandb; it goes
@@ -112,17 +114,23 @@ class Trainer:
             raise stop from None
 
     # -- setup --------------------------------------------------------------------------------------------------
-    def _setup(self, cfg: Config, resume: bool) -> None:
+    def _plan(self, cfg: Config) -> None:
+        """Everything the run's data and config decide before a model exists, on every rank: the examples, the plan
+        (the same on every rank), the steps. Nothing is written: a refusal here leaves ``output_dir`` untouched."""
         check_model(cfg)  # an unsupported model family or layer type is refused before any data is read
+        self.skippable = tuple(_exception_class(name) for name in cfg.train.skippable_errors)
         self.train_examples = load_split(cfg, "train")
         if self.train_examples is None:
             raise ValueError("data.train: not set")
         self.eval_examples = load_split(cfg, "eval")
         # generate.every: a bad generate.metric fails here, before the model is built
-        scorer, tokenizer = task_start(cfg) if cfg.generate.every is not None else (None, None)
+        self.scorer, self.task_tokenizer = task_start(cfg) if cfg.generate.every is not None else (None, None)
         check_data(UnitSetup.of(cfg), self.train_examples)
         self.plan = plan_for(cfg, self.train_examples)
+        self.fingerprint = plan_fingerprint(self.plan, self.train_examples)  # every token of the plan: once
+        check_same_plan(self.fingerprint, self.dist)
         self.eval_plan = plan_for(cfg, self.eval_examples) if self.eval_examples else None
+        largest_unit(self.plan, self.train_examples, UnitSetup.of(cfg), cfg.train.max_positions)  # one that runs
         if cfg.train.offload:
             check_node_pool(cfg, self.plan, self.train_examples, self.dist.world_size)
         self.steps = StepPlan.for_run(cfg, self.plan, self.train_examples, self.dist.world_size)
@@ -131,6 +139,9 @@ class Trainer:
         if cfg.train.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
 
+    def _setup(self, cfg: Config, resume: bool) -> None:
+        # a resume is accepted or refused before the model is built (and base/ written again)
+        found = self._resume_point() if resume else None
         self.out.mkdir(parents=True, exist_ok=True)
         base_dir = self.out / "base" if cfg.model.config is not None else None
         model = build_base_model(cfg, save_to=base_dir if self.dist.is_main else None, meta=True)
@@ -139,8 +150,8 @@ class Trainer:
         images = image_loader(cfg, self.model, self.train_examples + (self.eval_examples or []))
         self.setup = UnitSetup.of(cfg, images)
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
-        if scorer is not None:
-            self.task = task_for(cfg, self.model, self.eval_examples, scorer, tokenizer)
+        if self.scorer is not None:
+            self.task = task_for(cfg, self.model, self.eval_examples, self.scorer, self.task_tokenizer)
         self.last_task_step: int | None = None
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
@@ -148,8 +159,7 @@ class Trainer:
         # Each rank draws its own dropout masks; train.seed fixes them (and a checkpoint stores every rank's state).
         torch.manual_seed(cfg.train.seed + 1_000_003 * self.dist.rank)
         self.step = Step(self.lm, self.setup, self.plan, self.train_examples, self.dist, self.params, self.optimizer,
-                         self.scheduler, cfg.optim.max_grad_norm, cfg.train.max_positions,
-                         tuple(_exception_class(name) for name in cfg.train.skippable_errors),
+                         self.scheduler, cfg.optim.max_grad_norm, cfg.train.max_positions, self.skippable,
                          boundary=self._agree_at_boundary, on_nonfinite=self._skip_nonfinite)
         self.counters = Counters()
         self.last_checkpoint: Path | None = None
@@ -157,8 +167,8 @@ class Trainer:
         self.stop_agreed = False  # a rank was signalled (SIGTERM/SIGINT): every rank stops after this step
         self.owed: list[str] = []  # evaluations a stopped run's checkpoint owes its step (state.json "owed")
         self.ops.progress("model setup")
-        if resume:
-            self._resume()
+        if found is not None:
+            self._resume(*found)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.dist.is_main, resume=resume)
         if resume:
             # from step 0 the step-0 evaluation runs again: keep none of the old lines
@@ -366,7 +376,7 @@ class Trainer:
         """What state.json holds besides the step (which :func:`packtrain.rundir.checkpoint.save_checkpoint`
         writes): the counters, and what a resume checks it is the same run."""
         c = self.counters
-        return {"epoch": c.step // self.steps_per_epoch, "plan": plan_fingerprint(self.plan, self.train_examples),
+        return {"epoch": c.step // self.steps_per_epoch, "plan": self.fingerprint,
                 "world_size": self.dist.world_size, "mode": self.setup.mode, "total_steps": self.total_steps,
                 "nonfinite_skips": c.nonfinite_skips, "owed": self._due(), "config": self.cfg.to_dict()}
 
@@ -388,18 +398,23 @@ class Trainer:
             plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
         barrier(self.dist)
 
-    def _resume(self) -> None:
+    def _resume_point(self) -> tuple[Path, dict] | None:
+        """``--resume``: the checkpoint to continue from and its state, once the resume is accepted (the same run, not
+        past this config's steps); None to start from step 0, which a run that has not finished may do."""
         log = self.log if self.dist.is_main else (lambda *a: None)
         found = resuming.choose_checkpoint(self.out, self.dist, log)
         if found is None:
-            resuming.check_steps(self.out, 0, None, self.total_steps, self.dist)
+            resuming.check_steps(self.out, 0, None, self.total_steps, self.dist)  # refuses a finished run
             log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
-            return
+            return None
         latest, state, damaged = found
-        resuming.check_same_run(state, self.cfg.to_dict(), plan_fingerprint(self.plan, self.train_examples),
-                                self.total_steps, latest, log)
+        resuming.check_same_run(state, self.cfg.to_dict(), self.fingerprint, self.total_steps, latest, log)
         resuming.check_steps(self.out, state["step"], latest, self.total_steps, self.dist)
         resuming.set_aside(damaged, latest, self.dist, log)  # accepted: only now does anything move
+        return latest, state
+
+    def _resume(self, latest: Path, state: dict) -> None:
+        log = self.log if self.dist.is_main else (lambda *a: None)
         ckpt.load_checkpoint(latest, self.lm, self.optimizer, self.scheduler, self.dist)
         self.counters = Counters(step=state["step"], nonfinite_skips=state["nonfinite_skips"])
         self.owed = [x for x in state.get("owed", []) if x in ("eval", "generate")]

@@ -168,6 +168,10 @@ class Kind:
         """The lengths of the buffer's segments after P (each continuation, or each node of a tree)."""
         return [examples[e].len_continuation for e in unit.examples]
 
+    def leaves(self, unit: Unit, plan: Plan, examples) -> int | None:
+        """A tree's leaves, what ``packing.max_continuations`` bounds there (None: the unit is not a tree)."""
+        return None
+
     def describe(self, unit: Unit, setup: UnitSetup) -> str:
         """What the unit is, in a line of output: "pack", "example", ..."""
         return self.name
@@ -331,6 +335,12 @@ class TreeKind(Kind):
 
         return [len(n.tokens) for n in example_tree([examples[e] for e in unit.examples]).nodes]
 
+    def leaves(self, unit, plan, examples):
+        from packtrain.data.tree import example_tree
+
+        stop = example_tree([examples[e] for e in unit.examples]).stop
+        return sum(end == i + 1 for i, end in enumerate(stop))  # a leaf's subtree is itself, as pack_tree counts
+
     def build(self, unit, plan, examples, setup):
         return _layout(unit, plan, examples, setup.images, packed=True, tree=True)
 
@@ -437,7 +447,8 @@ def unit_shape(cfg: Config, plan: Plan, examples) -> UnitShape:
     unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
     lengths = unit.kind.segments(unit, plan, examples)
     return UnitShape(len(plan.prompts[unit.prompt]), lengths, [target_count(examples[e]) for e in unit.examples],
-                     unit.kind.group_positions(lengths, setup), unit.kind.shares_prefix)
+                     unit.kind.group_positions(lengths, setup), unit.kind.shares_prefix,
+                     unit.kind.leaves(unit, plan, examples))
 
 
 # -- the runner -------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -46,6 +47,11 @@ OUTPUTS = ("adapter", "checkpoints", "metrics.jsonl", "loss.png", "config.yaml",
            "generations", "wandb-run-id")
 
 
+# Folders of OUTPUTS that a user may put files of their own in: --overwrite removes only the files packtrain writes
+# there (generations/step-N.jsonl and step-N.errors.md, and their .tmp while written: packtrain.run.task)
+OWN_FILES_ONLY = {"generations": re.compile(r"step-\d+\.(jsonl|errors\.md)(\.tmp)?")}
+
+
 MARKER = "packtrain-run.json"
 # packtrain's own entries a directory may hold before a run marks it: the lock, temporaries of interrupted writes,
 # check_writable's probe, and the folders `smoke` and `pretune-fla` write under OUTPUT by default
@@ -60,7 +66,12 @@ class RunDirError(ValueError):
 def foreign_entries(out: Path) -> list[str]:
     """What makes ``out`` a directory packtrain may not take: its entries, when it has no :data:`MARKER` (nothing
     for a missing or empty directory, or one holding only packtrain's own :data:`OWN` entries)."""
-    if not out.is_dir() or (out / MARKER).exists():
+    marker = out / MARKER
+    if marker.is_symlink() and not marker.exists():  # else "no packtrain-run.json; it holds packtrain-run.json"
+        raise RunDirError(f"{marker} is a symbolic link to {os.readlink(marker)}, which does not exist: the run "
+                          f"marker must be a file; if this is a packtrain run directory, replace the link with a copy "
+                          f"of the marker (or write {{}} to {marker})")
+    if not out.is_dir() or marker.exists():
         return []
     return sorted(p.name + "/" * p.is_dir() for p in out.iterdir()
                   if p.name not in OWN and not p.name.startswith(OWN_PREFIXES))
@@ -122,7 +133,25 @@ def _policy(out: Path, resume: bool, overwrite: bool, log) -> None:
     log(f"--overwrite: removing {', '.join(n + '/' * (out / n).is_dir() for n in removed)} from {out}")
     for name in removed:
         path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if name in OWN_FILES_ONLY and path.is_dir() and not path.is_symlink():
+            _remove_own_files(path, OWN_FILES_ONLY[name], log)
+        else:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def _remove_own_files(folder: Path, pattern: re.Pattern, log) -> None:
+    """The files of ``folder`` that packtrain writes (names matching ``pattern``); anything else there stays, said
+    once, and so does the folder that holds it."""
+    kept = []
+    for path in sorted(folder.iterdir()):
+        if pattern.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+            path.unlink()
+        else:
+            kept.append(path.name)
+    if kept:
+        log(f"--overwrite: kept {', '.join(kept)} in {folder} (not written by packtrain)")
+    else:
+        folder.rmdir()
 
 
 def clean_temporaries(out: Path, log) -> None:
@@ -144,17 +173,36 @@ def prune_checkpoints(out: Path, keep: int | None, log) -> None:
 
 
 # -- the lock ---------------------------------------------------------------------------------------------------
-def _process_start(pid: int) -> float | None:
-    """Start time (epoch seconds) of a live process from /proc, None where unknown; None for a zombie."""
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start in clock ticks since boot) of a process from /proc/PID/stat, None where unknown."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> float | None:
+    """Start time (epoch seconds) of a live process from /proc, None where unknown; -1.0 for a zombie. Through the
+    wall clock (btime): for locks' readers that knew nothing else (``process_ticks`` is exact)."""
+    stat = _proc_stat(pid)
+    try:
         boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                     if line.startswith("btime"))
     except (OSError, StopIteration, IndexError, ValueError):
         return None
-    if fields[0] == "Z":
+    if stat is None:
+        return None
+    if stat[0] == "Z":
         return -1.0
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return boot + stat[1] / os.sysconf("SC_CLK_TCK")
 
 
 def holder_alive(holder: dict) -> bool:
@@ -171,15 +219,23 @@ def holder_alive(holder: dict) -> bool:
         return False
     except PermissionError:
         pass
-    started = _process_start(pid)
-    if started is not None and started < 0:
+    stat = _proc_stat(pid)
+    if stat is not None and stat[0] in ("Z", "X"):
         return False  # a zombie: it has exited
+    ticks, boot = holder.get("process_ticks"), holder.get("boot_id")
+    if stat is not None and isinstance(ticks, int) and isinstance(boot, str) and boot == _boot_id():
+        # the holder's own start in clock ticks since this boot, as it read it: a reused pid has another one. No
+        # wall clock on either side: btime moves when a VM's clock is stepped, and a step between the holder's
+        # write and this read made a live holder look reused (1 of 300 concurrent trials, twice)
+        return stat[1] == ticks
+    if isinstance(boot, str) and _boot_id() not in (None, boot):
+        return False  # written before this machine last booted: its process is gone
+    started = _process_start(pid)
     if started is None:
         return True
     recorded = holder.get("process_start")
     if isinstance(recorded, (int, float)):
-        # the holder's own start, as it read it from /proc: a reused pid has another one. The same computation on
-        # both sides, so a wall clock stepped since boot (a VM) cannot make a live holder look reused.
+        # a lock of an older packtrain: its holder's start through the wall clock, read the same way
         return abs(started - float(recorded)) < 1.0
     # an older lock: a reused pid started after the lock was written (a lock without its start time cannot show
     # that: a live pid holds it)
@@ -215,9 +271,10 @@ class RunLock:
     @classmethod
     def acquire(cls, out: Path, log) -> RunLock:
         path = out / LOCK
+        stat = _proc_stat(os.getpid())
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-              "process_start": _process_start(os.getpid()),
-              "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "process_start": _process_start(os.getpid()), "process_ticks": stat[1] if stat else None,
+              "boot_id": _boot_id(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         with _deciding(out, log):
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

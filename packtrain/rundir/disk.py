@@ -47,6 +47,25 @@ def check_writable(out: Path) -> None:
             probe.unlink(missing_ok=True)
 
 
+@contextmanager
+def left_untouched_if_refused(out: Path) -> Iterator[None]:
+    """The folders the block creates for ``out`` (:func:`check_writable` creates them first) are removed again when
+    it raises and they are still empty: a run refused before it wrote anything leaves no trace. A folder with
+    anything in it stays."""
+    out = Path(os.path.abspath(Path(out).expanduser()))
+    missing = [p for p in (out, *out.parents) if not (p.exists() or p.is_symlink())]  # deepest first
+    try:
+        yield
+    except BaseException:
+        for folder in missing:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone: another rank removed it)
+                if folder.exists():
+                    break
+        raise
+
+
 def _blocking_file(folder: Path) -> Path | None:
     """The nearest of ``folder`` and its parents that exists, when it is not a directory (a file, a dangling link):
     what stops ``folder`` from being created. None when nothing does."""

@@ -9,9 +9,11 @@ became another run, while config.yaml claimed the new values.
   tried. Every rank receives rank 0's choice. Only once the resume is accepted (:func:`check_same_run`,
   :func:`check_steps`) are the damaged ones renamed to ``checkpoints/damaged-step-N`` (:func:`set_aside`: evidence,
   out of the way of the steps the run writes again); a refused resume moves nothing.
-- :func:`check_steps`: a resume never goes back. A run whose newest valid checkpoint, or whose final adapter, is
-  past the config's total of steps (``train.max_steps`` lowered) is refused naming both numbers: continuing would
-  have trained nothing and replaced the final adapter with an earlier one, with exit 0.
+- :func:`check_steps`: a resume never goes back, and never starts a finished run again. A run whose newest valid
+  checkpoint, or whose final adapter, is past the config's total of steps (``train.max_steps`` lowered) is refused
+  naming both numbers: continuing would have trained nothing and replaced the final adapter with an earlier one,
+  with exit 0. A run with a final adapter and no checkpoint (``train.save_every`` over its steps) is refused in one
+  line: "no checkpoint; starting from step 0" compared no config and replaced the finished adapter, with exit 0.
 - :func:`check_same_run`: the checkpoint stores the resolved config. Keys that change the trajectory
   (:data:`TRAJECTORY`) must be equal, else the resume is refused listing every difference; the others (epochs,
   max_steps, save_every, eval_every, keep_checkpoints, max_nonfinite_skips, logging, ops, device, kernels, data
@@ -97,11 +99,18 @@ def check_same_run(state: dict, cfg_dict: dict, plan_fingerprint: str, total_ste
 
 def check_steps(out: Path, resumed_step: int, ckpt: Path | None, total_steps: int, info: DistInfo) -> None:
     """Refuse a resume that would go back: the newest valid checkpoint (``ckpt``, at ``resumed_step``) or the final
-    adapter is past ``total_steps``. Rank 0 reads the adapter's step; every rank gets it (one verdict for all)."""
-    final = [final_adapter_step(out) if info.is_main else None]
+    adapter is past ``total_steps``; or that would start a finished run again: a final adapter and no checkpoint
+    (``ckpt`` None) to continue from. Rank 0 reads the adapter's step; every rank gets it (one verdict for all)."""
+    final = [(final_adapter_step(out), (Path(out) / "adapter").exists()) if info.is_main else None]
     if info.enabled:
         dist.broadcast_object_list(final, src=0)
-    final = final[0]
+    final, finished = final[0]
+    if ckpt is None and finished:
+        trained = f"step {final}" if final is not None else "its last step"
+        raise RunDirError(f"resume refused: {out} holds a finished run (its final adapter {Path(out) / 'adapter'} is "
+                          f"from {trained}) and no checkpoint to continue from, so a resume would train it again "
+                          f"from step 0 and replace that adapter: start a new run (another output_dir, or "
+                          f"--overwrite); to train it further, save checkpoints (train.save_every below its steps)")
     past = []
     if ckpt is not None and resumed_step > total_steps:
         past.append(f"its newest valid checkpoint is step {resumed_step} ({ckpt})")

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_helpers
 import pytest
 from cli_helpers import REPO, run_in_process
 
@@ -222,3 +223,42 @@ def test_missing_train_data(tmp_path):
     config.write_text("packing:\n  token_budget: 100\n")
     result = run_plan(config)
     assert_one_clear_error(result, f"invalid config in {config}:\n  - data.train: not set (the training data to plan)")
+
+
+def _strict_json(text: str):
+    """json.loads without Python's NaN / Infinity extension: what any other JSON reader accepts."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+# (flag, value): each was accepted (nan, inf: "gpu_memory_gib": NaN and a budget for "nan GiB"; -1, 0) or failed late
+# (host memory inf: OverflowError; --ranks-per-node 0 silently became 8)
+BAD_FLAGS = [*(("--gpu-memory", v) for v in ("nan", "inf", "-inf", "0", "-1", "1e400", "lots")),
+             *(("--host-memory-per-node", v) for v in ("nan", "inf", "0", "-1")),
+             ("--ranks-per-node", "0"), ("--ranks-per-node", "-2"), ("--world-size", "0"), ("--world-size", "1.5")]
+
+
+@pytest.mark.parametrize("flag, value", BAD_FLAGS, ids=[f"{f}={v}" for f, v in BAD_FLAGS])
+def test_a_flag_out_of_range_is_refused_naming_it(tmp_path, flag, value):
+    config = cli_helpers.write_config(tmp_path, train={"offload": True})
+    result = run_plan(config, "--memory", "--json", f"{flag}={value}")
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr, result
+    assert f"packtrain plan: error: argument {flag}: " in result.stderr, result.stderr
+
+
+def test_gpu_memory_zero_is_refused(tmp_path):
+    # `<= 0` made `< 0` let 0 GiB through: a budget search for nothing
+    result = run_plan(cli_helpers.write_config(tmp_path), "--memory", "--gpu-memory", "0")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "argument --gpu-memory: must be a finite number of GiB above 0" in result.stderr, result.stderr
+
+
+def test_plan_json_is_strict_json_with_every_figure(tmp_path):
+    config = cli_helpers.write_config(tmp_path, train={"offload": True})
+    out = run_plan(config, "--memory", "--json", "--gpu-memory", "80", "--host-memory-per-node", "512",
+                   "--ranks-per-node", "4", "--world-size", "2")
+    assert out.returncode == 0, out.stderr
+    mem = _strict_json(out.stdout)["memory"]
+    assert mem["budget_search"]["gpu_memory_gib"] == 80 and mem["node"]["ranks_per_node"] == 4, mem["node"]

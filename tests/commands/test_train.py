@@ -168,3 +168,44 @@ def test_a_plain_sgd_run_resumes(tmp_path):
     assert "(step 1, written with world size 1, now 1)" in line, line  # the newest checkpoint: step 1
     straight, again = adapter_of(tmp_path / "straight"), adapter_of(tmp_path / "run")
     assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
+
+
+# what the config asks of the data, refused before output_dir exists (it used to hold base/, config.yaml and the run
+# marker by then): a cap every tree pack is over, a budget no example fits, a bad skippable error, an eval split
+# that does not fit either
+REFUSED_BEFORE_WRITING = [
+    (["packing.mode=tree", "train.max_positions=10"], "train.max_positions=10: every tree pack is longer"),
+    (["train.max_positions=10"], "train.max_positions=10: every pack is longer"),
+    (["packing.token_budget=20"], "over packing.token_budget=20; raise the budget"),
+    (["packing.token_budget=20", "packing.on_overflow=skip"], "no example fits packing.token_budget=20"),
+    (["train.skippable_errors=[NoSuchError]"], "train.skippable_errors: unknown exception class 'NoSuchError'"),
+]
+
+
+@pytest.mark.parametrize("sets, says", REFUSED_BEFORE_WRITING, ids=[" ".join(s) for s, _ in REFUSED_BEFORE_WRITING])
+def test_a_refusal_of_the_data_comes_before_output_dir_is_written(tmp_path, sets, says):
+    cfg = write_config(tmp_path)
+    proc = run_in_process("train", cfg, *(x for s in sets for x in ("--set", s)), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and says in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_of_a_diverged_adapter_writes_no_nan(tmp_path, trained):
+    # the JSONL said "loss": NaN (not JSON) with exit 0
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    run = trained()
+    adapter = tmp_path / "adapter"
+    shutil.copytree(run.run / "adapter", adapter)
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    name = next(k for k in weights if "lora_B" in k)
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, str(adapter / "adapter_model.safetensors"))
+    out = tmp_path / "losses.jsonl"
+    proc = run_in_process("eval", run.config, "--adapter", adapter, "--out", out, check=False)
+    assert proc.returncode == 4 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "packtrain eval: eval: 6 of 6 examples of data.eval have a non-finite loss (the first: 'r0-3', nan)" in \
+        proc.stderr and f"nothing written to {out}" in proc.stderr, proc.stderr
+    assert not out.exists()

@@ -82,6 +82,34 @@ def test_an_empty_chat_template_file_is_refused(tmp_path, text):
     assert f"data.chat_template: {jinja} is empty" in _one_line(err)
 
 
+def test_a_chat_template_file_that_is_not_utf8_is_named(tmp_path):
+    # before: "'utf-8' codec can't decode byte 0xff in position 19", naming neither the file nor the key
+    jinja = tmp_path / "latin1.jinja"
+    jinja.write_bytes(CHATML.replace("{%- for message", "{#- caf\xe9 -#}{%- for message").encode("latin-1"))
+    path = write_jsonl(tmp_path / "c.jsonl", [single(0)])
+    cfg = write_config(tmp_path, data={"train": str(path), "eval": None, "chat_template": str(jinja)}, packing=PACKING)
+    proc = run_in_process("plan", cfg, check=False)
+    assert proc.returncode == 2
+    offset = jinja.read_bytes().index(b"\xe9")
+    assert _one_line(proc.stderr) == (f"packtrain plan: error: data.chat_template: {jinja} is not UTF-8 text (byte "
+                                      f"0xe9 at offset {offset}): a Jinja template is text; save it as UTF-8")
+
+
+def test_a_tokenizers_own_template_that_is_not_utf8_is_named(tmp_path):
+    import shutil
+
+    from packtrain.data.examples import BUNDLED_TOKENIZER
+
+    tok = tmp_path / "tok"
+    shutil.copytree(BUNDLED_TOKENIZER, tok)
+    (tok / "chat_template.jinja").write_bytes(b"\xff" + (tok / "chat_template.jinja").read_bytes())
+    code, err, _, _ = _plan(tmp_path, [single(0)], tokenizer=str(tok))
+    assert code == 2
+    assert _one_line(err) == (f"packtrain plan: error: tokenizer {tok}: chat_template.jinja is not UTF-8 text (byte "
+                              "0xff at offset 0) (the tokenizer's chat template; data.chat_template replaces it): "
+                              "save it as UTF-8")
+
+
 def test_the_tools_check_names_the_template_in_use(tmp_path):
     code, err, path, jinja = _plan(tmp_path, [single(0), {**single(1), "tools": TOOLS}], CHATML)
     assert code == 2
@@ -119,6 +147,80 @@ def test_tool_call_arguments_that_are_not_json_are_refused(tmp_path):
     code, err, path, _ = _plan(tmp_path, [single(0), row])
     assert code == 2
     assert f"{path}:2: field 'messages[2].tool_calls[0].function.arguments': not valid JSON text" in _one_line(err)
+
+
+# Python's json takes NaN, Infinity, a number past a float (1e999) and a key given twice; JSON does not: each is
+# refused naming the field. (A NaN inside tool-call arguments rendered as "NaN" into the training text.)
+NOT_JSON = [
+    ({"city": float("nan")}, "messages[2].tool_calls[0].function.arguments.city", "NaN is not a JSON number"),
+    ({"city": "Paris", "days": {"n": "HUGE"}}, "messages[2].tool_calls[0].function.arguments.days.n",
+     "1e999 is not a JSON number"),
+    ('{"city": "Paris", "days": Infinity}', "messages[2].tool_calls[0].function.arguments.days",
+     "Infinity is not a JSON number"),
+    ('{"city": "Paris", "city": "Rome"}', "messages[2].tool_calls[0].function.arguments.city",
+     "given twice in one object"),
+]
+
+
+@pytest.mark.parametrize("arguments, field, says", NOT_JSON, ids=["nan", "1e999", "infinity in text", "twice in text"])
+def test_tool_call_arguments_that_json_does_not_allow_are_refused(tmp_path, arguments, field, says):
+    import json
+
+    row = tool_loop(0)
+    row["messages"][2]["tool_calls"] = [call("get_weather", arguments)]
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps(single(0)) + "\n" + json.dumps(row).replace('"HUGE"', "1e999") + "\n")
+    cfg = write_config(tmp_path, data={"train": str(path), "eval": None}, packing=PACKING)
+    proc = run_in_process("plan", cfg, check=False)
+    assert proc.returncode == 2
+    assert _one_line(proc.stderr).startswith(f"packtrain plan: error: {path}:2: field '{field}': {says}"), proc.stderr
+
+
+def test_a_key_given_twice_in_a_message_names_the_message(tmp_path):
+    import json
+
+    path = tmp_path / "c.jsonl"
+    line = json.dumps(single(0)).replace('"role": "assistant", ', '"role": "assistant", "content": "x", ', 1)
+    path.write_text(line + "\n")
+    cfg = write_config(tmp_path, data={"train": str(path), "eval": None}, packing=PACKING)
+    proc = run_in_process("plan", cfg, check=False)
+    assert proc.returncode == 2
+    last = len(single(0)["messages"]) - 1
+    assert _one_line(proc.stderr) == (f"packtrain plan: error: {path}:1: field 'messages[{last}].content': given twice "
+                                      "in one object (JSON keeps the last silently)")
+
+
+# a key packtrain does not read was dropped without a word: the template never saw it
+UNKNOWN = [
+    (lambda r: {"enable_thinking": False, **r}, "enable_thinking",
+     "unknown key: a chat example has id, messages, tools; template switches go in data.template_kwargs"),
+    (lambda r: {**r, "messages": [*r["messages"][:-1], {**r["messages"][-1], "thinking": "hm"}]},
+     "messages[LAST].thinking", ("unknown key: an assistant message has role, content, reasoning_content, "
+                                 "tool_calls; a turn's reasoning goes in reasoning_content")),
+    (lambda r: {**r, "messages": [{**r["messages"][0], "name": "clerk"}, *r["messages"][1:]]}, "messages[0].name",
+     "unknown key: a system message has role, content"),
+    (lambda r: {**r, "meta": {"source": "x"}}, "meta", "unknown key: a chat example has id, messages, tools"),
+]
+
+
+@pytest.mark.parametrize("edit, field, says", UNKNOWN, ids=["enable_thinking", "thinking", "name", "meta"])
+def test_an_unknown_key_on_an_example_or_a_message_is_refused(tmp_path, edit, field, says):
+    row = edit(single(1))
+    code, err, path, _ = _plan(tmp_path, [single(0), row])
+    assert code == 2
+    field = field.replace("LAST", str(len(row["messages"]) - 1))
+    assert _one_line(err).startswith(f"packtrain plan: error: {path}:2: field '{field}': {says}"), err
+
+
+@pytest.mark.parametrize("row, field, fmt", [
+    ({"system": "s", "item": "i", "target": "t", "images_dir": "x"}, "images_dir",
+     "a text example has id, system, item, target, images"),
+    ({"prefix_ids": [1], "item_ids": [2], "target_ids": [3], "weight": 2}, "weight",
+     "a pretokenized example has id, prefix_ids, item_ids, target_ids")], ids=["text", "pretokenized"])
+def test_an_unknown_key_in_the_other_formats_is_refused(tmp_path, row, field, fmt):
+    code, err, path, _ = _plan(tmp_path, [row])
+    assert code == 2
+    assert _one_line(err) == f"packtrain plan: error: {path}:1: field '{field}': unknown key: {fmt}", err
 
 
 def test_all_on_a_template_that_rewrites_an_earlier_turn_names_that_turn(tmp_path):

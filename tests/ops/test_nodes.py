@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,3 +158,163 @@ def test_the_same_data_path_with_other_contents_is_a_config_difference(tmp_path)
     Path(cfg.data.train).write_text(Path(cfg.data.train).read_text().replace("red", "pink"))
     after = nodes.config_settings(cfg)
     assert {k for k in before if before[k] != after[k]} == {"data.train contents"}
+
+
+def test_fla_s_default_folder_is_reported_without_importing_fla(monkeypatch):
+    # the report read "unset" until something imported fla, and fla's own folder after: it depended on the order
+    cache = pytest.importorskip("fla.ops.utils.cache")
+    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+    monkeypatch.delenv("FLA_GPU_NAME", raising=False)
+    version, folder = nodes._package("fla")
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)  # as in a process that has not imported it
+    assert nodes.fla_cache_fields(version, folder)["FLA_CONFIG_DIR"] == str(cache.get_fla_config_dir())
+    monkeypatch.setenv("FLA_GPU_NAME", "NVIDIA H200 (141 GB)")
+    named = nodes.fla_cache_fields(version, folder)["FLA_CONFIG_DIR"]
+    cache.get_gpu_info.cache_clear()
+    try:
+        assert named == str(cache.get_fla_config_dir()) and named.endswith("NVIDIA_H200_141_GB")
+    finally:
+        cache.get_gpu_info.cache_clear()
+
+
+def _inputs_config(tmp_path):
+    """A config whose every input is a file of its own: data, template, tokenizer, processor and model.path."""
+    import shutil
+
+    from cli_helpers import write_config, write_model_dir
+
+    from packtrain.config import load_config
+    from packtrain.data.images import BUNDLED_PROCESSOR
+
+    model = write_model_dir(tmp_path / "model")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    shutil.copytree(model, tmp_path / "tok", ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    shutil.copytree(BUNDLED_PROCESSOR, tmp_path / "proc")
+    (tmp_path / "template.jinja").write_text((tmp_path / "tok" / "chat_template.jinja").read_text())
+    cfg = write_config(tmp_path, model={"config": None, "path": str(model)},
+                       data={"tokenizer": str(tmp_path / "tok"), "processor": str(tmp_path / "proc"),
+                             "chat_template": str(tmp_path / "template.jinja")})
+    return load_config(cfg)
+
+
+# each input a rank reads, and the setting its digest is: the same path holding other contents must differ
+INPUTS = [("train.jsonl", "data.train contents"), ("eval.jsonl", "data.eval contents"),
+          ("template.jinja", "data.chat_template contents"),
+          ("tok/chat_template.jinja", "tokenizer chat_template.jinja contents"),
+          ("tok/tokenizer.json", "tokenizer tokenizer.json contents"),
+          ("tok/tokenizer_config.json", "tokenizer tokenizer_config.json contents"),
+          ("proc/preprocessor_config.json", "processor preprocessor_config.json contents"),
+          ("model/config.json", "model.path config.json contents"),
+          ("model/model.safetensors.index.json", "model.path model.safetensors.index.json contents")]
+
+
+@pytest.mark.parametrize("name, setting", INPUTS, ids=[n for n, _ in INPUTS])
+def test_every_input_file_is_in_the_digest(tmp_path, name, setting):
+    cfg = _inputs_config(tmp_path)
+    before = nodes.config_settings(cfg)
+    path = tmp_path / name
+    path.write_bytes(path.read_bytes() + b"\n")
+    after = nodes.config_settings(cfg)
+    assert {k for k in before if before[k] != after[k]} == {setting}
+
+
+def test_the_chat_template_is_in_the_digest(tmp_path):
+    # "chat_template" dropped from the files compared: two machines with other templates trained together
+    from cli_helpers import write_config
+
+    from packtrain.config import load_config
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    cfg = load_config(write_config(tmp_path, data={"chat_template": str(template)}))
+    before = nodes.config_settings(cfg)
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}{% endfor %}")
+    after = nodes.config_settings(cfg)
+    assert before["data.chat_template contents"] != after["data.chat_template contents"]
+
+
+def test_the_bundled_tokenizer_and_the_versions_are_in_the_digest(tmp_path):
+    from cli_helpers import write_config
+
+    from packtrain.config import load_config
+    from packtrain.data.examples import BUNDLED_TOKENIZER
+
+    settings = nodes.config_settings(load_config(write_config(tmp_path)))
+    assert settings["tokenizer chat_template.jinja contents"] == nodes._file_digest(
+        BUNDLED_TOKENIZER / "chat_template.jinja")
+    assert settings["version transformers"] == transformers.__version__
+    assert settings["version torch"] == torch.__version__ and settings["version python"] == sys.version.split()[0]
+    assert settings["version packtrain source"] == nodes.node_report(0, torch.device("cpu")).fields["packtrain source"]
+
+
+def _gathered(monkeypatch, *settings):
+    """check_same_config's all-gather, as if rank r reported ``settings[r]`` (from machine r)."""
+    reports = [NodeReport(r, {}, machine=r, settings=s) for r, s in enumerate(settings)]
+    monkeypatch.setattr(nodes, "gather_objects", lambda mine, info: reports)
+    return SimpleNamespace(rank=0, world_size=len(settings), enabled=True, is_main=True)
+
+
+def test_machines_whose_tokenizer_template_differs_are_refused(tmp_path, monkeypatch):
+    # the same config and data, tok/chat_template.jinja edited on machine 1: both trained and exited 0 (or, when
+    # their plans differed, waited until ops.collective_timeout for a gloo traceback)
+    cfg = _inputs_config(tmp_path)
+    mine = nodes.config_settings(cfg)
+    template = tmp_path / "tok" / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|im_start|>", "<|im_start|> "))
+    info = _gathered(monkeypatch, mine, nodes.config_settings(cfg))
+    with pytest.raises(nodes.ConfigMismatchError) as e:
+        nodes.check_same_config(cfg, info)
+    text = str(e.value)
+    assert list(e.value.keys) == ["tokenizer chat_template.jinja contents"] and "\n" not in text
+    assert "tokenizer chat_template.jinja contents: " in text and "on rank 1 (machine 1)" in text
+    assert text.endswith("give every machine the same files (data, tokenizer, chat template, processor, model "
+                         "config)"), text
+
+
+def test_machines_with_other_versions_are_refused_naming_them(tmp_path, monkeypatch):
+    from cli_helpers import write_config
+
+    from packtrain.config import load_config
+
+    cfg = load_config(write_config(tmp_path))
+    mine = nodes.config_settings(cfg)
+    info = _gathered(monkeypatch, mine, {**mine, "version transformers": "5.17.0"})
+    with pytest.raises(nodes.ConfigMismatchError, match=f"version transformers: {transformers.__version__} on rank 0 "
+                       r"\(machine 0\), 5.17.0 on rank 1 \(machine 1\); give every machine the same installs"):
+        nodes.check_same_config(cfg, info)
+
+
+def test_accelerate_s_environment_on_one_machine_is_named_as_such(tmp_path, monkeypatch):
+    # ACCELERATE_MIXED_PRECISION=bf16 on machine 0 only: the refusal named model.dtype alone and said "give every
+    # machine the same config file", which every machine had
+    from cli_helpers import write_config
+
+    from packtrain.config import load_config
+    from packtrain.distributed import apply_launcher_settings
+
+    path = write_config(tmp_path, model={"dtype": "float32"})
+    with_env = load_config(path)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    apply_launcher_settings(with_env, log=lambda *a: None)
+    theirs = nodes.config_settings(with_env)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    plain = load_config(path)
+    info = _gathered(monkeypatch, theirs, nodes.config_settings(plain))
+    with pytest.raises(nodes.ConfigMismatchError) as e:
+        nodes.check_same_config(plain, info)
+    text = str(e.value)
+    assert text.startswith("ranks were started with different configs, refusing to start (2 keys): environment "
+                           "ACCELERATE_MIXED_PRECISION: bf16 on rank 0 (machine 0), (unset) on rank 1 (machine 1); "
+                           'model.dtype: "bfloat16" on rank 0 (machine 0), "float32" on rank 1 (machine 1); '), text
+    assert "the launcher's environment differs between machines" in text
+    assert "give every machine the same accelerate config file" in text
+
+
+def test_ranks_whose_plans_differ_are_refused(monkeypatch):
+    reports = [("aaaa", 0), ("aaaa", 0), ("bbbb", 1)]
+    monkeypatch.setattr(nodes, "gather_objects", lambda mine, info: reports)
+    nodes.check_same_plan("aaaa", SimpleNamespace(enabled=False))  # one rank: nothing to compare
+    with pytest.raises(nodes.ConfigMismatchError, match=r"ranks planned different packs of data.train, refusing to "
+                       r"start: plan fingerprint: aaaa on ranks 0-1 \(machine 0\), bbbb on rank 2 \(machine 1\)"):
+        nodes.check_same_plan("aaaa", SimpleNamespace(enabled=True))

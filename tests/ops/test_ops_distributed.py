@@ -90,3 +90,31 @@ def test_train_refuses_mismatched_ranks_before_step_0(tmp_path):
     proc = run_ranks(2, "train", str(cfg), check=False, env={"PACKTRAIN_TEST_OVERRIDE_RANK1": "transformers=5.0.0"})
     assert proc.returncode != 0 and "5.0.0 on rank 1" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+_RANK_WITH_ITS_OWN_HOME = """
+import os, sys
+from packtrain.cli import main
+os.environ["HOME"] = sys.argv[1 + int(os.environ["RANK"])]  # data.tokenizer "~/tok": each rank its own folder
+sys.exit(main(["train", sys.argv[3]]))
+"""
+
+
+def test_machines_whose_tokenizer_differs_refuse_before_writing_anything(tmp_path):
+    # one path, data.tokenizer ~/tok, two contents (tok/chat_template.jinja edited on one machine): both trained and
+    # exited 0, or waited until ops.collective_timeout (an hour) for a gloo traceback when their plans differed
+    import shutil
+
+    from packtrain.data.examples import BUNDLED_TOKENIZER
+
+    homes = [tmp_path / "home0", tmp_path / "home1"]
+    for home in homes:
+        shutil.copytree(BUNDLED_TOKENIZER, home / "tok")
+    template = homes[1] / "tok" / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|im_start|>", "<|im_start|> "))
+    cfg = write_config(tmp_path, data={"tokenizer": "~/tok", "eval": None}, train={"max_steps": 1})
+    proc = run_ranks(2, *map(str, homes), str(cfg), script=_RANK_WITH_ITS_OWN_HOME, check=False, timeout=120)
+    assert proc.returncodes == [2, 2], (proc.returncodes, proc.stderr[-3000:])
+    assert proc.stderr.count("tokenizer chat_template.jinja contents: ") == 2, proc.stderr[-3000:]
+    assert "give every machine the same files" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

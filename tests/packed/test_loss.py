@@ -191,3 +191,27 @@ def test_4096_targets_take_at_most_1_5_gib_above_one_target_per_continuation(tmp
     (_, base), (_, chunked), (_, whole) = runs
     assert chunked - base <= 1.5 * GiB, (chunked - base) / GiB
     assert whole - base >= 0.8 * 3 * 1024 * VOCAB * 4, (whole - base) / GiB
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_low_precision_head_takes_the_cross_entropy_in_float32(dtype):
+    # ce_dtype = logits.dtype (the cross-entropy in bf16) passed every test, all float64 or float32: its losses
+    # round to bf16's 8 bits (about 0.03 at these logits) and its gradients to the same
+    torch.manual_seed(0)
+    head = nn.Linear(D, V, bias=False).to(dtype)
+    with torch.no_grad():
+        head.weight.mul_(8)  # logits of a few units: a log-sum-exp that bf16 rounds visibly
+    hidden = torch.randn(M, D).to(dtype).requires_grad_()
+    targets = torch.randint(V, (M,))
+    losses = target_losses(head, hidden, targets, 5)
+    assert losses.dtype == torch.float32
+    # the reference: the same logits (the head's own, in its dtype), their cross-entropy in float64
+    logits = (hidden @ head.weight.T).double()
+    ref = F.cross_entropy(logits, targets, reduction="none")
+    torch.testing.assert_close(losses.double(), ref, rtol=1e-6, atol=1e-6)
+    losses.sum().backward()
+    hidden_ref = hidden.detach().clone().requires_grad_()
+    F.cross_entropy((hidden_ref @ head.weight.T).double(), targets, reduction="sum").backward()
+    # the hidden gradient comes back in the head's dtype: one rounding of the float32 gradient
+    torch.testing.assert_close(hidden.grad.double(), hidden_ref.grad.double(),
+                               rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)

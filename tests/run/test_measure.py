@@ -299,3 +299,23 @@ def _hf_config(model: dict):
     from transformers import AutoConfig
 
     return AutoConfig.for_model(**model)
+
+
+def test_the_loss_phase_is_extrapolated_to_every_layer():
+    # the loss phase runs with every layer's checkpointed input alive: measured on one layer of each kind, it must
+    # take the model's other layers' too (left as measured, no test saw it: the peak was elsewhere)
+    from packtrain.run.measure import LayerRecord, Measured, extrapolate
+
+    text = memory.text_config(hybrid(64, 128, layers=8))
+    assert [k[0] for k in text["kinds"]] == ["linear_attention"] * 3 + ["full_attention"] + \
+        ["linear_attention"] * 3 + ["full_attention"]
+    gdn, attention = text["kinds"][0], text["kinds"][3]
+    m = Measured(peaks={"forward": 300, "loss": 500, "optimizer": 0},
+                 layers=[LayerRecord(gdn, before=100, kept=10, peak=150), LayerRecord(attention, before=110, kept=20,
+                                                                                     peak=170)],
+                 weights=0, adapters=0, states=0, head_weights=0)
+    whole = extrapolate(m, text, world=1)
+    # measured with 10 + 20 bytes kept; the model keeps 6 x 10 + 2 x 20
+    assert whole.phases["loss"] == 500 - (10 + 20) + (6 * 10 + 2 * 20)
+    # the forward's peak: the last attention layer, after 6 GDN and 1 attention layers' kept bytes
+    assert whole.phases["forward"] == 100 + (6 * 10 + 20) + (170 - 110)

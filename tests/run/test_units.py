@@ -83,3 +83,26 @@ def test_a_dummy_unit_learns_nothing_and_reports_nothing(monkeypatch):
                       "cpu", 0.5)
     assert (result.loss_sum, result.per_example, result.positions, result.calls) == (0.0, [], 0, 1)
     assert all(float(g.abs().max()) == 0.0 for g in trainable_grads(model).values())
+
+
+def test_a_tree_unit_is_sized_as_the_tree_it_builds(tmp_path):
+    # TreeKind.positions without P's length, or TreeKind.segments removed (the tree sized as flat continuations):
+    # no test saw either; the planner, plan and the memory report read both
+    from cli_helpers import binary_tree_config
+
+    from packtrain.config import load_config
+    from packtrain.data.examples import load_split
+    from packtrain.data.planner import plan_for
+    from packtrain.run.units import TREE, unit_shape, units_of
+
+    cfg = load_config(binary_tree_config(tmp_path))  # P 30 and a full binary tree of depth 6: 126 one-token nodes
+    examples = load_split(cfg, "train")
+    plan = plan_for(cfg, examples)
+    setup = UnitSetup.of(cfg)
+    (unit,) = units_of(plan.packs[0], setup)
+    assert unit.kind is TREE and len(unit.examples) == 64
+    built = build(unit, plan, examples, setup)
+    assert built.positions == 30 + 126 == unit.kind.positions(unit, plan, examples)
+    assert unit.kind.segments(unit, plan, examples) == [1] * 126
+    shape = unit_shape(cfg, plan, examples)
+    assert (shape.prefix, sum(shape.lengths), shape.continuations, sum(shape.targets)) == (30, 126, 64, 64)

@@ -149,6 +149,28 @@ def test_concurrent_takeovers_of_a_stale_lock_give_it_to_exactly_one(tmp_path):
     assert doubles == 0 and winners == [1] * trials, f"{doubles} of {trials} trials had several winners"
 
 
+def test_a_clock_stepped_between_the_write_and_the_check_leaves_a_live_holder_alive(tmp_path):
+    """The holder's start through the wall clock (btime + ticks) moves when a VM's clock is stepped: a step between the
+    holder's write and another process's check made the live holder look reused, and both ran (1 of 300 trials of
+    test_concurrent_takeovers_of_a_stale_lock_give_it_to_exactly_one, in a shuffled run). The start in ticks since
+    boot does not move."""
+    from packtrain.rundir.directory import _process_start
+
+    ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    holder = {"pid": os.getppid(), "host": socket.gethostname(), "started": time.time(),
+              "process_start": _process_start(os.getppid()) + 5.0,  # as read before a 5 s step of the clock
+              "process_ticks": ticks, "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip()}
+    (tmp_path / LOCK).write_text(json.dumps(holder))
+    with pytest.raises(RunDirError, match="in use by another run"):
+        claim(tmp_path, False, False, ONE, log=print)
+    # another process under that pid (other ticks), or a lock from before the last boot: taken over
+    for changed in ({"process_ticks": holder["process_ticks"] + 1}, {"boot_id": "another-boot"}):
+        (tmp_path / LOCK).write_text(json.dumps({**holder, **changed}))
+        said = []
+        claim(tmp_path, False, False, ONE, log=said.append).release()
+        assert any("taking over the stale lock" in s for s in said), (changed, said)
+
+
 def test_a_lock_without_a_start_time_is_not_taken_from_a_live_process(tmp_path):
     """No ``started`` field (an older or hand-written lock) proves nothing about a pid reuse: a live pid holds."""
     tmp_path.joinpath(LOCK).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
@@ -270,3 +292,38 @@ def test_a_zombie_holder_has_exited_and_its_lock_is_taken_over(tmp_path):
         lock.release()
     finally:
         zombie.wait()
+
+
+def test_a_dangling_run_marker_link_is_named_as_one(tmp_path):
+    # before: "no packtrain-run.json; it holds packtrain-run.json"
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "packtrain-run.json").symlink_to(tmp_path / "elsewhere" / "packtrain-run.json")
+    with pytest.raises(RunDirError) as e:
+        claim(tmp_path, True, False, ONE, log=print)
+    assert str(e.value).startswith(f"{tmp_path / 'packtrain-run.json'} is a symbolic link to "
+                                   f"{tmp_path / 'elsewhere' / 'packtrain-run.json'}, which does not exist"), e.value
+    assert "no packtrain-run.json" not in str(e.value) and not (tmp_path / LOCK).exists()
+
+
+def test_overwrite_removes_only_packtrains_own_generations(tmp_path):
+    # before: --overwrite removed everything inside generations/, a user's notes included
+    (tmp_path / "packtrain-run.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    gen = tmp_path / "generations"
+    (gen / "mine").mkdir(parents=True)
+    own = ["step-2.jsonl", "step-2.errors.md", "step-10.jsonl", "step-10.errors.md", "step-12.jsonl.tmp"]
+    foreign = ["notes.md", "step-2.jsonl.bak", "summary.jsonl", "mine/x.txt"]
+    for name in own + foreign:
+        (gen / name).write_text(name)
+    said = []
+    claim(tmp_path, False, True, ONE, log=said.append).release()
+    assert sorted(str(p.relative_to(gen)) for p in gen.rglob("*") if p.is_file()) == sorted(foreign)
+    assert any(s == f"--overwrite: kept mine, notes.md, step-2.jsonl.bak, summary.jsonl in {gen} (not written by "
+                    "packtrain)" for s in said), said
+    (gen / "mine" / "x.txt").unlink()
+    for name in ("mine", "notes.md", "step-2.jsonl.bak", "summary.jsonl"):
+        (gen / name).rmdir() if (gen / name).is_dir() else (gen / name).unlink()
+    (gen / "step-3.jsonl").write_text("")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    claim(tmp_path, False, True, ONE, log=said.append).release()
+    assert not gen.exists()  # only packtrain's own files: the folder goes with them

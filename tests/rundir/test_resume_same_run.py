@@ -62,3 +62,23 @@ def test_another_lr_seed_split_rank_or_optimizer_is_refused_naming_each(tmp_path
     assert edited.returncode == 2 and "training data: the tokens" in edited.stderr, edited.stderr[-2000:]
     assert "->" not in edited.stderr.split("resume refused")[1]  # no config key is blamed
     assert json.loads((run / "checkpoints/step-2/state.json").read_text())["step"] == 2
+
+
+def test_a_finished_run_without_a_checkpoint_is_refused_not_restarted(tmp_path, trained):
+    # save_every 100 over the run's 3 steps: the run finished with its adapter and no checkpoint. Before, --resume said
+    # "no checkpoint ...; starting from step 0", compared no config, trained again and replaced the adapter (exit 0)
+    import shutil
+
+    finished = trained()
+    run = tmp_path / "run"
+    shutil.copytree(finished.run, run)
+    assert (run / "adapter").is_dir() and not (run / "checkpoints").exists()
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    proc = run_in_process("train", finished.config, "--set", f"output_dir={run}", "--resume",
+                          "--set", "optim.lr=0.5", "--set", "lora.r=4", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"packtrain train: error: resume refused: {run} holds a finished run (its final adapter "
+                           f"{run / 'adapter'} is from step 3) and no checkpoint to continue from"), line
+    assert "starting from step 0" not in proc.stdout
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing touched
