@@ -56,7 +56,8 @@ IDS = [f"P{c[0]}-n{len(c[1])}" for c in CASES]
 
 def _model(layer_types, seed=0, attention="batched", mlp_rows=None):
     return patched_lora_model(layer_types, seed=seed,
-                              backend=Backend(gdn="torch", attention=attention, mlp_rows=mlp_rows))
+                              backend=Backend(gdn="torch", attention=attention, mlp_rows=mlp_rows,
+                                              norm_rows=mlp_rows and 5))
 
 
 @pytest.mark.parametrize("mode", MODES)
