@@ -60,15 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=whole(1, MAX_RANKS), default=1, metavar="N",
                    help="ranks sharing the weights (FSDP)")
     p.add_argument("--ranks-per-node", type=whole(1, MAX_RANKS), default=None, metavar="N",
-                   help="with --memory: ranks on one node, whose offload pools share its host memory (default 8; 1 "
-                        "with train.device cpu)")
+                   help="with --memory: ranks on one node, whose offload pools share its host memory (default: "
+                        "the world size up to 8; 1 with train.device cpu)")
     p.add_argument("--host-memory-per-node", type=amount("GiB", MAX_GIB), default=None, metavar="GIB",
-                   help="with --memory: one node's host memory in GiB: whether the offload pools fit")
+                   help="with --memory: one node's host memory in GiB for the offload pools (default: "
+                        "ops.host_memory_per_node_gib, else not limited); the savings chosen must fit it")
     p.add_argument("--measure", action="store_true",
                    help="with --memory: also run the training step under fake tensors (one layer of each kind) and "
                         "count its memory per phase")
     p.add_argument("--gpu-memory", type=amount("GiB", MAX_GIB), default=None, metavar="GIB",
-                   help="with --memory: the largest packing.token_budget whose estimate fits GIB per GPU")
+                   help="with --memory: one GPU's memory in GiB: the savings left auto are chosen to fit it less "
+                        "a reserve, and the largest packing.token_budget that fits it is given (default: 80 GiB "
+                        "assumed, or the host's memory under train.device cpu)")
 
     p = sub.add_parser("train", help="train a LoRA adapter (single process, or under torchrun / accelerate launch)")
     _add_config_args(p)

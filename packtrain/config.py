@@ -185,8 +185,14 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 100
     eval_every: int | None = None
-    activation_checkpointing: bool = False
-    offload: bool = False
+    # The memory savings (packtrain/models/savings.py): `auto` takes, at the start of train, smoke and bench (and in
+    # `plan --memory`), the combination whose estimate for the largest unit fits the device's memory (less a
+    # reserve) and the host's, with the least estimated step time; a value given is kept.
+    # Each decoder layer recomputed in backward from its checkpointed input.
+    activation_checkpointing: bool | Literal["auto"] = "auto"
+    # Checkpointed layer inputs in host memory: true (every layer), false, or N (the first N layers; the rest stay
+    # on the device); implies checkpointing. In backward each is copied back while the layer after it runs.
+    offload: bool | int | Literal["auto"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     # A hard cap on positions per forward (a memory limit found by `packtrain smoke`), enforced at run time without
     # re-planning: a unit over it is skipped on every rank and counted. None: the packing budget is the cap.
@@ -207,12 +213,18 @@ class TrainConfig:
     cost_per_position: float | None = None
     cost_per_pair: float | None = None
     # Target rows per chunk of lm_head + cross-entropy: each chunk's logits are recomputed in backward, so nothing
-    # larger than [rows, vocabulary] exists (packtrain/packed/loss.py); 0: all target rows in one chunk. The loss's
-    # peak is about 3 float32 [rows, vocabulary] (docs/performance.md, "Chunked loss").
-    loss_chunk_rows: int = 256
-    # Buffer rows per tile of a forward's dense MLP, each tile checkpointed so that its [rows, intermediate]
-    # activations live only while it runs; null: the device's default (packtrain/packed/kernels); 0: whole.
-    mlp_chunk_rows: int | None = None
+    # larger than [rows, vocabulary] exists (packtrain/packed/loss.py); 0: all target rows at once, nothing
+    # recomputed. The loss's peak is about 3 float32 [rows, vocabulary] (docs/performance.md, "Chunked loss").
+    loss_chunk_rows: int | Literal["auto"] = "auto"
+    # Buffer rows per tile of a forward's dense MLP, each tile recomputed in backward so that its [rows,
+    # intermediate] activations live only while it runs; null: the device's default tile (packtrain/packed/kernels);
+    # 0: whole.
+    mlp_chunk_rows: int | None | Literal["auto"] = "auto"
+    # Rows per tile of every RMSNorm (the gated norm too), recomputed in backward tile by tile so that its float32
+    # pieces exist one tile at a time (packtrain/packed/recompute.py); a tile holds as many elements as that many
+    # rows of the hidden state (a norm over a head's width takes more of its own rows); 0: whole, as transformers
+    # runs it (autograd keeps its float32 copies).
+    norm_chunk_rows: int | Literal["auto"] = "auto"
 
 
 @dataclass
@@ -318,9 +330,13 @@ _BOUNDS = [
     ("ops.host_memory_per_node_gib", lambda v: v > 0, "must be positive"),
     ("train.max_nonfinite_skips", lambda v: v >= 0, "must be >= 0"),
     ("train.keep_checkpoints", lambda v: v is None or v >= 1, "must be at least 1 (or null: keep all)"),
-    ("train.loss_chunk_rows", lambda v: v >= 0, "must be >= 0 (0: one chunk)"),
+    ("train.loss_chunk_rows", lambda v: v == "auto" or v >= 0, "must be >= 0 (0: one chunk) or auto"),
     ("train.max_positions", lambda v: v is None or v >= 1, "must be at least 1 (or null: the packing budget)"),
-    ("train.mlp_chunk_rows", lambda v: v is None or v >= 0, "must be >= 0 (0: whole; null: the device's default)"),
+    ("train.mlp_chunk_rows", lambda v: v is None or v == "auto" or v >= 0,
+     "must be >= 0 (0: whole; null: the device's default) or auto"),
+    ("train.norm_chunk_rows", lambda v: v == "auto" or v >= 0, "must be >= 0 (0: whole) or auto"),
+    ("train.offload", lambda v: not isinstance(v, int) or isinstance(v, bool) or v >= 0,
+     "must be true, false, auto or a number of layers >= 0"),
 ]
 
 

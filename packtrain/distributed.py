@@ -167,7 +167,8 @@ def apply_launcher_settings(cfg, environ=os.environ, log=print) -> list[str]:
         raise ValueError(f"model.dtype: accelerate's mixed_precision: {precision} (ACCELERATE_MIXED_PRECISION) has no "
                          "packtrain equivalent (model.dtype takes float32, bfloat16 or float64; packtrain never "
                          "autocasts); set mixed_precision: 'no' in the accelerate config")
-    if _truthy(environ.get("FSDP_ACTIVATION_CHECKPOINTING")) and not cfg.train.activation_checkpointing:
+    if _truthy(environ.get("FSDP_ACTIVATION_CHECKPOINTING")) and cfg.train.activation_checkpointing is not True:
+        # accelerate's setting is the user's: it is given, as a value in the config is (auto would choose)
         cfg.train.activation_checkpointing = True
         notes.append("train.activation_checkpointing: true, from accelerate's fsdp_activation_checkpointing "
                      "(FSDP_ACTIVATION_CHECKPOINTING)")

@@ -243,3 +243,28 @@ def test_train_refuses_them_before_it_writes_anything(tmp_path, key, value, says
     proc = run_in_process("train", write_config(tmp_path), "--set", f"{key}={value}", check=False)
     assert proc.returncode == 2 and f"{key}: {says}" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+SAVINGS = ("activation_checkpointing", "offload", "loss_chunk_rows", "mlp_chunk_rows", "norm_chunk_rows")
+
+
+def test_the_memory_savings_are_auto_unless_given(tmp_path):
+    cfg = config_from_dict({})
+    assert [getattr(cfg.train, k) for k in SAVINGS] == ["auto"] * 5
+    given = load_config(write_yaml(tmp_path, "train:\n  activation_checkpointing: true\n  offload: 12\n"
+                                             "  loss_chunk_rows: 0\n  mlp_chunk_rows: null\n  norm_chunk_rows: 8192\n"))
+    assert [getattr(given.train, k) for k in SAVINGS] == [True, 12, 0, None, 8192]
+    assert load_config(write_yaml(tmp_path, "train:\n  offload: false\n")).train.offload is False
+    assert load_config(write_yaml(tmp_path, "train:\n  offload: auto\n")).train.offload == "auto"
+
+
+def test_a_saving_takes_auto_or_its_type_and_nothing_else():
+    assert sorted(problems_of({"train": {"offload": "some", "norm_chunk_rows": -1, "activation_checkpointing": 1,
+                                         "loss_chunk_rows": 2.5}})) == [
+        "train.activation_checkpointing: expected bool | 'auto', got 1",
+        "train.loss_chunk_rows: expected int | 'auto', got 2.5",
+        "train.norm_chunk_rows: must be >= 0 (0: whole) or auto, got -1",
+        "train.offload: expected bool | int | 'auto', got 'some'",
+    ]
+    assert problems_of({"train": {"offload": -3}}) == [
+        "train.offload: must be true, false, auto or a number of layers >= 0, got -3"]

@@ -30,10 +30,12 @@ def _assert_same(a, b, exact=False):
 
 # 3 ranks: a world size that is not a power of two, where a world factor in the loss scale changed the rounding at
 # the model's float32 casts (grad_norm 1e-8 apart from 1 rank; packtrain/models/wrap.py); and a dummy unit each step.
-# The MLPs in 7-row tiles: each tile's recompute under FSDP2's gathered parameters.
+# The MLPs in 7-row tiles and the norms in 5-row tiles, 2 of the 3 layers' inputs offloaded (the third kept on the
+# device): each recompute under FSDP2's gathered parameters.
 @pytest.mark.parametrize("mode,world", [("shared_prefix", 2), ("standalone", 2), ("shared_prefix", 3)])
 def test_two_ranks_equal_one_rank(tmp_path, mode, world):
-    cfg = write_config(tmp_path, train={"max_steps": 3, "packs_per_step": 2, "mlp_chunk_rows": 7},
+    cfg = write_config(tmp_path, train={"max_steps": 3, "packs_per_step": 2, "mlp_chunk_rows": 7,
+                                        "norm_chunk_rows": 5, "offload": 2},
                        packing={"mode": mode}, data={"eval": None})
     run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
     two = run_ranks(world, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")

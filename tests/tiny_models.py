@@ -165,7 +165,7 @@ def tiny_vlm(seed=0, moe=False):
     from packtrain.packed.kernels import Backend
     from packtrain.packed.patch import patch_model
 
-    return patch_model(model, Backend(gdn="torch", attention="batched", mlp_rows=7))
+    return patch_model(model, Backend(gdn="torch", attention="batched", mlp_rows=7, norm_rows=5))
 
 
 def image_item(text_before, grids, text_after, gen):

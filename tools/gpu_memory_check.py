@@ -76,7 +76,10 @@ def write_config(tmp: Path, prefix: int, continuations: int) -> Path:
     with data.open("w") as f:
         for record in seed_records(prefix, continuations, text["vocab_size"], 0):
             f.write(json.dumps(record) + "\n")
-    cfg = {**base, "model": {**base["model"], "config": text}, "output_dir": str(tmp / "run"),
+    # every saving given (the config leaves them auto): the figures compared are of one fixed step
+    train = {**base["train"], "activation_checkpointing": True, "offload": True, "loss_chunk_rows": 256,
+             "mlp_chunk_rows": 8192, "norm_chunk_rows": 8192}
+    cfg = {**base, "model": {**base["model"], "config": text}, "output_dir": str(tmp / "run"), "train": train,
            "data": {"train": str(data), "format": "pretokenized"},
            "packing": {**base["packing"], "token_budget": 200_000, "max_continuations": 500}}
     path = tmp / "cfg.yaml"

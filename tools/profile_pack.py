@@ -27,11 +27,12 @@ from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.variants import Models, Workload
 from packtrain.config import config_from_dict
 from packtrain.data.planner import plan_for
+from packtrain.distributed import DistInfo
 from packtrain.models import memory
 from packtrain.packed.lm import PackCall
 from packtrain.run.harness import PeakMemory
 from packtrain.run.steps import rank_units
-from packtrain.run.units import UnitSetup, build
+from packtrain.run.units import UnitSetup, build, choose_savings
 
 KINDS = [  # (label, op names); the first match wins, the rest is "elementwise, copies, indexing"
     ("linear layers and LoRA (mm)", ("aten::mm", "aten::addmm")),
@@ -64,6 +65,7 @@ def main() -> None:
     cfg = config_from_dict(preset.config, source="tools/profile_pack.py")
     examples = generate_examples(shape, memory.text_config(memory.config_dict_of(cfg))["vocab_size"], 0)
     plan = plan_for(cfg, examples)
+    cfg, _ = choose_savings(cfg, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")))  # as bench chooses them
     work = Workload.of(cfg, examples, plan, torch.device("cpu"))
     models = Models(work)
     setup = UnitSetup("shared_prefix", args.groups)

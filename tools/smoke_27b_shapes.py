@@ -141,7 +141,8 @@ def main() -> int:
               "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
               "optim": {"name": "adamw", "lr": 1e-4, "warmup_steps": 0},
               "train": {"max_steps": 1, "packs_per_step": 1, "activation_checkpointing": True, "device": "cpu",
-                        "save_every": 1000},
+                        "save_every": 1000, "offload": False, "loss_chunk_rows": 256, "mlp_chunk_rows": 0,
+                        "norm_chunk_rows": 0},
               "logging": {"progress": False}, "ops": {"check_nodes": False, "hang_timeout": None},
               "output_dir": str(work / "run")}
     cfg_path = work / "config.yaml"
@@ -180,11 +181,12 @@ def main() -> int:
         print(text[-3000:])
         return proc.returncode
 
-    from packtrain.models.memory import estimate, format_table, text_config
+    from packtrain.models.memory import StepSavings, estimate, format_table, text_config
 
     est = estimate(text_config(TEXT), 2048, 4 * 32, dtype="bfloat16", lora_r=8,
                    lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"], world_size=args.ranks,
-                   continuations=4)
+                   continuations=4, savings=StepSavings(activation_checkpointing=True, loss_rows=256,
+                                                        lora_in_model_dtype=True, masks_regenerated=True))
     print(f"\ncheckpoint {size / GiB:.2f} GiB (bf16, 2 decoder layers of Qwen3.6-27B's shapes); run "
           f"{time.time() - t1:.0f} s on {args.ranks} gloo ranks")
     print(f"  largest rank peak (ru_maxrss of the waited-for ranks): {largest / 2**20:.2f} GiB")

@@ -7,7 +7,8 @@ whose lengths are drawn uniformly from ``cont_tokens`` (inclusive); the target i
 - ``tiny``: the CI smoke (a 3-layer model of hidden 32), small enough for every test run.
 - ``cpu``: a 4-layer hybrid of hidden 256 (3 Gated DeltaNet + 1 attention), float32, one P of 2,048 tokens with
   16 continuations of 56-72 tokens: one pack, one optimizer step, position ratio 11.0 (its run time and results:
-  docs/performance.md, "Shared-prefix vs standalone vs a plain transformers + peft loop").
+  docs/performance.md, "Shared-prefix vs standalone vs a plain transformers + peft loop"). Its memory savings are
+  left auto, as a user's config leaves them: chosen for this machine's memory (packtrain/models/savings.py).
 - ``gpu``: Qwen3.6-27B's layer shapes with 4 layers (3 GDN + 1 attention), random init, bf16, fla kernels,
   checkpointed layers, one P of 32,768 tokens with 16 continuations of 768-1,280 tokens (ratio ~11).
 - ``tree``: the ``cpu`` model on multi-turn data trained under ``data.train_on: each``: one P of 2,048 tokens, 4
@@ -75,7 +76,7 @@ def _rope(partial: float, section: list[int]) -> dict:
             "mrope_section": section, "mrope_interleaved": True}
 
 
-def _config(model: dict, dtype: str, kernels: str, budget: int, checkpointing: bool = False,
+def _config(model: dict, dtype: str, kernels: str, budget: int, checkpointing: bool | str = "auto",
             device: str = "auto", packs_per_step: int = 1) -> dict:
     return {
         "model": {"config": model, "seed": 0, "dtype": dtype, "kernels": kernels},

@@ -69,7 +69,7 @@ def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
 
     types = text["layer_types"]
     full = sum(t == FULL for t in types)
-    ckpt = ", checkpointed layers" if cfg.train.activation_checkpointing else ""
+    ckpt = ", checkpointed layers" if cfg.train.activation_checkpointing or cfg.train.offload else ""
     from packtrain.run.units import UnitSetup, pack_kind
 
     setup = UnitSetup.of(cfg)
@@ -80,7 +80,8 @@ def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
                 f"{','.join(cfg.lora.target_modules)} ({trainable:,} parameters){ckpt}; kernels {backend.describe()}")
     return {"layers": len(types), "full_attention_layers": full, "hidden_size": text["hidden_size"],
             "vocab_size": text["vocab_size"], "dtype": cfg.model.dtype, "kernels": backend.describe(),
-            "activation_checkpointing": cfg.train.activation_checkpointing, "lora_r": cfg.lora.r,
+            "activation_checkpointing": bool(cfg.train.activation_checkpointing or cfg.train.offload),
+            "lora_r": cfg.lora.r,
             "lora_targets": list(cfg.lora.target_modules), "trainable_parameters": trainable,
             "continuation_groups": setup.n_groups, "describe": describe}
 
@@ -146,6 +147,8 @@ def run_bench(args) -> int:
     from packtrain.bench.variants import DEFAULT_VARIANTS, VARIANTS, Models, Workload
     from packtrain.data.planner import plan_for, plan_stats, target_count
     from packtrain.distributed import init_distributed
+    from packtrain.run.report import savings_lines
+    from packtrain.run.units import choose_savings
     from packtrain.rundir.disk import check_not_an_input, check_output_path, config_inputs
 
     check_output_path(args.out, "--out", directory=True)  # before the models are built and timed
@@ -160,10 +163,15 @@ def run_bench(args) -> int:
     check_not_an_input(args.out, "--out", config_inputs(cfg, args.config), writes=("bench.json", "bench.png", *run_files))
     plan = plan_for(cfg, examples)
     stats = plan_stats(plan, examples)
-    device = init_distributed(cfg.train.device).device
+    info = init_distributed(cfg.train.device)
+    device = info.device
+    given_cfg = cfg
+    # the savings train would take for the largest pack on this device (packtrain/models/savings.py)
+    cfg, choice = choose_savings(cfg, plan, examples, info)
     work = Workload.of(cfg, examples, plan, device)
     print(f"packtrain bench: {data}; {stats['examples']} examples -> {stats['packs']} pack(s), {len(work.steps)} step(s); "
           f"position ratio {stats['position_ratio']:.2f}x; building the models on {device}")
+    print("\n".join(savings_lines(choice)))
     models = Models(work)
     warmup = preset.warmup if args.warmup is None else args.warmup
     chosen = _variants(args, VARIANTS, preset.variants or DEFAULT_VARIANTS)
@@ -180,6 +188,10 @@ def run_bench(args) -> int:
         "data": data,
         "shape": None if shape is None else dataclasses.asdict(shape),
         "model": _model_summary(cfg, text, models.backend, models.trainable_parameters()),
+        "memory": {"savings": dataclasses.asdict(choice.chosen.savings),
+                   "relative_step_cost": choice.chosen.relative_cost,
+                   "total_device_bytes": choice.chosen.device_bytes, "device_budget_bytes": choice.budget.device_bytes,
+                   "fits": choice.chosen.fits, "choice": choice.as_json()},
         "machine": _machine(device, load_before),
         "plan": stats,
         "position_ratio": stats["position_ratio"],
@@ -201,5 +213,5 @@ def run_bench(args) -> int:
     png = plot(result, out)
     print(f"chart: {png}" if png else "chart: skipped (matplotlib is not installed)")
     if shape is not None:
-        print(f"the same run: packtrain train {write_run_config(out, cfg, examples)}")
+        print(f"the same run: packtrain train {write_run_config(out, given_cfg, examples)}")
     return 0

@@ -1,7 +1,8 @@
 """`packtrain plan CONFIG [--set ...] [--json] [--world-size N] [--memory]`: plan the training data's packs and
 print the statistics, the steps' utilisation at N ranks under both ``train.balance`` settings
-(:mod:`packtrain.run.balance`); with ``--memory``, the per-GPU memory estimate for the largest pack
-(:mod:`packtrain.models.memory`), and with ``--gpu-memory GIB`` the largest budget that fits it.
+(:mod:`packtrain.run.balance`); with ``--memory``, the memory savings chosen for the largest pack (the candidates
+considered, :mod:`packtrain.models.savings`) and its per-GPU memory estimate (:mod:`packtrain.models.memory`), and
+with ``--gpu-memory GIB`` the choice for that GPU and the largest budget that fits it.
 
 Nothing touches torch or a model: this is how to size ``packing.token_budget`` before a run. ``--measure`` is the
 exception: it runs the training step under fake tensors (:mod:`packtrain.run.measure`), seconds and no memory.
@@ -16,7 +17,7 @@ from pathlib import Path
 from packtrain.config import ConfigError, built_context_grads, load_config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_for, plan_stats
-from packtrain.models import memory
+from packtrain.models import memory, savings
 from packtrain.run import balance
 from packtrain.run.units import unit_shape
 
@@ -121,30 +122,35 @@ def run_plan(args) -> int:
     steps = step_figures(cfg, plan, examples, args.world_size)
     args.memory = args.memory or args.measure or args.gpu_memory is not None
     shape = unit_shape(cfg, plan, examples) if args.memory else None
-    est = memory.estimate_for_unit(cfg, shape, args.world_size) if args.memory else None
-    measured = None
-    if args.measure:
-        from packtrain.run.measure import measure_whole
+    choice = est = measured = budget = pool = modes = None
+    if args.memory:
+        limits = savings.plan_budget(cfg, args.world_size, args.gpu_memory, args.ranks_per_node,
+                                     args.host_memory_per_node)
+        choice = savings.choose(cfg, shape, args.world_size, limits)
+        chosen = choice.apply(cfg)
+        est = choice.estimate
+        if args.measure:
+            from packtrain.run.measure import measure_whole
 
-        measured = measure_whole(cfg, plan, examples, args.world_size)
-    budget = None
-    if args.gpu_memory is not None:
-        budget = memory.max_token_budget(cfg, shape, args.world_size, args.gpu_memory)
-    # the modes the packing mode builds (tree: full alone, the estimate above: no table)
-    context_grads = built_context_grads(cfg.packing)
-    modes = ({m: memory.estimate_for_unit(cfg, shape, args.world_size, m) for m in context_grads}
-             if args.memory and shape.shares_prefix and len(context_grads) > 1 else None)
-    pool = None
-    if est is not None and cfg.train.offload:
-        per_node = args.ranks_per_node or (1 if cfg.train.device == "cpu" else 8)
-        pool = memory.node_pool(est.total("host"), per_node, args.host_memory_per_node)
+            measured = measure_whole(chosen, plan, examples, args.world_size)
+        if args.gpu_memory is not None:
+            budget = savings.max_token_budget(cfg, shape, args.world_size, limits, args.gpu_memory)
+        # the modes the packing mode builds (tree: full alone, the estimate above: no table)
+        context_grads = built_context_grads(cfg.packing)
+        if shape.shares_prefix and len(context_grads) > 1:
+            modes = {m: memory.estimate_for_unit(chosen, shape, args.world_size, m) for m in context_grads}
+        if choice.chosen.savings.offload_layers:
+            pool = savings.node_pool(est.total("host"), limits.ranks_per_node, limits.host_per_node)
     if args.json:
         stats.update(steps)
         if est is not None:
+            c = choice.chosen
             stats["memory"] = {"terms": [dataclasses.asdict(t) for t in est.terms],
                                "total_device_bytes": est.total("device"), "total_host_bytes": est.total("host"),
                                "phases": est.phases, "peak_phase": est.peak_phase,
-                               "savings": dataclasses.asdict(est.savings), "node": pool}
+                               "savings": dataclasses.asdict(c.savings), "relative_step_cost": c.relative_cost,
+                               "device_budget_bytes": choice.budget.device_bytes, "fits": c.fits,
+                               "choice": choice.as_json(), "node": pool}
             if measured is not None:
                 stats["memory"]["measured"] = measured.as_json()
             if budget is not None:
@@ -161,12 +167,16 @@ def run_plan(args) -> int:
     print(format_steps(steps))
     if est is not None:
         print()
+        print("\n".join(choice.lines()))
+        if choice.warning():
+            print(choice.warning())
+        print()
         print(memory.format_table(est))
         print(memory.format_phases(est, measured))
         if budget is not None:
-            print(memory.format_budget(budget))
+            print(savings.format_budget(budget, choice.layers))
         if pool is not None:
-            print(memory.format_node_pool(pool))
+            print(savings.format_node_pool(pool))
     if modes is not None:
         print()
         print(memory.format_modes(modes))

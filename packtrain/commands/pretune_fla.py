@@ -52,7 +52,7 @@ def run_pretune_fla(args) -> int:
     from packtrain.data.examples import load_split
     from packtrain.data.planner import plan_for
     from packtrain.run.harness import build_lm, build_shortened, one_update, update_step
-    from packtrain.run.units import UnitSetup, largest_unit
+    from packtrain.run.units import UnitSetup, choose_savings, largest_unit
 
     cfg = load_config(args.config, args.overrides)
     examples = load_split(cfg, "train")
@@ -62,11 +62,12 @@ def run_pretune_fla(args) -> int:
     try:
         if info.enabled:
             raise ValueError("pretune-fla runs in one process on one GPU (run it without a launcher)")
+        plan = plan_for(cfg, examples)
+        cfg, _ = choose_savings(cfg, plan, examples, info)  # the run's savings, whose kernels it tunes
         lm, _, backend = build_lm(cfg, info)
         if backend.gdn != "fla":
             raise ValueError(f"model.kernels={cfg.model.kernels} selected {backend.describe()}: pretune-fla tunes "
                              "the fla kernels (model.kernels: fla or auto)")
-        plan = plan_for(cfg, examples)
         setup = UnitSetup.of(cfg, n_groups=1)  # one call per pack: no groups
         unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
         built = build_shortened(unit, plan, examples, setup, args.prompt_tokens)

@@ -49,7 +49,8 @@ def run_smoke(args) -> int:
     from packtrain.data.examples import load_split
     from packtrain.data.planner import plan_for, target_count
     from packtrain.run.harness import PeakMemory, build_lm, is_out_of_memory, one_update, run_phase, update_step
-    from packtrain.run.units import UnitSetup, build, largest_unit
+    from packtrain.run.report import savings_lines
+    from packtrain.run.units import UnitSetup, build, choose_savings, largest_unit
     from packtrain.rundir import checkpoint as ckpt
 
     cfg = load_config(args.config, args.overrides)
@@ -59,6 +60,10 @@ def run_smoke(args) -> int:
         raise ValueError("data.train: not set (smoke runs its largest pack)")
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     plan = plan_for(cfg, examples)
+    # the savings train would take on this device (packtrain/models/savings.py), said before anything runs
+    cfg, choice = choose_savings(cfg, plan, examples, info)
+    if info.is_main:
+        print("\n".join(savings_lines(choice)))
     # as the trainer runs it: in continuation groups (packtrain/packed/groups.py), walked (packtrain/packed/walk.py)
     setup = UnitSetup.of(cfg)
     unit = largest_unit(plan, examples, setup, cfg.train.max_positions)

@@ -252,6 +252,11 @@ def _pairs(length: int) -> int:
     return length * (length + 1) // 2
 
 
+def attention_pairs(prefix_len: int, cont_lens) -> int:
+    """A pack's query-key pairs of causal attention: P's own, and each continuation's against P and itself."""
+    return prefix_len * (prefix_len + 1) // 2 + sum(c * prefix_len + c * (c + 1) // 2 for c in cont_lens)
+
+
 def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     """Exact counts for a plan: positions and full-attention pairs (per layer and head), standalone vs packed.
 

@@ -28,6 +28,9 @@ def _chunks(T: int, cu_seqlens) -> int:
 class _DeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
+        # fla's input_guard makes every tensor argument contiguous: v, a view of the conv's output, is saved as a
+        # copy of its own, and the conv's [T, conv_dim] output is not kept alive by it
+        v, beta = v.contiguous(), beta.contiguous()
         B, T, H, K = k.shape
         HV, V = v.shape[-2:]
         f32 = torch.float32
@@ -48,21 +51,25 @@ class _DeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        # chunk_gated_delta_rule_bwd's allocations in its order, each dropped where its name is rebound or its
+        # function returns
         q, q_rstd, k, k_rstd, v, g, beta, A, initial_state = ctx.saved_tensors
         B, T, H, K = k.shape
         HV, V = v.shape[-2:]
         w, u = k.new_empty(B, T, HV, K), torch.empty_like(v)  # recompute_w_u_fwd
         h, v_new = k.new_empty(ctx.nt, HV, K, V), torch.empty_like(u)  # chunk_gated_delta_rule_fwd_h
         dv = torch.empty_like(do)  # chunk_bwd_dv_local
-        dh = torch.empty_like(h)  # chunk_gated_delta_rule_bwd_dhu
-        dh0 = None if initial_state is None else torch.empty_like(initial_state)
-        dv2 = torch.empty_like(dv)
-        dq, dk = torch.empty_like(q, dtype=torch.float32), torch.empty_like(k, dtype=torch.float32)  # chunk_bwd_dqkwg
-        dw, dg = torch.empty_like(w), torch.empty_like(g)
-        del h, dh, v_new, dw
-        dk2, dv3, db = k.new_empty(B, T, HV, K), torch.empty_like(v), torch.empty_like(beta)  # prepare_wy_repr_bwd
-        del w, u, dv, dv2, dk2
-        dq, dk = dq.to(q.dtype), dk.to(k.dtype)  # l2norm_bwd
+        dh = torch.empty_like(h)  # chunk_gated_delta_rule_bwd_dhu: dh, dh0 and a new dv
+        dh0 = None if initial_state is None else torch.empty_like(initial_state, dtype=torch.float32)
+        dv = torch.empty_like(dv)
+        dq, dk = q.new_empty(B, T, HV, K), k.new_empty(B, T, HV, K)  # chunk_bwd_dqkwg, per value head
+        dg, dw = torch.empty_like(g, dtype=torch.float32), torch.empty_like(w)
+        if H != HV:
+            dq, dk = dq.view(B, T, H, HV // H, K).sum(3), dk.view(B, T, H, HV // H, K).sum(3)
+        del h, dh, v_new
+        dk2, dv3, db = k.new_empty(B, T, H, K), torch.empty_like(v), torch.empty_like(beta)  # prepare_wy_repr_bwd
+        del w, u, dv, dw, dk2
+        dq, dk = torch.empty_like(dq), torch.empty_like(dk)  # l2norm_bwd
         return dq, dk, dv3, dg, db, dh0, None, None
 
 
@@ -106,17 +113,24 @@ def installed():
     from packtrain.packed.kernels.hf_route import MODULES
 
     try:  # the stand-ins take the place of fla's functions where packtrain's fla back end calls them
-        from packtrain.packed.kernels import fla_backend, fla_frozen
+        from packtrain.packed.kernels import fla_backend, fla_frozen  # noqa: F401 - both import fla
     except ImportError as e:
         raise ValueError(f"plan --measure: counts fla's GDN kernels and needs the fla package ({e}; pip install "
                          "'packtrain[fla]')") from None
 
     places = [(fla_backend, "causal_conv1d", causal_conv1d), (fla_backend, "chunk_gated_delta_rule",
-              chunk_gated_delta_rule), (fla_frozen, "chunk_gated_delta_rule", chunk_gated_delta_rule)]
+              chunk_gated_delta_rule)]  # fla_frozen calls fla_backend's
     for name in MODULES:
         hf = importlib.import_module(name)
         places += [(hf, "torch_chunk_gated_delta_rule", chunk_gated_delta_rule),
                    (hf, "causal_conv1d_fn", hf_causal_conv1d_fn)]
+    with replaced(places):
+        yield
+
+
+@contextlib.contextmanager
+def replaced(places):
+    """Each (module, name, stand-in) of ``places`` set for the block, the originals put back after it."""
     saved = [(m, name, getattr(m, name)) for m, name, _ in places]
     for m, name, fn in places:
         setattr(m, name, fn)

@@ -34,13 +34,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from packtrain.packed.families import FAMILIES, check_config_dict, config_dict
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 OFFLOAD_CHUNK_BYTES = 64 * 2**20  # packtrain.models.offload.DEFAULT_CHUNK_BYTES (tested equal)
+GDN_CALL_ROWS = 65_536  # packtrain.packed.kernels.fla_backend.CALL_ROWS: continuation rows per delta-rule call
 # train.mlp_chunk_rows null: the MLP tile packtrain.packed.kernels takes by device (tested equal)
 MLP_TILE_ROWS = {"cpu": 512, "cuda": 8192}
 
@@ -97,12 +97,13 @@ def distinct_kinds(text: dict) -> list[tuple[str, str]]:
     return list(dict.fromkeys(text["kinds"]))
 
 
-def reduced_config(cfg) -> dict:
-    """The config dict of ``cfg``'s model with one decoder layer of each kind (``plan --measure``): the layer
-    types in the order they first appear, and dense MLPs where the full model has them (``mlp_only_layers``)."""
+def reduced_config(cfg, copies: int = 1) -> dict:
+    """The config dict of ``cfg``'s model with one decoder layer of each kind (``plan --measure``), ``copies`` times
+    over: the layer types in the order they first appear, and dense MLPs where the full model has them
+    (``mlp_only_layers``)."""
     raw = dict(config_dict_of(cfg))
     family = check_config_dict(raw)
-    kinds = distinct_kinds(text_config(raw))
+    kinds = distinct_kinds(text_config(raw)) * copies
     small = {"num_hidden_layers": len(kinds), "layer_types": [mixer for mixer, _ in kinds]}
     if family.moe:
         small.update(mlp_only_layers=[i for i, (_, mlp) in enumerate(kinds) if mlp == DENSE], decoder_sparse_step=1)
@@ -299,8 +300,8 @@ def mixer_term(text: dict, layer_type, T: int, b: int, norms_recomputed: bool = 
             q_out = 2 * q if gate else q
             per = b * (q_out + 2 * kv + (q + kv) + q + (q if gate else 0))
             per += b * (continuations * (2 * q + kv) + (1 - continuations) * (q + kv))
-            return Term("mixer", "attention: q/k/v projections (the q/k norms' inputs), rotary q/k, kernel output"
-                        + (", gate's sigmoid" if gate else "") + ", per-bucket copies", round(T * per),
+            return Term("mixer", "attention: q/k/v projections (the q/k norms' inputs), rotary q/k, FlexAttention's "
+                        "padded q/k/v and output" + (", gate's sigmoid" if gate else ""), round(T * per),
                         approx=True, depth=1)
         # q/k RMSNorm float32 copies; rotated q, k; attention's q, k, v, output; the output gate and its sigmoid
         per = (0 if norms_recomputed else 4 * (q + kv)) + b * ((5 if gate else 3) * q + 3 * kv)
@@ -311,16 +312,40 @@ def mixer_term(text: dict, layer_type, T: int, b: int, norms_recomputed: bool = 
         conv_dim = 2 * key + value
         HV = text["linear_num_value_heads"]
         # what fla's kernels save: the conv's input (the projection's output, and a gathered copy of the
-        # continuations' rows) and output (v reads it), l2-normed q and k, the WY blocks (64 per value head); the
-        # gated norm's output and its float32 copies
-        if norms_recomputed:  # and q/k's float32 l2 rstd [T, key heads] each
-            per = b * ((2 + continuations) * conv_dim + 2 * key + 64 * HV) + 4 * 2 * (HV + text["linear_num_key_heads"])
-            return Term("mixer", "Gated DeltaNet (fla's saved tensors): conv in/out, q/k l2-normed, WY blocks, g, beta",
-                        round(T * per), approx=True, depth=1)
-        per = (b * ((2 + continuations) * conv_dim + 2 * key + 64 * HV + value)
-               + 4 * (2 * HV + 3 * value))
-        label = "Gated DeltaNet (fla's saved tensors): conv in/out, q/k l2-normed, WY blocks, z, gated norm"
-    return Term("mixer", label, T * per, approx=True, depth=1)
+        # continuations' rows), contiguous v (fla's input_guard copies it off the conv's output), l2-normed q and k
+        # with their float32 rstd, the WY blocks (64 per value head), g (float32) and beta; without recomputed norms
+        # z and the gated norm's float32 copies
+        per = b * ((1 + continuations) * conv_dim + value + 2 * key + 64 * HV + HV)
+        per += 4 * (HV + 2 * text["linear_num_key_heads"])
+        if norms_recomputed:
+            return Term("mixer", "Gated DeltaNet (fla's saved tensors): conv in, contiguous v, q/k l2-normed, WY "
+                        "blocks, g, beta", round(T * per), approx=True, depth=1)
+        per += b * value + 4 * 3 * value
+        label = "Gated DeltaNet (fla's saved tensors): conv in, contiguous v, q/k l2-normed, WY blocks, z, gated norm"
+    return Term("mixer", label, round(T * per), approx=True, depth=1)
+
+
+def gdn_kernel_terms(text: dict, T: int, b: int, continuations: float) -> tuple[Term, int]:
+    """fla's chunk rule in a GDN layer (its largest call, P's or one of the continuations' calls of at most
+    :data:`GDN_CALL_ROWS` rows, has ``rows``): in
+    backward, its recomputed w, u and chunk states h, their gradients and the float32 dq, dk, beside every call's
+    output gradient and the gated norm's input and gate gradients (a term of the layer's backward); and the bytes
+    alive at the top of its forward beside the layer's input: the input norm's output, the projections and the
+    conv's output, the call's w, u, v_new, output, chunk states, contiguous v, l2-normed q/k and WY blocks, the other
+    call's output (the forward phase's)."""
+    key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
+    HV, K, V = text["linear_num_value_heads"], text["linear_key_head_dim"], text["linear_value_head_dim"]
+    value, conv_dim, H = HV * V, 2 * key + HV * V, text["hidden_size"]
+    rows = max(round(T * (1 - continuations)), min(round(T * continuations), GDN_CALL_ROWS))
+    states = HV * K * V // 64  # the chunk states [T / 64, HV, K, V] per row
+    wk = HV * K  # w, dw, and dq / dk per value head
+    backward = rows * (b * (4 * wk + 3 * value + 2 * states) + 4 * HV) + T * b * 3 * value
+    forward = (T * b * (H + 2 * conv_dim + value) + rows * b * (5 * value + states + 2 * key + 64 * HV)
+               + (T - rows) * b * value)
+    term = Term("gdn_backward", f"fla's chunk rule in backward (its largest call, {rows:,} rows): recomputed w, u, "
+                f"chunk states, their gradients and dq/dk per value head; the output and the gated norm's gradients",
+                backward, approx=True, depth=1)
+    return term, forward
 
 
 def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=(), mlp_rows: int | None = None
@@ -373,37 +398,67 @@ def layer_recompute(text: dict, layer_type, T: int, b: int, a: int, r: int, targ
     H = text["hidden_size"]
     rows = savings.mlp_rows if _kind(layer_type)[1] == DENSE else 0
     mlp, workspace = (lambda ts: (ts[:-1], ts[-1]))(mlp_terms(text, layer_type, T, b, target_parameters, rows))
-    norms = (norm_terms(text, layer_type, T, b) if savings.norms_recomputed else
+    norms = (norm_terms(text, layer_type, T, b, savings.norm_rows) if savings.norms_recomputed else
              [Term("norms", f"RMSNorm float32 copies: 2 x {_shape(T, H)}", 2 * T * H * 4, approx=True, depth=1)])
+    gdn = [gdn_kernel_terms(text, T, b, continuations)[0]] if _kind(layer_type)[0] != FULL else []
     return [
         *mlp,
         *adapter_terms(text, layer_type, T, b, a, r, targets, dropout, mask_bytes, savings.masks_regenerated, rows),
         mixer_term(text, layer_type, T, b, savings.norms_recomputed, continuations),
         *norms,
         workspace,
+        *gdn,
         *lora_output_term(text, layer_type, T, a, targets, rows, 1 if savings.lora_in_model_dtype else 2),
     ]
 
 
-def norm_terms(text: dict, layer_type, T: int, b: int) -> list[Term]:
-    """Recomputed RMSNorms (packtrain/packed/recompute.py) save only their input in the model's dtype, and during
-    a norm's backward its recompute runs in float32: six float32 pieces of its input's shape (the input cast, the
-    squares' gradient and the mean's, two products' gradients), while its saved input is gone (inside a checkpointed
-    layer the norm's checkpoint lets it go once recomputed; tests/run/test_measure.py counts both).
+def forward_transient(text: dict, layer_type, T: int, b: int, terms: list[Term], continuations: float) -> int:
+    """The top of a checkpointed layer's forward beside its input (which keeps nothing for backward): the mixer's
+    (the GDN's chunk rule forward, :func:`gdn_kernel_terms`; attention: what it saves, with the input norm's output)
+    or the MLP's (the post-attention norm's output, its intermediates over one tile or the whole buffer, an
+    adapter's output)."""
+    H = text["hidden_size"]
+    if _kind(layer_type)[0] != FULL:
+        mixer = gdn_kernel_terms(text, T, b, continuations)[1]
+    else:
+        mixer = T * H * b + _sum(terms, {"mixer"})
+    mlp = T * H * b + _sum(terms, {"mlp_tile", "mlp_first", "lora_out"} if any(t.key == "mlp_tile" for t in terms)
+                           else {"mlp", "lora_out"})
+    return max(mixer, mlp)
+
+
+def norm_terms(text: dict, layer_type, T: int, b: int, rows: int) -> list[Term]:
+    """Norms in recomputed row tiles (packtrain/packed/recompute.py, ``train.norm_chunk_rows`` > 0) save only their
+    inputs in the model's dtype; a norm's backward recomputes one tile at a time in float32 (:func:`norm_backward_term`)
+    beside its saved input and its input's gradient (tests/run/test_measure.py counts it).
     The layer's input norm reads the layer's input (kept anyway); the post-attention norm saves [T, H]; a GDN's
-    gated norm saves its input and gate ([T, value] each) and recomputes six float32 pieces plus one in the model's
-    dtype. The q/k norms' inputs are the projections' outputs (:func:`mixer_term`)."""
+    gated norm saves its input and gate ([T, value] each). The q/k norms' inputs are the projections' outputs
+    (:func:`mixer_term`)."""
     H = text["hidden_size"]
     terms = [Term("norm_input", f"the post-attention norm's input {_shape(T, H)}", T * H * b, depth=1),
-             Term("norm_backward", f"the post-attention norm's backward: 6 x {_shape(T, H)} float32", 6 * T * H * 4,
-                  approx=True, depth=1)]
+             norm_backward_term(text, "norm_backward", "the post-attention norm's backward", T, H, b, rows, depth=1)]
     if _kind(layer_type)[0] != FULL:
         value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
         terms += [Term("gated_norm_input", f"the gated norm's input and gate: 2 x {_shape(T, value)}",
                        2 * T * value * b, depth=1),
-                  Term("gated_norm_backward", f"the gated norm's backward: 6 x {_shape(T, value)} float32 + 1",
-                       T * value * (6 * 4 + b), approx=True, depth=1)]
+                  norm_backward_term(text, "gated_norm_backward", "the gated norm's backward", T, value, b, rows,
+                                     beside=3, depth=1)]
     return terms
+
+
+def norm_backward_term(text: dict, key: str, label: str, T: int, D: int, b: int, rows: int, beside: int = 2,
+                       depth: int = 0) -> Term:
+    """A norm's backward over [T, D] inputs: whole (``rows`` 0), six float32 pieces of the input's shape (the input
+    cast, the squares' gradient and the mean's, two products' gradients); in tiles, six float32 pieces of one tile
+    (as many elements as ``rows`` rows of the hidden state) and the tile's recomputed output, beside ``beside``
+    [T, D] tensors in the model's dtype
+    (the incoming gradient and the input's, filled tile by tile; a gated norm's gate's, the final norm's saved
+    input)."""
+    if not rows:
+        return Term(key, f"{label}: 6 x {_shape(T, D)} float32", 6 * T * D * 4, approx=True, depth=depth)
+    tile = min(rows * text["hidden_size"], T * D)
+    return Term(key, f"{label} in tiles of {rows:,} rows: 6 x {tile:,} float32 and the tile's output + {beside} x "
+                     f"{_shape(T, D)} gradients", tile * (6 * 4 + b) + beside * T * D * b, approx=True, depth=depth)
 
 
 def layer_total(terms: list[Term]) -> int:
@@ -416,11 +471,14 @@ def layer_total(terms: list[Term]) -> int:
 
     moments = [alive(set()) + _sum(terms, {"mlp_tile", "workspace"}),
                alive(_AFTER_GATE) + _sum(terms, {"mlp_first", "lora_out"})]
-    if any(t.key == "norm_backward" for t in terms):
-        mlp = _AFTER_GATE | {"lora:gate_proj", "norm_input"}
+    if any(t.key == "norm_backward" for t in terms):  # a tiled norm's saved input is alive until it is done
+        mlp = _AFTER_GATE | {"lora:gate_proj"}
         moments.append(alive(mlp) + _sum(terms, {"norm_backward"}))
         if any(t.key == "gated_norm_backward" for t in terms):  # out_proj's backward has run: its input is gone
-            moments.append(alive(mlp | {"gated_norm_input", "lora:out_proj"}) + _sum(terms, {"gated_norm_backward"}))
+            moments.append(alive(mlp | {"norm_input", "lora:out_proj"}) + _sum(terms, {"gated_norm_backward"}))
+    if any(t.key == "gdn_backward" for t in terms):  # the chunk rule's backward: the layer's later parts are done
+        done = _AFTER_GATE | {"lora:gate_proj", "norm_input", "lora:out_proj", "gated_norm_input", "norms"}
+        moments.append(alive(done) + _sum(terms, {"gdn_backward"}))
     return max(moments)
 
 
@@ -433,37 +491,64 @@ _AFTER_GATE = {"mlp", "mlp_first", "experts_adapted", "lora:up_proj", "lora:down
 
 @dataclass(frozen=True)
 class StepSavings:
-    """What the training step keeps, as the estimate counts it: the chunked loss (``loss_rows`` target rows per
-    chunk of lm_head + cross-entropy, recomputed in backward; 0: all rows at once), the tiled dense MLP
-    (``mlp_rows`` buffer rows per checkpointed tile; 0: whole), LoRA computing in the model's dtype (no float32
-    copies), dropout masks regenerated in backward (no copy per adapter), RMSNorm recomputed (no float32 copies)."""
+    """What the training step keeps, as the estimate counts it (the choice of :mod:`packtrain.models.savings`):
+    checkpointed decoder layers (``activation_checkpointing``), the first ``offload_layers`` layers' checkpointed
+    inputs in host memory (implies checkpointing), the chunked loss (``loss_rows`` target rows per chunk of lm_head +
+    cross-entropy, recomputed in backward; 0: all rows at once), the tiled dense MLP (``mlp_rows`` buffer rows per
+    recomputed tile; 0: whole), the norms in recomputed row tiles (``norm_rows``; 0: whole, their float32 copies
+    kept), LoRA computing in the model's dtype (no float32 copies), dropout masks regenerated in backward (no copy
+    per adapter)."""
+    activation_checkpointing: bool = False
+    offload_layers: int = 0
     loss_rows: int = 0
     mlp_rows: int = 0
+    norm_rows: int = 0
     lora_in_model_dtype: bool = False
     masks_regenerated: bool = False
-    norms_recomputed: bool = False
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.activation_checkpointing or self.offload_layers > 0
+
+    @property
+    def norms_recomputed(self) -> bool:
+        return self.norm_rows > 0
 
     def describe(self) -> list[str]:
         def rows(n):
             return f"{n:,} rows" if n else "off"
 
-        return [f"chunked loss: {rows(self.loss_rows)}", f"tiled MLP: {rows(self.mlp_rows)}",
+        layers = "off" if not self.checkpointing else (f"on, {self.offload_layers} layer inputs in host memory"
+                                                       if self.offload_layers else "on")
+        return [f"checkpointing: {layers}", f"chunked loss: {rows(self.loss_rows)}", f"tiled MLP: {rows(self.mlp_rows)}",
+                f"norms in tiles: {rows(self.norm_rows)}",
                 f"LoRA in the model's dtype: {'on' if self.lora_in_model_dtype else 'off (float32 copies)'}",
-                f"dropout masks regenerated: {'on' if self.masks_regenerated else 'off (kept)'}",
-                f"norms recomputed: {'on' if self.norms_recomputed else 'off (float32 copies kept)'}"]
+                f"dropout masks regenerated: {'on' if self.masks_regenerated else 'off (kept)'}"]
 
 
 def savings_for(cfg, device: str = "cuda") -> StepSavings:
-    """The savings a config's step has on ``device`` (``train.mlp_chunk_rows`` null: the device's default)."""
+    """The savings of a config whose ``train`` values are chosen (:meth:`packtrain.models.savings.Choice.apply`, or
+    given): ``train.mlp_chunk_rows`` null is the device's default tile."""
     t = cfg.train
+    given = (t.activation_checkpointing, t.offload, t.loss_chunk_rows, t.mlp_chunk_rows, t.norm_chunk_rows)
+    if "auto" in [v for v in given if isinstance(v, str)]:
+        raise ValueError("memory.savings_for: the train.* savings are still auto (choose them first: "
+                         "packtrain.models.savings.choose)")
     mlp = t.mlp_chunk_rows if t.mlp_chunk_rows is not None else MLP_TILE_ROWS[device]
-    return StepSavings(loss_rows=t.loss_chunk_rows, mlp_rows=mlp, lora_in_model_dtype=True, masks_regenerated=True,
-                       norms_recomputed=True)
+    offload = layer_count(cfg) if t.offload is True else int(t.offload)
+    return StepSavings(activation_checkpointing=bool(t.activation_checkpointing), offload_layers=offload,
+                       loss_rows=t.loss_chunk_rows, mlp_rows=mlp, norm_rows=t.norm_chunk_rows,
+                       lora_in_model_dtype=True, masks_regenerated=True)
+
+
+def layer_count(cfg) -> int:
+    """The decoder layers of a config's model."""
+    return text_config(config_dict_of(cfg))["num_hidden_layers"]
 
 
 def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16", adapter_dtype: str | None = None,
              lora_r: int = 8, lora_targets: list[str] = (), lora_dropout: float = 0.0, optimizer: str = "adamw",
-             momentum: float = 0.0, checkpointing: bool = True, offload: bool = False, world_size: int = 1,
+             momentum: float = 0.0, world_size: int = 1,
              continuations: int | None = None, offload_chunk_bytes: int = OFFLOAD_CHUNK_BYTES,
              lora_parameters_targets: list[str] = (), modules_to_save: list[str] = (), context_grad: str = "full",
              prefix: int = 0, group_positions: int | None = None,
@@ -487,7 +572,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     b = DTYPE_BYTES[dtype]
     a = DTYPE_BYTES[adapter_dtype] if adapter_dtype else (b if savings.lora_in_model_dtype else 4 if b == 2 else b)
     targets_list = list(lora_targets)
-    checkpointing = checkpointing or offload
+    checkpointing, offloaded = savings.checkpointing, savings.offload_layers
     sharded = f", / {W} ranks" if W > 1 else ""
     terms: list[Term] = []
     static: list[str] = []  # keys of the terms alive in every phase
@@ -534,23 +619,31 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                 for k in kinds}
     kind = max(kinds, key=lambda k: layer_total(per_kind[k]))
     carried: list[str] = []  # alive from the end of the forward to the end of backward
-    if offload:
+    if offloaded:
         chunks = math.ceil(layer_input / offload_chunk_bytes) * offload_chunk_bytes
-        terms.append(Term("checkpointed_inputs", f"checkpointed layer inputs: {L} x {_shape(T, H)} {dtype} "
-                          f"({offload_chunk_bytes // 2**20} MiB chunks)", L * chunks, where="host"))
-        terms.append(Term("residual", f"layer input fetched back + its gradient: 2 x {_shape(T, H)}",
-                          2 * layer_input))
-    elif checkpointing:
-        terms.append(Term("checkpointed_inputs", f"checkpointed layer inputs: {L} x {_shape(T, H)} {dtype}",
-                          L * layer_input))
+        terms.append(Term("offloaded_inputs", f"offloaded layer inputs: the first {offloaded} of {L} x "
+                          f"{_shape(T, H)} {dtype} ({offload_chunk_bytes // 2**20} MiB chunks)", offloaded * chunks,
+                          where="host"))
+    if checkpointing:
+        if L > offloaded:
+            terms.append(Term("checkpointed_inputs", f"checkpointed layer inputs on the device: {L - offloaded} x "
+                              f"{_shape(T, H)} {dtype}", (L - offloaded) * layer_input))
+            carried.append("checkpointed_inputs")
         terms.append(Term("residual", f"gradient of the hidden states: {_shape(T, H)}", layer_input))
-        carried.append("checkpointed_inputs")
+        if offloaded:
+            # in an offloaded layer's backward: its input fetched back, and the layer before's being prefetched
+            terms.append(Term("fetched", f"an offloaded layer's input fetched back + the next one's prefetch: 2 x "
+                              f"{_shape(T, H)}", 2 * layer_input))
     else:
         graph = per_kind if T == T_layer else {
             k: layer_recompute(text, k, T, b, a, lora_r, targets_list, lora_dropout,
                                target_parameters=lora_parameters_targets, savings=savings, continuations=share)
             for k in kinds}
-        saved_by_layer = [sum(t.bytes for t in graph[k] if t.key not in _TRANSIENT) for k in text["kinds"]]
+        # each layer's saved tensors; a tiled input norm keeps the layer's input too (a checkpointed layer's input
+        # is counted as such)
+        kept_input = layer_input if savings.norms_recomputed else 0
+        saved_by_layer = [sum(t.bytes for t in graph[k] if t.key not in _TRANSIENT) + kept_input
+                          for k in text["kinds"]]
         terms.append(Term("all_layers", f"saved activations of all {L} layers (no checkpointing)",
                           sum(saved_by_layer), approx=True))
         terms.append(Term("residual", f"gradient of the hidden states: {_shape(T, H)}", layer_input))
@@ -569,11 +662,11 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                       "backward", rows * V * 3 * 4))
     terms.append(Term("loss_hidden", f"the target rows' hidden states and their gradient: 2 x {_shape(M, H)}",
                       2 * M * H * b))
-    # after the chunks, the final RMSNorm's backward runs in float32 over the whole buffer: its saved float32 copy,
-    # the incoming gradient and its intermediate gradients
-    terms.append(Term("final_norm", f"the final norm's backward: 6 x {_shape(T, H)} float32", 6 * T * H * 4,
-                      approx=True))
-    if offload:  # the embedding's output stays alive (the first layer's input); checkpointed inputs hold it else
+    # after the chunks, the final RMSNorm's backward runs in float32: its intermediate gradients over the whole
+    # buffer, or one tile's of them beside its saved input and its input's gradient
+    terms.append(norm_backward_term(text, "final_norm", "the final norm's backward", T, H, b, savings.norm_rows,
+                                    beside=3))
+    if offloaded:  # the embedding's output stays alive (the first layer's input); checkpointed inputs hold it else
         terms.append(Term("embedding_out", f"the embedding's output {_shape(T, H)}", layer_input))
     terms.append(Term("logits_full", f"not needed: logits at every position {_shape(positions, V)} {dtype}",
                       positions * V * b, where="compare"))
@@ -584,20 +677,33 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     base = alive(static)
     # the forward: a checkpointed layer keeps nothing, so its peak is a layer's transients (an adapter's output
     # beside the MLP's first intermediate); without checkpointing, every layer's saved tensors
-    transient = max(sum(t.bytes for t in per_kind[k] if t.key in ("lora_out", "mlp_first")) for k in kinds)
-    phases = {"forward": base + gathered.get("layer", 0) + alive(carried) + alive(["residual"]) + transient,
+    if checkpointing:  # a checkpointed layer keeps nothing: its forward's top is transient
+        transient = max(forward_transient(text, k, T_layer, b, per_kind[k], share) for k in kinds)
+    else:  # every layer's saved tensors are in all_layers: the kernels' workspace and an adapter's output beside them
+        transient = max(sum(t.bytes for t in per_kind[k] if t.key in ("lora_out", "mlp_first")) for k in kinds)
+    # an offloaded layer's input is on the device while its forward runs (and is being copied out)
+    running = layer_input if checkpointing and offloaded else 0
+    phases = {"forward": base + gathered.get("layer", 0) + alive(carried) + running + transient,
               "loss": base + gathered.get("loss", 0) + alive(carried) + alive(["embedding_out", "loss_hidden"])
               + max(alive(["logits"]), alive(["final_norm"]))}
     for k in kinds:
+        name = f"{'recompute' if checkpointing else 'backward'} {kind_name(text, k)}"
+        at = [j for j, kj in enumerate(text["kinds"]) if kj == k]
         if checkpointing:
-            graph_alive = alive(carried)
+            # backward runs last layer first: at layer j the device still holds the checkpointed inputs of the
+            # resident layers up to j (its own among them), an offloaded j its input fetched back, and while j runs
+            # the prefetch of layer j - 1's input when that one is offloaded
+            def graph_alive(j):
+                return (max(0, j - offloaded + 1) + (j < offloaded) + (1 <= j <= offloaded)) * layer_input
         else:
-            # backward runs last layer first: at the last layer of kind k the layers after it have freed their
-            # saved tensors, and its own are in layer_totals[k]
-            last = max(j for j, kj in enumerate(text["kinds"]) if kj == k)
-            graph_alive = sum(saved_by_layer[:last])
-        phases[f"{'recompute' if checkpointing else 'backward'} {kind_name(text, k)}"] = (
-            base + gathered.get("layer", 0) + graph_alive + alive(["residual", "embedding_out"]) + layer_totals[k])
+            # at the last layer of kind k the layers after it have freed their saved tensors, and its own are in
+            # layer_totals[k]
+            at = at[-1:]
+
+            def graph_alive(j):
+                return sum(saved_by_layer[:j])
+        phases[name] = (base + gathered.get("layer", 0) + max(graph_alive(j) for j in at)
+                        + alive(["residual", "embedding_out"]) + layer_totals[k])
     # AdamW's step: its foreach kernels hold about two more copies of the trained tensors
     phases["optimizer"] = base + math.ceil((n_lora * master + n_saved * b) * 2 / W)
     conts = f", {continuations} continuations" if continuations is not None else ""
@@ -608,7 +714,8 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                                  f"tokens; world size {W}{mode}", phases, savings)
 
 
-_TRANSIENT = {"workspace", "lora_out", "mlp_first", "mlp_tile", "norm_backward", "gated_norm_backward"}  # alive only for a moment of the layer's recompute or backward
+_TRANSIENT = {"workspace", "lora_out", "mlp_first", "mlp_tile", "norm_backward", "gated_norm_backward",
+              "gdn_backward"}  # alive only for a moment of the layer's recompute or backward
 
 
 def frozen_prefix_terms(text: dict, prefix: int, b: int) -> list[Term]:
@@ -654,65 +761,24 @@ class UnitShape:
 
 
 def _plan_estimate(cfg, text: dict, world_size: int, context_grad: str, positions: int, targets: int,
-                   continuations: int, prefix: int, group_positions: int | None) -> MemoryEstimate:
+                   continuations: int, prefix: int, group_positions: int | None,
+                   savings: StepSavings | None = None) -> MemoryEstimate:
     return estimate(text, positions, targets, dtype=cfg.model.dtype,
                     lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules, lora_dropout=cfg.lora.dropout,
                     lora_parameters_targets=cfg.lora.target_parameters,
                     modules_to_save=cfg.lora.modules_to_save or (),
                     optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
-                    checkpointing=cfg.train.activation_checkpointing, offload=cfg.train.offload,
                     world_size=world_size, continuations=continuations, context_grad=context_grad, prefix=prefix,
-                    group_positions=group_positions, savings=savings_for(cfg))
+                    group_positions=group_positions, savings=savings or savings_for(cfg))
 
 
-def estimate_for_unit(cfg, shape: UnitShape, world_size: int, context_grad: str | None = None) -> MemoryEstimate:
+def estimate_for_unit(cfg, shape: UnitShape, world_size: int, context_grad: str | None = None,
+                      savings: StepSavings | None = None) -> MemoryEstimate:
     """The estimate for the unit of ``shape`` under ``context_grad`` (default: the config's
-    ``packing.context_grad``)."""
+    ``packing.context_grad``) and ``savings`` (default: the config's, chosen)."""
     return _plan_estimate(cfg, text_config(config_dict_of(cfg)), world_size, context_grad or cfg.packing.context_grad,
                           shape.prefix + sum(shape.lengths), sum(shape.targets), shape.continuations, shape.prefix,
-                          shape.group_positions)
-
-
-def max_token_budget(cfg, shape: UnitShape, world_size: int, gib: float) -> dict:
-    """The largest ``packing.token_budget`` whose estimate fits ``gib`` per GPU: the largest unit's (``shape``) P
-    with as many continuations of its mean length and mean target tokens as the budget holds (a binary search over
-    budgets). A tree's continuations are its leaves, each with its share of the tree's positions and targets."""
-    p, n0 = shape.prefix, shape.continuations
-    mean_len, mean_targets = sum(shape.lengths) / n0, sum(shape.targets) / n0
-    text = text_config(config_dict_of(cfg))
-
-    def at(budget: int) -> tuple[int, MemoryEstimate]:
-        n = max(1, int((budget - p) / mean_len))
-        return n, _plan_estimate(cfg, text, world_size, cfg.packing.context_grad, budget, round(n * mean_targets), n,
-                                 p, None)
-
-    limit = gib * GiB
-    lo, hi = p + math.ceil(mean_len), p + math.ceil(mean_len)
-    if at(lo)[1].total() > limit:
-        return {"token_budget": None, "gpu_memory_gib": gib, "prefix": p, "continuation_positions": mean_len,
-                "continuation_targets": mean_targets, "continuations": 0, "estimate_bytes": at(lo)[1].total()}
-    while at(hi)[1].total() <= limit and hi < 2**31:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if at(mid)[1].total() <= limit else (lo, mid)
-    n, est = at(lo)
-    return {"token_budget": lo, "gpu_memory_gib": gib, "prefix": p, "continuation_positions": mean_len,
-            "continuation_targets": mean_targets, "continuations": n, "estimate_bytes": est.total(),
-            "peak_phase": est.peak_phase, "max_continuations": cfg.packing.max_continuations}
-
-
-def format_budget(b: dict) -> str:
-    head = (f"largest packing.token_budget fitting {b['gpu_memory_gib']:g} GiB per GPU (the estimate; P of "
-            f"{b['prefix']:,} tokens and continuations of the largest pack's mean, {b['continuation_positions']:,.0f} "
-            f"positions and {b['continuation_targets']:,.0f} target tokens each, as many as fit)")
-    if b["token_budget"] is None:
-        return f"{head}: none (P with one continuation needs {b['estimate_bytes'] / GiB:.2f} GiB)"
-    line = (f"{head}: {b['token_budget']:,} positions, {b['continuations']} continuations "
-            f"({b['estimate_bytes'] / GiB:.2f} GiB, peak in {b['peak_phase']})")
-    if b["continuations"] > b["max_continuations"]:
-        line += f"; needs packing.max_continuations >= {b['continuations']} (now {b['max_continuations']})"
-    return line
+                          shape.group_positions, savings)
 
 
 def format_phases(est: MemoryEstimate, measured=None) -> str:
@@ -768,55 +834,3 @@ def format_table(est: MemoryEstimate) -> str:
             lines.append(f"  {t.label:<{width}}{gib(t.bytes)}  ({t.bytes / 1e9:.1f} GB)")
     lines.append("  ~ approximate (kernel-dependent); `packtrain smoke` measures the real peak")
     return "\n".join(lines)
-
-
-def node_pool(per_rank_host: int, ranks_per_node: int, memory_gib: float | None) -> dict:
-    """The offload pools of one node's ranks together (each rank's checkpointed layer inputs, in whole chunks) and
-    whether they fit ``memory_gib``."""
-    need = per_rank_host * ranks_per_node
-    out = {"ranks_per_node": ranks_per_node, "host_per_rank_bytes": per_rank_host, "host_per_node_bytes": need,
-           "host_memory_per_node_bytes": None if memory_gib is None else int(memory_gib * GiB), "fits": None}
-    if memory_gib is not None:
-        out["fits"] = need <= memory_gib * GiB
-    return out
-
-
-def format_node_pool(pool: dict) -> str:
-    n, per, need = pool["ranks_per_node"], pool["host_per_rank_bytes"] / GiB, pool["host_per_node_bytes"] / GiB
-    line = f"offload pool per node: {n} rank{'s' * (n != 1)} x {per:.2f} GiB = {need:.2f} GiB of host memory"
-    if pool["host_memory_per_node_bytes"] is None:
-        return line + " (--host-memory-per-node GIB: whether it fits)"
-    have = pool["host_memory_per_node_bytes"] / GiB
-    if pool["fits"]:
-        return line + f", fits {have:.2f} GiB ({have - need:.2f} GiB left)"
-    return line + f", does not fit {have:.2f} GiB: {need - have:.2f} GiB short"
-
-
-def available_host_memory() -> int | None:
-    """MemAvailable of this machine (bytes), None where /proc/meminfo does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def memory_line(cfg, est: MemoryEstimate) -> str:
-    """The run header's memory line: the estimate's peak and which savings are on."""
-    t = cfg.train
-    keep = "checkpointing + offload" if t.offload else "checkpointing" if t.activation_checkpointing else \
-        "no checkpointing"
-    return (f"memory: about {est.total() / GiB:.1f} GiB per GPU at the largest pack (the estimate, peak in "
-            f"{est.peak_phase}; `packtrain plan --memory --measure` counts the step); {keep}; "
-            + "; ".join(est.savings.describe()))
-
-
-def fit_warning(est: MemoryEstimate, device_bytes: int, token_budget: int) -> str | None:
-    """A warning when the estimate's peak does not fit the device's memory, else None."""
-    if est.total() <= device_bytes:
-        return None
-    return (f"warning: packing.token_budget {token_budget:,} does not fit this GPU: the estimate's peak "
-            f"{est.total() / GiB:.1f} GiB ({est.peak_phase}) is over its {device_bytes / GiB:.1f} GiB; "
-            "`packtrain plan --memory --gpu-memory GIB` gives the largest budget that fits")

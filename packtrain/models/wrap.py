@@ -24,7 +24,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from packtrain.config import Config, TrainConfig
+from packtrain.config import Config
 from packtrain.models.build import apply_lora
 from packtrain.models.loading import (
     SafetensorsCheckpoint,
@@ -36,7 +36,8 @@ from packtrain.models.loading import (
     module_names,
     real_tensors,
 )
-from packtrain.models.offload import DEFAULT_CHUNK_BYTES, ChunkPool, OffloadedCheckpoint
+from packtrain.models.offload import DEFAULT_CHUNK_BYTES, ChunkPool, OffloadChain, OffloadedCheckpoint
+from packtrain.models.savings import AUTO, KEYS, inference_rows
 from packtrain.packed.kernels import Backend, select_backend
 from packtrain.packed.lm import PackedLM
 from packtrain.packed.patch import patch_model, text_parts
@@ -54,11 +55,15 @@ def checkpoint_decoder_layers(model: nn.Module) -> nn.Module:
     return model
 
 
-def offload_decoder_layers(model: nn.Module, pool: ChunkPool) -> nn.Module:
-    """Checkpoint every decoder layer and keep its input in ``pool`` until backward needs it."""
+def offload_decoder_layers(model: nn.Module, pool: ChunkPool, layers: int | None = None) -> nn.Module:
+    """Checkpoint every decoder layer; the first ``layers`` (None: all) keep their input in ``pool`` until backward
+    needs it, the others on the device. All of them share one :class:`OffloadChain`: in backward, the layer after an
+    offloaded one starts copying its input back (:mod:`packtrain.models.offload`)."""
     text_model, _ = text_parts(model)
+    n = len(text_model.layers) if layers is None else layers
+    chain = OffloadChain(pool)
     for i, layer in enumerate(text_model.layers):
-        text_model.layers[i] = OffloadedCheckpoint(layer, pool)
+        text_model.layers[i] = OffloadedCheckpoint(layer, chain, i, offload=i < n)
     return model
 
 
@@ -91,11 +96,12 @@ def head_unit_forward(lm_head: nn.Module, target_losses):
     return lm_head.packtrain_target_losses
 
 
-def wrap(model: nn.Module, backend: Backend, *, checkpointing: bool = False, offload: bool = False,
-            shard: bool = False, device=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-            context_grad: str = "full", loss_chunk_rows: int = TrainConfig.loss_chunk_rows, fill=None) -> PackedLM:
-    """A LoRA-wrapped model -> the trainable root module. ``offload`` implies checkpointing; ``context_grad`` is
-    ``packing.context_grad`` (:mod:`packtrain.packed.context`), ``loss_chunk_rows`` ``train.loss_chunk_rows``
+def wrap(model: nn.Module, backend: Backend, *, checkpointing: bool = False, offload: int = 0,
+         shard: bool = False, device=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+         context_grad: str = "full", loss_chunk_rows: int = 0, fill=None) -> PackedLM:
+    """A LoRA-wrapped model -> the trainable root module. ``offload``: the number of decoder layers (from the
+    first) whose checkpointed inputs go to host memory (``train.offload``); it implies checkpointing. ``context_grad``
+    is ``packing.context_grad`` (:mod:`packtrain.packed.context`), ``loss_chunk_rows`` ``train.loss_chunk_rows``
     (:mod:`packtrain.packed.loss`).
 
     ``fill(lm, kept)``: for a model built on the meta device, called last (after ``fully_shard``) to allocate and
@@ -103,7 +109,7 @@ def wrap(model: nn.Module, backend: Backend, *, checkpointing: bool = False, off
     patch_model(model, backend)
     if offload:
         pin = device is not None and getattr(device, "type", str(device)) == "cuda"
-        offload_decoder_layers(model, ChunkPool(chunk_bytes, pin_memory=pin))
+        offload_decoder_layers(model, ChunkPool(chunk_bytes, pin_memory=pin), offload)
     elif checkpointing:
         checkpoint_decoder_layers(model)
     lm = PackedLM(model, context_grad, loss_chunk_rows)
@@ -153,11 +159,22 @@ def assemble(base_model: nn.Module, cfg: Config, device, shard: bool = False, ba
         def fill(lm, kept):
             lm.load_report = materialize(lm, kept, names, weights, device)
     model = with_adapter(base_model, cfg, adapter)
-    backend = backend or select_backend(cfg.model.kernels, device, mlp_chunk_rows=cfg.train.mlp_chunk_rows,
-                                        gdn_kernel=cfg.model.gdn_kernel)
     t = cfg.train
-    lm = wrap(model, backend, checkpointing=training and t.activation_checkpointing, offload=training and t.offload,
-              shard=shard, device=device, context_grad=cfg.packing.context_grad, loss_chunk_rows=t.loss_chunk_rows,
+    if training:
+        left = [f"train.{k}" for k in KEYS if getattr(t, k) == AUTO]
+        if left:
+            raise ValueError(f"assemble: {', '.join(left)} still auto: a training model takes the chosen savings "
+                             "(packtrain.run.units.choose_savings)")
+        loss_rows, mlp_rows, norm_rows = t.loss_chunk_rows, t.mlp_chunk_rows, t.norm_chunk_rows
+    else:
+        loss_rows, mlp_rows, norm_rows = inference_rows(cfg, torch.device(device).type)
+    backend = backend or select_backend(cfg.model.kernels, device, mlp_chunk_rows=mlp_rows, norm_chunk_rows=norm_rows,
+                                        gdn_kernel=cfg.model.gdn_kernel)
+    offload = 0
+    if training:
+        offload = len(decoder_layers(model)) if t.offload is True else int(t.offload)
+    lm = wrap(model, backend, checkpointing=training and bool(t.activation_checkpointing), offload=offload,
+              shard=shard, device=device, context_grad=cfg.packing.context_grad, loss_chunk_rows=loss_rows,
               fill=fill)
     if torch.device(device).type == "cpu":  # activations are host memory: keep them between steps
         keep_heap_between_steps()

@@ -16,6 +16,7 @@ W conv width, H/HV key/value heads, K/V head dims.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +75,8 @@ def continuation_delta_rule_torch(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: Pa
         q_SHK[None], k_SHK[None], v_SHV[None], g_SH[None], beta_SH[None], initial_state=state.expand(n, -1, -1, -1),
         output_final_state=final_state, cu_seqlens=layout.cu_seqlens_host,
         chunk_size=continuation_chunk(layout.cont_lens))
-    return (out_S[0], final) if final_state else out_S[0]
+    out_S = out_S.squeeze(0)  # a view: out_S[0]'s backward would copy the gradient
+    return (out_S, final) if final_state else out_S
 
 
 def packed_delta_rule_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: PackLayout) -> torch.Tensor:
@@ -85,7 +87,7 @@ def packed_delta_rule_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: PackLayo
         q_THK[None, :p], k_THK[None, :p], v_THV[None, :p], g_TH[None, :p], beta_TH[None, :p],
         output_final_state=True, chunk_size=PREFIX_CHUNK)
     out_S = continuation_delta_rule_torch(q_THK[p:], k_THK[p:], v_THV[p:], g_TH[p:], beta_TH[p:], layout, state)
-    return torch.cat([out_P[0], out_S])
+    return torch.cat([out_P.squeeze(0), out_S])
 
 
 def _tail_layout(layout: PackLayout, width: int) -> PackLayout:
@@ -111,7 +113,7 @@ def gdn_projections(module, hidden_states: torch.Tensor):
     """The family's projection split (:mod:`packtrain.packed.families`) of a batch-1 buffer: (pre-conv q|k|v
     [T, C], z, b, a, the conv weight [C, W]), each projection through its own call (LoRA, FSDP hooks)."""
     assert hidden_states.shape[0] == 1, "a pack is batch 1"
-    mixed_TC, z, b, a = module.packtrain_split(module, hidden_states[0])
+    mixed_TC, z, b, a = module.packtrain_split(module, hidden_states.squeeze(0))  # a view, as its gradient
     return mixed_TC, z, b, a, module.conv1d.weight.squeeze(1)
 
 
@@ -146,6 +148,24 @@ def gdn_output(module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return module.out_proj(core.reshape(1, T, -1))
 
 
+def _delta_rule(module, conv_TC: torch.Tensor, b, a, layout: PackLayout, backend: Backend, state, states: bool,
+                warm_up: int):
+    """The delta rule over the conv's output (its first ``warm_up`` rows dropped: P's tail before the
+    continuations), from P's ``state`` when it is given (the buffer holds only continuations)."""
+    conv_TC = conv_TC[warm_up:]
+    if backend.gdn == "fla":  # fla's calls take their rows before the heads are split (fla_backend)
+        from packtrain.packed.kernels import fla_backend, fla_frozen
+
+        heads = functools.partial(gdn_heads, module)
+        if state is not None:
+            return fla_frozen.continuation_delta_rule(heads, conv_TC, b, a, layout, state, states)
+        return fla_backend.packed_delta_rule(heads, conv_TC, b, a, layout)
+    q, k, v, g, beta = gdn_heads(module, conv_TC, b, a)
+    if state is not None:
+        return continuation_delta_rule_torch(q, k, v, g, beta, layout, state, states)
+    return packed_delta_rule_torch(q, k, v, g, beta, layout)
+
+
 def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, backend: Backend, prefix=None,
                        states: bool = False):
     """Same computation as ``Qwen3_5GatedDeltaNet.forward`` / ``Qwen3NextGatedDeltaNet.forward`` (no cache, no
@@ -155,28 +175,16 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
     (output, each continuation's conv state [N, C, W-1], its recurrent state [N, HV, K, V])."""
     mixed_TC, z, b, a, weight_CW = gdn_projections(module, hidden_states)
     W = weight_CW.shape[-1]
+    state = None
     if prefix is not None:
         tail_W1C, state = prefix.conv_and_state(module.layer_idx, W)
         conv_in, conv_layout = torch.cat([tail_W1C.to(mixed_TC.dtype), mixed_TC]), _tail_layout(layout, W)
     else:
         conv_in, conv_layout = mixed_TC, layout
-    mixed_TC = buffer_conv(module, conv_in, weight_CW, conv_layout, backend)
-    if prefix is not None:
-        mixed_TC = mixed_TC[W - 1:]
-    q, k, v, g, beta = gdn_heads(module, mixed_TC, b, a)
-
-    if prefix is not None and backend.gdn == "fla":
-        from packtrain.packed.kernels import fla_frozen
-
-        core = fla_frozen.continuation_delta_rule(q, k, v, g, beta, layout, state, states)
-    elif prefix is not None:
-        core = continuation_delta_rule_torch(q, k, v, g, beta, layout, state, states)
-    elif backend.gdn == "fla":
-        from packtrain.packed.kernels import fla_backend
-
-        core = fla_backend.packed_delta_rule(q, k, v, g, beta, layout)
-    else:
-        core = packed_delta_rule_torch(q, k, v, g, beta, layout)
+    del mixed_TC
+    # the conv's output is not bound here: it is let go once the delta rule has read it, before the gated norm runs
+    core = _delta_rule(module, buffer_conv(module, conv_in, weight_CW, conv_layout, backend), b, a, layout, backend,
+                       state, states, W - 1 if prefix is not None else 0)
     if states:
         core, recurrent_states = core
 

@@ -32,7 +32,6 @@ from typing import Protocol, TypeVar
 import torch
 from torch import nn
 
-from packtrain.config import TrainConfig
 from packtrain.packed import loss
 from packtrain.packed.context import ContextGrad
 from packtrain.packed.layout import PackLayout
@@ -74,7 +73,7 @@ class PackedLM(nn.Module):
     """
 
     def __init__(self, model: nn.Module, context_grad: str = "full",
-                 loss_chunk_rows: int = TrainConfig.loss_chunk_rows):
+                 loss_chunk_rows: int = 0):
         super().__init__()
         self.model = model
         self.context = ContextGrad(context_grad)

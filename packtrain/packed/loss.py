@@ -5,6 +5,7 @@ cross-entropy in float32, or float64 for a float64 model, whatever the model's d
 ``lm_head`` and that cross-entropy ``train.loss_chunk_rows`` target rows at a time, each chunk checkpointed: its
 logits are dropped after its forward and recomputed in backward, so no [rows, V] tensor larger than one chunk's
 exists, forward or backward (three float32 [M, V] tensors would be alive in one cross-entropy's backward).
+``train.loss_chunk_rows`` 0 runs all rows at once and keeps what autograd keeps: nothing is recomputed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def target_losses(lm_head: nn.Module, hidden_MD: torch.Tensor, target_ids: torch
     modules_to_save). Not ``lm_head(...)``: under FSDP2 the head is its own unit, and
     :func:`packtrain.models.wrap.wrap` runs this whole function as that unit's forward, so its weight is gathered
     once for all chunks and once for all their recomputes in backward, not once per chunk."""
-    rows = chunk_rows or max(hidden_MD.shape[0], 1)
+    if not chunk_rows:  # all rows at once, kept for backward: nothing recomputed
+        return _chunk_losses(lm_head, hidden_MD, target_ids, constant)
+    rows = chunk_rows
     # one backward node for all chunks, which concatenates their gradients once (a slice per chunk would add up a
     # zero-padded [M, D] gradient per chunk)
     hidden = hidden_MD.split(rows)
@@ -57,7 +60,7 @@ def _chunk_losses(lm_head: nn.Module, h_CD: torch.Tensor, target_ids: torch.Tens
 def describe(chunk_rows: int) -> str:
     """The run header's line for ``train.loss_chunk_rows``."""
     if chunk_rows == 0:
-        return "lm_head + cross-entropy in one chunk (train.loss_chunk_rows 0)"
+        return "lm_head + cross-entropy over all target rows at once (train.loss_chunk_rows 0)"
     return f"lm_head + cross-entropy in chunks of {chunk_rows:,} target rows (recomputed in backward)"
 
 

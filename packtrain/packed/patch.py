@@ -16,7 +16,9 @@
   chunk's dropout masks under no_grad and again with grad, so both must tile the same. With grad each tile is
   recomputed in backward (:func:`packtrain.packed.recompute.tiled_mlp`). A mixture of experts (routed experts and
   shared expert) runs as transformers wrote it.
-- RMSNorms of the text stack keep only their inputs for backward and recompute (:mod:`packtrain.packed.recompute`).
+- RMSNorms of the text stack (the q/k norms and GDN's gated norm among them) run in recomputed row tiles of the
+  back end's ``norm_rows`` (``train.norm_chunk_rows``), keeping only their inputs for backward
+  (:func:`packtrain.packed.recompute.tiled_norm`); without ``norm_rows``, as transformers wrote them.
 
 Works on peft-wrapped models (LoRA layers are injected in place) and under activation checkpointing (the
 recompute receives the same object through the same kwargs).
@@ -34,7 +36,7 @@ from packtrain.packed.attention import ATTN_NAME, packtrain_attention
 from packtrain.packed.families import FULL, LINEAR, UnsupportedModelError, check_layer_types, family_of, resolve
 from packtrain.packed.kernels import Backend
 from packtrain.packed.kernels.hf_route import route_unpacked_kernels
-from packtrain.packed.recompute import is_rmsnorm, recomputed_norm, tiled_mlp
+from packtrain.packed.recompute import is_rmsnorm, tiled_mlp, tiled_norm
 
 # The keyword under which a packed forward passes what its patched layers read: a pack's
 # packtrain.packed.pack_pass.PackPass, or a generation's decoding packtrain.packed.rows.Rows. Each patched layer
@@ -101,6 +103,13 @@ def _mlp_forward(self, x):
     return tiled_mlp(self, self._packtrain_original_forward, x, rows)
 
 
+def _norm_forward(self, *args):
+    rows = self.packtrain_backend.norm_rows
+    if not rows:
+        return type(self).forward(self, *args)  # looked up per call: a replacement on the class applies
+    return tiled_norm(self, rows, self.packtrain_width, *args)
+
+
 def _is_dense_mlp(module: nn.Module) -> bool:
     return hasattr(module, "down_proj") and not hasattr(module, "experts")
 
@@ -132,7 +141,9 @@ def patch_model(model: nn.Module, backend: Backend) -> nn.Module:
             layer.self_attn.packtrain_backend = backend
     for module in text_model.modules():
         if is_rmsnorm(module):
-            _patch_forward(module, recomputed_norm)
+            _patch_forward(module, _norm_forward)
+            module.packtrain_backend = backend
+            module.packtrain_width = text_model.config.hidden_size
     text_model.packtrain_backend = backend
     return model
 

@@ -35,7 +35,7 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from packtrain.data.planner import Plan, epoch_order
+from packtrain.data.planner import Plan, attention_pairs, epoch_order
 
 BALANCES = ("cost", "round_robin")
 # The share of round robin's distinct prompts per step that a balanced step keeps (a step of similar packs would
@@ -54,17 +54,9 @@ class CostModel:
     @classmethod
     def from_text_config(cls, text: dict) -> CostModel:
         """From a text config as :func:`packtrain.models.memory.text_config` gives it."""
-        from packtrain.models.memory import FULL, expert_shapes, linears
+        from packtrain.models.savings import attention_width, parameters_per_token
 
-        per_token, pair = 0, 0
-        for kind in text["kinds"]:
-            per_token += sum(i * o for i, o, _ in linears(text, kind).values())
-            experts = expert_shapes(text, kind)
-            if experts:  # a token meets num_experts_per_tok of them
-                per_token += text["num_experts_per_tok"] * sum(i * o for _, i, o in experts.values())
-            if kind[0] == FULL:
-                pair += 12 * text["num_attention_heads"] * text["head_dim"]
-        return cls(6.0 * per_token, float(pair))
+        return cls(6.0 * parameters_per_token(text), 12.0 * attention_width(text))
 
     @classmethod
     def for_config(cls, cfg) -> CostModel:
@@ -89,11 +81,6 @@ class CostModel:
 
     def describe(self) -> str:
         return f"{self.per_position:.3g} per position + {self.per_pair:.3g} per attention pair"
-
-
-def attention_pairs(prefix_len: int, cont_lens) -> int:
-    """A pack's query-key pairs of causal attention: P's own, and each continuation's against P and itself."""
-    return prefix_len * (prefix_len + 1) // 2 + sum(c * prefix_len + c * (c + 1) // 2 for c in cont_lens)
 
 
 def _pack_shape(plan: Plan, examples, pack) -> tuple[int, list[int]]:

@@ -1,28 +1,32 @@
 """`plan --memory --measure`: the per-GPU memory of packtrain's own training step, counted, not estimated.
 
 The config's model is built at its true widths but with one decoder layer of each kind present (a GDN and an
-attention layer for Qwen3.5/3.6; dense and MoE MLP layers where a family has both), plus the embedding and the
-head, under ``FakeTensorMode``: tensors carry shapes and dtypes, no data and no memory. It is wrapped as training
-wraps it (:func:`packtrain.models.wrap.assemble`: LoRA, the patch, checkpointing or offload) and runs
-one update on the plan's largest unit through the harness (:func:`packtrain.run.harness.one_update`: the unit runner's
-forward and backward, then the optimizer step). A dispatch mode counts the bytes of every live tensor storage
-(added when an op first outputs it, dropped when the storage is freed) and keeps each phase's peak:
+attention layer for Qwen3.5/3.6; dense and MoE MLP layers where a family has both; twice over with part of the layer
+inputs offloaded, ``train.offload: N``: the first copy offloaded, the second kept on the device), plus the embedding
+and the head, under ``FakeTensorMode``: tensors carry shapes and dtypes, no data and no memory. It is wrapped as
+training wraps it (:func:`packtrain.models.wrap.assemble`: LoRA, the patch, checkpointing or offload, with the savings
+chosen for the run) and runs one update on the plan's largest unit through the harness
+(:func:`packtrain.run.harness.one_update`: the unit runner's forward and backward, then the optimizer step). A dispatch
+mode counts the bytes of every live tensor storage (added when an op first outputs it, dropped when the storage is
+freed) and keeps each phase's peak:
 
 - ``forward``: embedding and decoder layers; ``loss``: final norm, head, cross-entropy and their backward, with every
   layer's checkpointed input alive; ``recompute KIND``: one layer's recompute and backward (layers run one at a time);
   ``optimizer``: the step.
 
 Each phase is then extrapolated to the whole model (:func:`extrapolate`): what each measured layer leaves alive
-after its forward (its checkpointed input, on the host under ``train.offload``) times the layers of its kind before
-that moment, one layer's recompute peak at a time, and weights, adapters, gradients and optimizer states for every
-layer, divided over ``--world-size`` FSDP ranks, with the gathered units of the estimate.
+after its forward (its checkpointed input, on the host when offloaded) for every layer of its kind (and offload)
+before that moment, the running layer's own input where no earlier layer keeps it, one layer's recompute peak at a
+time with the prefetched input of the layer before it where that one is offloaded, and weights, adapters, gradients
+and optimizer states for every layer, divided over ``--world-size`` FSDP ranks, with the gathered units of the
+estimate.
 
-What runs as on a GPU, on this CPU: dropout masks count one byte per element (CUDA's fused dropout keeps a bool mask;
-the CPU keeps one in the input's dtype); the GDN kernels are fla's, counted by shape-only stand-ins that allocate
-fla's outputs and save what fla's autograd functions save (:mod:`packtrain.models.fla_shapes`), not the CPU reference's
-per-chunk states; attention runs the CPU flash kernels, which save what FlexAttention saves (q, k, v, output, log-sum-
-exp). The layout's index tensors are real: an op whose tensor inputs are all real runs for real, so the index
-builders work as in training; a scalar read off a fake tensor (the loss's ``.item()``) reads 0.
+What runs as on a GPU, on this CPU: the GDN kernels are fla's, counted by shape-only stand-ins that allocate fla's
+outputs and save what fla's autograd functions save (:mod:`packtrain.models.fla_shapes`), not the CPU reference's
+per-chunk states; attention is FlexAttention's, a stand-in saving its padded q, k, v, output and log-sum-exp
+(:mod:`packtrain.models.flex_shapes`); LoRA's dropout masks are what packtrain draws on CUDA too (``empty_like(x)``,
+the input's dtype). The layout's index tensors are real: an op whose tensor inputs are all real runs for real, so the
+index builders work as in training; a scalar read off a fake tensor (the loss's ``.item()``) reads 0.
 """
 
 from __future__ import annotations
@@ -36,10 +40,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from packtrain.models.memory import FULL, config_dict_of, kind_name, reduced_config, text_config
+from packtrain.models.memory import FULL, config_dict_of, distinct_kinds, kind_name, reduced_config, text_config
 
-_MASK_OPS = {torch.ops.aten.bernoulli_.float, torch.ops.aten.bernoulli_.Tensor, torch.ops.aten.bernoulli.p,
-             torch.ops.aten.bernoulli.default}
 _SCALAR_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 WEIGHTS, GRADS, STATES, INDEX = "weights", "grads", "states", "index"
 
@@ -116,17 +118,10 @@ class LiveBytes(TorchDispatchMode):
             self.tag(t, INDEX)
         self.index_peak = max(self.index_peak, self.tagged[INDEX])
 
-    def owned(self, layer: int, but=None) -> int:
-        """Bytes alive now that ``layer``'s forward made (``but``: a tensor not to count)."""
-        skip = None if but is None else self._key(but.untyped_storage())
-        return sum(self.live[k] for k, o in self.owner.items() if o == layer and k != skip and k not in self.tags)
-
-    def _as_mask(self, t: torch.Tensor) -> None:
-        """A dropout mask: one byte per element, as CUDA keeps it."""
-        key = self._key(t.untyped_storage())
-        if key in self.live and key not in self.tags:
-            self.total += t.numel() - self.live[key]
-            self.live[key] = t.numel()
+    def owned(self, layer: int, but=()) -> int:
+        """Bytes alive now that ``layer``'s forward made (``but``: tensors not to count)."""
+        skip = {self._key(t.untyped_storage()) for t in but if t is not None}
+        return sum(self.live[k] for k, o in self.owner.items() if o == layer and k not in skip and k not in self.tags)
 
     # -- phases
     def set_phase(self, name: str) -> None:
@@ -153,8 +148,6 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.track(t)
-                if func in _MASK_OPS:
-                    self._as_mask(t)
         self._peak()
         return out
 
@@ -162,13 +155,17 @@ class LiveBytes(TorchDispatchMode):
 @dataclass
 class LayerRecord:
     kind: tuple
+    offloaded: bool = False  # its input in host memory (train.offload)
     before: int = 0  # activation bytes when its forward starts
     kept: int = 0  # what its forward made that is alive when the final norm starts (what it keeps for backward:
     # the next layer's checkpointed input, or all its saved tensors without checkpointing)
+    own: int = 0  # kept, but its output (the next layer's input) left out
+    output_bytes: int = 0  # its output, [T, H]
     peak: int = 0  # the peak during its forward
     host: int = 0  # host bytes its forward added (train.offload: its input's chunks)
     weights: int = 0  # its parameters' bytes (frozen)
     adapters: int = 0  # its trainable parameters' bytes
+    phase: str = ""  # its backward's phase while measured
 
 
 @dataclass
@@ -195,12 +192,13 @@ def _storage_bytes(tensors) -> int:
 
 
 def measure_backend(cfg):
-    """The kernels the step would run on CUDA, on this CPU: fla's GDN (stand-ins), attention through the CPU flash
-    kernels, and the dense MLP in the tiles ``train.mlp_chunk_rows`` resolves to on CUDA."""
+    """The kernels the step runs on CUDA, on this CPU: fla's GDN and FlexAttention (stand-ins), the dense MLP and the
+    norms in the tiles ``train.mlp_chunk_rows`` and ``train.norm_chunk_rows`` (chosen) give on CUDA."""
     from packtrain.packed.kernels import select_backend
 
-    rows = select_backend("torch", "cuda", mlp_chunk_rows=cfg.train.mlp_chunk_rows).mlp_rows
-    return dataclasses.replace(select_backend("torch", "cpu"), gdn="fla", attention="batched", mlp_rows=rows)
+    cuda = select_backend("torch", "cuda", mlp_chunk_rows=cfg.train.mlp_chunk_rows,
+                          norm_chunk_rows=cfg.train.norm_chunk_rows)
+    return dataclasses.replace(cuda, gdn="fla", attention="flex")
 
 
 @contextlib.contextmanager
@@ -232,10 +230,21 @@ def _fake_build():
         torch.utils.swap_tensors, FakeTensor.__deepcopy__ = swap, deepcopy
 
 
-def _reduced_cfg(cfg):
-    raw = reduced_config(cfg)
+def _offloaded(cfg, layers: int) -> int:
+    t = cfg.train
+    return layers if t.offload is True else int(t.offload)
+
+
+def _reduced_cfg(cfg, layers: int):
+    """The reduced model's config: each kind once (twice when part of the layer inputs are offloaded: the first copy
+    offloaded, the second kept), its offload the copies' to match."""
+    offloaded = _offloaded(cfg, layers)
+    partial = 0 < offloaded < layers
+    raw = reduced_config(cfg, 2 if partial else 1)
+    kinds = len(distinct_kinds(text_config(raw)))  # the first copy's layers
     model = dataclasses.replace(cfg.model, config=raw, path=None, kernels="torch")
-    return dataclasses.replace(cfg, model=model)
+    train = dataclasses.replace(cfg.train, offload=kinds if offloaded else 0)
+    return dataclasses.replace(cfg, model=model, train=train)
 
 
 def _without_images(examples):
@@ -247,7 +256,7 @@ def measure(cfg, plan, examples) -> Measured:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from packtrain.distributed import DistInfo
-    from packtrain.models import fla_shapes
+    from packtrain.models import fla_shapes, flex_shapes
     from packtrain.models.build import build_base_model
     from packtrain.models.offload import OffloadedCheckpoint
     from packtrain.models.wrap import assemble
@@ -259,21 +268,22 @@ def measure(cfg, plan, examples) -> Measured:
     if any(getattr(ex, "images", ()) for ex in examples):
         examples = _without_images(examples)
         notes.append("the vision tower is left out (frozen, small): image tokens run as text tokens")
-    small = _reduced_cfg(cfg)
+    small = _reduced_cfg(cfg, text_config(config_dict_of(cfg))["num_hidden_layers"])
     text = text_config(small.model.config)
     setup = UnitSetup.of(cfg)
     unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
     built = build(unit, plan, examples, setup)  # real index tensors, built before the fake mode
-    with FakeTensorMode(allow_non_fake_inputs=True), fla_shapes.installed(), _fake_build():
+    with FakeTensorMode(allow_non_fake_inputs=True), fla_shapes.installed(), flex_shapes.installed(), _fake_build():
         base = build_base_model(small)
         model, lm, _ = assemble(base, small, "cpu", backend=measure_backend(cfg))
         text_model, lm_head = text_parts(model)
         layers = list(text_model.layers)
         step = update_step(cfg, lm, setup, DistInfo(0, 1, 0, torch.device("cpu")))
         params, optimizer = step.params, step.optimizer
+        offloaded = [isinstance(l, OffloadedCheckpoint) and l.offload for l in layers]
         pools = {id(l.pool): l.pool for l in layers if isinstance(l, OffloadedCheckpoint)}.values()
         counter = LiveBytes(host=lambda: sum(p.allocated_bytes for p in pools))
-        records = [LayerRecord(tuple(k)) for k in text["kinds"]]
+        records = [LayerRecord(tuple(k), off) for k, off in zip(text["kinds"], offloaded)]
         for i, layer in enumerate(layers):
             rec = records[i]
             rec.weights = _storage_bytes(p for p in layer.parameters() if not p.requires_grad)
@@ -281,8 +291,8 @@ def measure(cfg, plan, examples) -> Measured:
         weights = _storage_bytes(p for p in lm.parameters() if not p.requires_grad)
         adapters = _storage_bytes(params)
         head = max(_storage_bytes(text_model.embed_tokens.parameters()), _storage_bytes(lm_head.parameters()))
-        hooks = _phase_hooks(counter, layers, records, text, cfg.train.activation_checkpointing or cfg.train.offload,
-                             text_model.norm)
+        hooks = _phase_hooks(counter, layers, records, text, bool(cfg.train.activation_checkpointing or
+                                                                  cfg.train.offload), text_model.norm)
         with counter:
             for p in lm.parameters():
                 counter.tag(p, WEIGHTS)
@@ -327,8 +337,6 @@ def _cached_tensors(layouts) -> list[torch.Tensor]:
 
 
 def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool, final_norm) -> list:
-    from packtrain.models.offload import OffloadedCheckpoint
-
     """Forward hooks on each decoder layer (its wrapper: the recompute calls what is inside) that keep its
     record, and a hook on its output's gradient that starts its backward phase. A layer's input is alive until its
     call returns, so what it leaves is read when the next layer (or the final norm) starts."""
@@ -336,17 +344,21 @@ def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool, fin
 
     hooks = []
     name = "recompute" if recompute else "backward"
+    twice = len({r.kind for r in records}) < len(records)  # each kind offloaded and kept: a phase per layer
+    for i, rec in enumerate(records):
+        rec.phase = f"{name} {kind_name(text, rec.kind)}" + (f" #{i}" if twice else "")
     layouts = {}  # the layouts the layers run on (the unit runner's, moved to the device)
+    outputs = {}  # layer -> its output (weakly: only to tell its storage apart at the final norm)
 
     def at_norm(module, args):
         if torch._C._current_graph_task_id() != -1:
             return
         counter.tag_index(_cached_tensors(layouts.values()))  # built by the first layer of a kind, kept for all
         for i, rec in enumerate(records):
-            rec.kept = counter.owned(i, but=args[0])
-        if recompute and not any(isinstance(l, OffloadedCheckpoint) for l in layers):
-            # the last layer's output is the final norm's input here; inside a whole model the next layer keeps it
-            records[-1].kept += args[0].untyped_storage().nbytes()
+            out = outputs.get(i)
+            out = out() if out is not None else None
+            rec.kept = counter.owned(i, but=[args[0]])
+            rec.own = counter.owned(i, but=[args[0], out])
 
     def pre(i):
         def hook(module, args, kwargs):
@@ -374,9 +386,11 @@ def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool, fin
             counter.phase = "forward"
             counter.peaks["forward"] = max(counter.peaks.get("forward", 0), rec.peak)
             hidden = out[0] if isinstance(out, tuple) else out
+            if isinstance(hidden, torch.Tensor):
+                outputs[i] = weakref.ref(hidden)
+                rec.output_bytes = hidden.untyped_storage().nbytes()
             if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-                phase = f"{name} {kind_name(text, rec.kind)}"
-                hidden.register_hook(lambda g: counter.set_phase(phase))
+                hidden.register_hook(lambda g: counter.set_phase(rec.phase))
             if i == len(layers) - 1:
                 counter.set_phase("loss")
         return hook
@@ -404,34 +418,53 @@ class WholeModel:
         return max(self.phases, key=self.phases.get)
 
 
-def extrapolate(m: Measured, text: dict, world: int) -> WholeModel:
-    """From the reduced model's phases to the model's ``text["kinds"]``, per GPU at ``world`` FSDP ranks."""
+def extrapolate(m: Measured, text: dict, world: int, offloaded: int = 0, checkpointing: bool = True) -> WholeModel:
+    """From the reduced model's phases to the model's ``text["kinds"]``, per GPU at ``world`` FSDP ranks, the first
+    ``offloaded`` layers' inputs in host memory (the reduced model's offloaded layers stand for those, its kept ones
+    for the others)."""
     kinds = [tuple(k) for k in text["kinds"]]
-    rec = {r.kind: r for r in m.layers}
-    kept = {k: r.kept - r.host for k, r in rec.items()}  # its host chunks are not device memory
-    base = m.layers[0].before
-    before_full, before_measured = [], []  # what earlier layers leave alive when layer j starts
-    acc = 0
-    for k in kinds:
+    L = len(kinds)
+    rec = {(r.kind, r.offloaded): (i, r) for i, r in enumerate(m.layers)}
+    full = [rec[(k, j < offloaded)] for j, k in enumerate(kinds)]  # (measured index, record) per layer
+    out = m.layers[0].output_bytes  # a layer's input or output, [T, H]
+    offloaded_measured = [r.offloaded for r in m.layers]
+
+    def kept_full(j: int) -> int:
+        r = full[j][1]
+        if not checkpointing:
+            return r.kept - r.host
+        # its output is kept by the next layer when that one keeps its input on the device
+        return r.own - r.host + (out if j + 1 < L and j + 1 >= offloaded else 0)
+
+    def prefetched(offloaded_before: bool, j: int) -> int:
+        return out if checkpointing and j >= 1 and offloaded_before else 0
+
+    before_full, acc = [], 0  # what earlier layers leave alive when layer j starts
+    for j in range(L):
         before_full.append(acc)
-        acc += kept[k]
-    kept_full = acc
-    acc = 0
+        acc += kept_full(j)
+    kept_total = acc
+    before_measured, acc = [], 0
     for r in m.layers:
         before_measured.append(acc)
-        acc += kept[r.kind]
+        acc += r.kept - r.host
     kept_measured = acc
-    phases = {"forward": max(base + before_full[j] + rec[k].peak - rec[k].before for j, k in enumerate(kinds))}
+    base = m.layers[0].before
+    # an offloaded layer's own input is on the device while it runs, and no earlier layer keeps it
+    running = [out if checkpointing and 1 <= j < offloaded else 0 for j in range(L)]
+    phases = {"forward": max(base + before_full[j] + r.peak - r.before + running[j]
+                             for j, (_, r) in enumerate(full))}
     if "loss" in m.peaks:
-        phases["loss"] = m.peaks["loss"] - kept_measured + kept_full
-    for i, r in enumerate(m.layers):
-        name = next((p for p in m.peaks if p.endswith(" " + kind_name(text, r.kind))
-                     and p.split(" ")[0] in ("recompute", "backward")), None)
-        if name is not None:
-            last = max(j for j, k in enumerate(kinds) if k == r.kind)
-            phases[name] = m.peaks[name] - before_measured[i] + before_full[last]
-    weights = m.weights - sum(r.weights for r in m.layers) + sum(rec[k].weights for k in kinds)
-    adapters = m.adapters - sum(r.adapters for r in m.layers) + sum(rec[k].adapters for k in kinds)
+        phases["loss"] = m.peaks["loss"] - kept_measured + kept_total
+    for j, (i, r) in enumerate(full):
+        if r.phase not in m.peaks:
+            continue
+        name = r.phase.split(" #")[0]
+        adjust = prefetched(j - 1 < offloaded, j) - prefetched(i >= 1 and offloaded_measured[i - 1], i)
+        value = m.peaks[r.phase] - before_measured[i] + before_full[j] + adjust
+        phases[name] = max(phases.get(name, 0), value)
+    weights = m.weights - sum(r.weights for r in m.layers) + sum(r.weights for _, r in full)
+    adapters = m.adapters - sum(r.adapters for r in m.layers) + sum(r.adapters for _, r in full)
     ratio = adapters / m.adapters if m.adapters else 0.0
     states = round(m.states * ratio)
     static = {"weights": -(-weights // world), "adapters": -(-(2 * adapters + states) // world)}
@@ -444,7 +477,7 @@ def extrapolate(m: Measured, text: dict, world: int) -> WholeModel:
                     for p in phases}
     total = {p: v + static["weights"] + static["adapters"] + gathered[p] + (0 if p == "optimizer" else m.index)
              for p, v in phases.items()}
-    host = sum(rec[k].host for k in kinds)
+    host = sum(r.host for _, r in full[:offloaded])
     static["gathered"] = max(gathered.values())
     return WholeModel(total, host, static)
 
@@ -470,13 +503,16 @@ class MeasuredStep:
 
 
 def measure_whole(cfg, plan, examples, world: int) -> MeasuredStep:
+    """``cfg``: the savings chosen (nothing auto)."""
     m = measure(cfg, plan, examples)
-    whole = extrapolate(m, text_config(config_dict_of(cfg)), world)
+    text = text_config(config_dict_of(cfg))
+    whole = extrapolate(m, text, world, _offloaded(cfg, text["num_hidden_layers"]),
+                        bool(cfg.train.activation_checkpointing or cfg.train.offload))
     notes = list(m.notes)
     if any(k[0] != FULL for k in (r.kind for r in m.layers)):
         notes.insert(0, GDN_NOTE)
-    notes.append("attention: the CPU flash kernels, which save what FlexAttention saves (q, k, v, output, "
-                 "log-sum-exp); dropout masks at 1 byte per element, as on CUDA")
+    notes.append("attention: FlexAttention as on CUDA, counted by a stand-in saving its padded q, k, v, output and "
+                 "log-sum-exp; LoRA's dropout masks in the input's dtype, as packtrain draws them on CUDA")
     notes.append(f"one layer of each kind run under fake tensors, extrapolated to {len(text_config(config_dict_of(cfg))['kinds'])} "
                  f"layers and {world} rank{'s' * (world != 1)}")
     return MeasuredStep(whole.phases, whole.host, notes)

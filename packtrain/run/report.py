@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 from packtrain.data.planner import plan_stats
-from packtrain.models import memory
+from packtrain.models import memory, savings
 from packtrain.models.lora_compute import describe as describe_lora
 from packtrain.packed.families import describe as describe_model
 from packtrain.run.balance import BALANCES, epoch_steps, utilisation
-from packtrain.run.units import pack_kind, unit_shape
+from packtrain.run.units import pack_kind
 
 
 def header(trainer) -> list[str]:
@@ -80,17 +80,22 @@ def _at_step_0(metrics_path, split: str, key: str) -> float | None:
 
 
 def memory_lines(t) -> list[str]:
-    """The estimate's peak and the savings on; on CUDA, a warning when the budget does not fit the device."""
-    import torch
+    """The memory savings chosen for the largest unit (every candidate considered, the chosen one marked), the
+    estimate's peak, and a warning when the choice does not fit (packtrain/models/savings.py)."""
+    return savings_lines(t.savings)
 
-    cfg = t.cfg
-    est = memory.estimate_for_unit(cfg, unit_shape(cfg, t.plan, t.train_examples), t.dist.world_size)
-    lines = [f"  {memory.memory_line(cfg, est)}"]
-    if t.dist.device.type == "cuda":
-        total = torch.cuda.get_device_properties(t.dist.device).total_memory
-        warning = memory.fit_warning(est, total, cfg.packing.token_budget)
-        if warning is not None:
-            lines.append(f"  {warning}")
+
+def savings_lines(choice) -> list[str]:
+    """A choice's lines as the run header prints them (train, smoke, bench)."""
+    c = choice.chosen
+    first = (f"  memory: {savings.describe(c.savings, choice.layers)}: about {c.device_bytes / memory.GiB:.1f} GiB "
+             f"per GPU at the largest unit (the estimate, peak in {c.peak_phase}), step cost {c.relative_cost:.3f} "
+             "of the step without savings")
+    lines = [first]
+    lines += [f"  {line}" for line in choice.lines()]
+    warning = choice.warning()
+    if warning is not None:
+        lines.append(f"  {warning}")
     return lines
 
 

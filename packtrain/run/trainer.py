@@ -41,7 +41,7 @@ from packtrain.run.step import Step
 from packtrain.run.steps import StepPlan
 from packtrain.run.task import describe as describe_task
 from packtrain.run.task import run_task, task_for, task_start, write_task
-from packtrain.run.units import UnitSetup, check_data, image_loader, largest_unit, unit_shape
+from packtrain.run.units import UnitSetup, check_data, choose_savings, image_loader, unit_shape
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
 from packtrain.rundir import resume as resuming
@@ -49,20 +49,21 @@ from packtrain.rundir import resume as resuming
 
 def check_node_pool(cfg, plan, examples, world_size: int) -> None:
     """Refuse a run whose offload pools (this node's ranks: LOCAL_WORLD_SIZE) would not fit the node's host memory
-    (``ops.host_memory_per_node_gib``, else MemAvailable now), before the model is built."""
-    from packtrain.models import memory
+    (``ops.host_memory_per_node_gib``, else MemAvailable now), before the model is built. ``cfg``: the savings
+    chosen (an auto ``train.offload`` is chosen to fit; a given one may not)."""
+    from packtrain.models import memory, savings
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     have = cfg.ops.host_memory_per_node_gib
     if have is None:
-        available = memory.available_host_memory()
+        available = savings.available_host_memory()
         if available is None:
             return
         have = available / memory.GiB
     est = memory.estimate_for_unit(cfg, unit_shape(cfg, plan, examples), world_size)
-    pool = memory.node_pool(est.total("host"), per_node, have)
+    pool = savings.node_pool(est.total("host"), per_node, int(have * memory.GiB))
     if not pool["fits"]:
-        raise ValueError(f"train.offload: {memory.format_node_pool(pool)} (the largest pack's layer inputs on each "
+        raise ValueError(f"train.offload: {savings.format_node_pool(pool)} (the largest pack's layer inputs on each "
                          "rank); lower packing.token_budget, run fewer ranks per node, or turn train.offload off "
                          "(ops.host_memory_per_node_gib sets the node's memory)")
 
@@ -130,9 +131,10 @@ class Trainer:
         self.fingerprint = plan_fingerprint(self.plan, self.train_examples)  # every token of the plan: once
         check_same_plan(self.fingerprint, self.dist)
         self.eval_plan = plan_for(cfg, self.eval_examples) if self.eval_examples else None
-        largest_unit(self.plan, self.train_examples, UnitSetup.of(cfg), cfg.train.max_positions)  # one that runs
-        if cfg.train.offload:
-            check_node_pool(cfg, self.plan, self.train_examples, self.dist.world_size)
+        # the memory savings for the largest unit on this device, agreed by every rank (packtrain/models/savings.py)
+        self.run_cfg, self.savings = choose_savings(cfg, self.plan, self.train_examples, self.dist)
+        if self.run_cfg.train.offload:
+            check_node_pool(self.run_cfg, self.plan, self.train_examples, self.dist.world_size)
         self.steps = StepPlan.for_run(cfg, self.plan, self.train_examples, self.dist.world_size)
         self.steps_per_epoch = self.steps.steps_per_epoch
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
@@ -145,8 +147,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         base_dir = self.out / "base" if cfg.model.config is not None else None
         model = build_base_model(cfg, save_to=base_dir if self.dist.is_main else None, meta=True)
-        self.model, self.lm, self.backend = assemble(model, cfg, self.dist.device,
-                                                                shard=self.dist.enabled)
+        self.model, self.lm, self.backend = assemble(model, self.run_cfg, self.dist.device, shard=self.dist.enabled)
         images = image_loader(cfg, self.model, self.train_examples + (self.eval_examples or []))
         self.setup = UnitSetup.of(cfg, images)
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)

@@ -451,6 +451,15 @@ def unit_shape(cfg: Config, plan: Plan, examples) -> UnitShape:
                      unit.kind.leaves(unit, plan, examples))
 
 
+def choose_savings(cfg: Config, plan: Plan, examples, dist):
+    """The memory savings of a run (train, smoke, bench, pretune-fla) for its largest unit on ``dist``'s device, the
+    same on every rank (:mod:`packtrain.models.savings`). Returns (the config with the chosen values, the choice)."""
+    from packtrain.models import savings
+
+    choice = savings.choose(cfg, unit_shape(cfg, plan, examples), dist.world_size, savings.run_budget(cfg, dist))
+    return choice.apply(cfg), choice
+
+
 # -- the runner -------------------------------------------------------------------------------------------------
 def build(unit: Unit, plan: Plan, examples, setup: UnitSetup) -> Built:
     return Built(unit, unit.kind.build(unit, plan, examples, setup))

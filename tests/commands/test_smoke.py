@@ -22,6 +22,9 @@ def test_smoke_prints_every_phase_and_saves_outside_the_run_checkpoints(tmp_path
     lines = out.splitlines()
     loaded = load_config(cfg)
     largest = max(p.positions for p in plan_for(loaded, load_split(loaded, "train")).packs)
+    # the savings it takes, as train would take them, before anything runs; then the table
+    assert lines[0].startswith("  memory: ") and any(line.startswith("    ->") for line in lines)
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("smoke: ")):]
     assert lines[0].startswith(f"smoke: the largest pack, {largest:,} positions") and "device cpu" in lines[0]
     assert lines[1].split() == ["phase", "peak", "RSS", "GiB", "seconds"]
     for name, line in zip(PHASES, lines[2:6]):
@@ -84,7 +87,7 @@ def test_cpu_allocator_failure_counts_as_out_of_memory():
 
 def test_smoke_runs_the_pack_in_continuation_groups(tmp_path):
     cfg = write_config(tmp_path, packing={"continuation_groups": 3})
-    first = run_in_process("smoke", cfg).stdout.splitlines()[0]
+    first = _title(run_in_process("smoke", cfg).stdout)
     assert "continuations in 3 groups," in first, first
 
 
@@ -92,5 +95,10 @@ def test_smoke_walks_an_example_over_the_budget(tmp_path, capsys):
     """Every example over packing.token_budget: the largest unit is walked, chunk by chunk, as training walks it."""
     cfg = write_config(tmp_path, packing={"on_overflow": "walk", "token_budget": 8, "walk": {"chunk": 4}})
     assert smoke.run_smoke(argparse.Namespace(config=str(cfg), overrides=[])) == 0
-    first = capsys.readouterr().out.splitlines()[0]
+    first = _title(capsys.readouterr().out)
     assert first.startswith("smoke: the largest walked example,") and " chunks, " in first, first
+
+
+def _title(out: str) -> str:
+    """smoke's table title (after the memory savings' lines)."""
+    return next(line for line in out.splitlines() if line.startswith("smoke: "))

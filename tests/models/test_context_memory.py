@@ -16,11 +16,13 @@ from packtrain.models import memory
 
 GiB = 2**30
 P, N, C = 65_536, 80, 1_024  # the seeds' pack: P of 64K tokens, 80 continuations of 1K
+CHECKPOINTED = memory.StepSavings(activation_checkpointing=True)
 
 
 def _seed_pack(mode):
     return memory.estimate(memory.text_config(QWEN36_27B), P + N * C, N * 128, dtype="bfloat16", lora_r=8,
-                           lora_targets=SEED_LORA, lora_dropout=0.05, context_grad=mode, prefix=P, continuations=N)
+                           lora_targets=SEED_LORA, lora_dropout=0.05, context_grad=mode, prefix=P, continuations=N,
+                           savings=CHECKPOINTED)
 
 
 def test_each_mode_at_the_seed_pack():
@@ -70,12 +72,14 @@ def test_plan_memory_prints_every_mode(tmp_path, capsys):
     cfg = write_config(tmp_path, model={"dtype": "bfloat16"}, train={"activation_checkpointing": True},
                        packing={"context_grad": "frozen"})
     run_plan(argparse.Namespace(config=str(cfg), overrides=[], world_size=1, memory=True, json=False,
-                                measure=False, gpu_memory=None))
+                                measure=False, gpu_memory=None, ranks_per_node=None,
+                                host_memory_per_node=None))
     out = capsys.readouterr().out
     assert "context_grad frozen" in out and "P's cache:" in out  # the configured mode's terms
     assert [line.split()[0] for line in out.splitlines()[-3:]] == ["full", "kv_only", "frozen"]
     run_plan(argparse.Namespace(config=str(cfg), overrides=[], world_size=1, memory=True, json=True,
-                                measure=False, gpu_memory=None))
+                                measure=False, gpu_memory=None, ranks_per_node=None,
+                                host_memory_per_node=None))
     modes = json.loads(capsys.readouterr().out)["memory"]["context_grad"]
     totals = {m: v["total_device_bytes"] for m, v in modes.items()}
     assert totals["kv_only"] == totals["full"] > totals["frozen"] > 0
@@ -87,7 +91,8 @@ def test_plan_memory_under_tree_has_no_table_of_modes_it_does_not_build(tmp_path
     cfg = write_config(tmp_path, packing={"mode": "tree"})
     for as_json in (False, True):
         run_plan(argparse.Namespace(config=str(cfg), overrides=[], world_size=1, memory=True, json=as_json,
-                                    measure=False, gpu_memory=None))
+                                    measure=False, gpu_memory=None, ranks_per_node=None,
+                                    host_memory_per_node=None))
         out = capsys.readouterr().out
         if as_json:
             assert "context_grad" not in json.loads(out)["memory"] and json.loads(out)["memory"]["terms"]
@@ -102,10 +107,11 @@ def test_continuation_groups_at_the_seed_pack():
     group = 10 * C
     grouped = memory.estimate(memory.text_config(QWEN36_27B), P + N * C, N * 128, dtype="bfloat16", lora_r=8,
                               lora_targets=SEED_LORA, lora_dropout=0.05, prefix=P, continuations=N,
-                              group_positions=group)
+                              group_positions=group, savings=CHECKPOINTED)
     assert grouped.get("checkpointed_inputs").bytes == 64 * (P + group) * 5120 * 2
     assert grouped.get("prefix_grads").bytes == frozen.get("prefix_cache").bytes
     recompute_P = memory.estimate(memory.text_config(QWEN36_27B), P, 0, dtype="bfloat16", lora_r=8,
-                                  lora_targets=SEED_LORA, lora_dropout=0.05).get("layer_peak").bytes
+                                  lora_targets=SEED_LORA, lora_dropout=0.05,
+                                  savings=CHECKPOINTED).get("layer_peak").bytes
     assert grouped.get("layer_peak").bytes == recompute_P
     assert grouped.total() < 0.7 * full.total()

@@ -32,7 +32,7 @@ def measure(prepare):
         from packtrain.models.wrap import assemble
 
         cfg = config_from_dict(get_preset("tiny").config, source="test")
-        assemble(build_base_model(cfg), cfg, torch.device(sys.argv[1]))
+        assemble(build_base_model(cfg), cfg, torch.device(sys.argv[1]), training=False)
     faults()  # the heap grows once
     return {"loading": loading, "steps": faults()}
 

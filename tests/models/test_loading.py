@@ -16,7 +16,9 @@ CPU = torch.device("cpu")
 
 def _config(path, dtype="float32", **lora):
     return config_from_dict({"model": {"path": str(path), "dtype": dtype, "kernels": "torch"},
-                             "lora": {"r": 4, "alpha": 8, **lora}, "train": {"activation_checkpointing": True}})
+                             "lora": {"r": 4, "alpha": 8, **lora},
+                             "train": {"activation_checkpointing": True, "offload": False, "loss_chunk_rows": 0,
+                                       "mlp_chunk_rows": 0, "norm_chunk_rows": 0}})
 
 
 def _both(cfg):

@@ -26,8 +26,9 @@ QWEN36_27B["layer_types"] = QWEN36_27B["layer_types"] * 16
 SEED_LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]
 
 
-def _seed_estimate(positions, targets=1000, **kw):
-    args = {"dtype": "bfloat16", "lora_r": 8, "lora_targets": SEED_LORA, "lora_dropout": 0.05, **kw}
+def _seed_estimate(positions, targets=1000, offload=0, **kw):
+    args = {"dtype": "bfloat16", "lora_r": 8, "lora_targets": SEED_LORA, "lora_dropout": 0.05,
+            "savings": memory.StepSavings(activation_checkpointing=True, offload_layers=offload), **kw}
     return memory.estimate(memory.text_config(QWEN36_27B), positions, targets, **args)
 
 
@@ -81,8 +82,9 @@ def test_shipped_27b_config_is_the_seed_setup():
     assert cfg.model.config == QWEN36_27B
     assert (cfg.model.dtype, cfg.packing.token_budget, cfg.packing.max_continuations) == ("bfloat16", 150000, 90)
     assert (cfg.lora.r, cfg.lora.dropout, cfg.lora.target_modules) == (8, 0.05, SEED_LORA)
-    assert cfg.train.activation_checkpointing and cfg.train.offload
-    assert (cfg.train.loss_chunk_rows, cfg.train.mlp_chunk_rows) == (256, None)  # the chunked loss, CUDA's tiles
+    # every memory saving left to the choice by need (tests/models/test_savings.py: what it takes at 80 GiB)
+    assert all(getattr(cfg.train, key) == "auto" for key in ("activation_checkpointing", "offload",
+                                                            "loss_chunk_rows", "mlp_chunk_rows", "norm_chunk_rows"))
 
 
 def test_text_defaults_are_transformers_defaults():
@@ -97,6 +99,11 @@ def test_text_defaults_are_transformers_defaults():
 def test_offload_chunk_matches_the_offload_module():
     offload = pytest.importorskip("packtrain.models.offload")
     assert memory.OFFLOAD_CHUNK_BYTES == offload.DEFAULT_CHUNK_BYTES
+
+
+def test_the_delta_rule_calls_rows_match_the_fla_back_end():
+    fla_backend = pytest.importorskip("packtrain.packed.kernels.fla_backend")
+    assert memory.GDN_CALL_ROWS == fla_backend.CALL_ROWS
 
 
 @pytest.mark.parametrize("targets", [["gate_proj"], ["q_proj", "gate_proj", "up_proj", "down_proj"]])
@@ -148,12 +155,19 @@ def test_mlp_and_adapter_terms_equal_what_autograd_saves(dtype, dropout, targets
     assert sum(t.bytes for t in mlp_terms) == measured
 
 
-def test_offload_moves_layer_inputs_to_host_in_chunks():
-    est = _seed_estimate(70_000, offload=True)
-    inputs = est.get("checkpointed_inputs")
+@pytest.mark.parametrize("offloaded", [64, 40, 1])
+def test_offload_moves_layer_inputs_to_host_in_chunks(offloaded):
+    """The first N layers' inputs in host memory, in whole 64 MiB chunks; the others on the device. Each offloaded
+    layer below the first takes one input off the device: the first's stays (the embedding's output)."""
+    est, kept = _seed_estimate(70_000, offload=offloaded), _seed_estimate(70_000)
     per_layer = 70_000 * 5120 * 2
-    assert inputs.where == "host" and inputs.bytes == 64 * (-(-per_layer // (64 * 2**20)) * 64 * 2**20)
-    assert est.total("device") < _seed_estimate(70_000).total("device") - 40 * GiB
+    host = est.get("offloaded_inputs")
+    assert host.where == "host" and host.bytes == offloaded * (-(-per_layer // (64 * 2**20)) * 64 * 2**20)
+    if offloaded < 64:
+        assert est.get("checkpointed_inputs").bytes == (64 - offloaded) * per_layer
+    assert est.phases["loss"] == kept.phases["loss"] - (offloaded - 1) * per_layer
+    # in backward, an offloaded layer holds its input fetched back and the one before it being prefetched
+    assert est.get("fetched").bytes == 2 * per_layer
 
 
 def test_world_size_shards_the_weights_and_adds_gathered_layers():
@@ -163,7 +177,8 @@ def test_world_size_shards_the_weights_and_adds_gathered_layers():
 
 
 def test_plan_memory_prints_the_estimate(tmp_path):
-    cfg = write_config(tmp_path, model={"dtype": "bfloat16"}, train={"activation_checkpointing": True})
+    cfg = write_config(tmp_path, model={"dtype": "bfloat16"},
+                       train={"activation_checkpointing": True, "mlp_chunk_rows": None})
     out = run_in_process("plan", cfg, "--memory", "--world-size", "2").stdout
     assert "memory per GPU for the largest pack:" in out and "world size 2" in out
     assert "tiled MLP: its input [" in out and "total on the device" in out  # train.mlp_chunk_rows null: tiles

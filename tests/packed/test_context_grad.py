@@ -56,7 +56,8 @@ IDS = [f"P{c[0]}-n{len(c[1])}" for c in CASES]
 
 def _model(layer_types, seed=0, attention="batched", mlp_rows=None):
     return patched_lora_model(layer_types, seed=seed,
-                              backend=Backend(gdn="torch", attention=attention, mlp_rows=mlp_rows))
+                              backend=Backend(gdn="torch", attention=attention, mlp_rows=mlp_rows,
+                                              norm_rows=mlp_rows and 5))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -235,16 +236,17 @@ def test_kv_only_cuts_the_embedding_rows_of_p():
 
 @pytest.mark.parametrize("mlp_rows", [None, 7], ids=["mlp-whole", "mlp-tiles-7"])
 @pytest.mark.parametrize("mode", ["kv_only", "frozen"])
-@pytest.mark.parametrize("wrap", ["checkpoint", "offload"])
+@pytest.mark.parametrize("wrap", ["checkpoint", "offload", "offload 2 of 3"])
 def test_checkpointing_and_offload_change_nothing(mode, wrap, mlp_rows):
-    """Bit for bit; with MLP tiles, each tile's recompute runs inside the layer's."""
+    """Bit for bit, whole and partial offload; with MLP and norm tiles, each tile's recompute runs inside the
+    layer's."""
     prefix, conts = random_pack(65, [(0, 1), (70, 5), (10, 2)], seed=7)
     plain = _model([L, F, L], seed=3, mlp_rows=mlp_rows)
     wrapped = _model([L, F, L], seed=3, mlp_rows=mlp_rows)
     if wrap == "checkpoint":
         checkpoint_decoder_layers(wrapped)
     else:
-        offload_decoder_layers(wrapped, ChunkPool(4096))
+        offload_decoder_layers(wrapped, ChunkPool(4096), 2 if wrap == "offload 2 of 3" else None)
     la, ga = packed_run(plain, prefix, conts, context_grad=mode)
     lb, gb = packed_run(wrapped, prefix, conts, context_grad=mode)
     assert la == lb

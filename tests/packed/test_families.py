@@ -21,7 +21,8 @@ from packtrain.packed.kernels import Backend
 from packtrain.packed.patch import patch_model
 
 L, F = "linear_attention", "full_attention"
-BACKEND = Backend(gdn="torch", attention="batched", mlp_rows=7)  # dense MLPs (Qwen3-Next, Qwen3) in 7-row tiles
+# dense MLPs (Qwen3-Next, Qwen3) in 7-row tiles, every norm in 5-row tiles
+BACKEND = Backend(gdn="torch", attention="batched", mlp_rows=7, norm_rows=5)
 
 # (model type, layer types, prefix length, [(item length, target length), ...])
 CASES = [

@@ -7,7 +7,14 @@ from tiny_models import patched_lora_model, random_pack, tiny_lora_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from packtrain.models.wrap import checkpoint_decoder_layers
-from packtrain.packed.kernels import CPU_MLP_ROWS, CUDA_MLP_ROWS, Backend, select_backend
+from packtrain.packed.kernels import (
+    CPU_MLP_ROWS,
+    CPU_NORM_ROWS,
+    CUDA_MLP_ROWS,
+    CUDA_NORM_ROWS,
+    Backend,
+    select_backend,
+)
 from packtrain.packed.layout import build_pack_layout, build_standalone_layout
 from packtrain.packed.lm import PackCall, PackedLM
 from packtrain.packed.patch import UnsupportedModelError, patch_model
@@ -69,12 +76,16 @@ def test_unsupported_model_is_a_clear_error():
 
 
 def test_backend_choice_is_explicit():
-    assert select_backend("auto", "cpu") == Backend(gdn="torch", attention="batched", mlp_rows=CPU_MLP_ROWS)
-    assert select_backend("torch", "cuda").mlp_rows == CUDA_MLP_ROWS  # MLP tiles on every device
-    assert select_backend("torch", "cuda", mlp_chunk_rows=0).mlp_rows is None  # 0: whole
-    assert select_backend("torch", "cpu", mlp_chunk_rows=7).mlp_rows == 7
-    assert "mlp=checkpointed tiles of 512 rows" in select_backend("torch", "cpu").describe()
-    assert "mlp=whole" in select_backend("torch", "cpu", mlp_chunk_rows=0).describe()
+    # None: the device's default tile (what a saving the choice turns on takes); 0: whole
+    assert select_backend("auto", "cpu") == Backend(gdn="torch", attention="batched", mlp_rows=CPU_MLP_ROWS,
+                                                    norm_rows=CPU_NORM_ROWS)
+    assert select_backend("torch", "cuda").mlp_rows == CUDA_MLP_ROWS
+    assert select_backend("torch", "cuda").norm_rows == CUDA_NORM_ROWS
+    assert select_backend("torch", "cuda", mlp_chunk_rows=0, norm_chunk_rows=0) == Backend("torch", "batched")
+    assert select_backend("torch", "cpu", mlp_chunk_rows=7, norm_chunk_rows=5).mlp_rows == 7
+    assert "mlp=recomputed tiles of 512 rows" in select_backend("torch", "cpu").describe()
+    assert "mlp=whole, rmsnorm=whole" in select_backend("torch", "cpu", mlp_chunk_rows=0,
+                                                        norm_chunk_rows=0).describe()
     assert select_backend("torch", "cpu", attention="dense").attention == "dense"
     with pytest.raises(ValueError, match="unknown"):
         select_backend("triton", "cpu")

@@ -15,8 +15,9 @@ margin. Reproduce with the loop in `compare` over CASES.
 - float32: losses 2.9e-7 (3.8e-7 vs transformers), gradients 5.8e-5. Bounds 3e-6 and 2e-4.
 A leak is orders of magnitude above all of these (tests/packed/test_leaks.py shows the check failing).
 
-The packed and standalone forwards run their MLPs in checkpointed tiles of 7 rows (the back end's ``mlp_rows``, here
-small enough that every buffer is split), transformers' no-grad reference in one piece.
+The packed and standalone forwards run their MLPs in recomputed tiles of 7 rows (the back end's ``mlp_rows``) and
+every norm in tiles of 5 rows (``norm_rows``), small enough that every buffer is split, transformers' no-grad
+reference in one piece.
 """
 
 import pytest
@@ -46,7 +47,7 @@ IDS = [f"P{c[0]}-n{len(c[1])}" for c in CASES]
 
 def _model(layer_types, dtype, seed=0):
     model = tiny_lora_model(layer_types, dtype=dtype, seed=seed)
-    return patch_model(model, Backend(gdn="torch", attention="batched", mlp_rows=7))
+    return patch_model(model, Backend(gdn="torch", attention="batched", mlp_rows=7, norm_rows=5))
 
 
 @pytest.mark.parametrize("prefix_len,specs,layer_types", CASES, ids=IDS)

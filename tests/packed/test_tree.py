@@ -45,7 +45,7 @@ from packtrain.packed.patch import patch_model, vision_spec
 from packtrain.packed.tree import TreeCall, build_tree_layout
 
 L, F = "linear_attention", "full_attention"
-BACKEND = Backend(gdn="torch", attention="batched", mlp_rows=7)
+BACKEND = Backend(gdn="torch", attention="batched", mlp_rows=7, norm_rows=5)
 
 
 def branches(seed=0, vocab=89):

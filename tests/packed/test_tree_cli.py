@@ -19,7 +19,7 @@ def test_a_tree_is_sized_as_a_tree_in_the_memory_report(tmp_path):
     cfg = binary_tree_config(tmp_path)
     out = run_in_process("plan", cfg, "--memory").stdout
     assert "memory per GPU for the largest pack: 156 positions, 64 continuations, 64 target tokens" in out, out
-    mem = json.loads(run_in_process("plan", cfg, "--memory", "--json", "--gpu-memory", "0.05").stdout)["memory"]
+    mem = json.loads(run_in_process("plan", cfg, "--memory", "--json", "--gpu-memory", "2.16").stdout)["memory"]  # 2 GiB + 5% reserved
     b = mem["budget_search"]
     assert b["continuation_positions"] == 126 / 64 and b["continuation_targets"] == 1.0, b
     # as many leaves as the budget holds, each with its share of the tree's positions

@@ -43,7 +43,8 @@ IDS = [f"P{c[0]}-i{c[1]}-t{c[2]}-c{c[3]}" for c in CASES]
 
 
 def _model(layer_types, seed):
-    return patched_lora_model(layer_types, seed=seed, backend=Backend(gdn="torch", attention="batched", mlp_rows=7))
+    return patched_lora_model(layer_types, seed=seed,
+                              backend=Backend(gdn="torch", attention="batched", mlp_rows=7, norm_rows=5))
 
 
 def walk_run(model, prefix, cont, spec, context_grad="full", loss_chunk_rows=0):

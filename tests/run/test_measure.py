@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 from cli_helpers import REPO, run_in_process
 from tiny_models import FAMILY_CONFIGS
 
@@ -54,12 +53,20 @@ def hybrid(hidden, intermediate, heads=4, gdn_heads=(2, 4), head_dim=32, vocab=9
 
 
 # (widths, P, continuations, train.*): the pack grows in T and M, the widths in H and I; checkpointing, offload
-# and neither
+# and neither (the savings not given are chosen for the 80 GiB `plan` assumes: whole, at these sizes)
 SHAPES = {
     "checkpointed": (hybrid(512, 1536, heads=4, head_dim=64), 1500, 8, {"activation_checkpointing": True}),
     "wider, offloaded": (hybrid(256, 768, gdn_heads=(2, 6)), 2500, 12, {"offload": True}),
     "long P, wide MLP": (hybrid(192, 1024, heads=6), 5000, 6, {"activation_checkpointing": True}),
     "not checkpointed": (hybrid(256, 1024), 2000, 6, {"activation_checkpointing": False}),  # every layer's graph
+    # every saving set: 3 of 8 layer inputs offloaded (the reduced model measures each kind offloaded and kept),
+    # the loss in chunks, the MLP and the norms in tiles
+    "every saving, partly offloaded": (hybrid(256, 768, gdn_heads=(2, 6)), 2500, 12,
+                                       {"activation_checkpointing": True, "offload": 3, "loss_chunk_rows": 256,
+                                        "mlp_chunk_rows": 512, "norm_chunk_rows": 512}),
+    "tiles without checkpointing": (hybrid(256, 1024), 2000, 6,
+                                    {"activation_checkpointing": False, "offload": False, "loss_chunk_rows": 64,
+                                     "mlp_chunk_rows": 256, "norm_chunk_rows": 256}),
 }
 
 
@@ -95,12 +102,14 @@ def test_measure_runs_on_every_shipped_config(tmp_path, name):
     if name.startswith("qwen3.6"):  # their data is the user's: a small pack of token ids
         args = ["--set", f"data.train={pretokenized(tmp_path / 'train.jsonl', 400, 4, 1000)}",
                 "--set", "data.format=pretokenized", "--world-size", "64"]
-    mem = measured_plan(REPO / "configs" / f"{name}.yaml", *args)["measured"]
+    plan = measured_plan(REPO / "configs" / f"{name}.yaml", *args)
+    mem = plan["measured"]
     assert mem["notes"][0] == GDN_NOTE
     if name == "vlm_demo":
         assert any("the vision tower is left out" in note for note in mem["notes"])
     kinds = {k for k, _ in memory.text_config(memory.config_dict_of(cfg))["kinds"]}
-    word = "recompute" if cfg.train.activation_checkpointing or cfg.train.offload else "backward"
+    chosen = plan["savings"]
+    word = "recompute" if chosen["activation_checkpointing"] or chosen["offload_layers"] else "backward"
     assert {"forward", "loss", "optimizer"} <= set(mem["phases"])
     assert all(any(p.startswith(f"{word} {k}") for p in mem["phases"]) for k in kinds)
     assert mem["peak_device_bytes"] == max(mem["phases"].values()) > 0
@@ -127,18 +136,21 @@ def test_measure_runs_on_each_family(tmp_path, family):
     assert mem["measured"]["peak_device_bytes"] > 0
 
 
-def test_a_dropout_mask_counts_one_byte_per_element():
+def test_a_lora_dropout_mask_counts_its_dtype():
+    """packtrain's LoRA draws its dropout mask as ``empty_like(x).bernoulli_`` (packtrain/models/lora_compute.py), on
+    CUDA as here: in the input's dtype, 2 bytes per element in bf16."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from packtrain.models import lora_compute
+
     with FakeTensorMode():
-        x = torch.empty(1000, 1000, requires_grad=True)
+        x = torch.empty(1000, 1000, dtype=torch.bfloat16)
         counter = LiveBytes()
         with counter:
-            y = F.dropout(x, 0.1, training=True)
+            mask = lora_compute._mask(x, 0.1)
         kept = counter.total
-    assert y.shape == x.shape
-    # the output (float32) and the mask at 1 byte per element; CPU's float32 mask would be 4
-    assert kept == 1000 * 1000 * (4 + 1)
+    assert mask.shape == x.shape and mask.dtype == torch.bfloat16
+    assert kept == 1000 * 1000 * 2
 
 
 def test_a_freed_storage_leaves_the_count_and_the_peak_stays():
@@ -158,49 +170,53 @@ def test_a_freed_storage_leaves_the_count_and_the_peak_stays():
 
 
 def test_gpu_memory_gives_the_largest_budget_that_fits(tmp_path):
+    """--gpu-memory GIB: the largest budget whose estimate, every saving left auto on, fits GIB less the reserve; a
+    little more GPU memory holds a larger one."""
+    from packtrain.models import savings
+
     model, prefix, conts, train = SHAPES["checkpointed"]
     path = write_config(tmp_path, model, train, data=pretokenized(tmp_path / "train.jsonl", prefix, conts, 97))
-    out = json.loads(run_in_process("plan", path, "--memory", "--gpu-memory", "0.2", "--json").stdout)["memory"]
+    out = json.loads(run_in_process("plan", path, "--memory", "--gpu-memory", "3", "--json").stdout)["memory"]
     budget = out["max_token_budget"]
     cfg = load_config(path)
     from packtrain.data.examples import load_split
     from packtrain.data.planner import plan_for
 
     examples = load_split(cfg, "train")
-    plan = plan_for(cfg, examples)
-    found = memory.max_token_budget(cfg, unit_shape(cfg, plan, examples), 1, 0.2)
-    assert found["token_budget"] == budget and found["estimate_bytes"] <= 0.2 * memory.GiB
-    assert memory.max_token_budget(cfg, unit_shape(cfg, plan, examples), 1, 0.2 * 1.05)["token_budget"] > budget
-    text = run_in_process("plan", path, "--memory", "--gpu-memory", "0.2").stdout
-    assert f"largest packing.token_budget fitting 0.2 GiB per GPU" in text and f"{budget:,} positions" in text
+    shape = unit_shape(cfg, plan_for(cfg, examples), examples)
+    found = savings.max_token_budget(cfg, shape, 1, savings.plan_budget(cfg, 1, 3.0), 3.0)
+    assert found["token_budget"] == budget and found["estimate_bytes"] <= 3 * memory.GiB - found["reserve_bytes"]
+    assert out["budget_search"]["reserve_bytes"] == savings.device_reserve(3 * memory.GiB)
+    assert out["budget_search"]["device_budget_bytes"] == out["device_budget_bytes"]
+    larger = savings.max_token_budget(cfg, shape, 1, savings.plan_budget(cfg, 1, 3.3), 3.3)
+    assert larger["token_budget"] > budget
+    text = run_in_process("plan", path, "--memory", "--gpu-memory", "3").stdout
+    assert "largest packing.token_budget fitting 3 GiB per GPU less the" in text and f"{budget:,} positions" in text
 
 
-def test_the_fit_warning_names_the_budget_and_the_device():
-    est = memory.MemoryEstimate([], "t", {"loss": 50 * memory.GiB, "forward": 10 * memory.GiB},
-                                memory.StepSavings())
-    assert memory.fit_warning(est, 80 * memory.GiB, 150_000) is None
-    warning = memory.fit_warning(est, 40 * memory.GiB, 150_000)
-    assert warning.startswith("warning: packing.token_budget 150,000 does not fit this GPU")
-    assert "50.0 GiB (loss)" in warning and "40.0 GiB" in warning
-
-
-def test_the_run_header_says_which_savings_are_on(tmp_path):
+def test_the_run_header_shows_the_choice(tmp_path):
+    """The run header's memory lines: the chosen savings and their estimate, every candidate considered with the
+    chosen one marked."""
     from types import SimpleNamespace
 
     from packtrain.data.examples import load_split
     from packtrain.data.planner import plan_for
+    from packtrain.models import savings
     from packtrain.run import report
 
-    model, prefix, conts, _ = SHAPES["checkpointed"]
-    cfg = load_config(write_config(tmp_path, model, {"offload": True}))
+    model = SHAPES["checkpointed"][0]
+    cfg = load_config(write_config(tmp_path, model, {"offload": 2}))
     examples = load_split(cfg, "train")
-    trainer = SimpleNamespace(cfg=cfg, plan=plan_for(cfg, examples), train_examples=examples,
-                              dist=SimpleNamespace(device=torch.device("cpu"), world_size=1))
-    (line,) = report.memory_lines(trainer)  # one memory line, and no device check off CUDA
-    assert line.startswith("  memory: about ") and "checkpointing + offload" in line
-    for saving in ("chunked loss:", "tiled MLP:", "LoRA in the model's dtype:", "dropout masks regenerated:",
-                   "norms recomputed:"):
-        assert saving in line
+    shape = unit_shape(cfg, plan_for(cfg, examples), examples)
+    choice = savings.choose(cfg, shape, 1, savings.plan_budget(cfg, 1, 80.0))
+    lines = report.memory_lines(SimpleNamespace(savings=choice))
+    assert lines[0].startswith("  memory: checkpointing, 2 of 8 layer inputs in host memory, ")
+    assert "GiB per GPU at the largest unit" in lines[0]
+    rows = [line for line in lines if line[4:6] in ("->", "  ") and line[6:8] in ("on", "of")]
+    marked = [line for line in rows if line[4:6] == "->"]
+    assert len(marked) == 1 and "does not fit" not in marked[0]
+    assert "given: train.offload 2" in lines[1]
+    assert len(rows) == len(choice.candidates)
 
 
 @pytest.mark.parametrize("loss_rows, mlp_rows", [(1024, None), (0, 0), (5, 7)])
@@ -209,7 +225,8 @@ def test_the_estimate_follows_the_configs_chunks(tmp_path, loss_rows, mlp_rows):
     from packtrain.data.planner import plan_for
 
     model = hybrid(128, 384, vocab=1000)
-    train = {"activation_checkpointing": True, "loss_chunk_rows": loss_rows, "mlp_chunk_rows": mlp_rows}
+    train = {"activation_checkpointing": True, "offload": False, "loss_chunk_rows": loss_rows,
+             "mlp_chunk_rows": mlp_rows, "norm_chunk_rows": 0}
     cfg = load_config(write_config(tmp_path, model, train,
                                    data=pretokenized(tmp_path / "train.jsonl", 1500, 8, 1000, (400, 700), (200, 400))))
     examples = load_split(cfg, "train")
@@ -241,29 +258,32 @@ def test_the_seed_data_is_seeded_and_seed_shaped():
     assert all(400 <= len(r["item_ids"]) <= 700 and 200 <= len(r["target_ids"]) <= 400 for r in first)
 
 
-def test_a_recomputed_norms_backward_holds_what_the_estimate_counts():
-    """Inside a checkpointed layer, a recomputed RMSNorm's backward holds six float32 pieces of its input's shape
-    and nothing else of its own (its saved bf16 input is gone): memory.norm_terms' norm_backward."""
+def test_a_tiled_norms_backward_holds_what_the_estimate_counts():
+    """A norm in 64-row tiles (packtrain/packed/recompute.py): its backward holds one tile's six float32 pieces beside
+    the incoming gradient and its input's (filled tile by tile), and its saved bf16 input:
+    memory.norm_terms' norm_input and norm_backward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.checkpoint import checkpoint
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
 
-    from packtrain.packed.recompute import recomputed_norm
+    from packtrain.packed.recompute import tiled_norm
 
-    T, H = 300, 64
+    T, H, rows = 300, 64, 64
     with FakeTensorMode():
         norm = Qwen3_5RMSNorm(H)
         norm.weight.data = norm.weight.data.to(torch.bfloat16)
+        norm.weight.requires_grad_(False)
         x = torch.empty(T, H, dtype=torch.bfloat16, requires_grad=True)
         counter = LiveBytes()
         with counter:
             counter.tag(norm.weight, "weights")
-            y = checkpoint(lambda h: recomputed_norm(norm, h * 2) * 3, x, use_reentrant=False)
+            h = x * 2  # the norm's input, which it keeps
+            y = tiled_norm(norm, rows, H, h)
             counter.set_phase("backward")
-            y.sum().backward()
-    terms = {t.key: t.bytes for t in memory.norm_terms(memory.text_config(hybrid(H, 128)), "full_attention", T, 2)}
-    # the peak beside the layer's output y, the scalar loss and a bf16 [H] for the norm's weight (its gradient)
-    assert counter.peaks["backward"] - T * H * 2 - 2 * 2 - H * 2 == terms["norm_backward"]
+            y.backward(torch.ones_like(y))
+    terms = {t.key: t.bytes for t in memory.norm_terms(memory.text_config(hybrid(H, 128)), "full_attention", T, 2,
+                                                       rows)}
+    # the norm's output y beside it (what reads it holds it)
+    assert counter.peaks["backward"] - T * H * 2 == terms["norm_input"] + terms["norm_backward"]
     assert terms["norm_input"] == T * H * 2
 
 
@@ -311,8 +331,9 @@ def test_the_loss_phase_is_extrapolated_to_every_layer():
         ["linear_attention"] * 3 + ["full_attention"]
     gdn, attention = text["kinds"][0], text["kinds"][3]
     m = Measured(peaks={"forward": 300, "loss": 500, "optimizer": 0},
-                 layers=[LayerRecord(gdn, before=100, kept=10, peak=150), LayerRecord(attention, before=110, kept=20,
-                                                                                     peak=170)],
+                 # no output bytes: what a layer keeps (kept) is its own (own)
+                 layers=[LayerRecord(gdn, before=100, kept=10, own=10, peak=150),
+                         LayerRecord(attention, before=110, kept=20, own=20, peak=170)],
                  weights=0, adapters=0, states=0, head_weights=0)
     whole = extrapolate(m, text, world=1)
     # measured with 10 + 20 bytes kept; the model keeps 6 x 10 + 2 x 20

@@ -10,10 +10,12 @@
   (``TRITON_INTERPRET=1``, :mod:`packtrain.packed.kernels.interpreter`), with the batched torch attention: FlexAttention
   has no CPU backward. That is how CI runs fla's kernels; it is slow and meant for tests.
 
-Every back end runs the dense MLPs in checkpointed tiles of ``mlp_rows`` buffer rows (``train.mlp_chunk_rows``;
-:mod:`packtrain.packed.recompute`): a tile's [rows, intermediate] activations exist only while it runs. The
-device's default: on CPU a tile that stays in a core's cache, where a whole pack's activations outgrow it
-(docs/performance.md, "MLP blocks"); on CUDA tiles of thousands of rows, whose matmuls are large.
+Every back end runs the dense MLPs in recomputed tiles of ``mlp_rows`` buffer rows (``train.mlp_chunk_rows``) and
+the RMSNorms in tiles of ``norm_rows`` (``train.norm_chunk_rows``; :mod:`packtrain.packed.recompute`) when they are
+set: a tile's [rows, intermediate] activations, or a norm's float32 pieces, exist only while it runs. The device's
+default tile: on CPU one that stays in a core's cache, where a whole pack's activations outgrow it
+(docs/performance.md, "MLP blocks"); on CUDA tiles of thousands of rows, whose matmuls are large. Whether a run tiles
+at all is the memory choice's (:mod:`packtrain.models.savings`).
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ import torch
 class Backend:
     gdn: str  # "torch" | "fla"
     attention: str  # "batched" | "dense" | "flex"
-    mlp_rows: int | None = None  # the dense MLPs in checkpointed tiles of this many rows (None: whole)
+    mlp_rows: int | None = None  # the dense MLPs in recomputed tiles of this many rows (None: whole)
+    norm_rows: int | None = None  # the RMSNorms in recomputed tiles of this many rows (None: whole)
     gdn_kernel: str = "triton"  # with gdn "fla": "triton" (fla's own) | "flash_qla" (model.gdn_kernel)
 
     def describe(self) -> str:
-        mlp = f"checkpointed tiles of {self.mlp_rows} rows" if self.mlp_rows else "whole"
+        mlp = f"recomputed tiles of {self.mlp_rows} rows" if self.mlp_rows else "whole"
+        norm = f"recomputed tiles of {self.norm_rows} rows" if self.norm_rows else "whole"
         gdn = f"fla ({GDN_KERNELS[self.gdn_kernel]})" if self.gdn == "fla" else self.gdn
-        return f"gated-deltanet={gdn}, attention={self.attention}, mlp={mlp}, rmsnorm recomputed in backward"
+        return f"gated-deltanet={gdn}, attention={self.attention}, mlp={mlp}, rmsnorm={norm}"
 
 
 # model.gdn_kernel -> what the header says. fla dispatches chunk_gated_delta_rule to FlashQLA by itself on SM90 when
@@ -65,17 +69,26 @@ def fla_available() -> bool:
 # whole pack's); docs/performance.md, "Memory", "Tiled MLP and norms".
 CPU_MLP_ROWS = 512
 CUDA_MLP_ROWS = 8192
+# The norm tile's rows by device: on CUDA the tile whose six float32 pieces at the 27B's width are 1 GiB
+# (docs/performance.md, "Memory"); on CPU the MLP's.
+CPU_NORM_ROWS = 512
+CUDA_NORM_ROWS = 8192
 
 
 def select_backend(kernels: str, device: torch.device | str, attention: str | None = None,
-                   mlp_chunk_rows: int | None = None, gdn_kernel: str = "triton") -> Backend:
+                   mlp_chunk_rows: int | None = None, norm_chunk_rows: int | None = None,
+                   gdn_kernel: str = "triton") -> Backend:
     """``kernels``: auto | torch | fla. ``auto`` takes fla on CUDA when it imports, else torch.
-    ``mlp_chunk_rows`` (``train.mlp_chunk_rows``): None takes the device's default, 0 runs the MLPs whole.
+    ``mlp_chunk_rows`` (``train.mlp_chunk_rows``) and ``norm_chunk_rows`` (``train.norm_chunk_rows``): None takes the
+    device's default tile, 0 runs them whole.
     ``gdn_kernel`` (``model.gdn_kernel``): fla's delta-rule kernel, pinned for the process (:func:`pin_gdn_kernel`)."""
     device = torch.device(device)
+    cpu = device.type == "cpu"
     if mlp_chunk_rows is None:
-        mlp_chunk_rows = CPU_MLP_ROWS if device.type == "cpu" else CUDA_MLP_ROWS
-    mlp_rows = mlp_chunk_rows or None
+        mlp_chunk_rows = CPU_MLP_ROWS if cpu else CUDA_MLP_ROWS
+    if norm_chunk_rows is None:
+        norm_chunk_rows = CPU_NORM_ROWS if cpu else CUDA_NORM_ROWS
+    rows = {"mlp_rows": mlp_chunk_rows or None, "norm_rows": norm_chunk_rows or None}
     if kernels == "auto":
         kernels = "fla" if device.type == "cuda" and fla_available() else "torch"
     if kernels == "fla":
@@ -83,7 +96,7 @@ def select_backend(kernels: str, device: torch.device | str, attention: str | No
             raise ValueError("model.kernels=fla but the `fla` package is not installed (pip install 'packtrain[fla]')")
         pin_gdn_kernel(gdn_kernel)
         if device.type == "cuda":
-            return Backend(gdn="fla", attention=attention or "flex", mlp_rows=mlp_rows, gdn_kernel=gdn_kernel)
+            return Backend(gdn="fla", attention=attention or "flex", gdn_kernel=gdn_kernel, **rows)
         from packtrain.packed.kernels import interpreter
 
         if not interpreter.interpreter_on():
@@ -91,7 +104,7 @@ def select_backend(kernels: str, device: torch.device | str, attention: str | No
                              "Triton's interpreter (slow, for tests): start with TRITON_INTERPRET=1 in the "
                              "environment, or use model.kernels=torch")
         interpreter.apply()
-        return Backend(gdn="fla", attention=attention or "batched", mlp_rows=mlp_rows, gdn_kernel=gdn_kernel)
+        return Backend(gdn="fla", attention=attention or "batched", gdn_kernel=gdn_kernel, **rows)
     if kernels == "torch":
-        return Backend(gdn="torch", attention=attention or "batched", mlp_rows=mlp_rows)
+        return Backend(gdn="torch", attention=attention or "batched", **rows)
     raise ValueError(f"model.kernels: unknown back end {kernels!r} (auto | torch | fla)")

@@ -8,24 +8,23 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 from torch.nn.attention.flex_attention import create_block_mask
 
-from packtrain.packed.kernels.fla_backend import varlen_bounds
+from packtrain.packed.kernels.fla_backend import continuations_from_state
 from packtrain.packed.kernels.flex import FLEX_BLOCK, _compiled_flex, _mark_block_dims_dynamic, padded_length
 from packtrain.packed.layout import PackLayout, shared_prefix_allowed
 
 
-def continuation_delta_rule(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, layout: PackLayout, state, final_state=False):
-    """Every continuation in one varlen call from P's final state [1, HV, K, V] (expanded per continuation). With
-    ``final_state``: (output, each continuation's final state [N, HV, K, V])."""
-    n = len(layout.cont_lens)
-    bounds = varlen_bounds(layout._cache, "continuations", layout.cont_lens, q_SHK.device)
-    initial = state.expand(n, -1, -1, -1).contiguous()  # float32: transformers keeps what fla returned
-    out, final = chunk_gated_delta_rule(q_SHK[None], k_SHK[None], v_SHV[None], g_SH[None], beta_SH[None],
-                                        initial_state=initial, output_final_state=final_state,
-                                        use_qk_l2norm_in_kernel=True, **bounds)
-    return (out[0].to(q_SHK.dtype), final) if final_state else out[0].to(q_SHK.dtype)
+def continuation_delta_rule(heads, conv_SC, b_S, a_S, layout: PackLayout, state, final_state=False):
+    """Every continuation from P's final state [1, HV, K, V] (float32: transformers keeps what fla returned),
+    expanded per continuation, in varlen calls of :data:`~packtrain.packed.kernels.fla_backend.CALL_ROWS` rows
+    (``heads``: :func:`~packtrain.packed.kernels.fla_backend.continuations_from_state`'s). With ``final_state``:
+    (output, each continuation's final state [N, HV, K, V])."""
+    out = continuations_from_state(heads, conv_SC, b_S, a_S, layout.cont_lens, state, final_state,
+                                   layout._cache)
+    if final_state:
+        return out[0].to(conv_SC.dtype), out[1]
+    return out.to(conv_SC.dtype)
 
 
 def _block_mask(layout: PackLayout, p: int, device):

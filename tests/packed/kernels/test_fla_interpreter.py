@@ -75,6 +75,54 @@ def test_delta_rule_varlen_with_initial_states_equals_float64_recurrence():
         assert rel64(a.grad, b.grad) < DELTA_RULE_BOUND, name
 
 
+def test_call_groups_take_whole_continuations_up_to_the_rows():
+    from packtrain.packed.kernels.fla_backend import call_groups
+
+    assert call_groups([30, 50, 40, 200, 10, 90], rows=100) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    assert call_groups([30, 50], rows=100) == [(0, 2)]
+    assert call_groups([], rows=100) == []
+
+
+def test_continuations_in_several_calls_equal_float64_recurrence(monkeypatch):
+    """Every continuation from one shared state (P's, expanded), in calls of at most 100 rows (four calls here): the
+    outputs, final states and gradients, the shared state's summed over every call, as the recurrence gives them."""
+    from packtrain.packed.kernels import fla_backend
+
+    fla_cpu_backend()
+    monkeypatch.setattr(fla_backend, "CALL_ROWS", 100)
+    assert len(fla_backend.call_groups(LENGTHS)) == 4
+    inputs, d_out, d_state = _delta_rule_inputs(LENGTHS)
+    inputs[-1] = inputs[-1][:1]  # one state for all
+
+    got_in = [x.clone().requires_grad_() for x in inputs]
+    q, k, v, g, beta, h0 = got_in
+    H, K, HV, V = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+
+    def heads(conv, b, a):  # the calls' rows of the q | k | v columns and the gates, as gdn_heads splits them
+        qc, kc, vc = conv.split([H * K, H * K, HV * V], dim=-1)
+        return qc.reshape(-1, H, K), kc.reshape(-1, H, K), vc.reshape(-1, HV, V), a, b
+
+    conv = torch.cat([q[0].flatten(1), k[0].flatten(1), v[0].flatten(1)], dim=-1)
+    out, states = fla_backend.continuations_from_state(heads, conv, beta[0], g[0], LENGTHS, h0, final_state=True)
+    ((out * d_out[0]).sum() + (states * d_state).sum()).backward()
+
+    ref_in = [x.double().requires_grad_() for x in inputs]
+    q, k, v, g, beta, h0 = ref_in
+    ref_outs, ref_states = [], []
+    for a, b in _segments(LENGTHS):
+        o, st = torch_ref.recurrent_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                                     initial_state=h0)
+        ref_outs.append(o)
+        ref_states.append(st)
+    ref_out, ref_state = torch.cat(ref_outs, dim=1)[0], torch.cat(ref_states)
+    ((ref_out * d_out[0].double()).sum() + (ref_state * d_state.double()).sum()).backward()
+
+    assert rel64(out, ref_out) < DELTA_RULE_BOUND
+    assert rel64(states, ref_state) < DELTA_RULE_BOUND
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], got_in, ref_in):
+        assert rel64(a.grad, b.grad) < DELTA_RULE_BOUND, name
+
+
 def test_varlen_conv_equals_float64_per_segment_conv():
     from fla.modules.causal_conv1d import causal_conv1d
 
