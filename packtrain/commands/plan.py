@@ -17,7 +17,7 @@ from pathlib import Path
 from packtrain.config import ConfigError, built_context_grads, load_config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_for, plan_stats
-from packtrain.models import memory, savings
+from packtrain.models import memory, memory_report, savings
 from packtrain.run import balance
 from packtrain.run.units import unit_shape
 
@@ -171,13 +171,13 @@ def run_plan(args) -> int:
         if choice.warning():
             print(choice.warning())
         print()
-        print(memory.format_table(est))
-        print(memory.format_phases(est, measured))
+        print(memory_report.format_table(est))
+        print(memory_report.format_phases(est, measured))
         if budget is not None:
             print(savings.format_budget(budget, choice.layers))
         if pool is not None:
             print(savings.format_node_pool(pool))
     if modes is not None:
         print()
-        print(memory.format_modes(modes))
+        print(memory_report.format_modes(modes))
     return 0

@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packtrain.models import memory
-from packtrain.models.memory import FULL, OFFLOAD_CHUNK_BYTES, GiB, StepSavings, UnitShape
+from packtrain.models.memory import OFFLOAD_CHUNK_BYTES, GiB, StepSavings, UnitShape
+from packtrain.models.parameters import expert_shapes, linears
+from packtrain.models.text_config import DENSE, FULL, config_dict_of, text_config
 
 AUTO = "auto"
 KEYS = ("activation_checkpointing", "offload", "loss_chunk_rows", "mlp_chunk_rows", "norm_chunk_rows")
@@ -87,12 +89,12 @@ def layer_parameters_per_token(text: dict, kind) -> tuple[int, int]:
     """(mixer, MLP): the linear parameters one token meets in a decoder layer of ``kind`` (a MoE layer: its router,
     shared expert and ``num_experts_per_tok`` routed experts)."""
     mixer = mlp = 0
-    for i, o, group in memory.linears(text, kind).values():
+    for i, o, group in linears(text, kind).values():
         if group in ("post_norm", "mlp_product"):
             mlp += i * o
         else:
             mixer += i * o
-    experts = memory.expert_shapes(text, kind)
+    experts = expert_shapes(text, kind)
     if experts:  # a token meets num_experts_per_tok of them
         mlp += text["num_experts_per_tok"] * sum(i * o for _, i, o in experts.values())
     return mixer, mlp
@@ -153,7 +155,7 @@ def step_seconds(text: dict, shape: UnitShape, savings: StepSavings, dtype_bytes
     if savings.checkpointing:
         flops += forward
     if savings.mlp_rows:
-        dense = sum(f for (m, f), k in zip(per_layer, text["kinds"]) if k[1] == memory.DENSE)
+        dense = sum(f for (m, f), k in zip(per_layer, text["kinds"]) if k[1] == DENSE)
         flops += 2 * dense * T_grad
     if savings.loss_rows:
         flops += head
@@ -411,7 +413,7 @@ class _Estimator:
 
     def __init__(self, cfg, shape: UnitShape, world_size: int, budget: Budget):
         self.cfg, self.shape, self.world, self.budget = cfg, shape, world_size, budget
-        self.text = memory.text_config(memory.config_dict_of(cfg))
+        self.text = text_config(config_dict_of(cfg))
         self.b = memory.DTYPE_BYTES[cfg.model.dtype]
         self.layers = self.text["num_hidden_layers"]
         self._cache = {}
@@ -534,7 +536,7 @@ def max_token_budget(cfg, shape: UnitShape, world_size: int, budget: Budget, gib
     continuations are its leaves, each with its share of the tree's positions and targets."""
     p, n0 = shape.prefix, shape.continuations
     mean_len, mean_targets = sum(shape.lengths) / n0, sum(shape.targets) / n0
-    text = memory.text_config(memory.config_dict_of(cfg))
+    text = text_config(config_dict_of(cfg))
     layers = text["num_hidden_layers"]
 
     def at(positions: int):

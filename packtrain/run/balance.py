@@ -53,7 +53,7 @@ class CostModel:
 
     @classmethod
     def from_text_config(cls, text: dict) -> CostModel:
-        """From a text config as :func:`packtrain.models.memory.text_config` gives it."""
+        """From a text config as :func:`packtrain.models.text_config.text_config` gives it."""
         from packtrain.models.savings import attention_width, parameters_per_token
 
         return cls(6.0 * parameters_per_token(text), 12.0 * attention_width(text))
@@ -61,7 +61,7 @@ class CostModel:
     @classmethod
     def for_config(cls, cfg) -> CostModel:
         """The model config's figures, each replaced by ``train.cost_per_position`` / ``train.cost_per_pair``."""
-        from packtrain.models.memory import config_dict_of, text_config
+        from packtrain.models.text_config import config_dict_of, text_config
 
         t = cfg.train
         if t.cost_per_position is not None and t.cost_per_pair is not None:

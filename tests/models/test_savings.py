@@ -13,6 +13,7 @@ from cli_helpers import REPO, run_in_process, write_config
 from packtrain.config import load_config
 from packtrain.models import memory, savings
 from packtrain.models.memory import GiB, StepSavings, UnitShape
+from packtrain.models.text_config import text_config
 
 SEED_CONFIG = REPO / "configs" / "qwen3.6-27b.yaml"
 AUTO = {k: "auto" for k in savings.KEYS}
@@ -66,7 +67,7 @@ TOY_PAIRS = 100 * 101 // 2 + (20 * 100 + 20 * 21 // 2) + (30 * 100 + 30 * 31 // 
 
 
 def _toy_seconds(**s) -> float:
-    return savings.step_seconds(memory.text_config(TOY), TOY_SHAPE, StepSavings(**s), 2, "cuda")
+    return savings.step_seconds(text_config(TOY), TOY_SHAPE, StepSavings(**s), 2, "cuda")
 
 
 def test_the_step_cost_counts_each_recompute_as_one_more_forward():
@@ -96,7 +97,7 @@ def test_an_offloaded_input_costs_only_what_its_layers_compute_does_not_hide():
     assert copy > 2 * layer
     exposed = _toy_seconds(activation_checkpointing=True, offload_layers=1) - _toy_seconds(activation_checkpointing=True)
     assert exposed == pytest.approx((copy - layer) + (copy - 2 * layer), rel=1e-9)
-    text = memory.text_config(load_config(SEED_CONFIG).model.config)
+    text = text_config(load_config(SEED_CONFIG).model.config)
     kept = StepSavings(activation_checkpointing=True)
     offloaded = dataclasses.replace(kept, offload_layers=64)
     assert savings.step_seconds(text, SEED, offloaded, 2, "cuda") == savings.step_seconds(text, SEED, kept, 2, "cuda")

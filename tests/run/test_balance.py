@@ -77,7 +77,7 @@ def test_utilisation_is_mean_over_largest_rank_cost():
 
 
 def test_cost_model_from_the_config_counts_flops_by_hand():
-    from packtrain.models.memory import text_config
+    from packtrain.models.text_config import text_config
 
     text = text_config(TINY_MODEL)
     model = CostModel.from_text_config(text)

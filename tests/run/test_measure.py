@@ -11,6 +11,7 @@ from tiny_models import FAMILY_CONFIGS
 
 from packtrain.config import load_config
 from packtrain.models import memory
+from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.run.measure import GDN_NOTE, LiveBytes
 from packtrain.run.units import unit_shape
 
@@ -107,7 +108,7 @@ def test_measure_runs_on_every_shipped_config(tmp_path, name):
     assert mem["notes"][0] == GDN_NOTE
     if name == "vlm_demo":
         assert any("the vision tower is left out" in note for note in mem["notes"])
-    kinds = {k for k, _ in memory.text_config(memory.config_dict_of(cfg))["kinds"]}
+    kinds = {k for k, _ in text_config(config_dict_of(cfg))["kinds"]}
     chosen = plan["savings"]
     word = "recompute" if chosen["activation_checkpointing"] or chosen["offload_layers"] else "backward"
     assert {"forward", "loss", "optimizer"} <= set(mem["phases"])
@@ -280,7 +281,7 @@ def test_a_tiled_norms_backward_holds_what_the_estimate_counts():
             y = tiled_norm(norm, rows, H, h)
             counter.set_phase("backward")
             y.backward(torch.ones_like(y))
-    terms = {t.key: t.bytes for t in memory.norm_terms(memory.text_config(hybrid(H, 128)), "full_attention", T, 2,
+    terms = {t.key: t.bytes for t in memory.norm_terms(text_config(hybrid(H, 128)), "full_attention", T, 2,
                                                        rows)}
     # the norm's output y beside it (what reads it holds it)
     assert counter.peaks["backward"] - T * H * 2 == terms["norm_input"] + terms["norm_backward"]
@@ -310,7 +311,7 @@ def test_a_tiled_mlps_backward_holds_what_the_estimate_counts():
             y = tiled_mlp(mlp, mlp.forward, x, rows)
             counter.set_phase("backward")
             y.sum().backward()
-    terms = {t.key: t.bytes for t in memory.mlp_terms(memory.text_config(model), "full_attention", T, 2, mlp_rows=rows)}
+    terms = {t.key: t.bytes for t in memory.mlp_terms(text_config(model), "full_attention", T, 2, mlp_rows=rows)}
     # x counts from the tiles' first view of it; the MLP's output y and the scalar loss are alive beside the tile
     assert counter.peaks["backward"] - T * 64 * 2 - 2 * 2 == terms["mlp"] + terms["mlp_tile"] + terms["workspace"]
 
@@ -326,7 +327,7 @@ def test_the_loss_phase_is_extrapolated_to_every_layer():
     # take the model's other layers' too (left as measured, no test saw it: the peak was elsewhere)
     from packtrain.run.measure import LayerRecord, Measured, extrapolate
 
-    text = memory.text_config(hybrid(64, 128, layers=8))
+    text = text_config(hybrid(64, 128, layers=8))
     assert [k[0] for k in text["kinds"]] == ["linear_attention"] * 3 + ["full_attention"] + \
         ["linear_attention"] * 3 + ["full_attention"]
     gdn, attention = text["kinds"][0], text["kinds"][3]
