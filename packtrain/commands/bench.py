@@ -103,7 +103,8 @@ def _machine(device, load_before: float) -> dict:
 def _config_and_data(args, preset):
     """(config, text config dict, examples, what the data is, the generated shape or None)."""
     from packtrain.bench.presets import generate_examples
-    from packtrain.config import apply_overrides, config_from_dict, load_config
+    from packtrain.config import config_from_dict, load_config
+    from packtrain.config.typed import apply_overrides
     from packtrain.data.examples import load_split
     from packtrain.models.text_config import config_dict_of, text_config
 
