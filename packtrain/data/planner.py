@@ -13,7 +13,7 @@ Speed: one grouping pass, one sort per group and a bisect per example; how long 
 docs/performance.md, "Planner: 1,000,000 examples" (``python tools/bench_planner.py``).
 
 Under ``packing.mode: tree`` (:func:`plan_tree_packs`) a group's continuations are one prefix tree, cut into packs
-whose tree fits the budget (the rule: :func:`packtrain.data.tree.pack_tree`; docs/design.md, "Prefix trees: the
+whose tree fits the budget (the rule: :func:`packtrain.data.tree_packs.pack_tree`; docs/design.md, "Prefix trees: the
 planner"); a pack's positions and attention pairs are its tree's.
 """
 
@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from packtrain.config import Config, WalkSpec
-from packtrain.data.tree import continuations, example_keys, key_tokens, pack_tree, tree_of_keys
+from packtrain.data.tree import continuations, example_keys, key_tokens, tree_of_keys
+from packtrain.data.tree_packs import pack_tree
 from packtrain.data.walk_calls import WalkCalls, walk_calls
 
 
@@ -44,7 +45,7 @@ class Pack:
     examples: tuple[int, ...]  # indices into the examples, in the order they are laid out after P
     positions: int  # len(P) + sum of the continuation lengths (a tree pack: len(P) + its tree's tokens)
     walk: WalkCalls | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
-    pairs: int | None = None  # a tree pack's attention pairs (data/tree.attention_pairs); None: a flat pack
+    pairs: int | None = None  # a tree pack's attention pairs (data/tree_packs.attention_pairs); None: a flat pack
 
 
 @dataclass
@@ -175,7 +176,7 @@ def plan_tree_packs(
     """Packs for ``packing.mode: tree``: per prompt group, the prefix tree of its examples' continuations
     (item + target, examples with other images apart: :func:`packtrain.data.tree.example_keys`) cut into packs
     whose tree fits, ``len(P)`` + the pack tree's tokens <= ``token_budget`` and its distinct leaves <=
-    ``max_continuations`` (the rule: :func:`packtrain.data.tree.pack_tree`). A pack's ``positions`` is len(P) +
+    ``max_continuations`` (the rule: :func:`packtrain.data.tree_packs.pack_tree`). A pack's ``positions`` is len(P) +
     its tree's tokens, ``pairs`` its tree's attention pairs. An example over the budget on its own goes by
     ``on_overflow`` (error or skip; the walk is not built for trees). The tree and the packs depend on the tokens
     only; examples with the same tokens keep the order of their ids."""

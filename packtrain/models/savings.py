@@ -126,13 +126,12 @@ def _norm_elements_per_token(text: dict) -> int:
 def _pairs(shape: UnitShape) -> tuple[int, int]:
     """(the unit's attention pairs, P's own): a pack's (P, and every continuation against P and itself), or one
     sequence's."""
-    from packtrain.data.planner import attention_pairs
+    from packtrain.data.pairs import causal_pairs, pack_pairs
 
     p = shape.prefix
     if shape.shares_prefix:
-        return attention_pairs(p, shape.lengths), p * (p + 1) // 2
-    n = p + sum(shape.lengths)
-    return n * (n + 1) // 2, p * (p + 1) // 2
+        return pack_pairs(p, shape.lengths), causal_pairs(p)
+    return causal_pairs(p + sum(shape.lengths)), causal_pairs(p)
 
 
 def step_seconds(text: dict, shape: UnitShape, savings: StepSavings, dtype_bytes: int, device: str,
