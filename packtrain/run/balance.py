@@ -54,7 +54,7 @@ class CostModel:
     @classmethod
     def from_text_config(cls, text: dict) -> CostModel:
         """From a text config as :func:`packtrain.models.text_config.text_config` gives it."""
-        from packtrain.models.savings import attention_width, parameters_per_token
+        from packtrain.models.step_time import attention_width, parameters_per_token
 
         return cls(6.0 * parameters_per_token(text), 12.0 * attention_width(text))
 

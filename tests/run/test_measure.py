@@ -174,6 +174,7 @@ def test_gpu_memory_gives_the_largest_budget_that_fits(tmp_path):
     """--gpu-memory GIB: the largest budget whose estimate, every saving left auto on, fits GIB less the reserve; a
     little more GPU memory holds a larger one."""
     from packtrain.models import savings
+    from packtrain.models.budget import device_reserve, plan_budget
 
     model, prefix, conts, train = SHAPES["checkpointed"]
     path = write_config(tmp_path, model, train, data=pretokenized(tmp_path / "train.jsonl", prefix, conts, 97))
@@ -185,11 +186,11 @@ def test_gpu_memory_gives_the_largest_budget_that_fits(tmp_path):
 
     examples = load_split(cfg, "train")
     shape = unit_shape(cfg, plan_for(cfg, examples), examples)
-    found = savings.max_token_budget(cfg, shape, 1, savings.plan_budget(cfg, 1, 3.0), 3.0)
+    found = savings.max_token_budget(cfg, shape, 1, plan_budget(cfg, 1, 3.0), 3.0)
     assert found["token_budget"] == budget and found["estimate_bytes"] <= 3 * memory.GiB - found["reserve_bytes"]
-    assert out["budget_search"]["reserve_bytes"] == savings.device_reserve(3 * memory.GiB)
+    assert out["budget_search"]["reserve_bytes"] == device_reserve(3 * memory.GiB)
     assert out["budget_search"]["device_budget_bytes"] == out["device_budget_bytes"]
-    larger = savings.max_token_budget(cfg, shape, 1, savings.plan_budget(cfg, 1, 3.3), 3.3)
+    larger = savings.max_token_budget(cfg, shape, 1, plan_budget(cfg, 1, 3.3), 3.3)
     assert larger["token_budget"] > budget
     text = run_in_process("plan", path, "--memory", "--gpu-memory", "3").stdout
     assert "largest packing.token_budget fitting 3 GiB per GPU less the" in text and f"{budget:,} positions" in text
@@ -203,13 +204,14 @@ def test_the_run_header_shows_the_choice(tmp_path):
     from packtrain.data.examples import load_split
     from packtrain.data.planner import plan_for
     from packtrain.models import savings
+    from packtrain.models.budget import plan_budget
     from packtrain.run import report
 
     model = SHAPES["checkpointed"][0]
     cfg = load_config(write_config(tmp_path, model, {"offload": 2}))
     examples = load_split(cfg, "train")
     shape = unit_shape(cfg, plan_for(cfg, examples), examples)
-    choice = savings.choose(cfg, shape, 1, savings.plan_budget(cfg, 1, 80.0))
+    choice = savings.choose(cfg, shape, 1, plan_budget(cfg, 1, 80.0))
     lines = report.memory_lines(SimpleNamespace(savings=choice))
     assert lines[0].startswith("  memory: checkpointing, 2 of 8 layer inputs in host memory, ")
     assert "GiB per GPU at the largest unit" in lines[0]
