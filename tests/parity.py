@@ -122,6 +122,20 @@ def hf_losses(model, prefix, conts):
     return out
 
 
+def hf_loss_tensors(model, prefix, conts):
+    """transformers' own forward on each concat(P, Ci) (peft's LoRA forward, the MLPs whole), the cross-entropy of
+    its logits over the target in the model's dtype (its loss function would cast them to float32), with the graph:
+    a reference gradient."""
+    out = []
+    with peft_lora_forward(model), transformers_mlp(model):
+        for c in conts:
+            ids = torch.tensor([list(prefix) + list(c.item_ids) + list(c.target_ids)])
+            logits = model(input_ids=ids).logits[0]
+            start = len(prefix) + len(c.item_ids)
+            out.append(torch.nn.functional.cross_entropy(logits[start - 1:-1], ids[0, start:]))
+    return out
+
+
 def _rmsnorm_same_dtype(self, x):
     return self._norm(x) * (1.0 + self.weight)
 

@@ -82,6 +82,24 @@ def random_pack(prefix_len, cont_specs, vocab=97, seed=0):
     return prefix, conts
 
 
+def examples_of(prefix, conts, first: int = 0) -> list:
+    """The examples (packtrain.data.example.Example) of P and each continuation, ids e{first}, e{first + 1}, ..."""
+    from packtrain.data.example import Example
+
+    return [Example(f"e{first + i}", tuple(prefix), tuple(c.item_ids), tuple(c.target_ids))
+            for i, c in enumerate(conts)]
+
+
+def plan_of(prompts, packs, examples):
+    """A plan (packtrain.data.planner.Plan) of ``packs``, each (prompt index, example indices), over ``prompts``;
+    a pack's positions as the planner counts them."""
+    from packtrain.data.planner import Pack, Plan
+
+    return Plan(packs=[Pack(p, tuple(e), len(prompts[p]) + sum(examples[i].len_continuation for i in e))
+                       for p, e in packs],
+                prompts=[tuple(p) for p in prompts], skipped=[], token_budget=10**9, max_continuations=10**6)
+
+
 # Other families (packtrain.packed.families): tiny configs with shapes unlike the Qwen3.5 ones above, and the LoRA each
 # trains (routed experts through peft's parameter targeting).
 GDN_SEPARATE = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]

@@ -93,9 +93,9 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     from packtrain.models.build import build_base_model
     from packtrain.models.wrap import assemble
     from packtrain.packed.patch import text_parts
-    from packtrain.run.harness import one_update, update_step
+    from packtrain.run.harness import on_every_rank, one_pack, update_step
     from packtrain.run.measure import _phase_hooks
-    from packtrain.run.units import UnitSetup, build, largest_unit
+    from packtrain.run.units import UnitSetup
 
     device = torch.device("cuda")
     with device:
@@ -105,10 +105,10 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     text_model, _ = text_parts(model)
     layers = list(text_model.layers)
     setup = UnitSetup.of(cfg)
-    step = update_step(cfg, lm, setup, DistInfo(0, 1, 0, device))
+    one, _ = one_pack(plan, examples, setup, cfg.train.max_positions)
+    step = update_step(cfg, lm, setup, one, examples, DistInfo(0, 1, 0, device))
     optimizer = step.optimizer
-    unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
-    built = build(unit, plan, examples, setup)
+    ready = step.prepare(on_every_rank(step))  # built before the phases, as --measure builds it
     from packtrain.run.measure import LayerRecord
 
     counter = CudaPhases(device)
@@ -116,7 +116,7 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     hooks = _phase_hooks(counter, layers, records, text, True, text_model.norm)
     hooks.append(optimizer.register_step_pre_hook(lambda *_: counter.set_phase("optimizer")))
     counter.set_phase("forward")
-    one_update(step, built)
+    step.update(ready, 0)
     counter.set_phase(None)
     for h in hooks:
         h.remove()

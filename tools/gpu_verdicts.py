@@ -342,23 +342,24 @@ def _seed_setup(tmp: Path, tiny: bool, **train):
 
 
 def _seed_step(cfg, plan, examples):
-    """The trainer's step over the seed's largest pack, assembled as `train` assembles it: (step, built, lm)."""
+    """The trainer's step over the seed's largest pack, assembled as `train` assembles it: (step, its units prepared
+    (built once, every update runs them), lm)."""
     import torch
 
     from packtrain.distributed import DistInfo
     from packtrain.models.build import build_base_model
     from packtrain.models.wrap import assemble
-    from packtrain.run.harness import update_step
-    from packtrain.run.units import UnitSetup, build, largest_unit
+    from packtrain.run.harness import on_every_rank, one_pack, update_step
+    from packtrain.run.units import UnitSetup
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with device:
         base = build_base_model(cfg)
     _, lm, _ = assemble(base, cfg, device)
     setup = UnitSetup.of(cfg)
-    step = update_step(cfg, lm, setup, DistInfo(0, 1, 0, device))
-    built = build(largest_unit(plan, examples, setup, cfg.train.max_positions), plan, examples, setup)
-    return step, built, lm
+    one, _ = one_pack(plan, examples, setup, cfg.train.max_positions)
+    step = update_step(cfg, lm, setup, one, examples, DistInfo(0, 1, 0, device))
+    return step, step.prepare(on_every_rank(step)), lm
 
 
 def memory(tiny: bool) -> bool:
@@ -387,21 +388,19 @@ def memory(tiny: bool) -> bool:
                   f"worst {worst} {dev[worst]:.1%}" if worst else "no phase measured by both")
 
 
-def _timed_updates(step, built, n: int, warmup: bool = True) -> tuple[float, float, int]:
+def _timed_updates(step, ready, n: int, warmup: bool = True) -> tuple[float, float, int]:
     """(mean seconds of ``n`` updates, after one untimed warm-up (compilation, autotuning); the first update's loss;
     peak allocated bytes of the timed ones)."""
     import torch
 
-    from packtrain.run.harness import one_update
-
     cuda = torch.cuda.is_available()
-    loss = one_update(step, built) if warmup else None
+    loss = step.update(ready, 0).loss if warmup else None
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     for _ in range(n):
-        first = one_update(step, built)
+        first = step.update(ready, 0).loss
         loss = first if loss is None else loss
     if cuda:
         torch.cuda.synchronize()
@@ -417,9 +416,9 @@ def speed(tiny: bool) -> bool:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg, examples, plan = _seed_setup(Path(tmp), tiny)
-        step, built, _ = _seed_step(cfg, plan, examples)
-        seconds, _, _ = _timed_updates(step, built, 1 if tiny else 2, warmup=not tiny)
-    layout = built.work
+        step, ready, _ = _seed_step(cfg, plan, examples)
+        seconds, _, _ = _timed_updates(step, ready, 1 if tiny else 2, warmup=not tiny)
+    layout = ready.built[0].work
     positions = layout.length
     pairs = attention_pairs(layout.prefix_len, layout.cont_lens)
     text = text_config(config_dict_of(cfg))
@@ -440,9 +439,9 @@ def offload(tiny: bool) -> bool:
     for name, value in (("off", False), ("on", 1)):
         with tempfile.TemporaryDirectory() as tmp:
             cfg, examples, plan = _seed_setup(Path(tmp), tiny, offload=value, activation_checkpointing=True)
-            step, built, lm = _seed_step(cfg, plan, examples)
-            results[name] = _timed_updates(step, built, 1, warmup=not tiny)
-            del step, built, lm
+            step, ready, lm = _seed_step(cfg, plan, examples)
+            results[name] = _timed_updates(step, ready, 1, warmup=not tiny)
+            del step, ready, lm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     (t_off, loss_off, peak_off), (t_on, loss_on, peak_on) = results["off"], results["on"]

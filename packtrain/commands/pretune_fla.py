@@ -51,8 +51,8 @@ def run_pretune_fla(args) -> int:
 
     from packtrain.data.examples import load_split
     from packtrain.data.planner import plan_for
-    from packtrain.run.harness import build_lm, build_shortened, one_update, update_step
-    from packtrain.run.units import UnitSetup, choose_savings, largest_unit
+    from packtrain.run.harness import build_lm, one_pack, one_update, update_step
+    from packtrain.run.units import UnitSetup, choose_savings, image_loader
 
     cfg = load_config(args.config, args.overrides)
     examples = load_split(cfg, "train")
@@ -64,14 +64,13 @@ def run_pretune_fla(args) -> int:
             raise ValueError("pretune-fla runs in one process on one GPU (run it without a launcher)")
         plan = plan_for(cfg, examples)
         cfg, _ = choose_savings(cfg, plan, examples, info)  # the run's savings, whose kernels it tunes
-        lm, _, backend = build_lm(cfg, info)
+        lm, model, backend = build_lm(cfg, info)
         if backend.gdn != "fla":
             raise ValueError(f"model.kernels={cfg.model.kernels} selected {backend.describe()}: pretune-fla tunes "
                              "the fla kernels (model.kernels: fla or auto)")
-        setup = UnitSetup.of(cfg, n_groups=1)  # one call per pack: no groups
-        unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
-        built = build_shortened(unit, plan, examples, setup, args.prompt_tokens)
-        one_update(update_step(cfg, lm, setup, info, steps=1), built)
+        setup = UnitSetup.of(cfg, image_loader(cfg, model, examples), n_groups=1)  # one call per pack: no groups
+        one, _ = one_pack(plan, examples, setup, cfg.train.max_positions, args.prompt_tokens)
+        one_update(update_step(cfg, lm, setup, one, examples, info, steps=1))
         torch.cuda.synchronize()
     finally:
         shutdown()
@@ -81,7 +80,7 @@ def run_pretune_fla(args) -> int:
     gpu = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "fla-configs" / re.sub(r"[^0-9A-Za-z]+", "_", gpu)
     written = fla_tune.write_fla_configs(out, tuned, gpu, triton.__version__)
-    print(f"pretune-fla: one update of {built.positions:,} positions (P cut to {args.prompt_tokens} tokens) on {gpu}")
+    print(f"pretune-fla: one update of {one.packs[0].positions:,} positions (P cut to {args.prompt_tokens} tokens) on {gpu}")
     print(format_tuned(tuned, plain))
     print(f"wrote {len(written)} files to {out}")
     print(f"launch every rank with:\n  {fla_tune.launch_env(out)}")

@@ -48,9 +48,9 @@ def format_table(title: str, phases, cuda: bool, since_start: bool, ranks: list[
 def run_smoke(args) -> int:
     from packtrain.data.examples import load_split
     from packtrain.data.planner import plan_for, target_count
-    from packtrain.run.harness import PeakMemory, build_lm, is_out_of_memory, one_update, run_phase, update_step
+    from packtrain.run import harness
     from packtrain.run.report import savings_lines
-    from packtrain.run.units import UnitSetup, build, choose_savings, largest_unit
+    from packtrain.run.units import UnitSetup, choose_savings, image_loader
     from packtrain.rundir import checkpoint as ckpt
 
     cfg = load_config(args.config, args.overrides)
@@ -66,19 +66,22 @@ def run_smoke(args) -> int:
         print("\n".join(savings_lines(choice)))
     # as the trainer runs it: in continuation groups (packtrain/packed/groups.py), walked (packtrain/packed/walk.py)
     setup = UnitSetup.of(cfg)
-    unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
-    built = build(unit, plan, examples, setup)
+    one, unit = harness.one_pack(plan, examples, setup, cfg.train.max_positions)
     out = Path(cfg.output_dir) / "smoke"
-    probe = PeakMemory(info.device)
+    probe = harness.PeakMemory(info.device)
     phases = []
     state = {}
 
     def load():
-        state["lm"], state["model"], state["backend"] = build_lm(cfg, info)
-        state["step"] = update_step(cfg, state["lm"], setup, info)
+        state["lm"], state["model"], state["backend"] = harness.build_lm(cfg, info)
+        # the step's build loads the pack's images (a vision-language model's), as the trainer's does
+        pictured = UnitSetup.of(cfg, image_loader(cfg, state["model"], examples))
+        state["step"] = harness.update_step(cfg, state["lm"], pictured, one, examples, info)
+        state["updates"] = 0
 
     def update():
-        one_update(state["step"], built)
+        harness.one_update(state["step"], state["updates"])
+        state["updates"] += 1
 
     def save():
         step = state["step"]
@@ -86,17 +89,17 @@ def run_smoke(args) -> int:
                              info)
 
     targets = sum(target_count(examples[e]) for e in unit.examples)
-    title = (f"smoke: the largest {unit.kind.describe(unit, setup)}, {built.positions:,} positions "
+    title = (f"smoke: the largest {unit.kind.describe(unit, setup)}, {one.packs[0].positions:,} positions "
              f"({len(unit.examples)} continuations{unit.kind.detail(unit, setup)}, {targets:,} target tokens), "
              f"device {info.device}, {cfg.model.dtype}")
     try:
-        run_phase(phases, probe, "load model", load)
-        run_phase(phases, probe, "update 1", update)
-        run_phase(phases, probe, "update 2 (with optimizer state)", update)
-        run_phase(phases, probe, "save checkpoint", save)
+        harness.run_phase(phases, probe, "load model", load)
+        harness.run_phase(phases, probe, "update 1", update)
+        harness.run_phase(phases, probe, "update 2 (with optimizer state)", update)
+        harness.run_phase(phases, probe, "save checkpoint", save)
         per_rank = gather_objects(phases, info)
     except BaseException as e:
-        if not is_out_of_memory(e):
+        if not harness.is_out_of_memory(e):
             raise
         print(format_table(title + f" (rank {info.rank})", phases, probe.cuda, probe.since_start))
         print(f"packtrain smoke: out of memory in phase '{phases[-1].name}' on rank {info.rank}", file=sys.stderr)

@@ -1,6 +1,7 @@
-"""One optimizer update on one chosen unit, through the trainer's step (:class:`packtrain.run.step.Step`): for
-``packtrain smoke`` (the largest unit, memory per phase), ``packtrain pretune-fla`` (a shortened prompt, so Triton
-tunes with memory to spare) and ``plan --measure``. Also the per-phase peak-memory probe.
+"""One optimizer update on one pack, through the trainer's step (:meth:`packtrain.run.step.Step.run`, its build, its
+skip agreement, its padding): for ``packtrain smoke`` (the plan's largest unit, memory per phase), ``packtrain
+pretune-fla`` (a shortened prompt, so Triton tunes with memory to spare) and ``plan --measure``. Also the per-phase
+peak-memory probe.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.step import Step
-from packtrain.run.units import Built, Unit, UnitSetup, build
+from packtrain.run.units import Unit, UnitSetup, largest_unit, units_of
 
 
 def build_lm(cfg, info):
@@ -30,26 +31,42 @@ def build_lm(cfg, info):
     return lm, model, backend
 
 
-def build_shortened(unit: Unit, plan: Plan, examples, setup: UnitSetup, prompt_tokens: int | None) -> Built:
-    """The unit built with P cut to its first ``prompt_tokens`` tokens (None: as planned)."""
-    if prompt_tokens is not None:
-        plan = dataclasses.replace(plan, prompts=[p[:prompt_tokens] for p in plan.prompts])
-    return build(unit, plan, examples, setup)
+def one_pack(plan: Plan, examples, setup: UnitSetup, max_positions: int | None = None,
+             prompt_tokens: int | None = None) -> tuple[Plan, Unit]:
+    """A plan of one pack: the plan's largest unit (:func:`packtrain.run.units.largest_unit`) as a pack of its own
+    (a pack's one unit is the pack; an example alone, the pack of that example), with P cut to its first
+    ``prompt_tokens`` tokens (None: as planned). Returns (the plan, its one unit)."""
+    unit = largest_unit(plan, examples, setup, max_positions)
+    pack = next(p for p in plan.packs if p.prompt == unit.prompt and set(unit.examples) <= set(p.examples))
+    prompt = plan.prompts[unit.prompt][:prompt_tokens]  # [:None]: all of it
+    cut = len(plan.prompts[unit.prompt]) - len(prompt)
+    if pack.examples != unit.examples:  # several units in a pack (examples alone): the largest one's examples
+        pack = dataclasses.replace(pack, examples=unit.examples,
+                                   positions=unit.kind.positions(unit, plan, examples))
+    pack = dataclasses.replace(pack, prompt=0, positions=pack.positions - cut)
+    one = dataclasses.replace(plan, packs=[pack], prompts=[prompt], skipped=[])
+    (unit,) = units_of(pack, setup)
+    return one, unit
 
 
-def update_step(cfg, lm, setup: UnitSetup, info: DistInfo, steps: int = 2) -> Step:
-    """The trainer's step over ``lm``'s trainable parameters, with a fresh optimizer and an LR schedule of ``steps``;
-    units come built (:meth:`Step.run_built`), so it holds no plan."""
+def update_step(cfg, lm, setup: UnitSetup, plan: Plan, examples, info: DistInfo, steps: int = 2) -> Step:
+    """The trainer's step on ``plan`` (a one-pack plan, :func:`one_pack`) over ``lm``'s trainable parameters, with
+    a fresh optimizer and an LR schedule of ``steps``."""
     params = [p for p in lm.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optim)
-    return Step(lm, setup, None, [], info, params, optimizer, build_scheduler(optimizer, cfg.optim, steps),
-                cfg.optim.max_grad_norm)
+    return Step(lm, setup, plan, examples, info, params, optimizer, build_scheduler(optimizer, cfg.optim, steps),
+                cfg.optim.max_grad_norm, cfg.train.max_positions)
 
 
-def one_update(step: Step, built: Built) -> float:
-    """One optimizer step on one unit, as the trainer steps a step that is this unit on every rank. Returns the
-    unit's mean per-example loss."""
-    return step.run_built([built]).loss
+def on_every_rank(step: Step) -> list[int]:
+    """The step's pack ids that give every rank the plan's one pack, whole (rank r runs ids r, r + world, ...)."""
+    return [0] * step.info.world_size
+
+
+def one_update(step: Step, number: int = 0) -> float:
+    """Optimizer step ``number`` on the one pack of ``step.plan`` on every rank, as the trainer steps a step that is
+    this pack on every rank. Returns its mean per-example loss."""
+    return step.run(on_every_rank(step), number).loss
 
 
 def is_out_of_memory(e: BaseException) -> bool:

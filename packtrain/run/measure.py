@@ -5,9 +5,10 @@ attention layer for Qwen3.5/3.6; dense and MoE MLP layers where a family has bot
 inputs offloaded, ``train.offload: N``: the first copy offloaded, the second kept on the device), plus the embedding
 and the head, under ``FakeTensorMode``: tensors carry shapes and dtypes, no data and no memory. It is wrapped as
 training wraps it (:func:`packtrain.models.wrap.assemble`: LoRA, the patch, checkpointing or offload, with the savings
-chosen for the run) and runs one update on the plan's largest unit through the harness
-(:func:`packtrain.run.harness.one_update`: the unit runner's forward and backward, then the optimizer step). A dispatch
-mode counts the bytes of every live tensor storage (added when an op first outputs it, dropped when the storage is
+chosen for the run) and runs one update on the plan's largest unit through the trainer's step on a one-pack plan
+(:func:`packtrain.run.harness.one_pack`; :meth:`packtrain.run.step.Step.prepare` builds the unit before the fake mode
+counts, then :meth:`~packtrain.run.step.Step.update` runs the unit runner's forward and backward and the optimizer
+step). A dispatch mode counts the bytes of every live tensor storage (added when an op first outputs it, dropped when the storage is
 freed) and keeps each phase's peak:
 
 - ``forward``: embedding and decoder layers; ``loss``: final norm, head, cross-entropy and their backward, with every
@@ -253,7 +254,7 @@ def _without_images(examples):
 
 def measure(cfg, plan, examples) -> Measured:
     """One update of the plan's largest unit on the reduced model under fake tensors, counted per phase."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     from packtrain.distributed import DistInfo
     from packtrain.models import fla_shapes, flex_shapes
@@ -261,8 +262,8 @@ def measure(cfg, plan, examples) -> Measured:
     from packtrain.models.offload import OffloadedCheckpoint
     from packtrain.models.wrap import assemble
     from packtrain.packed.patch import text_parts
-    from packtrain.run.harness import one_update, update_step
-    from packtrain.run.units import UnitSetup, build, largest_unit
+    from packtrain.run.harness import on_every_rank, one_pack, update_step
+    from packtrain.run.units import UnitSetup
 
     notes = []
     if any(getattr(ex, "images", ()) for ex in examples):
@@ -271,14 +272,15 @@ def measure(cfg, plan, examples) -> Measured:
     small = _reduced_cfg(cfg, text_config(config_dict_of(cfg))["num_hidden_layers"])
     text = text_config(small.model.config)
     setup = UnitSetup.of(cfg)
-    unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
-    built = build(unit, plan, examples, setup)  # real index tensors, built before the fake mode
+    one, _ = one_pack(plan, examples, setup, cfg.train.max_positions)
     with FakeTensorMode(allow_non_fake_inputs=True), fla_shapes.installed(), flex_shapes.installed(), _fake_build():
         base = build_base_model(small)
         model, lm, _ = assemble(base, small, "cpu", backend=measure_backend(cfg))
         text_model, lm_head = text_parts(model)
         layers = list(text_model.layers)
-        step = update_step(cfg, lm, setup, DistInfo(0, 1, 0, torch.device("cpu")))
+        step = update_step(cfg, lm, setup, one, examples, DistInfo(0, 1, 0, torch.device("cpu")))
+        with unset_fake_temporarily():
+            ready = step.prepare(on_every_rank(step))  # real index tensors, built outside the fake mode
         params, optimizer = step.params, step.optimizer
         offloaded = [isinstance(l, OffloadedCheckpoint) and l.offload for l in layers]
         pools = {id(l.pool): l.pool for l in layers if isinstance(l, OffloadedCheckpoint)}.values()
@@ -312,7 +314,7 @@ def measure(cfg, plan, examples) -> Measured:
 
             hooks += [optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_step)]
             counter.set_phase("forward")
-            one_update(step, built)
+            step.update(ready, 0)
             states = sum(_storage_bytes([v]) for s in optimizer.state.values() for v in s.values()
                          if isinstance(v, torch.Tensor))
         for h in hooks:
@@ -404,10 +406,11 @@ def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool, fin
 
 @dataclass
 class WholeModel:
-    """The measured step extrapolated to the whole model, per GPU."""
+    """The measured step extrapolated to the whole model, per GPU: ``plan --measure``'s figure."""
     phases: dict[str, int]  # phase -> peak device bytes
     host: int  # checkpointed layer inputs in host memory (train.offload)
     static: dict[str, int]  # weights, adapters (+ gradients, optimizer states), gathered units
+    notes: list[str] = field(default_factory=list)  # how it was measured
 
     @property
     def peak(self) -> int:
@@ -416,6 +419,10 @@ class WholeModel:
     @property
     def peak_phase(self) -> str:
         return max(self.phases, key=self.phases.get)
+
+    def as_json(self) -> dict:
+        return {"peak_device_bytes": self.peak, "peak_phase": self.peak_phase, "phases": self.phases,
+                "host_bytes": self.host, "notes": self.notes}
 
 
 def extrapolate(m: Measured, text: dict, world: int, offloaded: int = 0, checkpointing: bool = True) -> WholeModel:
@@ -486,23 +493,7 @@ GDN_NOTE = ("Gated DeltaNet: fla's kernels as on CUDA, counted by shape-only sta
             "functions save (not the CPU reference's per-chunk states)")
 
 
-@dataclass
-class MeasuredStep:
-    """``plan --measure``'s figure: the whole model's phases per GPU."""
-    phases: dict[str, int]
-    host: int
-    notes: list[str]
-
-    @property
-    def peak(self) -> int:
-        return max(self.phases.values())
-
-    def as_json(self) -> dict:
-        return {"peak_device_bytes": self.peak, "peak_phase": max(self.phases, key=self.phases.get),
-                "phases": self.phases, "host_bytes": self.host, "notes": self.notes}
-
-
-def measure_whole(cfg, plan, examples, world: int) -> MeasuredStep:
+def measure_whole(cfg, plan, examples, world: int) -> WholeModel:
     """``cfg``: the savings chosen (nothing auto)."""
     m = measure(cfg, plan, examples)
     text = text_config(config_dict_of(cfg))
@@ -513,6 +504,6 @@ def measure_whole(cfg, plan, examples, world: int) -> MeasuredStep:
         notes.insert(0, GDN_NOTE)
     notes.append("attention: FlexAttention as on CUDA, counted by a stand-in saving its padded q, k, v, output and "
                  "log-sum-exp; LoRA's dropout masks in the input's dtype, as packtrain draws them on CUDA")
-    notes.append(f"one layer of each kind run under fake tensors, extrapolated to {len(text_config(config_dict_of(cfg))['kinds'])} "
-                 f"layers and {world} rank{'s' * (world != 1)}")
-    return MeasuredStep(whole.phases, whole.host, notes)
+    notes.append(f"one layer of each kind run under fake tensors, extrapolated to {len(text['kinds'])} layers "
+                 f"and {world} rank{'s' * (world != 1)}")
+    return dataclasses.replace(whole, notes=notes)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -44,6 +44,16 @@ class StepResult:
 
 
 @dataclass
+class Prepared:
+    """A step's units on this rank, built, and the skips every rank agreed on (:meth:`Step.prepare`)."""
+    built: list[Built | None]
+    skip: list[bool]
+    examples: int  # the step's examples, all ranks, without the skipped ones
+    skipped_examples: int  # all ranks
+    started: float  # time.perf_counter() as the step began
+
+
+@dataclass
 class Step:
     """What a step runs with. ``boundary(nonfinite) -> nonfinite agreed``: the step's agreement before the update
     (the trainer's also agrees on stop signals); ``on_nonfinite(loss, grad_norm)``: called for a non-finite step,
@@ -64,23 +74,23 @@ class Step:
 
     def run(self, pack_ids: list[int], number: int, check_gradients: bool = False) -> StepResult:
         """Step ``number`` (0-based: the optimizer steps done before it) on the packs ``pack_ids``."""
+        return self.update(self.prepare(pack_ids), number, check_gradients)
+
+    def prepare(self, pack_ids: list[int]) -> Prepared:
+        """What a step does before the model runs: this rank's units of the packs ``pack_ids`` (padded by the
+        equal-call rule), built, and the skips agreed with every rank. (``plan --measure`` builds them outside its
+        fake-tensor mode, then :meth:`update` runs under it.)"""
         t0 = time.perf_counter()
-        info = self.info
-        units = rank_units(self.plan, pack_ids, self.setup, info.rank, info.world_size)
+        units = rank_units(self.plan, pack_ids, self.setup, self.info.rank, self.info.world_size)
         built, skip, skipped_examples = self._build(units)
         n_examples = step_examples(self.plan, pack_ids) - skipped_examples
-        return self._finish(self._run_units(built, skip, n_examples, number), n_examples, number, check_gradients,
-                            sum(skip), skipped_examples, t0)
+        return Prepared(built, skip, n_examples, skipped_examples, t0)
 
-    def run_built(self, built: list[Built], number: int = 0) -> StepResult:
-        """A step of exactly these built units on every rank (the harness: one chosen unit, built beforehand, e.g.
-        outside a fake-tensor mode), scaled by their examples; nothing skipped."""
-        t0 = time.perf_counter()
-        n_examples = sum(len(b.unit.real_examples) for b in built)
-        if self.info.enabled:  # every rank's examples count in the step
-            n_examples = int(all_reduce_sum(torch.tensor([n_examples], device=self.info.device), self.info)[0])
-        totals = self._run_units(built, [False] * len(built), n_examples, number)
-        return self._finish(totals, n_examples, number, False, 0, 0, t0)
+    def update(self, ready: Prepared, number: int, check_gradients: bool = False) -> StepResult:
+        """Forward and backward of the prepared units, then clip, agree on finiteness and update."""
+        totals = self._run_units(ready.built, ready.skip, ready.examples, number)
+        return self._finish(totals, ready.examples, number, check_gradients, sum(ready.skip), ready.skipped_examples,
+                            ready.started)
 
     def _build(self, units: list[Unit]) -> tuple[list, list[bool], int]:
         """Build every unit and agree with all ranks, before any collective of the step, which units to skip.

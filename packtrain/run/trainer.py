@@ -1,4 +1,4 @@
-"""The training run, top to bottom: setup -> (step, log, eval, save)* -> final adapter.
+"""The training run, top to bottom: setup -> (step, log, its cadence)* -> final adapter.
 
     examples -> planner -> packs -> per-rank units -> unit runner -> loss -> backward -> AdamW/SGD
 
@@ -6,13 +6,13 @@ An optimizer step takes ``train.packs_per_step`` packs (global across ranks). Ea
 per-example mean target cross-entropies) is scaled by 1 / (examples in the whole step) and FSDP sums the ranks'
 gradients, so the update is the mean of per-example losses whatever the split into packs, micro-steps, modes or
 ranks (:func:`packtrain.run.units.step_scale`). The step itself is :class:`packtrain.run.step.Step`, the one the bench
-and the harness run too; the units run in :mod:`packtrain.run.units`.
+and the harness run too; the units run in :mod:`packtrain.run.units`. What runs between steps (evaluation, task
+generation, checkpoints) and when is the run's cadence, :mod:`packtrain.run.cadence`.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,6 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from packtrain import faults
 from packtrain.config import Config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_fingerprint, plan_for
@@ -33,14 +32,13 @@ from packtrain.ops.runtime import RunOps
 from packtrain.packed.equal import agree
 from packtrain.packed.families import check_model
 from packtrain.run import finite, report
-from packtrain.run.evaluate import evaluate, mean_loss
+from packtrain.run.cadence import Cadence, Checkpoints, Evaluation, Generation, Records
 from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.signals import StopSignals
 from packtrain.run.step import Step
 from packtrain.run.steps import StepPlan
-from packtrain.run.task import describe as describe_task
-from packtrain.run.task import run_task, task_for, task_start, write_task
+from packtrain.run.task import task_for, task_start
 from packtrain.run.units import UnitSetup, check_data, choose_savings, image_loader, unit_shape
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
@@ -154,7 +152,6 @@ class Trainer:
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
         if self.scorer is not None:
             self.task = task_for(cfg, self.model, self.eval_examples, self.scorer, self.task_tokenizer)
-        self.last_task_step: int | None = None
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -164,10 +161,7 @@ class Trainer:
                          self.scheduler, cfg.optim.max_grad_norm, cfg.train.max_positions, self.skippable,
                          boundary=self._agree_at_boundary, on_nonfinite=self._skip_nonfinite)
         self.counters = Counters()
-        self.last_checkpoint: Path | None = None
-        self.last_eval_step: int | None = None  # the footer names the step its eval loss is from
         self.stop_agreed = False  # a rank was signalled (SIGTERM/SIGINT): every rank stops after this step
-        self.owed: list[str] = []  # evaluations a stopped run's checkpoint owes its step (state.json "owed")
         self.ops.progress("model setup")
         if found is not None:
             self._resume(*found)
@@ -176,8 +170,27 @@ class Trainer:
             # from step 0 the step-0 evaluation runs again: keep none of the old lines
             step = self.counters.step
             self.metrics.truncate_after(step if step > 0 else -1, warn=self.log)
+        self.cadence = self._cadence(cfg)
+        if found is not None:
+            latest, state = found
+            self.cadence.resume(state.get("owed", []), latest)
         if self.dist.is_main:
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+    def _cadence(self, cfg: Config) -> Cadence:
+        """What runs between steps (packtrain.run.cadence): the eval loss (data.eval), the task (generate.every),
+        checkpoints."""
+        records = Records(self.metrics, self.ops, self.dist, cfg.logging.progress)
+        evaluations = []
+        if self.eval_plan is not None:
+            evaluations.append(Evaluation(self.lm, self.eval_plan, self.eval_examples, self.setup, records,
+                                          self.steps_per_epoch, cfg.train.eval_every))
+        if self.task is not None:
+            evaluations.append(Generation(self.lm, self.task, self.setup, records, self.out, cfg.generate.every))
+        parts = (self.lm, self.model, self.optimizer, self.scheduler, self.params)
+        return Cadence(evaluations, Checkpoints(self.out, cfg.train.save_every, self.total_steps,
+                                                cfg.train.keep_checkpoints, parts, self._state, self.dist, self.ops,
+                                                self.log))
 
     # -- the run ------------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -212,65 +225,39 @@ class Trainer:
             self.lock.release()
 
     def _train(self) -> dict:
-        cfg, c = self.cfg, self.counters
+        c, cadence = self.counters, self.cadence
         if self.dist.is_main:
             self._log(report.header(self))
         self._agree_at_boundary(nonfinite=False)  # a signal during setup stops here, before any work
         if self.stop_agreed:
             self._stop_preempted()
-        first_eval = last_eval = first_task = last_task = None
-        if self.eval_plan is not None and c.step == 0:
-            first_eval = last_eval = self._eval()
-        if self.task is not None and c.step == 0:
-            first_task = last_task = self._generate()
-        # stopped right after an evaluation boundary (an epoch's last step): the evaluations it owed run now, before
-        # the next step, as the uninterrupted run ran them
-        if c.step > 0 and "eval" in self.owed and self.eval_plan is not None:  # data.eval may be gone since
-            last_eval = self._eval()
-        if c.step > 0 and "generate" in self.owed and self.task is not None:
-            last_task = self._generate()
+        cadence.start(c.step)
+        first = c.step
         bar = tqdm(total=self.total_steps, initial=c.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (self.dist.is_main and cfg.logging.progress))
-        checked_gradients = False
+                   disable=not (self.dist.is_main and self.cfg.logging.progress))
         while c.step < self.total_steps:
-            record = self._train_step(check_gradients=not checked_gradients)
-            checked_gradients = True
-            self._log_step(record, bar)
+            self._log_step(self._train_step(check_gradients=c.step == first), bar)
             if self.stop_agreed and c.step < self.total_steps:
                 bar.close()
                 self._stop_preempted()
-            if "eval" in self._due():
-                last_eval = self._eval()
-            if "generate" in self._due():
-                last_task = self._generate()
-            if c.step % cfg.train.save_every == 0 and c.step < self.total_steps:
-                self._save_checkpoint()
+            cadence.after(c.step)
         bar.close()
-        if self.eval_plan is not None and self.last_eval_step != c.step:  # max_steps mid-epoch, or eval_every
-            last_eval = self._eval()
-        if self.task is not None and self.last_task_step != c.step:  # generation at the end of training, too
-            last_task = self._generate()
+        cadence.end(c.step)
         self._save_final()
-        summary = {"steps": c.step, "eval_before": first_eval, "eval_after": last_eval,
-                   "eval_after_step": self.last_eval_step, "task_before": first_task, "task_after": last_task,
-                   "task_after_step": self.last_task_step,
-                   "adapter": str(self.out / "adapter"), "plot": str(self.out / "loss.png")}
+        return self._summary()
+
+    def _summary(self) -> dict:
+        def figures(e):  # (at step 0, last, its step)
+            return (None, None, None) if e is None else (e.first, e.last, e.last_step)
+
+        (eval_before, eval_after, eval_step), (task_before, task_after, task_step) = (
+            figures(self.cadence.get("eval")), figures(self.cadence.get("generate")))
+        summary = {"steps": self.counters.step, "eval_before": eval_before, "eval_after": eval_after,
+                   "eval_after_step": eval_step, "task_before": task_before, "task_after": task_after,
+                   "task_after_step": task_step, "adapter": str(self.out / "adapter"), "plot": str(self.out / "loss.png")}
         if self.dist.is_main:
             self._log(report.footer(summary, self.out / "metrics.jsonl"))
         return summary
-
-    def _due(self) -> list[str]:
-        """The evaluations due after this step and not run yet: "eval" (each epoch's end, every train.eval_every)
-        and "generate" (every generate.every)."""
-        cfg, step = self.cfg, self.counters.step
-        due = []
-        every = cfg.train.eval_every
-        if (self.eval_plan is not None and self.last_eval_step != step
-                and (step % self.steps_per_epoch == 0 or (every and step % every == 0))):
-            due.append("eval")
-        if self.task is not None and self.last_task_step != step and step % cfg.generate.every == 0:
-            due.append("generate")
-        return due
 
     def _log(self, lines: list[str]) -> None:
         for line in lines:
@@ -309,7 +296,8 @@ class Trainer:
         c.nonfinite_skips += 1
         step, limit = c.step + 1, self.cfg.train.max_nonfinite_skips
         if c.nonfinite_skips > limit:
-            last = str(self.last_checkpoint) if self.last_checkpoint is not None else None
+            last = self.cadence.checkpoints.last
+            last = str(last) if last is not None else None
             raise NonFiniteError(finite.stop_message(step, loss, grad_norm, self.cfg, last, c.nonfinite_skips - 1),
                                  quiet=not self.dist.is_main)
         if self.dist.is_main:
@@ -322,56 +310,9 @@ class Trainer:
         stopped = f"stopped by {self.signals.name()} after step {step} of {self.total_steps}"
         if step == 0:
             raise Preempted(f"{stopped}: nothing trained yet, nothing to save; run again", quiet=not self.dist.is_main)
-        if self.last_checkpoint is None or self.last_checkpoint.name != f"step-{step}":
-            self._save_checkpoint()
-        raise Preempted(f"{stopped}: checkpoint {self.last_checkpoint} written; continue with `packtrain train "
-                        "CONFIG --resume`", quiet=not self.dist.is_main)
-
-    # -- eval ---------------------------------------------------------------------------------------------------
-    def _eval(self) -> float:
-        info, step = self.dist, self.counters.step
-        bar = tqdm(total=None, desc="eval", unit="unit", leave=False,  # a terminal only: it would litter logs
-                   disable=not (info.is_main and self.cfg.logging.progress and sys.stderr.isatty()))
-        rows = evaluate(self.lm, self.eval_plan, self.eval_examples, self.setup, info,
-                        progress=_Beating(bar, lambda: self.ops.progress(f"an eval unit at step {step} (the "
-                                                                         "evaluation still running)")))
-        bar.close()
-        loss = mean_loss(rows)
-        if not finite.is_finite(loss):  # the same on every rank: the rows are gathered everywhere
-            raise NonFiniteError(f"eval at step {step}: loss {loss!r}; the model has diverged (see the "
-                                 "train loss in metrics.jsonl); nothing was saved", quiet=not info.is_main)
-        self.last_eval_step = step
-        record = {"split": "eval", "step": step, "loss": loss, "examples": len(rows)}
-        self.metrics.write(record)
-        self.ops.eval_done(record)
-        if info.is_main:
-            tqdm.write(f"eval  step {step}: loss {loss:.4f} over {len(rows)} examples")
-        return loss
-
-    def _generate(self) -> float | None:
-        """generate.every: the task metric on data.eval (or its first generate.examples); rank 0 writes
-        generations/step-N.jsonl and step-N.errors.md. Returns the mean score."""
-        info, step = self.dist, self.counters.step
-        bar = tqdm(total=None, desc="generate", unit="pack", leave=False,
-                   disable=not (info.is_main and self.cfg.logging.progress and sys.stderr.isatty()))
-        result = run_task(self.lm, self.task, self.setup, info,
-                          progress=_Beating(bar, lambda: self.ops.progress(f"a generation pack at step {step} (the "
-                                                                            "generation still running)")))
-        bar.close()
-        s = result.summary
-        self.last_task_step = step
-        record = {"split": "generate", "step": step, "exact_match": s["exact_match"], "mean_score": s["mean_score"],
-                  "examples": s["examples"], "unparsed": s["unparsed"], "tokens": s["tokens"],
-                  "tokens_per_second": s["tokens_per_second"]}
-        lines = self.out / "generations" / f"step-{step}.jsonl"
-        if info.is_main:  # the files first: a metrics line never names generations that were not written
-            write_task(result, lines, lines.with_name(f"step-{step}.errors.md"), self.task,
-                       f"generations at step {step} of {self.out}")
-        self.metrics.write(record)
-        self.ops.eval_done(record)
-        if info.is_main:
-            tqdm.write(f"generate step {step}: {describe_task(s)} -> {lines}")
-        return s["mean_score"]
+        written = self.cadence.checkpoints.stopping(step)
+        raise Preempted(f"{stopped}: checkpoint {written} written; continue with `packtrain train CONFIG --resume`",
+                        quiet=not self.dist.is_main)
 
     # -- saving and resuming ------------------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -380,17 +321,7 @@ class Trainer:
         c = self.counters
         return {"epoch": c.step // self.steps_per_epoch, "plan": self.fingerprint,
                 "world_size": self.dist.world_size, "mode": self.setup.mode, "total_steps": self.total_steps,
-                "nonfinite_skips": c.nonfinite_skips, "owed": self._due(), "config": self.cfg.to_dict()}
-
-    def _save_checkpoint(self) -> None:
-        step = self.counters.step
-        finite.check_parameters(self.params, self.dist, step)
-        self.last_checkpoint = ckpt.save_checkpoint(self.out, step, self.lm, self.model, self.optimizer,
-                                                    self.scheduler, self._state(), self.dist)
-        if self.dist.is_main:
-            rundir.prune_checkpoints(self.out, self.cfg.train.keep_checkpoints, self.log)
-        self.ops.progress(f"checkpoint at step {step}")
-        faults.after_checkpoint(step)
+                "nonfinite_skips": c.nonfinite_skips, "owed": self.cadence.owed(c.step), "config": self.cfg.to_dict()}
 
     def _save_final(self) -> None:
         finite.check_parameters(self.params, self.dist, self.counters.step)
@@ -419,19 +350,6 @@ class Trainer:
         log = self.log if self.dist.is_main else (lambda *a: None)
         ckpt.load_checkpoint(latest, self.lm, self.optimizer, self.scheduler, self.dist)
         self.counters = Counters(step=state["step"], nonfinite_skips=state["nonfinite_skips"])
-        self.owed = [x for x in state.get("owed", []) if x in ("eval", "generate")]
-        self.last_checkpoint = latest
         self.ops.progress(f"resumed from {latest.name}")
         log(f"resume: continuing from {latest} (step {self.counters.step}, written with world size "
             f"{state['world_size']}, now {self.dist.world_size})")
-
-
-class _Beating:
-    """A progress bar that also tells the hang watchdog an evaluation unit finished (a long eval is progress)."""
-
-    def __init__(self, bar, beat):
-        self.bar, self.beat = bar, beat
-
-    def update(self, n: int = 1) -> None:
-        self.bar.update(n)
-        self.beat()

@@ -1,20 +1,16 @@
 """One run per output directory: the lock, what a new run may find there, temporaries, and checkpoint retention.
 
-Why: re-running a finished config without ``--resume`` silently replaced its adapter and metrics (and a later
-``--resume`` jumped to the old run's checkpoints), and two runs on one ``output_dir`` both wrote. Now:
-
 - ``OUTPUT/packtrain.lock`` (JSON: pid, host, start time) is created exclusively by rank 0 and removed when the run
   ends. A lock whose process is gone from this host (a SIGKILL, a hang abort) is taken over, and the log says so;
   a live holder, or one on another host, refuses the run naming it. Deciding and taking over happen under an
-  ``flock`` of OUTPUT itself: two restarts that found the same dead holder at once both took over before (the
-  second unlinked the first's fresh lock as "the stale one"; 125 of 300 trials in
-  tests/rundir/test_directory.py), now exactly one does and the other is refused naming it.
+  ``flock`` of OUTPUT itself: of two restarts that find the same dead holder at once, exactly one takes over and
+  the other is refused naming it.
 - A directory holding a previous run's ``adapter/``, ``checkpoints/step-N`` or ``metrics.jsonl`` is refused unless
   ``--resume`` (continue it) or ``--overwrite`` (remove :data:`OUTPUTS` first, listed in the log).
 - A run directory carries :data:`MARKER`, written by the first run in it, listing what packtrain writes there. A
-  non-empty directory without it is not packtrain's and is refused, ``--overwrite`` included: its ``config.yaml``
-  was overwritten, and ``--overwrite`` deleted whole ``base/``, ``ops/`` and ``adapter/`` folders packtrain never
-  wrote. ``--overwrite`` removes only what the marker lists.
+  non-empty directory without it is not packtrain's and is refused, ``--overwrite`` included (packtrain would write
+  its ``config.yaml`` and remove its ``base/``, ``ops/`` and ``adapter/``). ``--overwrite`` removes only what the
+  marker lists.
 - Leftover temporaries of interrupted writes (``.tmp-*``, ``.old-*``) are removed once the lock is held.
 - After each successful save, checkpoints beyond the newest ``train.keep_checkpoints`` are removed.
 

@@ -1,8 +1,7 @@
 """``train --resume``: which checkpoint to continue from, and whether it belongs to the same run.
 
-Why: the newest checkpoint can be damaged (a disk that filled up, a copy cut short) and used to block every
-resume with a traceback; and a resume with another ``optim.lr``, ``train.seed`` or edited system prompts silently
-became another run, while config.yaml claimed the new values.
+The newest checkpoint can be damaged (a disk that filled up, a copy cut short), and a resume with another
+``optim.lr``, ``train.seed`` or edited system prompts would be another run under the old run's name:
 
 - :func:`choose_checkpoint`: rank 0 verifies checkpoints newest first (digests, then every file read as a resume
   reads it, see :func:`packtrain.rundir.checkpoint.verify_checkpoint`); a damaged one is reported and the next older one
@@ -13,7 +12,7 @@ became another run, while config.yaml claimed the new values.
   checkpoint, or whose final adapter, is past the config's total of steps (``train.max_steps`` lowered) is refused
   naming both numbers: continuing would have trained nothing and replaced the final adapter with an earlier one,
   with exit 0. A run with a final adapter and no checkpoint (``train.save_every`` over its steps) is refused in one
-  line: "no checkpoint; starting from step 0" compared no config and replaced the finished adapter, with exit 0.
+  line, rather than started again from step 0 over its finished adapter.
 - :func:`check_same_run`: the checkpoint stores the resolved config. Keys that change the trajectory
   (:data:`TRAJECTORY`) must be equal, else the resume is refused listing every difference; the others (epochs,
   max_steps, save_every, eval_every, keep_checkpoints, max_nonfinite_skips, logging, ops, device, kernels, data

@@ -4,14 +4,14 @@ import argparse
 
 import pytest
 import torch
-from cli_helpers import run_in_process, write_config
+from cli_helpers import REPO, run_in_process, write_config
 
 from packtrain.commands import smoke
 from packtrain.config import load_config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_for
 from packtrain.run import harness
-from packtrain.run.units import UnitSetup, largest_unit
+from packtrain.run.units import UnitSetup, build, largest_unit, units_of
 
 PHASES = ["load model", "update 1", "update 2 (with optimizer state)", "save checkpoint"]
 
@@ -48,15 +48,30 @@ def test_the_largest_unit_is_the_pack_with_most_positions(tmp_path):
 
 
 def test_shortened_prompt_keeps_the_continuations(tmp_path):
+    """pretune-fla's one-pack plan: P cut to its first tokens, the largest pack's continuations as planned."""
     cfg = load_config(write_config(tmp_path))
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
     setup = UnitSetup("shared_prefix")
     unit = largest_unit(plan, examples, setup)
-    full = harness.build_shortened(unit, plan, examples, setup, None).work
-    short = harness.build_shortened(unit, plan, examples, setup, 5).work
-    assert short.prefix_len == 5 and full.length - short.length == full.prefix_len - 5
-    assert torch.equal(short.target_ids, full.target_ids)
+    full, _ = harness.one_pack(plan, examples, setup)
+    short, short_unit = harness.one_pack(plan, examples, setup, prompt_tokens=5)
+    assert short.prompts == [plan.prompts[unit.prompt][:5]] and full.prompts == [plan.prompts[unit.prompt]]
+    assert short_unit.examples == unit.examples and len(short.packs) == 1
+    full_layout, short_layout = (build(units_of(p.packs[0], setup)[0], p, examples, setup).work for p in (full, short))
+    assert short_layout.prefix_len == 5 and full_layout.length - short_layout.length == full_layout.prefix_len - 5
+    assert short.packs[0].positions == short_layout.length and full.packs[0].positions == full_layout.length
+    assert torch.equal(short_layout.target_ids, full_layout.target_ids)
+
+
+def test_the_one_pack_plan_of_a_standalone_run_is_its_largest_example(tmp_path):
+    cfg = load_config(write_config(tmp_path))
+    examples = load_split(cfg, "train")
+    plan = plan_for(cfg, examples)
+    setup = UnitSetup("standalone")
+    one, unit = harness.one_pack(plan, examples, setup)
+    assert unit == largest_unit(plan, examples, setup) and one.packs[0].examples == unit.examples
+    assert one.packs[0].positions == build(unit, one, examples, setup).positions  # prompt 0 of the one-pack plan
 
 
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
@@ -102,3 +117,12 @@ def test_smoke_walks_an_example_over_the_budget(tmp_path, capsys):
 def _title(out: str) -> str:
     """smoke's table title (after the memory savings' lines)."""
     return next(line for line in out.splitlines() if line.startswith("smoke: "))
+
+
+def test_smoke_runs_on_the_vision_language_demo(tmp_path):
+    """configs/vlm_demo.yaml: the pack's images are loaded by the step's build, as the trainer's are."""
+    out = run_in_process("smoke", REPO / "configs" / "vlm_demo.yaml", "--set", f"output_dir={tmp_path / 'run'}",
+                         "--set", "packing.max_continuations=4").stdout
+    title = _title(out)
+    assert title.startswith("smoke: the largest pack,") and "(4 continuations," in title, title
+    assert (tmp_path / "run" / "smoke" / "checkpoints" / "step-2" / "state.json").exists()

@@ -159,24 +159,30 @@ def test_groups_hold_less_of_the_continuations_graph():
 
 
 def test_one_update_in_groups_is_the_one_forward_update(monkeypatch):
-    """`packtrain smoke`'s update (run.harness.one_update) on a pack in groups == on the pack, with SGD."""
+    """`packtrain smoke`'s update (run.harness.one_update: the trainer's step on a one-pack plan) on a pack in groups
+    == on the pack in one forward, with SGD."""
+    from tiny_models import examples_of, plan_of
+
     from packtrain.distributed import DistInfo
     from packtrain.run.harness import one_update
     from packtrain.run.step import Step
-    from packtrain.run.units import GROUPS, PACK, Built, Unit, UnitSetup
+    from packtrain.run.units import GROUPS, PACK, UnitSetup, units_of
 
     prefix_len, specs, layer_types = CASES[0]
     prefix, conts = random_pack(prefix_len, specs, seed=0)
+    examples = examples_of(prefix, conts)
+    plan = plan_of([prefix], [(0, range(len(conts)))], examples)
     with without_float32_casts(monkeypatch):
         after = []
-        for kind, n_groups, unit in ((PACK, 1, build_pack_layout(prefix, conts)),
-                                     (GROUPS, 3, grouped(prefix, conts, 3))):
+        for kind, n_groups in ((PACK, 1), (GROUPS, 3)):
+            setup = UnitSetup("shared_prefix", n_groups)
+            assert [u.kind for u in units_of(plan.packs[0], setup)] == [kind]
             model = patched_lora_model(layer_types, seed=0, backend=BACKEND)
             params = [p for p in model.parameters() if p.requires_grad]
             sgd = torch.optim.SGD(params, lr=0.5)
-            step = Step(PackedLM(model, "full"), UnitSetup("shared_prefix", n_groups), None, [],
-                        DistInfo(0, 1, 0, torch.device("cpu")), params, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0))
-            one_update(step, Built(Unit(kind, 0, tuple(range(len(conts)))), unit))
+            step = Step(PackedLM(model, "full"), setup, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")),
+                        params, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0))
+            one_update(step)
             after.append(trainable_values(model))
     assert max_rel(after[1], after[0]) < 1e-12
 

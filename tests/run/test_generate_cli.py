@@ -250,16 +250,16 @@ def test_a_generation_whose_files_were_not_written_leaves_no_metrics_line(tmp_pa
     for a generation whose file does not exist (it had one before)."""
     import errno
 
-    from packtrain.run import trainer
+    from packtrain.run import cadence
 
-    written = trainer.write_task
+    written = cadence.write_task
 
     def full_at_step_1(result, lines, *args):
         if lines.name == "step-1.jsonl":
             raise OSError(errno.ENOSPC, "No space left on device", str(lines))
         written(result, lines, *args)
 
-    monkeypatch.setattr(trainer, "write_task", full_at_step_1)
+    monkeypatch.setattr(cadence, "write_task", full_at_step_1)
     cfg = write_config(tmp_path, generate={"max_new_tokens": 2, "every": 1, "examples": 1}, train={"max_steps": 2})
     proc = run_in_process("train", cfg, check=False)
     assert proc.returncode == 2 and "no space left on device" in proc.stderr, proc.stderr[-2000:]
