@@ -88,8 +88,8 @@ class GroupCall:
     def run(self, lm) -> LossOutput:
         """The group's loss, as a whole pack's (:class:`packtrain.packed.lm.PackCall`) with P's rows read from
         ``prefix``; under frozen the targets read off P's last row are constants."""
-        frozen = lm.context.name == "frozen"
-        return examples_loss(lm, self.layout, *continuations_on(lm, self.layout, self.prefix, constant=frozen))
+        constant = not lm.context.prefix_grad
+        return examples_loss(lm, self.layout, *continuations_on(lm, self.layout, self.prefix, constant=constant))
 
 
 def train_groups(lm, groups: Groups, scale: float) -> tuple[float, list[float]]:
@@ -108,7 +108,7 @@ def _run_groups(lm, groups: Groups, scale: float | None) -> tuple[float, list[fl
     if any(lay.image_grid_thw is not None for lay in groups.layouts):
         raise ValueError("packing.continuation_groups > 1 takes text-only packs; this pack has images "
                          "(set packing.continuation_groups: 1)")
-    grad = scale is not None and lm.context.name != "frozen"
+    grad = scale is not None and lm.context.prefix_grad
     prefix = lm(PrefixCall(groups.layouts[0]))
     leaves = prefix.leaves(grad) if scale is not None else prefix
     total, losses = 0.0, []

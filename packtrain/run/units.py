@@ -262,6 +262,11 @@ class StandaloneKind(Kind):
     def build(self, unit, plan, examples, setup):
         return _layout(unit, plan, examples, setup.images, packed=False)
 
+    def call(self, work):
+        from packtrain.packed.lm import StandaloneCall
+
+        return StandaloneCall(work)
+
     def describe(self, unit, setup):
         return "example"
 
