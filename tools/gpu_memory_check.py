@@ -29,9 +29,8 @@ from make_seed_data import seed_records  # noqa: E402
 
 from packtrain.config import load_config  # noqa: E402
 from packtrain.data.examples import load_split  # noqa: E402
-from packtrain.data.planner import plan_for  # noqa: E402
 from packtrain.models import memory  # noqa: E402
-from packtrain.run.units import unit_shape  # noqa: E402
+from packtrain.run.units import plan_for, unit_shape  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -313,9 +313,8 @@ def _seed_setup(tmp: Path, tiny: bool, **train):
 
     from packtrain.config import load_config
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for
     from packtrain.distributed import DistInfo
-    from packtrain.run.units import choose_savings
+    from packtrain.run.units import choose_savings, plan_for
 
     base = yaml.safe_load((REPO / "configs" / "qwen3.6-27b.yaml").read_text())
     text = _config_27b(2, tiny)

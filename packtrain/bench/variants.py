@@ -33,7 +33,7 @@ import torch
 from peft import get_peft_model
 
 from packtrain.config import Config
-from packtrain.data.planner import Plan, plan_for
+from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.models.build import build_base_model, lora_config
 from packtrain.models.wrap import assemble
@@ -42,7 +42,7 @@ from packtrain.run.evaluate import evaluate, mean_loss
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.step import Step
 from packtrain.run.steps import StepPlan
-from packtrain.run.units import UnitSetup
+from packtrain.run.units import UnitSetup, plan_for
 
 VARIANTS = ("shared_prefix", "kv_only", "frozen", "tree", "standalone", "plain")
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "tree")  # a tree pays only on data that shares histories

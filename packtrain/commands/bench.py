@@ -70,11 +70,10 @@ def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
     types = text["layer_types"]
     full = sum(t == FULL for t in types)
     ckpt = ", checkpointed layers" if cfg.train.activation_checkpointing or cfg.train.offload else ""
-    from packtrain.run.units import UnitSetup, pack_kind
+    from packtrain.run.units import Kinds
 
-    setup = UnitSetup.of(cfg)
-    runs = pack_kind(setup).runs(setup)
-    ckpt += f", {runs}" if runs else ""
+    setup = Kinds.of(cfg)
+    ckpt += "".join(f", {line}" for line in setup.pack.runs({}))
     describe = (f"{len(types)} layers ({len(types) - full} GDN + {full} attention), hidden {text['hidden_size']:,}, "
                 f"vocab {text['vocab_size']:,}, {cfg.model.dtype}, LoRA r {cfg.lora.r} on "
                 f"{','.join(cfg.lora.target_modules)} ({trainable:,} parameters){ckpt}; kernels {backend.describe()}")
@@ -145,10 +144,10 @@ def run_bench(args) -> int:
     from packtrain.bench.presets import H100_BF16_DENSE_TFLOPS, H100_SOURCE, get_preset
     from packtrain.bench.report import format_table, plot, speedups, write_json
     from packtrain.bench.variants import DEFAULT_VARIANTS, VARIANTS, Models, Workload
-    from packtrain.data.planner import plan_for, plan_stats, target_count
+    from packtrain.data.planner import plan_stats, target_count
     from packtrain.distributed import init_distributed
     from packtrain.run.report import savings_lines
-    from packtrain.run.units import choose_savings
+    from packtrain.run.units import choose_savings, plan_for
     from packtrain.rundir.disk import check_not_an_input, check_output_path, config_inputs
 
     check_output_path(args.out, "--out", directory=True)  # before the models are built and timed

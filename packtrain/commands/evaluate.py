@@ -20,13 +20,12 @@ from packtrain.rundir.disk import check_not_an_input, check_output_path, config_
 
 def run_eval(args) -> int:
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for
     from packtrain.models.build import build_base_model
     from packtrain.models.loading import read_adapter
     from packtrain.models.wrap import assemble
     from packtrain.run.evaluate import evaluate, mean_loss
     from packtrain.run.task import errors_path_for, task_start
-    from packtrain.run.units import UnitSetup, image_loader
+    from packtrain.run.units import UnitSetup, image_loader, plan_for
 
     cfg = load_config(args.config, args.overrides)
     check_output_path(args.out, "--out", directory=False)

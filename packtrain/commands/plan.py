@@ -16,10 +16,10 @@ from pathlib import Path
 
 from packtrain.config import ConfigError, built_context_grads, load_config
 from packtrain.data.examples import load_split
-from packtrain.data.planner import plan_for, plan_stats
+from packtrain.data.planner import plan_stats
 from packtrain.models import memory, savings
 from packtrain.run import balance
-from packtrain.run.units import unit_shape
+from packtrain.run.units import plan_for, unit_shape
 
 
 def _shown(path: Path) -> Path:

@@ -50,9 +50,8 @@ def run_pretune_fla(args) -> int:
     import triton
 
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for
     from packtrain.run.harness import build_lm, build_shortened, one_update, update_step
-    from packtrain.run.units import UnitSetup, choose_savings, largest_unit
+    from packtrain.run.units import UnitSetup, choose_savings, largest_unit, plan_for
 
     cfg = load_config(args.config, args.overrides)
     examples = load_split(cfg, "train")

@@ -47,10 +47,10 @@ def format_table(title: str, phases, cuda: bool, since_start: bool, ranks: list[
 
 def run_smoke(args) -> int:
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for, target_count
+    from packtrain.data.planner import target_count
     from packtrain.run.harness import PeakMemory, build_lm, is_out_of_memory, one_update, run_phase, update_step
     from packtrain.run.report import savings_lines
-    from packtrain.run.units import UnitSetup, build, choose_savings, largest_unit
+    from packtrain.run.units import UnitSetup, build, choose_savings, largest_unit, plan_for
     from packtrain.rundir import checkpoint as ckpt
 
     cfg = load_config(args.config, args.overrides)
@@ -86,8 +86,8 @@ def run_smoke(args) -> int:
                              info)
 
     targets = sum(target_count(examples[e]) for e in unit.examples)
-    title = (f"smoke: the largest {unit.kind.describe(unit, setup)}, {built.positions:,} positions "
-             f"({len(unit.examples)} continuations{unit.kind.detail(unit, setup)}, {targets:,} target tokens), "
+    title = (f"smoke: the largest {unit.kind.describe(unit)}, {built.positions:,} positions "
+             f"({len(unit.examples)} continuations{unit.kind.detail(unit)}, {targets:,} target tokens), "
              f"device {info.device}, {cfg.model.dtype}")
     try:
         run_phase(phases, probe, "load model", load)

@@ -35,17 +35,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
-from packtrain.packed.cut import cut_at_layer_inputs
-from packtrain.packed.layout import PackLayout
-from packtrain.packed.pack_pass import ItemRecord, PackPass
-from packtrain.packed.patch import LAYOUT_KWARG, packed_positions, text_parts
-from packtrain.packed.prefix import PrefixCall, PrefixState
-from packtrain.packed.rowsparse import rows_from
+    from packtrain.packed.layout import PackLayout
+    from packtrain.packed.pack_pass import ItemRecord
+    from packtrain.packed.prefix import PrefixState
+
+# Importing this module needs no torch: the planner's and the memory estimate's callers ask the modes too. What runs
+# the model imports torch and the packed computation where it runs.
 
 # Modules whose P rows get exactly zero upstream gradient under kv_only (their outputs feed only P's own rows).
 ROW_SPARSE_MODULES = ("mlp", "self_attn.q_proj", "self_attn.o_proj", "linear_attn.in_proj_z", "linear_attn.out_proj")
@@ -62,11 +62,17 @@ class _LayerRows:
         self.start: int | None = None
 
     def pre_hook(self, module, args, kwargs):
+        from packtrain.packed.patch import LAYOUT_KWARG
+
         pack = kwargs.get(LAYOUT_KWARG)
         self.start = None if pack is None else pack.grad_rows_from(self.index)
 
 
 def _row_sparse_forward(module: nn.Module, rows: _LayerRows) -> None:
+    import torch
+
+    from packtrain.packed.rowsparse import rows_from
+
     original = module.forward
 
     def forward(*args, **kwargs):
@@ -80,6 +86,8 @@ def _row_sparse_forward(module: nn.Module, rows: _LayerRows) -> None:
 
 def install_row_sparse(model: nn.Module) -> None:
     """Idempotent; dormant unless a packed kv_only layout is running (then see the module docstring)."""
+    from packtrain.packed.patch import text_parts
+
     text_model, _ = text_parts(model)
     for i, layer in enumerate(text_model.layers):
         layer = getattr(layer, "_checkpoint_wrapped_module", layer)
@@ -179,6 +187,8 @@ class Full(ContextGrad):
     description = "full (exact gradient through P)"
 
     def hidden_states(self, lm, layout):
+        from packtrain.packed.pack_pass import PackPass
+
         return lm.hidden_states(layout, PackPass(layout)), layout.target_positions, None
 
     def standalone_hidden_states(self, lm, layout):
@@ -197,16 +207,25 @@ class KvOnly(ContextGrad):
         install_row_sparse(model)
 
     def hidden_states(self, lm, layout):
+        from packtrain.packed.cut import cut_at_layer_inputs
+        from packtrain.packed.pack_pass import PackPass
+        from packtrain.packed.patch import text_parts
+
         layers = text_parts(lm.model)[0].layers
         with cut_at_layer_inputs(layers, layout.prefix_len):
             pack = PackPass(layout, keep_from=keep_from(layout, len(layers)))
             return lm.hidden_states(layout, pack), layout.target_positions, None
 
     def standalone_hidden_states(self, lm, layout):
+        from packtrain.packed.cut import cut_at_layer_inputs
+        from packtrain.packed.patch import text_parts
+
         with cut_at_layer_inputs(text_parts(lm.model)[0].layers, layout.prefix_len):
             return lm.hidden_states(layout), layout.target_positions, None
 
     def prefix_pass(self, layers, p):
+        from packtrain.packed.cut import cut_at_layer_inputs
+
         return cut_at_layer_inputs(layers, p)
 
 
@@ -217,10 +236,16 @@ class Frozen(ContextGrad):
     prefix_grad = False
 
     def hidden_states(self, lm, layout):
+        from packtrain.packed.prefix import PrefixCall
+
         return continuations_on(lm, layout, PrefixCall(layout).run(lm), constant=True)
 
     def standalone_hidden_states(self, lm, layout):
         """The mode's reference semantics: transformers' own cache path on concat(P, C)."""
+        import torch
+
+        from packtrain.packed.patch import packed_positions
+
         p = layout.prefix_len
         prefix = dataclasses.replace(layout, input_ids=layout.input_ids[:, :p], image_grid_thw=None,
                                      pixel_values=None, _cache={})
@@ -234,6 +259,8 @@ class Frozen(ContextGrad):
         return hidden, layout.target_positions - (p - 1), layout.target_positions < p
 
     def prefix_pass(self, layers, p):
+        import torch
+
         return torch.no_grad()
 
 
@@ -254,6 +281,10 @@ def continuations_on(lm, layout: PackLayout, prefix: PrefixState, constant: bool
     targets read off P's last row take ``prefix.last``, every other target t row t - P + 1; with ``constant`` those
     first ones are constants (frozen). ``record``: a generation's item pass, which keeps each continuation's own
     state. Under every mode the kernels read P from ``prefix`` alone (no kv_only kept rows: no P row is here)."""
+    import torch
+
+    from packtrain.packed.pack_pass import PackPass
+
     p = layout.prefix_len
     rest = _continuation_view(layout)
     second = lm.run_body(rest, PackPass(rest, prefix=prefix, record=record))

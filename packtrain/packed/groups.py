@@ -28,7 +28,6 @@ rule of :mod:`packtrain.run.steps`): a pack with fewer continuations than G fill
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from packtrain.packed.context import continuations_on
@@ -70,13 +69,6 @@ def split(lengths: list[int], n_groups: int) -> list[list[int]]:
         runs.append(list(range(start, end)))
         start = end
     return runs
-
-
-def group_units(unit, lengths: list[int], n_groups: int) -> tuple[list, list[float]]:
-    """``unit`` (a pack, :class:`packtrain.run.steps.Unit`) as ``n_groups`` units of its examples, and their weights."""
-    runs = split(lengths, n_groups)
-    units = [dataclasses.replace(unit, examples=tuple(unit.examples[i] for i in run or [0])) for run in runs]
-    return units, [1.0 if run else 0.0 for run in runs]
 
 
 @dataclass

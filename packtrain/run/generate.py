@@ -132,7 +132,7 @@ def generate(lm, plan: Plan, examples, setup: UnitSetup, spec: GenerateSpec, inf
     with torch.no_grad():
         for k, unit in enumerate(slots[info.rank]):
             new_prompt = k == 0 or any(s[k].prompt != s[k - 1].prompt for s in slots)
-            layout = ITEMS.build(unit, plan, examples, setup)
+            layout = ITEMS.build(unit, plan, examples, setup.images)
             if layout is not None:
                 layout = layout.to(info.device)
             if new_prompt:

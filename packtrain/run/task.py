@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from packtrain.data.planner import Plan, plan_for
+from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.run.generate import Generated, GenerateSpec, generate, stop_ids
 from packtrain.run.scoring import Scorer, ScorerError, errors_markdown, load_scorer, strip_thinking, summarize
-from packtrain.run.units import UnitSetup
+from packtrain.run.units import UnitSetup, plan_for
 
 
 @dataclass

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from packtrain import faults
 from packtrain.config import Config
 from packtrain.data.examples import load_split
-from packtrain.data.planner import plan_fingerprint, plan_for
+from packtrain.data.planner import plan_fingerprint
 from packtrain.distributed import DistInfo, barrier, init_distributed, lost_peer
 from packtrain.exits import NonFiniteError, PeerLost, Preempted
 from packtrain.models.build import build_base_model
@@ -41,7 +41,7 @@ from packtrain.run.step import Step
 from packtrain.run.steps import StepPlan
 from packtrain.run.task import describe as describe_task
 from packtrain.run.task import run_task, task_for, task_start, write_task
-from packtrain.run.units import UnitSetup, check_data, choose_savings, image_loader, unit_shape
+from packtrain.run.units import UnitSetup, choose_savings, image_loader, plan_for, unit_shape
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
 from packtrain.rundir import resume as resuming
@@ -126,7 +126,7 @@ class Trainer:
         self.eval_examples = load_split(cfg, "eval")
         # generate.every: a bad generate.metric fails here, before the model is built
         self.scorer, self.task_tokenizer = task_start(cfg) if cfg.generate.every is not None else (None, None)
-        check_data(UnitSetup.of(cfg), self.train_examples)
+        UnitSetup.of(cfg).check(self.train_examples)
         self.plan = plan_for(cfg, self.train_examples)
         self.fingerprint = plan_fingerprint(self.plan, self.train_examples)  # every token of the plan: once
         check_same_plan(self.fingerprint, self.dist)

@@ -9,9 +9,8 @@ from cli_helpers import run_in_process, write_config
 from packtrain.commands import smoke
 from packtrain.config import load_config
 from packtrain.data.examples import load_split
-from packtrain.data.planner import plan_for
 from packtrain.run import harness
-from packtrain.run.units import UnitSetup, largest_unit
+from packtrain.run.units import Kinds, largest_unit, plan_for
 
 PHASES = ["load model", "update 1", "update 2 (with optimizer state)", "save checkpoint"]
 
@@ -38,10 +37,10 @@ def test_the_largest_unit_is_the_pack_with_most_positions(tmp_path):
     cfg = load_config(write_config(tmp_path))
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    unit = largest_unit(plan, examples, UnitSetup("shared_prefix"))
+    unit = largest_unit(plan, examples, Kinds.named("shared_prefix"))
     assert max(p.positions for p in plan.packs) == next(p.positions for p in plan.packs
                                                         if (p.prompt, p.examples) == (unit.prompt, unit.examples))
-    alone = largest_unit(plan, examples, UnitSetup("standalone"))
+    alone = largest_unit(plan, examples, Kinds.named("standalone"))
     lengths = [len(plan.prompts[p.prompt]) + examples[e].len_continuation for p in plan.packs for e in p.examples]
     assert len(alone.examples) == 1
     assert len(plan.prompts[alone.prompt]) + examples[alone.examples[0]].len_continuation == max(lengths)
@@ -51,7 +50,7 @@ def test_shortened_prompt_keeps_the_continuations(tmp_path):
     cfg = load_config(write_config(tmp_path))
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    setup = UnitSetup("shared_prefix")
+    setup = Kinds.named("shared_prefix")
     unit = largest_unit(plan, examples, setup)
     full = harness.build_shortened(unit, plan, examples, setup, None).work
     short = harness.build_shortened(unit, plan, examples, setup, 5).work

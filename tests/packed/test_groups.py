@@ -163,20 +163,20 @@ def test_one_update_in_groups_is_the_one_forward_update(monkeypatch):
     from packtrain.distributed import DistInfo
     from packtrain.run.harness import one_update
     from packtrain.run.step import Step
-    from packtrain.run.units import GROUPS, PACK, Built, Unit, UnitSetup
+    from packtrain.run.units import Built, Kinds, Unit
 
     prefix_len, specs, layer_types = CASES[0]
     prefix, conts = random_pack(prefix_len, specs, seed=0)
     with without_float32_casts(monkeypatch):
         after = []
-        for kind, n_groups, unit in ((PACK, 1, build_pack_layout(prefix, conts)),
-                                     (GROUPS, 3, grouped(prefix, conts, 3))):
+        for n_groups, unit in ((1, build_pack_layout(prefix, conts)), (3, grouped(prefix, conts, 3))):
             model = patched_lora_model(layer_types, seed=0, backend=BACKEND)
             params = [p for p in model.parameters() if p.requires_grad]
             sgd = torch.optim.SGD(params, lr=0.5)
-            step = Step(PackedLM(model, "full"), UnitSetup("shared_prefix", n_groups), None, [],
+            kinds = Kinds.named("shared_prefix", n_groups)
+            step = Step(PackedLM(model, "full"), kinds, None, [],
                         DistInfo(0, 1, 0, torch.device("cpu")), params, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0))
-            one_update(step, Built(Unit(kind, 0, tuple(range(len(conts)))), unit))
+            one_update(step, Built(Unit(kinds.pack, 0, tuple(range(len(conts)))), unit))
             after.append(trainable_values(model))
     assert max_rel(after[1], after[0]) < 1e-12
 
