@@ -55,7 +55,7 @@ def main() -> None:
     cfg, _ = choose_savings(cfg, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")))  # as bench chooses them
     work = Workload.of(cfg, examples, plan, torch.device("cpu"))
     models = Models(work)
-    lm = models.lms["full"]
+    lm = models.lms["shared_prefix"]
     packed, alone = Kinds.named("shared_prefix"), Kinds.named("standalone")
     (unit,) = rank_units(plan, work.steps[0], packed, 0, 1)
     layout = build(unit, plan, examples, packed).work

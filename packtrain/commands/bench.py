@@ -174,11 +174,18 @@ def run_bench(args) -> int:
     models = Models(work)
     warmup = preset.warmup if args.warmup is None else args.warmup
     chosen = _variants(args, VARIANTS, preset.variants or DEFAULT_VARIANTS)
-    if "tree" in chosen:  # its own packs: the tree planner's
-        stats["tree"] = plan_stats(work.for_variant("tree").plan, examples)
+    target_tokens = sum(target_count(examples[e]) for pack in plan.packs for e in pack.examples)
+    figures, notes = {}, []
+    for name in chosen:  # each variant's own plan (the tree's: the tree planner's), planned before any is timed
+        variant = VARIANTS[name]
+        own = plan_stats(work.for_variant(variant).plan, examples)
+        if own != stats:
+            stats[name] = own
+        figures[name] = variant.figures(work, own, target_tokens)
+        note = variant.note.format(**own, base=stats["positions_packed"])
+        notes += [note] if note and note not in notes else []
     runs = interleave(models, work, chosen, repeats, warmup)
     peak = args.peak_tflops or (H100_BF16_DENSE_TFLOPS if device.type == "cuda" else None)
-    target_tokens = sum(target_count(examples[e]) for pack in plan.packs for e in pack.examples)
     result = {
         "title": f"packtrain bench ({f'preset {preset.name}' if args.config is None else args.config}): {data}",
         "command": "packtrain " + " ".join(sys.argv[1:]),
@@ -201,7 +208,8 @@ def run_bench(args) -> int:
         "warmup": warmup,
         "peak_tflops": peak,
         "peak_source": None if peak is None else ("--peak-tflops" if args.peak_tflops else H100_SOURCE),
-        "variants": summarize(runs, stats, target_tokens, text, cfg.lora.r, cfg.lora.target_modules, peak),
+        "variants": summarize(runs, figures, stats, target_tokens, text, cfg.lora.r, cfg.lora.target_modules, peak),
+        "notes": notes,
     }
     result["speedup"], result["speedup_over_position_ratio"], result["final_loss_rel_diff"] = speedups(result)
     result["cpu_speedup"], result["cpu_speedup_over_position_ratio"], _ = speedups(result, "cpu_seconds")

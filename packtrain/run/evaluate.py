@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch.distributed as dist
 
 from packtrain.data.planner import Plan
@@ -14,9 +12,9 @@ from packtrain.run.units import UnitSetup, build, run_unit
 
 def evaluate(lm, plan: Plan, examples, setup: UnitSetup, info: DistInfo, progress=None) -> list[dict]:
     """``[{"id", "loss", "target_tokens"}]`` in example order (on every rank), skipped examples left out; every unit
-    through the unit runner under no_grad (whole packs, whatever ``setup.n_groups``; walked examples chunk by
-    chunk)."""
-    setup = dataclasses.replace(setup, n_groups=1)
+    through the unit runner under no_grad (whole packs, whatever ``packing.continuation_groups``; walked examples
+    chunk by chunk)."""
+    setup = setup.whole_packs()
     was_training = lm.training
     lm.eval()
     results: dict[int, tuple[float, int]] = {}

@@ -109,6 +109,10 @@ class Kinds:
         kinds = ([self.walk] if self.walk is not None else []) + [self.pack]
         return [line for line in (k.runs(stats or {}) for k in kinds) if line]
 
+    def whole_packs(self) -> Kinds:
+        """The same kinds with each pack one call (an evaluation: no gradient to keep per group)."""
+        return dataclasses.replace(self, pack=self.pack.whole())
+
     def pad_order(self) -> tuple[Kind, ...]:
         """The order a rank runs its units in: its packs first, then its walks (a generation's items alone)."""
         return (self.pack, ITEMS) + ((self.walk,) if self.walk is not None else ())
@@ -182,6 +186,10 @@ class Kind:
 
     def units(self, pack: Pack) -> list[Unit]:
         return [Unit(self, pack.prompt, pack.examples)]
+
+    def whole(self) -> Kind:
+        """This kind with a pack in one call (:meth:`Kinds.whole_packs`)."""
+        return self
 
     def positions(self, unit: Unit, plan: Plan, examples) -> int:
         """The buffer positions of ``unit``, without building it."""
@@ -291,6 +299,9 @@ class GroupsKind(Kind):
 
     def calls(self, unit, training):
         return self.n_groups + 1
+
+    def whole(self):
+        return PackKind()
 
     def group_positions(self, lengths):
         from packtrain.packed.groups import split
