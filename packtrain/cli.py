@@ -29,8 +29,8 @@ def whole(low: int, high: int):
 
 
 def amount(unit: str, high: float):
-    """An argparse type: a finite number of ``unit`` above 0 and at most ``high``. Why: ``--gpu-memory nan`` answered
-    a budget for "nan GiB" in JSON that is not JSON, ``inf`` an endless one, and 0 or -1 were taken."""
+    """An argparse type: a finite number of ``unit`` above 0 and at most ``high`` (``nan`` would print JSON that is
+    not JSON, ``inf`` an endless budget, and 0 or -1 mean nothing)."""
     def parse(text: str) -> float:
         try:
             value = float(text)

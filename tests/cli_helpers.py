@@ -441,3 +441,16 @@ def assert_tree_trains_as_standalone(cfg: Path, tmp: Path, examples: int, *stand
         rows[mode] = {r["id"]: r["loss"] for r in map(json.loads, out.read_text().splitlines())}
     assert rows["tree"].keys() == rows["standalone"].keys() and len(rows["tree"]) == examples
     assert all(abs(rows["tree"][k] - v) < 1e-9 * abs(v) for k, v in rows["standalone"].items())
+
+
+def seed_unit_shape():
+    """The seed-like pack of tools/make_seed_data.py as the memory estimate sizes it: P 64,000 + 80 continuations of
+    400-700 + 200-400 tokens."""
+    from packtrain.models.memory import UnitShape
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from make_seed_data import seed_records
+
+    records = list(seed_records(64_000, 80, 248_320, 0))
+    return UnitShape(64_000, [len(r["item_ids"]) + len(r["target_ids"]) for r in records],
+                     [len(r["target_ids"]) for r in records])

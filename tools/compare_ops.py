@@ -27,7 +27,7 @@ from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.variants import Models, Workload, _whole_example
 from packtrain.config import config_from_dict
 from packtrain.distributed import DistInfo
-from packtrain.models import memory
+from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.packed import attention
 from packtrain.packed.lm import PackCall
 from packtrain.run.steps import rank_units
@@ -50,7 +50,7 @@ def main() -> None:
     preset = get_preset("cpu")
     preset.config["packing"]["token_budget"] = args.prefix_tokens + shape.continuations * shape.cont_tokens[1]
     cfg = config_from_dict(preset.config, source="tools/compare_ops.py")
-    examples = generate_examples(shape, memory.text_config(memory.config_dict_of(cfg))["vocab_size"], 0)
+    examples = generate_examples(shape, text_config(config_dict_of(cfg))["vocab_size"], 0)
     plan = plan_for(cfg, examples)
     cfg, _ = choose_savings(cfg, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")))  # as bench chooses them
     work = Workload.of(cfg, examples, plan, torch.device("cpu"))

@@ -30,6 +30,7 @@ from make_seed_data import seed_records  # noqa: E402
 from packtrain.config import load_config  # noqa: E402
 from packtrain.data.examples import load_split  # noqa: E402
 from packtrain.models import memory  # noqa: E402
+from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.run.units import plan_for, unit_shape  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     with device:
         base = build_base_model(cfg)
     model, lm, _ = assemble(base, cfg, device)
-    text = memory.text_config(memory.config_dict_of(cfg))
+    text = text_config(config_dict_of(cfg))
     text_model, _ = text_parts(model)
     layers = list(text_model.layers)
     setup = UnitSetup.of(cfg)

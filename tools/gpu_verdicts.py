@@ -411,7 +411,7 @@ def speed(tiny: bool) -> bool:
     import tempfile
 
     from packtrain.bench.measure import model_flops
-    from packtrain.models import memory as mem
+    from packtrain.models.text_config import config_dict_of, text_config
     from packtrain.run.balance import attention_pairs
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -421,7 +421,7 @@ def speed(tiny: bool) -> bool:
     layout = built.work
     positions = layout.length
     pairs = attention_pairs(layout.prefix_len, layout.cont_lens)
-    text = mem.text_config(mem.config_dict_of(cfg))
+    text = text_config(config_dict_of(cfg))
     flops = model_flops(text, positions, pairs, int(layout.target_ids.numel()), cfg.lora.r, cfg.lora.target_modules)
     mfu = flops / seconds / (PEAK_TFLOPS * 1e12)
     passed = mfu >= MFU_FLOOR or tiny

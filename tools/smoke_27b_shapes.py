@@ -181,7 +181,9 @@ def main() -> int:
         print(text[-3000:])
         return proc.returncode
 
-    from packtrain.models.memory import StepSavings, estimate, format_table, text_config
+    from packtrain.models.memory import StepSavings, estimate
+    from packtrain.models.memory_report import format_table
+    from packtrain.models.text_config import text_config
 
     est = estimate(text_config(TEXT), 2048, 4 * 32, dtype="bfloat16", lora_r=8,
                    lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"], world_size=args.ranks,

@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 from packtrain.bench.variants import Models, Workload, run_variant
-from packtrain.models import memory
+from packtrain.models.parameters import expert_shapes, linears
+from packtrain.models.text_config import FULL
 from packtrain.run.harness import PeakMemory, is_out_of_memory
 
 
@@ -156,16 +157,16 @@ def interleave(models: Models, work: Workload, variants: list[str], repeats: int
 
 
 def model_flops(text: dict, positions: int, pairs: int, head_rows: int, lora_r: int, lora_targets) -> float:
-    """Forward + backward model FLOPs (see the module docstring) for a text config dict (models.memory.text_config)."""
+    """Forward + backward model FLOPs (see the module docstring) for a text config dict (models.text_config.text_config)."""
     per_position = 0.0
     for kind in text["kinds"]:
-        for name, (d_in, d_out, _) in memory.linears(text, kind).items():
+        for name, (d_in, d_out, _) in linears(text, kind).items():
             per_position += 4 * d_in * d_out  # forward + input gradient
             if name in lora_targets:
                 per_position += 6 * lora_r * (d_in + d_out)  # forward + input and weight gradients
-        for _, d_in, d_out in memory.expert_shapes(text, kind).values():  # each position visits k experts
+        for _, d_in, d_out in expert_shapes(text, kind).values():  # each position visits k experts
             per_position += 4 * text["num_experts_per_tok"] * d_in * d_out
-    full_layers = sum(t == memory.FULL for t in text["layer_types"])
+    full_layers = sum(t == FULL for t in text["layer_types"])
     per_pair = 3 * 4 * text["num_attention_heads"] * text["head_dim"]  # QK^T and PV, forward + 2x backward
     per_head_row = 4 * text["hidden_size"] * text["vocab_size"]
     return positions * per_position + pairs * full_layers * per_pair + head_rows * per_head_row

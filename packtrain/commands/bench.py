@@ -65,7 +65,7 @@ def _generated(args) -> bool:
 
 
 def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
-    from packtrain.models.memory import FULL
+    from packtrain.models.text_config import FULL
 
     types = text["layer_types"]
     full = sum(t == FULL for t in types)
@@ -102,15 +102,16 @@ def _machine(device, load_before: float) -> dict:
 def _config_and_data(args, preset):
     """(config, text config dict, examples, what the data is, the generated shape or None)."""
     from packtrain.bench.presets import generate_examples
-    from packtrain.config import apply_overrides, config_from_dict, load_config
+    from packtrain.config import config_from_dict, load_config
+    from packtrain.config.typed import apply_overrides
     from packtrain.data.examples import load_split
-    from packtrain.models import memory
+    from packtrain.models.text_config import config_dict_of, text_config
 
     if args.config is not None:
         cfg = load_config(args.config, args.overrides)
     else:
         cfg = config_from_dict(apply_overrides(preset.config, args.overrides), source=f"preset {preset.name}")
-    text = memory.text_config(memory.config_dict_of(cfg))
+    text = text_config(config_dict_of(cfg))
     if args.config is not None and cfg.data.train is not None and not _generated(args):
         return cfg, text, load_split(cfg, "train"), str(cfg.resolve_path(cfg.data.train)), None
     shape = _shape(args, preset)

@@ -17,7 +17,8 @@ from pathlib import Path
 from packtrain.config import ConfigError, built_context_grads, load_config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_stats
-from packtrain.models import memory, savings
+from packtrain.models import memory, memory_report, savings
+from packtrain.models.budget import format_node_pool, node_pool, plan_budget
 from packtrain.run import balance
 from packtrain.run.units import plan_for, unit_shape
 
@@ -124,7 +125,7 @@ def run_plan(args) -> int:
     shape = unit_shape(cfg, plan, examples) if args.memory else None
     choice = est = measured = budget = pool = modes = None
     if args.memory:
-        limits = savings.plan_budget(cfg, args.world_size, args.gpu_memory, args.ranks_per_node,
+        limits = plan_budget(cfg, args.world_size, args.gpu_memory, args.ranks_per_node,
                                      args.host_memory_per_node)
         choice = savings.choose(cfg, shape, args.world_size, limits)
         chosen = choice.apply(cfg)
@@ -140,7 +141,7 @@ def run_plan(args) -> int:
         if shape.shares_prefix and len(context_grads) > 1:
             modes = {m: memory.estimate_for_unit(chosen, shape, args.world_size, m) for m in context_grads}
         if choice.chosen.savings.offload_layers:
-            pool = savings.node_pool(est.total("host"), limits.ranks_per_node, limits.host_per_node)
+            pool = node_pool(est.total("host"), limits.ranks_per_node, limits.host_per_node)
     if args.json:
         stats.update(steps)
         if est is not None:
@@ -171,13 +172,13 @@ def run_plan(args) -> int:
         if choice.warning():
             print(choice.warning())
         print()
-        print(memory.format_table(est))
-        print(memory.format_phases(est, measured))
+        print(memory_report.format_table(est))
+        print(memory_report.format_phases(est, measured))
         if budget is not None:
             print(savings.format_budget(budget, choice.layers))
         if pool is not None:
-            print(savings.format_node_pool(pool))
+            print(format_node_pool(pool))
     if modes is not None:
         print()
-        print(memory.format_modes(modes))
+        print(memory_report.format_modes(modes))
     return 0

@@ -13,7 +13,7 @@ Speed: one grouping pass, one sort per group and a bisect per example; how long 
 docs/performance.md, "Planner: 1,000,000 examples" (``python tools/bench_planner.py``).
 
 Under ``packing.mode: tree`` (:func:`plan_tree_packs`) a group's continuations are one prefix tree, cut into packs
-whose tree fits the budget (the rule: :func:`packtrain.data.tree.pack_tree`; docs/design.md, "Prefix trees: the
+whose tree fits the budget (the rule: :func:`packtrain.data.tree_packs.pack_tree`; docs/design.md, "Prefix trees: the
 planner"); a pack's positions and attention pairs are its tree's.
 """
 
@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packtrain.config import WalkSpec
-from packtrain.data.tree import continuations, example_keys, key_tokens, pack_tree, tree_of_keys
+from packtrain.data.pairs import causal_pairs, pack_pairs, tree_pairs
+from packtrain.data.tree import continuations, example_keys, key_tokens, tree_of_keys
+from packtrain.data.tree_packs import pack_tree
 from packtrain.data.walk_calls import WalkCalls, walk_calls
 
 
@@ -43,7 +45,7 @@ class Pack:
     prompt: int  # index into Plan.prompts
     examples: tuple[int, ...]  # indices into the examples, in the order they are laid out after P
     positions: int  # len(P) + sum of the continuation lengths (a tree pack: len(P) + its tree's tokens)
-    # its query-key pairs of causal attention, per layer and head: a flat pack's attention_pairs (a walked example's,
+    # its query-key pairs of causal attention, per layer and head: a flat pack's (data/pairs.py) (a walked example's,
     # of its whole sequence), a tree pack's its tree's (every token reads P, its ancestors and its node's earlier ones)
     pairs: int
     walk: WalkCalls | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
@@ -155,7 +157,7 @@ def plan_packs(
                 raise _over_budget(ex, i, len(prefix), length, token_budget)
         for _, i, length in sorted(walked):
             sched = walk_calls(len(prefix), len(examples[i].item_ids), length, walk_spec, frozen)
-            packs.append(Pack(len(prompts), (i,), len(prefix) + length, attention_pairs(len(prefix), [length]), sched))
+            packs.append(Pack(len(prompts), (i,), len(prefix) + length, pack_pairs(len(prefix), [length]), sched))
         if not fitting:
             if walked:
                 prompts.append(prefix)
@@ -166,7 +168,7 @@ def plan_packs(
         for b in _best_fit_decreasing(lengths, capacity, max_continuations):
             used = sum(lengths[j] for j in b)
             packs.append(Pack(len(prompts), tuple(order[j] for j in b), len(prefix) + used,
-                              attention_pairs(len(prefix), [lengths[j] for j in b])))
+                              pack_pairs(len(prefix), [lengths[j] for j in b])))
         prompts.append(prefix)
     if not packs:
         raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
@@ -179,7 +181,7 @@ def plan_tree_packs(
     """Packs for ``packing.mode: tree``: per prompt group, the prefix tree of its examples' continuations
     (item + target, examples with other images apart: :func:`packtrain.data.tree.example_keys`) cut into packs
     whose tree fits, ``len(P)`` + the pack tree's tokens <= ``token_budget`` and its distinct leaves <=
-    ``max_continuations`` (the rule: :func:`packtrain.data.tree.pack_tree`). A pack's ``positions`` is len(P) +
+    ``max_continuations`` (the rule: :func:`packtrain.data.tree_packs.pack_tree`). A pack's ``positions`` is len(P) +
     its tree's tokens, ``pairs`` its tree's attention pairs. An example over the budget on its own goes by
     ``on_overflow`` (error or skip; the walk is not built for trees). The tree and the packs depend on the tokens
     only; examples with the same tokens keep the order of their ids."""
@@ -231,7 +233,7 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
         tree = tree_of_keys(keys, salts, continuations(group))
         for tp in pack_tree(tree, token_budget - p, max_continuations, _by_id(examples, fitting)):
             pack = Pack(len(prompts), tuple(map(fitting.__getitem__, tp.paths)), p + tp.positions,
-                        pairs=p * (p + 1) // 2 + p * tp.positions + tp.pairs)
+                        pairs=tree_pairs(p, tp.positions, tp.pairs))
             packs.append(pack)
             lengths.setdefault(pack.prompt, []).extend(len(examples[i].item_ids) + len(examples[i].target_ids)
                                                    for i in pack.examples)
@@ -258,16 +260,6 @@ def epoch_order(plan: Plan, epoch: int, seed: int | None = None) -> list[int]:
     return order
 
 
-def _pairs(length: int) -> int:
-    """Query-key pairs of causal attention over ``length`` positions."""
-    return length * (length + 1) // 2
-
-
-def attention_pairs(prefix_len: int, cont_lens) -> int:
-    """A pack's query-key pairs of causal attention: P's own, and each continuation's against P and itself."""
-    return prefix_len * (prefix_len + 1) // 2 + sum(c * prefix_len + c * (c + 1) // 2 for c in cont_lens)
-
-
 def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     """Exact counts for a plan: positions and full-attention pairs (per layer and head), standalone vs packed.
 
@@ -287,7 +279,7 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         p = len(plan.prompts[pack.prompt])
         cs = [len(examples[i].item_ids) + len(examples[i].target_ids) for i in pack.examples]
         positions_standalone += p * len(cs) + sum(cs)
-        pairs_standalone += sum(_pairs(p + c) for c in cs)
+        pairs_standalone += sum(causal_pairs(p + c) for c in cs)
     pairs_packed = sum(pack.pairs for pack in plan.packs)
     walks = [pack for pack in plan.packs if pack.walk is not None]
     per_pack = [len(pack.examples) for pack in plan.packs if pack.walk is None]
@@ -336,7 +328,7 @@ def _against_flat(plan: Plan, lengths: dict[int, list[int]], positions: int, pai
         n = len(_best_fit_decreasing(cs, plan.token_budget - p, plan.max_continuations))
         packs += n
         flat_positions += n * p + sum(cs)
-        flat_pairs += n * _pairs(p) + p * sum(cs) + sum(map(_pairs, cs))
+        flat_pairs += n * causal_pairs(p) + p * sum(cs) + sum(map(causal_pairs, cs))
     return {"packs_shared_prefix": packs,
             "positions_shared_prefix": flat_positions,
             "attention_pairs_shared_prefix": flat_pairs,

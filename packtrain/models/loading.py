@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from packtrain.config import read_json_object
+from packtrain.config.typed import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -35,7 +35,18 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from packtrain.packed.families import FAMILIES, check_config_dict, config_dict
+from packtrain.models.parameters import (
+    expert_shapes,
+    layer_parameters,
+    linears,
+    lora_parameters,
+    model_parameters,
+    saved_module_parameters,
+    targeted,
+)
+from packtrain.models.text_config import DENSE, FULL, MOE, config_dict_of, kind_name, split_kind, text_config
+from packtrain.packed.context import context_grad as context_mode
+from packtrain.packed.families import FAMILIES
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -43,164 +54,6 @@ OFFLOAD_CHUNK_BYTES = 64 * 2**20  # packtrain.models.offload.DEFAULT_CHUNK_BYTES
 GDN_CALL_ROWS = 65_536  # packtrain.packed.kernels.fla_backend.CALL_ROWS: continuation rows per delta-rule call
 # train.mlp_chunk_rows null: the MLP tile packtrain.packed.kernels takes by device (tested equal)
 MLP_TILE_ROWS = {"cpu": 512, "cuda": 8192}
-
-# Each family's text-config defaults for the fields used here (tested equal to transformers').
-_GDN = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 32}
-_MOE = {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
-FAMILY_DEFAULTS = {
-    "qwen3_5_text": {"vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
-                     "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, **_GDN},
-    "qwen3_5_moe_text": {"vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
-                         "num_key_value_heads": 2, "head_dim": 256, **_GDN, **_MOE, "num_experts": 256,
-                         "num_experts_per_tok": 8},
-    "qwen3_next": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
-                   "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, **_GDN, **_MOE,
-                   "num_experts": 512, "num_experts_per_tok": 10, "decoder_sparse_step": 1},
-    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128},
-}
-TEXT_DEFAULTS = FAMILY_DEFAULTS["qwen3_5_text"]
-FULL, LINEAR = "full_attention", "linear_attention"
-DENSE, MOE = "dense", "moe"
-
-
-config_dict_of = config_dict  # ``model.config``, or ``config.json`` under ``model.path``
-
-
-def text_config(raw: dict) -> dict:
-    """A config dict of a supported family (text, or vision-language with ``text_config``; without a model_type:
-    Qwen3.5) -> the text fields, defaulted, with ``family`` (its row's model type) and ``kinds`` (per layer: mixer,
-    MLP)."""
-    family = check_config_dict(raw) if "model_type" in raw else FAMILIES["qwen3_5_text"]
-    raw = family.text_config(raw)
-    text_type = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(family.model_type,
-                                                                                  family.model_type)
-    given = {k: v for k, v in raw.items() if v is not None}
-    text = {"tie_word_embeddings": False, "mlp_only_layers": [], "decoder_sparse_step": 1,
-            **FAMILY_DEFAULTS[text_type], **given, "family": text_type}
-    if "layer_types" not in given:
-        every = 4 if family.gdn else 1  # full_attention_interval; Qwen3: all full attention
-        text["layer_types"] = [FULL if (i + 1) % every == 0 else LINEAR for i in range(text["num_hidden_layers"])]
-    text["kinds"] = [(t, MOE if _routed(text, family, i) else DENSE) for i, t in enumerate(text["layer_types"])]
-    return text
-
-
-def kind_name(text: dict, kind) -> str:
-    """A layer kind as the output names it: its mixer, and its MLP in a family with routed experts."""
-    mixer, mlp = _kind(kind)
-    return f"{mixer}, {mlp}" if FAMILIES[text["family"]].moe else mixer
-
-
-def distinct_kinds(text: dict) -> list[tuple[str, str]]:
-    """The layer kinds of a text config, each once, in the order they first appear."""
-    return list(dict.fromkeys(text["kinds"]))
-
-
-def reduced_config(cfg, copies: int = 1) -> dict:
-    """The config dict of ``cfg``'s model with one decoder layer of each kind (``plan --measure``), ``copies`` times
-    over: the layer types in the order they first appear, and dense MLPs where the full model has them
-    (``mlp_only_layers``)."""
-    raw = dict(config_dict_of(cfg))
-    family = check_config_dict(raw)
-    kinds = distinct_kinds(text_config(raw)) * copies
-    small = {"num_hidden_layers": len(kinds), "layer_types": [mixer for mixer, _ in kinds]}
-    if family.moe:
-        small.update(mlp_only_layers=[i for i, (_, mlp) in enumerate(kinds) if mlp == DENSE], decoder_sparse_step=1)
-    if family.vision:
-        raw["text_config"] = {**raw.get("text_config", {}), **small}
-    else:
-        raw.update(small)
-    return raw
-
-
-def _routed(text: dict, family, i: int) -> bool:
-    """Whether layer i has routed experts (Qwen3-Next: not in mlp_only_layers, every decoder_sparse_step-th)."""
-    return (family.moe and text.get("num_experts", 0) > 0 and i not in text["mlp_only_layers"]
-            and (i + 1) % text["decoder_sparse_step"] == 0)
-
-
-
-def _kind(kind) -> tuple[str, str]:
-    """A layer kind: (mixer, MLP); a bare mixer name means a dense MLP."""
-    return (kind, DENSE) if isinstance(kind, str) else tuple(kind)
-
-
-def linears(text: dict, kind) -> dict[str, tuple[int, int, str]]:
-    """name -> (in, out, input group) of one decoder layer's linear layers (by the name LoRA targets). Layers of
-    one group read the same input tensor (so an adapter without cast or dropout shares it). A MoE layer's MLP
-    names are its shared expert's; its router is ``gate`` (frozen); the experts are in :func:`expert_shapes`."""
-    mixer, mlp_kind = _kind(kind)
-    family = FAMILIES[text["family"]]
-    H = text["hidden_size"]
-    if mlp_kind == DENSE:
-        mlp = _mlp(H, text["intermediate_size"])
-    else:
-        shared = text["shared_expert_intermediate_size"]
-        mlp = {"gate": (H, text["num_experts"], "post_norm"), **(_mlp(H, shared) if shared else {}),
-               "shared_expert_gate": (H, 1, "post_norm")}
-    if mixer == FULL:
-        q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
-        q_out = 2 * q if family.attention_gate else q  # an output gate doubles q_proj
-        return {"q_proj": (H, q_out, "input_norm"), "k_proj": (H, kv, "input_norm"), "v_proj": (H, kv, "input_norm"),
-                "o_proj": (q, H, "attention_out"), **mlp}
-    value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
-    projections = {name: (H, width, "input_norm") for name, width in family.gdn.widths(text).items()}
-    return {**projections, "out_proj": (value, H, "gated_norm_out"), **mlp}
-
-
-def _mlp(H: int, width: int) -> dict[str, tuple[int, int, str]]:
-    return {"gate_proj": (H, width, "post_norm"), "up_proj": (H, width, "post_norm"),
-            "down_proj": (width, H, "mlp_product")}
-
-
-def expert_shapes(text: dict, kind) -> dict[str, tuple[int, int, int]]:
-    """The routed experts' stacked parameters of a layer: target_parameters name -> (experts, in, out)."""
-    if _kind(kind)[1] != MOE:
-        return {}
-    E, H, I = text["num_experts"], text["hidden_size"], text["moe_intermediate_size"]
-    return {"mlp.experts.gate_up_proj": (E, H, 2 * I), "mlp.experts.down_proj": (E, I, H)}
-
-
-def _targeted(name: str, target_parameters) -> bool:
-    """peft matches a target parameter by its dotted suffix (``gate_up_proj``, ``experts.gate_up_proj``, ...)."""
-    return any(name == t or name.endswith("." + t) for t in target_parameters)
-
-
-def layer_parameters(text: dict, kind) -> int:
-    mixer, _ = _kind(kind)
-    H = text["hidden_size"]
-    n = sum(i * o for i, o, _ in linears(text, kind).values()) + 2 * H  # + two RMSNorms
-    n += sum(e * i * o for e, i, o in expert_shapes(text, kind).values())
-    if mixer == FULL:
-        return n + 2 * text["head_dim"]  # q_norm, k_norm
-    key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
-    conv_dim = 2 * key + text["linear_num_value_heads"] * text["linear_value_head_dim"]
-    nv = text["linear_num_value_heads"]
-    return n + conv_dim * text["linear_conv_kernel_dim"] + 2 * nv + text["linear_value_head_dim"]  # dt_bias, A_log
-
-
-def model_parameters(text: dict) -> int:
-    V, H = text["vocab_size"], text["hidden_size"]
-    layers = sum(layer_parameters(text, k) for k in text["kinds"])
-    return layers + V * H * (1 if text["tie_word_embeddings"] else 2) + H
-
-
-def lora_parameters(text: dict, r: int, targets: list[str], target_parameters: list[str] = ()) -> int:
-    """peft's adapter sizes: r * (in + out) per targeted linear; r * experts * (in + out) per targeted stack."""
-    n = sum(r * (i + o) for k in text["kinds"] for name, (i, o, _) in linears(text, k).items() if name in targets)
-    n += sum(r * e * (i + o) for k in text["kinds"] for name, (e, i, o) in expert_shapes(text, k).items()
-             if _targeted(name, target_parameters))
-    if "lm_head" in targets:
-        n += r * (text["hidden_size"] + text["vocab_size"])
-    return n
-
-
-def saved_module_parameters(text: dict, names) -> int:
-    """The parameters of ``lora.modules_to_save``'s trained copies: the embedding and the head, [V, H] each."""
-    V, H = text["vocab_size"], text["hidden_size"]
-    return sum(V * H for name in names if name in ("embed_tokens", "lm_head"))
-
 
 @dataclass
 class Term:
@@ -289,7 +142,7 @@ def mixer_term(text: dict, layer_type, T: int, b: int, norms_recomputed: bool = 
     """What the mixer saves. ``continuations``: the continuations' share of the T positions (the GDN conv gathers a
     copy of their rows; attention copies the continuations' and P's rows per bucket). With recomputed norms the
     GDN's gated norm inputs are a term of their own (:func:`norm_terms`: its backward frees them)."""
-    mixer, _ = _kind(layer_type)
+    mixer, _ = split_kind(layer_type)
     if mixer == FULL:
         q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
         gate = FAMILIES[text["family"]].attention_gate
@@ -357,7 +210,7 @@ def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=(), mlp_
     loop's gathers and outputs) see T x k token rows of width I_e; targeted expert stacks are saved adapted (W + BA:
     peft's parametrization makes a new [experts, out, in] tensor per stack)."""
     H = text["hidden_size"]
-    if _kind(layer_type)[1] == DENSE:
+    if split_kind(layer_type)[1] == DENSE:
         I = text["intermediate_size"]
         if mlp_rows:
             R = min(mlp_rows, T)
@@ -380,7 +233,7 @@ def mlp_terms(text: dict, layer_type, T: int, b: int, target_parameters=(), mlp_
                          f"{_shape(rows, H)} inputs + outputs and 4 x {_shape(rows, Ie)}",
                   3 * T * Is * b + 8 * T * E + rows * (2 * H + 4 * Ie) * b, approx=True, depth=1)]
     adapted = [(n, e * i * o) for n, (e, i, o) in expert_shapes(text, layer_type).items()
-               if _targeted(n, target_parameters)]
+               if targeted(n, target_parameters)]
     if adapted:
         terms.append(Term("experts_adapted", f"adapted expert stacks (W + BA): {', '.join(n for n, _ in adapted)}",
                           sum(n for _, n in adapted) * b, depth=1))
@@ -396,11 +249,11 @@ def layer_recompute(text: dict, layer_type, T: int, b: int, a: int, r: int, targ
     workspace, or the widest adapter's output): see :func:`layer_total`."""
     savings = savings or StepSavings()
     H = text["hidden_size"]
-    rows = savings.mlp_rows if _kind(layer_type)[1] == DENSE else 0
+    rows = savings.mlp_rows if split_kind(layer_type)[1] == DENSE else 0
     mlp, workspace = (lambda ts: (ts[:-1], ts[-1]))(mlp_terms(text, layer_type, T, b, target_parameters, rows))
     norms = (norm_terms(text, layer_type, T, b, savings.norm_rows) if savings.norms_recomputed else
              [Term("norms", f"RMSNorm float32 copies: 2 x {_shape(T, H)}", 2 * T * H * 4, approx=True, depth=1)])
-    gdn = [gdn_kernel_terms(text, T, b, continuations)[0]] if _kind(layer_type)[0] != FULL else []
+    gdn = [gdn_kernel_terms(text, T, b, continuations)[0]] if split_kind(layer_type)[0] != FULL else []
     return [
         *mlp,
         *adapter_terms(text, layer_type, T, b, a, r, targets, dropout, mask_bytes, savings.masks_regenerated, rows),
@@ -418,7 +271,7 @@ def forward_transient(text: dict, layer_type, T: int, b: int, terms: list[Term],
     or the MLP's (the post-attention norm's output, its intermediates over one tile or the whole buffer, an
     adapter's output)."""
     H = text["hidden_size"]
-    if _kind(layer_type)[0] != FULL:
+    if split_kind(layer_type)[0] != FULL:
         mixer = gdn_kernel_terms(text, T, b, continuations)[1]
     else:
         mixer = T * H * b + _sum(terms, {"mixer"})
@@ -437,7 +290,7 @@ def norm_terms(text: dict, layer_type, T: int, b: int, rows: int) -> list[Term]:
     H = text["hidden_size"]
     terms = [Term("norm_input", f"the post-attention norm's input {_shape(T, H)}", T * H * b, depth=1),
              norm_backward_term(text, "norm_backward", "the post-attention norm's backward", T, H, b, rows, depth=1)]
-    if _kind(layer_type)[0] != FULL:
+    if split_kind(layer_type)[0] != FULL:
         value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
         terms += [Term("gated_norm_input", f"the gated norm's input and gate: 2 x {_shape(T, value)}",
                        2 * T * value * b, depth=1),
@@ -562,12 +415,8 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     largest group (packtrain/packed/groups.py): the graph alive is P's and that group's, a layer's recompute the larger of
     P's and the group's, plus the gradients of P's K/V, states and tails the groups sum."""
     M, W = targets, world_size
-    # frozen: only the continuations carry a graph (P's positions run once under no_grad)
-    T = positions - prefix if context_grad == "frozen" else positions
-    T_layer = T
-    if group_positions is not None:
-        T = group_positions + (0 if context_grad == "frozen" else prefix)
-        T_layer = group_positions if context_grad == "frozen" else max(prefix, group_positions)
+    context = context_mode(context_grad)
+    T, T_layer = context.graph_rows(positions, prefix, group_positions)  # frozen: the continuations' rows alone
     H, V, L = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
     b = DTYPE_BYTES[dtype]
     a = DTYPE_BYTES[adapter_dtype] if adapter_dtype else (b if savings.lora_in_model_dtype else 4 if b == 2 else b)
@@ -602,7 +451,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                           f"parameters x (copy, grad, {states} optimizer states) x {b} bytes{sharded}",
                           math.ceil(n_saved * b * (2 + states) / W)))
         static.append("saved_modules")
-    if context_grad == "frozen":
+    if not context.prefix_grad:  # frozen: P's state kept as constants
         terms += frozen_prefix_terms(text, prefix, b)
         static.append("prefix_cache")
     elif group_positions is not None:
@@ -613,7 +462,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
 
     layer_input = T * H * b
     kinds = sorted(set(text["kinds"]))
-    share = (T_layer - prefix) / T_layer if prefix and context_grad != "frozen" else 1.0
+    share = (T_layer - prefix) / T_layer if prefix and context.prefix_grad else 1.0
     per_kind = {k: layer_recompute(text, k, T_layer, b, a, lora_r, targets_list, lora_dropout,
                                    target_parameters=lora_parameters_targets, savings=savings, continuations=share)
                 for k in kinds}
@@ -707,7 +556,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     # AdamW's step: its foreach kernels hold about two more copies of the trained tensors
     phases["optimizer"] = base + math.ceil((n_lora * master + n_saved * b) * 2 / W)
     conts = f", {continuations} continuations" if continuations is not None else ""
-    mode = "" if context_grad == "full" else f"; context_grad {context_grad}"
+    mode = context.estimate_note()
     if group_positions is not None:
         mode += f"; continuations in groups (the largest {group_positions:,} positions)"
     return MemoryEstimate(terms, f"memory per GPU for the largest pack: {positions:,} positions{conts}, {M:,} target "
@@ -779,58 +628,3 @@ def estimate_for_unit(cfg, shape: UnitShape, world_size: int, context_grad: str 
     return _plan_estimate(cfg, text_config(config_dict_of(cfg)), world_size, context_grad or cfg.packing.context_grad,
                           shape.prefix + sum(shape.lengths), sum(shape.targets), shape.continuations, shape.prefix,
                           shape.group_positions, savings)
-
-
-def format_phases(est: MemoryEstimate, measured=None) -> str:
-    """Each phase's device peak: the estimate, and with ``measured`` (``plan --measure``) the counted step."""
-    lines = ["peak per phase (GiB on each GPU; the peak is the largest phase, not a sum)",
-             f"  {'phase':<32}{'estimate':>10}" + (f"{'measured':>10}" if measured is not None else "")]
-    names = list(est.phases) + [p for p in (measured.phases if measured else {}) if p not in est.phases]
-    for name in names:
-        e = est.phases.get(name)
-        row = f"  {name:<32}{'' if e is None else f'{e / GiB:.2f}':>10}"
-        if measured is not None:
-            m = measured.phases.get(name)
-            row += f"{'' if m is None else f'{m / GiB:.2f}':>10}"
-        lines.append(row)
-    lines.append(f"  {'peak':<32}{est.total() / GiB:>10.2f}" + (f"{measured.peak / GiB:>10.2f}" if measured else ""))
-    if measured is not None:
-        lines.append(f"  {'host (checkpointed inputs)':<32}{est.total('host') / GiB:>10.2f}{measured.host / GiB:>10.2f}")
-        lines += [f"  measured: {note}" for note in measured.notes]
-    lines.append("  savings: " + "; ".join(est.savings.describe()))
-    return "\n".join(lines)
-
-
-def format_modes(estimates: dict[str, MemoryEstimate]) -> str:
-    """One line per ``packing.context_grad``: the device total and the terms that change between modes."""
-    def gib(est: MemoryEstimate, key: str) -> float:
-        return next((t.bytes for t in est.terms if t.key == key), 0) / GiB
-
-    lines = ["each packing.context_grad on this pack (GiB on each GPU; kv_only saves backward time, not memory)",
-             f"  {'context_grad':<14}{'total':>8}{'checkpointed':>14}{'layer recompute':>17}{'P cache':>9}"]
-    for mode, est in estimates.items():
-        lines.append(f"  {mode:<14}{est.total('device') / GiB:>8.2f}{gib(est, 'checkpointed_inputs'):>14.2f}"
-                     f"{gib(est, 'layer_peak'):>17.2f}{gib(est, 'prefix_cache'):>9.2f}")
-    return "\n".join(lines)
-
-
-def format_table(est: MemoryEstimate) -> str:
-    def gib(n: int) -> str:
-        return f"{n / GiB:8.2f}"
-
-    width = max(len(t.label) + 2 * t.depth for t in est.terms) + 4
-    lines = [est.title, f"  {'on each GPU':<{width}}{'GiB':>8}"]
-    for t in est.terms:
-        if t.where == "device":
-            mark = "~" if t.approx else " "
-            lines.append(f"  {'  ' * t.depth}{t.label:<{width - 2 * t.depth}}{gib(t.bytes)} {mark}")
-    lines.append(f"  {'total on the device':<{width}}{gib(est.total('device'))}")
-    host = [t for t in est.terms if t.where == "host"]
-    if host:
-        lines.append(f"  {'in host memory (per rank)':<{width}}")
-        lines += [f"  {t.label:<{width}}{gib(t.bytes)}" for t in host]
-    for t in est.terms:
-        if t.where == "compare":
-            lines.append(f"  {t.label:<{width}}{gib(t.bytes)}  ({t.bytes / 1e9:.1f} GB)")
-    lines.append("  ~ approximate (kernel-dependent); `packtrain smoke` measures the real peak")
-    return "\n".join(lines)

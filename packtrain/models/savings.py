@@ -10,276 +10,44 @@ The five savings (``train.*``; ``auto`` is the default of each, a value given is
 | ``mlp_chunk_rows`` | the dense MLP in row tiles, recomputed | one more forward of every dense MLP |
 | ``norm_chunk_rows`` | every RMSNorm in row tiles, recomputed | one more pass of every norm (elementwise) |
 
-:func:`choose` takes the budget (:class:`Budget`: at the start of ``train``, ``smoke`` and ``bench`` the device's
-memory less :func:`device_reserve`, on the CPU the host's available memory; ``plan --memory --gpu-memory GIB``),
+:func:`choose` takes the budget (:class:`~packtrain.models.budget.Budget`: at the start of ``train``, ``smoke`` and ``bench`` the device's
+memory less :func:`~packtrain.models.budget.device_reserve`, on the CPU the host's available memory; ``plan --memory --gpu-memory GIB``),
 estimates each combination of the ``auto`` savings for the run's largest unit (:mod:`packtrain.models.memory`), with
 as few layer inputs offloaded as make it fit (never more than the node's host memory holds: ``--ranks-per-node``
 pools of pinned chunks within ``--host-memory-per-node`` / ``ops.host_memory_per_node_gib``, or the machine's
-available memory at run time), and takes the one that fits with the least estimated step time (:func:`step_seconds`),
-ties to the fewer savings. On the CPU the host is the device: offload saves nothing there and is not a candidate.
+available memory at run time), and takes the one that fits with the least estimated step time, ties to the fewer
+savings. On the CPU the host is the device: offload saves nothing there and is not a candidate.
 
-Step time (:func:`step_seconds`), an estimate from the model config: the cost model's FLOPs (6 per parameter a token
-meets and 12 per attention pair and width: forward 2 and 4, backward twice that; the head on the target rows the
-same), each recompute one more forward of what it recomputes, at :data:`RATES`' FLOP rate; norms as elementwise work
-(:data:`NORM_BYTES_PER_ELEMENT` at the memory rate); an offloaded input's copy to the host and back at the host rate,
-each hidden behind the layer's own compute (the copy out runs beside its forward, the copy back beside the backward of
-the layer after it: packtrain/models/offload.py prefetches it), only the rest added. The figures are assumptions
-about a typical device, not measurements of this one; ``relative_step_cost`` is the ratio to the step without any
-saving, which is what the choice compares. Candidates within :data:`AS_FAST` of the fastest count as as fast, and of
-those the one with the fewest layer inputs in host memory (then the fewest savings) is taken.
+The step time is :mod:`packtrain.models.step_time`'s estimate from the model config, an assumption about a typical
+device, not a measurement of this one; ``relative_step_cost`` is the ratio to the step without any saving, which is
+what the choice compares. Candidates within :data:`AS_FAST` of the fastest count as as fast, and of those the one
+with the fewest layer inputs in host memory (then the fewest savings) is taken.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from packtrain.models import memory
-from packtrain.models.memory import FULL, OFFLOAD_CHUNK_BYTES, GiB, StepSavings, UnitShape
+from packtrain.models.budget import Budget
+from packtrain.models.memory import OFFLOAD_CHUNK_BYTES, GiB, StepSavings, UnitShape
+from packtrain.models.step_time import step_seconds
+from packtrain.models.text_config import config_dict_of, text_config
+from packtrain.packed.context import context_grad as context_mode
 
 AUTO = "auto"
 KEYS = ("activation_checkpointing", "offload", "loss_chunk_rows", "mlp_chunk_rows", "norm_chunk_rows")
 
-# The device memory the choice leaves free on CUDA: the CUDA context (~0.5 GiB) and NCCL's buffers (0.5-2 GiB) lie
-# outside PyTorch's allocator, and its caching reserves 2-5% above what is allocated with expandable segments, 5-20%
-# without (docs/performance.md, "Memory").
-RESERVE_FIXED_BYTES = 2 * GiB
-RESERVE_FRACTION = 0.05
-# `plan --memory` without --gpu-memory on a config for CUDA: an 80 GiB GPU (H100), said in the output
-ASSUMED_GPU_GIB = 80.0
-# ranks per node when --ranks-per-node is not given (an 8-GPU node; on the CPU one process per machine)
-DEFAULT_RANKS_PER_NODE = {"cuda": 8, "cpu": 1}
-
-
-def device_reserve(total_bytes: int) -> int:
-    """What the choice and ``--gpu-memory``'s budget search keep free of a GPU's ``total_bytes``."""
-    return RESERVE_FIXED_BYTES + math.ceil(RESERVE_FRACTION * total_bytes)
-
-
-@dataclass(frozen=True)
-class Rates:
-    flops: float  # matmul FLOP/s the step reaches
-    memory: float  # bytes/s of elementwise work
-    host: float  # bytes/s between host and device, each direction (offload)
-
-
-# Assumed figures for the step-time model: an H100-class GPU at about 40% of its bf16 peak, ~2/3 of its memory
-# bandwidth for elementwise kernels, pinned PCIe copies at 25 GB/s each way; a CPU core's few tens of GFLOP/s
-# against its memory (no host copies: the host is the device).
-RATES = {"cuda": Rates(flops=400e12, memory=2.0e12, host=25e9), "cpu": Rates(flops=5e10, memory=1e10, host=math.inf)}
 # Candidates whose estimated step cost is within this of the least count as as fast: the estimate leaves out
 # what offloading costs beside its copies' time (pinned host memory, the host link shared with the collectives),
 # so of those the one with the fewest layer inputs in host memory is taken, then the one with the fewest savings
 AS_FAST = 0.01
-# A norm's recompute in the step's elementwise work: its input read, float32 pieces written and read
-NORM_BYTES_PER_ELEMENT = 24
 # The tile each saving takes when it is on, by device (train.mlp_chunk_rows null: the MLP's; the CPU MLP tile: one
 # [rows, intermediate] activation in a core's cache; the loss chunk: 3 float32 [rows, V] at V 248,320 under 1 GiB)
 TILE_ROWS = {"cuda": {"loss": 256, "mlp": memory.MLP_TILE_ROWS["cuda"], "norm": 8192},
              "cpu": {"loss": 256, "mlp": memory.MLP_TILE_ROWS["cpu"], "norm": 512}}
-
-
-# -- the model's work, per token ---------------------------------------------------------------------------------------
-def layer_parameters_per_token(text: dict, kind) -> tuple[int, int]:
-    """(mixer, MLP): the linear parameters one token meets in a decoder layer of ``kind`` (a MoE layer: its router,
-    shared expert and ``num_experts_per_tok`` routed experts)."""
-    mixer = mlp = 0
-    for i, o, group in memory.linears(text, kind).values():
-        if group in ("post_norm", "mlp_product"):
-            mlp += i * o
-        else:
-            mixer += i * o
-    experts = memory.expert_shapes(text, kind)
-    if experts:  # a token meets num_experts_per_tok of them
-        mlp += text["num_experts_per_tok"] * sum(i * o for _, i, o in experts.values())
-    return mixer, mlp
-
-
-def parameters_per_token(text: dict) -> int:
-    """The linear parameters one token meets in the decoder stack (the cost model's per-position count)."""
-    return sum(sum(layer_parameters_per_token(text, k)) for k in text["kinds"])
-
-
-def attention_width(text: dict) -> int:
-    """heads x head_dim summed over the full-attention layers: what one query-key pair costs per multiply-add."""
-    return sum(text["num_attention_heads"] * text["head_dim"] for k in text["kinds"] if k[0] == FULL)
-
-
-def _norm_elements_per_token(text: dict) -> int:
-    """Elements every RMSNorm of the stack sees per token: two per layer over the hidden state, the q/k norms or the
-    gated norm, the final norm."""
-    H, n = text["hidden_size"], text["hidden_size"]
-    for mixer, _ in text["kinds"]:
-        n += 2 * H
-        if mixer == FULL:
-            n += (text["num_attention_heads"] + text["num_key_value_heads"]) * text["head_dim"]
-        else:
-            n += text["linear_num_value_heads"] * text["linear_value_head_dim"]
-    return n
-
-
-def _pairs(shape: UnitShape) -> tuple[int, int]:
-    """(the unit's attention pairs, P's own): a pack's (P, and every continuation against P and itself), or one
-    sequence's."""
-    from packtrain.data.planner import attention_pairs
-
-    p = shape.prefix
-    if shape.shares_prefix:
-        return attention_pairs(p, shape.lengths), p * (p + 1) // 2
-    n = p + sum(shape.lengths)
-    return n * (n + 1) // 2, p * (p + 1) // 2
-
-
-def step_seconds(text: dict, shape: UnitShape, savings: StepSavings, dtype_bytes: int, device: str,
-                 context_grad: str = "full") -> float:
-    """The estimated seconds of one forward and backward of the unit of ``shape`` with ``savings`` (module docstring):
-    what :func:`choose` compares. ``context_grad`` frozen runs P once without grad."""
-    rates = RATES[device]
-    T, M, H = shape.prefix + sum(shape.lengths), sum(shape.targets), text["hidden_size"]
-    pairs, prefix_pairs = _pairs(shape)
-    width = attention_width(text)
-    frozen = context_grad == "frozen" and shape.shares_prefix
-    T_grad = T - shape.prefix if frozen else T
-    pairs_grad = pairs - prefix_pairs if frozen else pairs
-    per_layer = [layer_parameters_per_token(text, k) for k in text["kinds"]]
-    forward = 2 * sum(m + f for m, f in per_layer) * T_grad + 4 * width * pairs_grad  # one forward of the layers
-    head = 2 * H * text["vocab_size"] * M
-    flops = 3 * (forward + head)
-    if frozen:  # P's no-grad pass
-        flops += 2 * sum(m + f for m, f in per_layer) * shape.prefix + 4 * width * prefix_pairs
-    if savings.checkpointing:
-        flops += forward
-    if savings.mlp_rows:
-        dense = sum(f for (m, f), k in zip(per_layer, text["kinds"]) if k[1] == memory.DENSE)
-        flops += 2 * dense * T_grad
-    if savings.loss_rows:
-        flops += head
-    seconds = flops / rates.flops
-    if savings.norm_rows:
-        seconds += _norm_elements_per_token(text) * T_grad * NORM_BYTES_PER_ELEMENT / rates.memory
-    if savings.offload_layers and math.isfinite(rates.host):
-        copy = T_grad * H * dtype_bytes / rates.host
-        for m, f in per_layer[:savings.offload_layers]:
-            layer = (2 * (m + f) * T_grad) / rates.flops  # the layer's forward (attention pairs left out: a floor)
-            seconds += max(0.0, copy - layer) + max(0.0, copy - 2 * layer)
-    return seconds
-
-
-# -- the budget ----------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Budget:
-    """What the choice must fit. ``device_bytes``: one GPU's (or, on the CPU, one rank's) memory after the reserve;
-    ``host_per_node``: the host memory one node's offload pools may take (None: unknown, not limited)."""
-    device: str  # "cuda" | "cpu"
-    device_bytes: int | None  # None: unknown, not limited
-    device_total: int | None
-    reserve: int
-    device_source: str
-    host_per_node: int | None
-    host_source: str
-    ranks_per_node: int
-
-    def as_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def describe(self) -> str:
-        each = "per GPU" if self.device == "cuda" else "per rank"
-        if self.device_bytes is None:
-            have = f"device memory unknown ({self.device_source})"
-        else:
-            shared = f", shared by {self.ranks_per_node} ranks" if self.device == "cpu" and self.ranks_per_node > 1 \
-                else ""
-            have = (f"{self.device_bytes / GiB:.2f} GiB {each} ({self.device_source}: {self.device_total / GiB:.2f} "
-                    f"GiB less a {self.reserve / GiB:.2f} GiB reserve{shared})")
-        host = ("host memory not limited" if self.host_per_node is None
-                else f"{self.host_per_node / GiB:.2f} GiB of host memory per node")
-        return f"{have}; {host} ({self.host_source}), {self.ranks_per_node} rank{'s' * (self.ranks_per_node != 1)} " \
-               "per node"
-
-
-def available_host_memory() -> int | None:
-    """MemAvailable of this machine (bytes), None where /proc/meminfo does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _device_kind(cfg) -> str:
-    return "cpu" if cfg.train.device == "cpu" else "cuda"
-
-
-def _host_limit(given_gib: float | None, cfg, fallback: int | None, fallback_source: str) -> tuple[int | None, str]:
-    if given_gib is not None:
-        return int(given_gib * GiB), "--host-memory-per-node"
-    if cfg.ops.host_memory_per_node_gib is not None:
-        return int(cfg.ops.host_memory_per_node_gib * GiB), "ops.host_memory_per_node_gib"
-    return fallback, fallback_source
-
-
-def plan_budget(cfg, world_size: int, gpu_memory_gib: float | None = None, ranks_per_node: int | None = None,
-                host_memory_per_node_gib: float | None = None) -> Budget:
-    """``plan``'s budget: ``--gpu-memory`` (else this machine's available memory under ``train.device: cpu``, else
-    an assumed 80 GiB GPU), the host memory of ``--host-memory-per-node`` (else ``ops.host_memory_per_node_gib``,
-    else not limited) shared by ``--ranks-per-node`` ranks (else up to 8 on CUDA, 1 on the CPU)."""
-    device = _device_kind(cfg)
-    ranks = ranks_per_node or min(world_size, DEFAULT_RANKS_PER_NODE[device])
-    if ranks < 1:
-        raise ValueError(f"--ranks-per-node: must be at least 1, got {ranks}")
-    host, host_source = _host_limit(host_memory_per_node_gib, cfg, None, "--host-memory-per-node GIB: not given")
-    if gpu_memory_gib is not None:
-        total = int(gpu_memory_gib * GiB)
-        reserve = device_reserve(total)
-        return Budget("cuda", max(0, total - reserve), total, reserve, f"--gpu-memory {gpu_memory_gib:g}", host,
-                      host_source, ranks)
-    if device == "cpu":
-        return _cpu_budget(available_host_memory(), ranks, "this machine's available memory (train.device cpu)",
-                           host, host_source)
-    total = int(ASSUMED_GPU_GIB * GiB)
-    reserve = device_reserve(total)
-    return Budget("cuda", total - reserve, total, reserve, f"{ASSUMED_GPU_GIB:g} GiB assumed: --gpu-memory GIB "
-                  "gives the GPU's", host, host_source, ranks)
-
-
-def run_budget(cfg, dist) -> Budget:
-    """The budget of a run on ``dist``'s device, the same on every rank (the smallest GPU and the smallest node's
-    memory of all ranks, one all-reduce): CUDA, the device's memory less :func:`device_reserve` and the node's
-    available host memory (or ``ops.host_memory_per_node_gib``) for the offload pools of its ranks; the CPU, the
-    available memory shared by the node's ranks."""
-    import torch
-
-    from packtrain.packed.equal import agree
-
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    cuda = dist.device.type == "cuda"
-    total = torch.cuda.get_device_properties(dist.device).total_memory if cuda else None
-    available = available_host_memory()
-    unknown = -1  # agreed as a maximum of negatives: the smallest figure; any rank's unknown stays unknown
-    known = [-(total if total is not None else unknown), -(available if available is not None else unknown)]
-    total_min, available_min = (-v for v in agree(known, dist))
-    total = None if total_min < 0 or total is None else total_min
-    available = None if available_min < 0 or available is None else available_min
-    if cuda:
-        host, source = _host_limit(None, cfg, available, "the node's available memory")
-        reserve = device_reserve(total)
-        return Budget("cuda", total - reserve, total, reserve, torch.cuda.get_device_name(dist.device), host,
-                      source, ranks)
-    return _cpu_budget(available, ranks, "the host's available memory", None, "the host is the device")
-
-
-def _cpu_budget(available: int | None, ranks: int, source: str, host: int | None, host_source: str) -> Budget:
-    """On the CPU the step's memory is the host's: its available memory, less the reserve, shared by the node's
-    ranks (the estimate counts CUDA's kernels; the CPU reference keeps somewhat more)."""
-    if available is None:
-        return Budget("cpu", None, None, 0, source, host, host_source, ranks)
-    reserve = device_reserve(available)
-    return Budget("cpu", max(0, available - reserve) // ranks, available, reserve, source, host, host_source, ranks)
 
 
 # -- the choice ----------------------------------------------------------------------------------------------------------
@@ -397,11 +165,8 @@ def _options(cfg, device: str, layers: int) -> dict:
 
 
 def _host_per_node(shape: UnitShape, text: dict, b: int, offloaded: int, ranks: int, context_grad: str) -> int:
-    T = shape.prefix + sum(shape.lengths)
-    if context_grad == "frozen" and shape.shares_prefix:
-        T -= shape.prefix
-    if shape.group_positions is not None:
-        T = shape.group_positions + (0 if context_grad == "frozen" else shape.prefix)
+    T, _ = context_mode(context_grad).graph_rows(shape.prefix + sum(shape.lengths),
+                                                 shape.prefix if shape.shares_prefix else 0, shape.group_positions)
     per_layer = math.ceil(T * text["hidden_size"] * b / OFFLOAD_CHUNK_BYTES) * OFFLOAD_CHUNK_BYTES
     return ranks * offloaded * per_layer
 
@@ -411,7 +176,7 @@ class _Estimator:
 
     def __init__(self, cfg, shape: UnitShape, world_size: int, budget: Budget):
         self.cfg, self.shape, self.world, self.budget = cfg, shape, world_size, budget
-        self.text = memory.text_config(memory.config_dict_of(cfg))
+        self.text = text_config(config_dict_of(cfg))
         self.b = memory.DTYPE_BYTES[cfg.model.dtype]
         self.layers = self.text["num_hidden_layers"]
         self._cache = {}
@@ -534,7 +299,7 @@ def max_token_budget(cfg, shape: UnitShape, world_size: int, budget: Budget, gib
     continuations are its leaves, each with its share of the tree's positions and targets."""
     p, n0 = shape.prefix, shape.continuations
     mean_len, mean_targets = sum(shape.lengths) / n0, sum(shape.targets) / n0
-    text = memory.text_config(memory.config_dict_of(cfg))
+    text = text_config(config_dict_of(cfg))
     layers = text["num_hidden_layers"]
 
     def at(positions: int):
@@ -580,25 +345,6 @@ def format_budget(b: dict, layers: int) -> str:
     if b["continuations"] > b["max_continuations"]:
         line += f"; needs packing.max_continuations >= {b['continuations']} (now {b['max_continuations']})"
     return line
-
-
-def node_pool(per_rank_host: int, ranks_per_node: int, host_per_node: int | None) -> dict:
-    """The offload pools of one node's ranks together (each rank's offloaded layer inputs, in whole chunks) and
-    whether they fit the node's ``host_per_node`` bytes (None: not known)."""
-    need = per_rank_host * ranks_per_node
-    return {"ranks_per_node": ranks_per_node, "host_per_rank_bytes": per_rank_host, "host_per_node_bytes": need,
-            "host_memory_per_node_bytes": host_per_node, "fits": None if host_per_node is None else need <= host_per_node}
-
-
-def format_node_pool(pool: dict) -> str:
-    n, per, need = pool["ranks_per_node"], pool["host_per_rank_bytes"] / GiB, pool["host_per_node_bytes"] / GiB
-    line = f"offload pool per node: {n} rank{'s' * (n != 1)} x {per:.2f} GiB = {need:.2f} GiB of host memory"
-    if pool["host_memory_per_node_bytes"] is None:
-        return line + " (--host-memory-per-node GIB: whether it fits)"
-    have = pool["host_memory_per_node_bytes"] / GiB
-    if pool["fits"]:
-        return line + f", fits {have:.2f} GiB ({have - need:.2f} GiB left)"
-    return line + f", does not fit {have:.2f} GiB: {need - have:.2f} GiB short"
 
 
 def inference_rows(cfg, device: str) -> tuple[int, int | None, int]:

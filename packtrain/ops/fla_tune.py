@@ -1,8 +1,7 @@
 """Pinned FLA autotune: Triton's winners written as FLA ``default_config`` files, and read back.
 
 Why: fla tunes ``l2norm_fwd/bwd`` on ``[D, NB]`` with ``NB = cdiv(T, 65536)``, so a full-length run meets a bucket a
-short run never tuned, and the first full-length backward of a 64-GPU run ran out of memory inside Triton's
-benchmark.
+short run never tuned, and Triton's benchmark of it at full length can run out of memory in the first backward.
 ``packtrain pretune-fla`` runs one update with a shortened prompt, takes every fla kernel Triton tuned, and writes
 
     $FLA_CONFIG_DIR/{kernel}.json = {"kernel_name", "triton_version", "autotune_entries": {},

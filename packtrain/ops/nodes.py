@@ -1,8 +1,8 @@
 """What every rank actually imports, gathered to every rank and compared, before step 0.
 
-Why: in a 64-GPU run the requirements files matched, but one worker imported another transformers minor
-version, which issued different collectives in backward: a silent hang. So the report is what the process
-*imports* (``module.__version__`` and the folder it was loaded from), never what a requirements file lists.
+Why: matching requirements files do not make matching installs, and a worker that imports another transformers
+minor version can issue other collectives in backward: a silent hang. So the report is what the process *imports*
+(``module.__version__`` and the folder it was loaded from), never what a requirements file lists.
 
 Compared across ranks: the Python, torch, transformers, peft, accelerate, fla, causal_conv1d, triton and packtrain
 versions *and* their install folders (the same version from another folder is another install, e.g. another
@@ -12,10 +12,10 @@ cache fla will use (mode, folder, a digest of the pinned default configs). Not c
 The config too, with everything that changes what a rank computes (:func:`config_settings`, compared by
 :func:`check_same_config` before ``train`` writes anything): the resolved config key by key, the contents of every
 file it reads (data, chat template, the tokenizer's and the image processor's files, the base checkpoint's config and
-index), the launcher's environment packtrain reads, and the versions. Why: two machines launched with different
-``--set`` options (``optim.lr=0.5`` on one) trained together silently, each rank stepping with its own learning rate;
-two whose ``tok/chat_template.jinja`` differed tokenized the same examples otherwise and exited 0, or, when their
-plans differed, waited for each other until ``ops.collective_timeout``. The plans themselves are compared after
+index), the launcher's environment packtrain reads, and the versions. Why: machines launched with different
+``--set`` options would train together, each rank stepping with its own settings, and machines whose files differ
+(a chat template, a tokenizer) would tokenize the same examples otherwise, or, when their plans differ, wait for
+each other until ``ops.collective_timeout``. The plans themselves are compared after
 (:func:`check_same_plan`). The table shows a ``config`` and a ``data`` digest, and a row per differing key.
 
 Test hook (:mod:`packtrain.faults`): ``PACKTRAIN_TEST_OVERRIDE_RANK<N>="field=value"`` makes rank N report ``value``

@@ -181,6 +181,19 @@ class ContextGrad:
             raise ValueError(f"packing.on_overflow=walk: packing.context_grad {self.name} is not supported (full or "
                              "frozen)")
 
+    # -- what the memory and time estimates count (packtrain/models/memory.py, step_time.py, savings.py) --------
+    def graph_rows(self, positions: int, prefix: int, group_positions: int | None) -> tuple[int, int]:
+        """(the rows whose activations a unit's graph keeps, the rows one layer's recompute holds) for a unit of
+        ``positions`` whose first ``prefix`` are P: every row; in continuation groups (``group_positions``: the
+        largest group's continuation rows) P's and that group's, a layer's recompute the larger of the two."""
+        if group_positions is None:
+            return positions, positions
+        return group_positions + prefix, max(prefix, group_positions)
+
+    def estimate_note(self) -> str:
+        """What an estimate's title says of the mode."""
+        return f"; context_grad {self.name}"
+
 
 class Full(ContextGrad):
     name = "full"
@@ -196,6 +209,9 @@ class Full(ContextGrad):
 
     def tree_hidden_states(self, lm, layout, tree_pass):
         return lm.hidden_states(layout, tree_pass), layout.target_positions, None
+
+    def estimate_note(self):
+        return ""  # the default mode goes unsaid
 
 
 class KvOnly(ContextGrad):
@@ -262,6 +278,11 @@ class Frozen(ContextGrad):
         import torch
 
         return torch.no_grad()
+
+    def graph_rows(self, positions, prefix, group_positions):
+        """P runs once under no_grad: only the continuations' rows keep a graph."""
+        rows = positions - prefix if group_positions is None else group_positions
+        return rows, rows
 
 
 CONTEXTS: dict[str, type[ContextGrad]] = {c.name: c for c in (Full, KvOnly, Frozen)}

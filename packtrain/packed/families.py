@@ -159,7 +159,7 @@ def check_built_config(family: Family, hf_config, where: str = "model.config") -
 
 def config_dict(cfg) -> dict:
     """``model.config``, or ``config.json`` under ``model.path`` (read without transformers)."""
-    from packtrain.config import read_json_object
+    from packtrain.config.typed import read_json_object
 
     if cfg.model.config is not None:
         return dict(cfg.model.config)

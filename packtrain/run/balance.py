@@ -35,7 +35,8 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from packtrain.data.planner import Plan, attention_pairs, epoch_order
+from packtrain.data.pairs import pack_pairs
+from packtrain.data.planner import Plan, epoch_order
 
 BALANCES = ("cost", "round_robin")
 # The share of round robin's distinct prompts per step that a balanced step keeps (a step of similar packs would
@@ -53,15 +54,15 @@ class CostModel:
 
     @classmethod
     def from_text_config(cls, text: dict) -> CostModel:
-        """From a text config as :func:`packtrain.models.memory.text_config` gives it."""
-        from packtrain.models.savings import attention_width, parameters_per_token
+        """From a text config as :func:`packtrain.models.text_config.text_config` gives it."""
+        from packtrain.models.step_time import attention_width, parameters_per_token
 
         return cls(6.0 * parameters_per_token(text), 12.0 * attention_width(text))
 
     @classmethod
     def for_config(cls, cfg) -> CostModel:
         """The model config's figures, each replaced by ``train.cost_per_position`` / ``train.cost_per_pair``."""
-        from packtrain.models.memory import config_dict_of, text_config
+        from packtrain.models.text_config import config_dict_of, text_config
 
         t = cfg.train
         if t.cost_per_position is not None and t.cost_per_pair is not None:
@@ -77,7 +78,7 @@ class CostModel:
         return self.per_position * positions + self.per_pair * pairs
 
     def pack_cost(self, prefix_len: int, cont_lens) -> float:
-        return self.cost(prefix_len + sum(cont_lens), attention_pairs(prefix_len, cont_lens))
+        return self.cost(prefix_len + sum(cont_lens), pack_pairs(prefix_len, cont_lens))
 
     def describe(self) -> str:
         return f"{self.per_position:.3g} per position + {self.per_pair:.3g} per attention pair"

@@ -1,7 +1,6 @@
 """Finite or stop: a step whose loss or gradient norm is NaN or inf makes no update.
 
-Why: a diverged run keeps writing NaN checkpoints and a NaN adapter and still exits 0 (measured: ``optim.lr=1e20``
-gave NaN from step 3 and exit 0). The loss is summed over ranks and the gradient norm is global under FSDP, so
+Why: without it a diverged run keeps writing NaN checkpoints and a NaN adapter and still exits 0. The loss is summed over ranks and the gradient norm is global under FSDP, so
 every rank already holds the same two numbers; the trainer still agrees on the verdict through the step's one
 all-reduce of flags (:data:`NONFINITE`), so no rank can take another path. Up to ``train.max_nonfinite_skips``
 such steps are skipped (no update, counted in metrics.jsonl); the next one stops the run with

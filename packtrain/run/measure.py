@@ -40,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from packtrain.models.memory import FULL, config_dict_of, distinct_kinds, kind_name, reduced_config, text_config
+from packtrain.models.text_config import FULL, config_dict_of, distinct_kinds, kind_name, reduced_config, text_config
 
 _SCALAR_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 WEIGHTS, GRADS, STATES, INDEX = "weights", "grads", "states", "index"

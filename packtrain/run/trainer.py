@@ -51,19 +51,20 @@ def check_node_pool(cfg, plan, examples, world_size: int) -> None:
     """Refuse a run whose offload pools (this node's ranks: LOCAL_WORLD_SIZE) would not fit the node's host memory
     (``ops.host_memory_per_node_gib``, else MemAvailable now), before the model is built. ``cfg``: the savings
     chosen (an auto ``train.offload`` is chosen to fit; a given one may not)."""
-    from packtrain.models import memory, savings
+    from packtrain.models import memory
+    from packtrain.models.budget import available_host_memory, format_node_pool, node_pool
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     have = cfg.ops.host_memory_per_node_gib
     if have is None:
-        available = savings.available_host_memory()
+        available = available_host_memory()
         if available is None:
             return
         have = available / memory.GiB
     est = memory.estimate_for_unit(cfg, unit_shape(cfg, plan, examples), world_size)
-    pool = savings.node_pool(est.total("host"), per_node, int(have * memory.GiB))
+    pool = node_pool(est.total("host"), per_node, int(have * memory.GiB))
     if not pool["fits"]:
-        raise ValueError(f"train.offload: {savings.format_node_pool(pool)} (the largest pack's layer inputs on each "
+        raise ValueError(f"train.offload: {format_node_pool(pool)} (the largest pack's layer inputs on each "
                          "rank); lower packing.token_budget, run fewer ranks per node, or turn train.offload off "
                          "(ops.host_memory_per_node_gib sets the node's memory)")
 

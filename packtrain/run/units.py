@@ -530,8 +530,9 @@ def choose_savings(cfg: Config, plan: Plan, examples, dist):
     """The memory savings of a run (train, smoke, bench, pretune-fla) for its largest unit on ``dist``'s device, the
     same on every rank (:mod:`packtrain.models.savings`). Returns (the config with the chosen values, the choice)."""
     from packtrain.models import savings
+    from packtrain.models.budget import run_budget
 
-    choice = savings.choose(cfg, unit_shape(cfg, plan, examples), dist.world_size, savings.run_budget(cfg, dist))
+    choice = savings.choose(cfg, unit_shape(cfg, plan, examples), dist.world_size, run_budget(cfg, dist))
     return choice.apply(cfg), choice
 
 

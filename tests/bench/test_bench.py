@@ -11,7 +11,7 @@ from tiny_models import tiny_text_config
 
 from packtrain.bench.measure import model_flops
 from packtrain.bench.presets import Shape, generate_examples
-from packtrain.models import memory
+from packtrain.models.text_config import text_config
 from packtrain.packed.kernels import fla_available
 
 VARIANT_KEYS = {"seconds", "cpu_seconds", "positions_per_s", "target_tokens_per_s", "peak_memory_bytes", "final_loss"}
@@ -111,7 +111,7 @@ def test_model_flops_count_the_models_linear_layers():
     model = __import__("transformers").Qwen3_5ForCausalLM(cfg)
     weights = sum(m.in_features * m.out_features for m in model.model.layers.modules()
                   if isinstance(m, torch.nn.Linear))
-    text = memory.text_config(cfg.to_dict())
+    text = text_config(cfg.to_dict())
     assert model_flops(text, 10, 0, 0, 8, []) == 10 * 4 * weights
     assert model_flops(text, 0, 0, 3, 8, []) == 3 * 4 * cfg.hidden_size * cfg.vocab_size
     per_pair = 12 * cfg.num_attention_heads * cfg.head_dim  # one full-attention layer

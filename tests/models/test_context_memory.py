@@ -13,6 +13,7 @@ from tiny_models import tiny_lora_model, tiny_text_config
 import packtrain.packed.patch  # noqa: F401 - routes transformers' CPU kernels, as every packtrain process does
 from packtrain.commands.plan import run_plan
 from packtrain.models import memory
+from packtrain.models.text_config import text_config
 
 GiB = 2**30
 P, N, C = 65_536, 80, 1_024  # the seeds' pack: P of 64K tokens, 80 continuations of 1K
@@ -20,7 +21,7 @@ CHECKPOINTED = memory.StepSavings(activation_checkpointing=True)
 
 
 def _seed_pack(mode):
-    return memory.estimate(memory.text_config(QWEN36_27B), P + N * C, N * 128, dtype="bfloat16", lora_r=8,
+    return memory.estimate(text_config(QWEN36_27B), P + N * C, N * 128, dtype="bfloat16", lora_r=8,
                            lora_targets=SEED_LORA, lora_dropout=0.05, context_grad=mode, prefix=P, continuations=N,
                            savings=CHECKPOINTED)
 
@@ -63,7 +64,7 @@ def test_prefix_cache_term_equals_transformers_cache():
             held += layer.recurrent_states[0].numel() * 4 + layer.conv_states[0].numel() * 4
         else:
             held += (layer.keys.numel() + layer.values.numel()) * 4
-    text = memory.text_config(tiny_text_config(layer_types).to_dict())
+    text = text_config(tiny_text_config(layer_types).to_dict())
     (term, _) = memory.frozen_prefix_terms(text, p, 4)
     assert term.bytes == held
 
@@ -105,12 +106,12 @@ def test_continuation_groups_at_the_seed_pack():
     recompute (P's), and the gradients of P's outputs (the size of frozen's cache)."""
     full, frozen = _seed_pack("full"), _seed_pack("frozen")
     group = 10 * C
-    grouped = memory.estimate(memory.text_config(QWEN36_27B), P + N * C, N * 128, dtype="bfloat16", lora_r=8,
+    grouped = memory.estimate(text_config(QWEN36_27B), P + N * C, N * 128, dtype="bfloat16", lora_r=8,
                               lora_targets=SEED_LORA, lora_dropout=0.05, prefix=P, continuations=N,
                               group_positions=group, savings=CHECKPOINTED)
     assert grouped.get("checkpointed_inputs").bytes == 64 * (P + group) * 5120 * 2
     assert grouped.get("prefix_grads").bytes == frozen.get("prefix_cache").bytes
-    recompute_P = memory.estimate(memory.text_config(QWEN36_27B), P, 0, dtype="bfloat16", lora_r=8,
+    recompute_P = memory.estimate(text_config(QWEN36_27B), P, 0, dtype="bfloat16", lora_r=8,
                                   lora_targets=SEED_LORA, lora_dropout=0.05,
                                   savings=CHECKPOINTED).get("layer_peak").bytes
     assert grouped.get("layer_peak").bytes == recompute_P

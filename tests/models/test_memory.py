@@ -9,6 +9,8 @@ from cli_helpers import REPO, TINY_MODEL, run_in_process, write_config
 
 from packtrain.config import config_from_dict, load_config
 from packtrain.models import memory
+from packtrain.models.parameters import lora_parameters, model_parameters
+from packtrain.models.text_config import FAMILY_DEFAULTS, TEXT_DEFAULTS, config_dict_of, text_config
 
 GiB = 2**30
 # Qwen3.6-27B's text config (docs/FACTS: hidden 5120, 64 layers [linear x3, full] x 16, 24 heads, 4 KV heads,
@@ -29,7 +31,7 @@ SEED_LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]
 def _seed_estimate(positions, targets=1000, offload=0, **kw):
     args = {"dtype": "bfloat16", "lora_r": 8, "lora_targets": SEED_LORA, "lora_dropout": 0.05,
             "savings": memory.StepSavings(activation_checkpointing=True, offload_layers=offload), **kw}
-    return memory.estimate(memory.text_config(QWEN36_27B), positions, targets, **args)
+    return memory.estimate(text_config(QWEN36_27B), positions, targets, **args)
 
 
 def test_seed_hidden_state_and_checkpointed_inputs():
@@ -69,7 +71,7 @@ def test_parameters_match_transformers_for_the_shipped_configs(name, billions):
     with torch.device("meta"):
         model = model_class_for(model_type)(AutoConfig.for_model(model_type, **raw))
     n = sum(p.numel() for p in model.parameters())
-    assert memory.model_parameters(memory.text_config(cfg.model.config)) == n
+    assert model_parameters(text_config(cfg.model.config)) == n
     assert n / 1e9 == pytest.approx(billions, abs=0.05)
 
 
@@ -91,9 +93,9 @@ def test_text_defaults_are_transformers_defaults():
     from transformers import Qwen3_5TextConfig
 
     defaults = Qwen3_5TextConfig()
-    for key, value in memory.TEXT_DEFAULTS.items():
+    for key, value in TEXT_DEFAULTS.items():
         assert getattr(defaults, key) == value, key
-    assert memory.text_config({})["layer_types"] == defaults.layer_types
+    assert text_config({})["layer_types"] == defaults.layer_types
 
 
 def test_offload_chunk_matches_the_offload_module():
@@ -113,7 +115,7 @@ def test_lora_parameters_match_peft(targets):
     cfg = config_from_dict({"model": {"config": TINY_MODEL}, "lora": {"r": 4, "target_modules": targets}})
     model = apply_lora(build_base_model(cfg), cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert memory.lora_parameters(memory.text_config(TINY_MODEL), 4, targets) == trainable
+    assert lora_parameters(text_config(TINY_MODEL), 4, targets) == trainable
 
 
 def _saved_bytes_of_mlp(dtype, targets, dropout, T):
@@ -148,7 +150,7 @@ def test_mlp_and_adapter_terms_equal_what_autograd_saves(dtype, dropout, targets
     # packtrain's adapters compute in the model's dtype (float32 master weights, cast for the compute) and draw
     # their dropout masks again in backward (packtrain/models/lora_compute.py)
     savings = memory.StepSavings(lora_in_model_dtype=True, masks_regenerated=True)
-    terms = memory.layer_recompute(memory.text_config(TINY_MODEL), "linear_attention", T, b, b, 4, targets,
+    terms = memory.layer_recompute(text_config(TINY_MODEL), "linear_attention", T, b, b, 4, targets,
                                    dropout, savings=savings)
     mlp_terms = [t for t in terms if t.key == "mlp" or t.key in {f"lora:{n}" for n in ("gate_proj", "up_proj",
                                                                                          "down_proj")}]
@@ -201,7 +203,7 @@ def test_model_path_config_json_is_read(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": QWEN36_27B}))
     cfg = config_from_dict({"model": {"path": str(tmp_path / "m")}})
-    assert memory.text_config(memory.config_dict_of(cfg))["hidden_size"] == 5120
+    assert text_config(config_dict_of(cfg))["hidden_size"] == 5120
 
 
 # -- other families (packtrain.packed.families) -----------------------------------------------------------------------------
@@ -209,11 +211,11 @@ def test_model_path_config_json_is_read(tmp_path):
 def test_family_defaults_are_transformers_defaults():
     from transformers import AutoConfig
 
-    for text_type, fields in memory.FAMILY_DEFAULTS.items():
+    for text_type, fields in FAMILY_DEFAULTS.items():
         defaults = AutoConfig.for_model(text_type)
         for key, value in fields.items():
             assert getattr(defaults, key) == value, (text_type, key)
-        assert memory.text_config({"model_type": text_type})["layer_types"] == defaults.layer_types, text_type
+        assert text_config({"model_type": text_type})["layer_types"] == defaults.layer_types, text_type
 
 
 NEXT_TINY = {"model_type": "qwen3_next", "vocab_size": 97, "hidden_size": 24, "intermediate_size": 40,
@@ -245,7 +247,7 @@ def test_family_parameters_match_transformers(raw):
     n = sum(p.numel() for p in text_model.parameters()) + sum(p.numel() for p in model.lm_head.parameters())
     if raw.get("tie_word_embeddings") or family.text_config(raw).get("tie_word_embeddings"):
         n -= model.lm_head.weight.numel()  # one shared tensor
-    assert memory.model_parameters(memory.text_config(raw)) == n
+    assert model_parameters(text_config(raw)) == n
 
 
 def test_shipped_35b_a3b_config_adapts_the_experts():
@@ -269,5 +271,5 @@ def test_expert_lora_parameters_match_peft(raw, lora):
     cfg = config_from_dict({"model": {"config": raw}, "lora": {"r": 4, "dropout": 0.0, **lora}})
     model = apply_lora(build_base_model(cfg), cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    counted = memory.lora_parameters(memory.text_config(raw), 4, lora["target_modules"], lora["target_parameters"])
+    counted = lora_parameters(text_config(raw), 4, lora["target_modules"], lora["target_parameters"])
     assert counted == trainable

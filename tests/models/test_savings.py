@@ -1,5 +1,4 @@
-"""The memory savings chosen by need (packtrain/models/savings.py): the step-time model against FLOPs counted by
-hand, and tables of which savings the choice takes for given shapes and budgets (device, host, CPU), each checked
+"""The memory savings chosen by need (packtrain/models/savings.py): tables of which savings the choice takes for given shapes and budgets (device, host, CPU), each checked
 against the memory estimate itself: the choice fits, takes the fewest layer inputs to the host that fit, and no
 faster combination fits."""
 
@@ -8,27 +7,18 @@ import json
 import sys
 
 import pytest
-from cli_helpers import REPO, run_in_process, write_config
+from cli_helpers import REPO, run_in_process, seed_unit_shape, write_config
 
 from packtrain.config import load_config
 from packtrain.models import memory, savings
+from packtrain.models.budget import Budget, device_reserve, plan_budget
 from packtrain.models.memory import GiB, StepSavings, UnitShape
 
 SEED_CONFIG = REPO / "configs" / "qwen3.6-27b.yaml"
 AUTO = {k: "auto" for k in savings.KEYS}
 
 
-def _seed_shape() -> UnitShape:
-    """The seed-like pack of tools/make_seed_data.py: P 64,000 + 80 continuations of 400-700 + 200-400 tokens."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from make_seed_data import seed_records
-
-    records = list(seed_records(64_000, 80, 248_320, 0))
-    return UnitShape(64_000, [len(r["item_ids"]) + len(r["target_ids"]) for r in records],
-                     [len(r["target_ids"]) for r in records])
-
-
-SEED = _seed_shape()
+SEED = seed_unit_shape()
 
 
 def _config(**train):
@@ -38,7 +28,7 @@ def _config(**train):
 
 def _choose(gpu_gib: float, host_gib: float | None = None, ranks: int = 8, world: int = 64, **train):
     cfg = _config(**train)
-    return savings.choose(cfg, SEED, world, savings.plan_budget(cfg, world, gpu_gib, ranks, host_gib)), cfg
+    return savings.choose(cfg, SEED, world, plan_budget(cfg, world, gpu_gib, ranks, host_gib)), cfg
 
 
 def _fits(cfg, s: StepSavings, budget) -> bool:
@@ -48,58 +38,6 @@ def _fits(cfg, s: StepSavings, budget) -> bool:
     chunks = -(-per_layer // 2**26) * 2**26
     host_ok = budget.host_per_node is None or budget.ranks_per_node * s.offload_layers * chunks <= budget.host_per_node
     return est.total() <= budget.device_bytes and host_ok
-
-
-# -- the step-time model ---------------------------------------------------------------------------------------------
-TOY = {"model_type": "qwen3_5_text", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
-       "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"], "num_attention_heads": 2,
-       "num_key_value_heads": 1, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
-       "linear_key_head_dim": 16, "linear_value_head_dim": 16}
-# per token, counted by hand: GDN qkv (2 x 32 + 32), z (32), b and a (2 each), out (32 x 64); attention q with its
-# output gate (2 x 2 x 32), k, v (32 each), o (64 x 64); every MLP gate, up, down
-GDN_PARAMS = 64 * (96 + 32 + 2 + 2) + 32 * 64
-ATTENTION_PARAMS = 64 * (128 + 32 + 32) + 64 * 64
-MLP_PARAMS = 3 * 64 * 128
-TOY_SHAPE = UnitShape(100, [20, 30], [10, 15])
-TOY_T, TOY_M = 150, 25
-TOY_PAIRS = 100 * 101 // 2 + (20 * 100 + 20 * 21 // 2) + (30 * 100 + 30 * 31 // 2)
-
-
-def _toy_seconds(**s) -> float:
-    return savings.step_seconds(memory.text_config(TOY), TOY_SHAPE, StepSavings(**s), 2, "cuda")
-
-
-def test_the_step_cost_counts_each_recompute_as_one_more_forward():
-    """The toy counted by hand: per token a forward meets 2 FLOPs per parameter, a pair of attention 4 per width; the
-    step is three forwards (the cost model's 6 and 12), and each saving adds a forward of what it recomputes."""
-    forward = 2 * (GDN_PARAMS + ATTENTION_PARAMS + 2 * MLP_PARAMS) * TOY_T + 4 * 64 * TOY_PAIRS
-    head = 2 * 64 * 1000 * TOY_M
-    step = 3 * (forward + head)
-    none = _toy_seconds()
-    assert none == pytest.approx(step / savings.RATES["cuda"].flops, rel=1e-12)
-    assert _toy_seconds(activation_checkpointing=True) / none == pytest.approx((step + forward) / step, rel=1e-12)
-    assert _toy_seconds(mlp_rows=64) / none == pytest.approx((step + 2 * 2 * MLP_PARAMS * TOY_T) / step, rel=1e-12)
-    assert _toy_seconds(loss_rows=8) / none == pytest.approx((step + head) / step, rel=1e-12)
-    # every norm's elements per token: 2 per layer over 64, q/k norms (2 + 1 heads of 32), the gated norm (32), the
-    # final norm (64)
-    norms = TOY_T * (4 * 64 + 3 * 32 + 32 + 64) * savings.NORM_BYTES_PER_ELEMENT / savings.RATES["cuda"].memory
-    assert _toy_seconds(norm_rows=8) - none == pytest.approx(norms, rel=1e-12)
-
-
-def test_an_offloaded_input_costs_only_what_its_layers_compute_does_not_hide():
-    """The copy out beside the layer's forward, the copy back beside the backward of the layer after it (two
-    forwards' time): the toy's narrow layers compute faster than their input copies, and expose the difference; at
-    the seed's widths the copies hide behind the compute."""
-    rates = savings.RATES["cuda"]
-    copy = TOY_T * 64 * 2 / rates.host
-    layer = 2 * (GDN_PARAMS + MLP_PARAMS) * TOY_T / rates.flops  # layer 0, the one offloaded
-    assert copy > 2 * layer
-    exposed = _toy_seconds(activation_checkpointing=True, offload_layers=1) - _toy_seconds(activation_checkpointing=True)
-    assert exposed == pytest.approx((copy - layer) + (copy - 2 * layer), rel=1e-9)
-    text = memory.text_config(load_config(SEED_CONFIG).model.config)
-    kept = StepSavings(activation_checkpointing=True)
-    offloaded = dataclasses.replace(kept, offload_layers=64)
-    assert savings.step_seconds(text, SEED, offloaded, 2, "cuda") == savings.step_seconds(text, SEED, kept, 2, "cuda")
 
 
 # -- which savings the choice takes ----------------------------------------------------------------------------------
@@ -119,7 +57,7 @@ def test_the_choice_at_the_seed_pack(gpu, host, ranks, expected):
     s = choice.chosen.savings
     assert (s.checkpointing, s.offload_layers, s.loss_rows, s.mlp_rows, s.norm_rows) == expected
     budget = choice.budget
-    assert budget.device_bytes == gpu * GiB - savings.device_reserve(gpu * GiB) <= (gpu - 4) * GiB
+    assert budget.device_bytes == gpu * GiB - device_reserve(gpu * GiB) <= (gpu - 4) * GiB
     assert _fits(cfg, s, budget) and choice.warning() is None
     if s.offload_layers:  # the fewest inputs to the host that fit
         assert not _fits(cfg, dataclasses.replace(s, offload_layers=s.offload_layers - 1), budget)
@@ -172,7 +110,7 @@ def test_on_the_cpu_the_fastest_step_is_taken_when_memory_allows():
     preset = get_preset("cpu")
     cfg = config_from_dict({**preset.config, "train": {**preset.config["train"], **AUTO, "device": "cpu"}})
     shape = UnitShape(2048, [64] * 16, [32] * 16)
-    roomy = savings.Budget("cpu", 8 * GiB, 8 * GiB, 0, "test", None, "test", 1)
+    roomy = Budget("cpu", 8 * GiB, 8 * GiB, 0, "test", None, "test", 1)
     choice = savings.choose(cfg, shape, 1, roomy)
     assert choice.chosen.savings == StepSavings(lora_in_model_dtype=True, masks_regenerated=True)
     assert choice.chosen.relative_cost == 1.0
@@ -198,7 +136,7 @@ def test_the_tiles_are_the_back_ends():
 
 def test_the_largest_budget_keeps_the_reserve():
     cfg = _config()
-    budget = savings.plan_budget(cfg, 64, 80.0, 8, None)
+    budget = plan_budget(cfg, 64, 80.0, 8, None)
     found = savings.max_token_budget(cfg, SEED, 64, budget, 80.0)
     assert found["device_budget_bytes"] == budget.device_bytes == 80 * GiB - found["reserve_bytes"]
     assert found["reserve_bytes"] >= 4 * GiB
@@ -231,12 +169,12 @@ def test_plan_memory_json_reports_the_choice(tmp_path):
         s = mem["savings"]
         assert isinstance(s["activation_checkpointing"], bool) and isinstance(s["offload_layers"], int)
         assert all(isinstance(s[k], int) for k in ("loss_rows", "mlp_rows", "norm_rows"))
-        assert mem["device_budget_bytes"] == gpu * GiB - savings.device_reserve(gpu * GiB)
+        assert mem["device_budget_bytes"] == gpu * GiB - device_reserve(gpu * GiB)
         assert mem["total_device_bytes"] == max(mem["phases"].values()) <= mem["device_budget_bytes"]
         chosen = mem["choice"]["candidates"][mem["choice"]["chosen"]]
         assert chosen["savings"] == s and chosen["total_device_bytes"] == mem["total_device_bytes"]
         assert chosen["relative_step_cost"] == mem["relative_step_cost"] >= 1.0
-        assert mem["budget_search"]["reserve_bytes"] == savings.device_reserve(gpu * GiB)
+        assert mem["budget_search"]["reserve_bytes"] == device_reserve(gpu * GiB)
         assert mem["budget_search"]["estimate_bytes"] <= mem["device_budget_bytes"]
     # less memory: more savings, a higher cost, and within 64 GiB of host per node (8 GiB per rank, 25 layer inputs
     # of 0.32 GiB) the inputs that go to the host

@@ -219,8 +219,8 @@ def test_peft_renaming_of_mlp_names_is_refused_or_left_out_of_the_default():
 
 
 def test_memory_plan_refuses_an_unsupported_model_in_one_line():
-    from packtrain.models import memory
+    from packtrain.models.text_config import text_config
     from packtrain.packed.families import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=r"^model.config.model_type: 'qwen4_exp' is not a model family"):
-        memory.text_config({"model_type": "qwen4_exp"})
+        text_config({"model_type": "qwen4_exp"})

@@ -77,7 +77,7 @@ def test_utilisation_is_mean_over_largest_rank_cost():
 
 
 def test_cost_model_from_the_config_counts_flops_by_hand():
-    from packtrain.models.memory import text_config
+    from packtrain.models.text_config import text_config
 
     text = text_config(TINY_MODEL)
     model = CostModel.from_text_config(text)
@@ -135,7 +135,8 @@ def test_a_tree_pack_costs_its_trees_positions_and_pairs():
 def test_plan_json_tree_costs_are_the_trees(tmp_path):
     from packtrain.data.examples import load_examples
     from packtrain.data.planner import plan_tree_packs
-    from packtrain.data.tree import attention_pairs, example_tree
+    from packtrain.data.tree import example_tree
+    from packtrain.data.tree_packs import attention_pairs
 
     out = json.loads(run_in_process("plan", write_config(tmp_path, packing={"mode": "tree"}), "--json").stdout)
     examples = load_examples(tmp_path / "train.jsonl")

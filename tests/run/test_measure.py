@@ -11,6 +11,7 @@ from tiny_models import FAMILY_CONFIGS
 
 from packtrain.config import load_config
 from packtrain.models import memory
+from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.run.measure import GDN_NOTE, LiveBytes
 from packtrain.run.units import unit_shape
 
@@ -107,7 +108,7 @@ def test_measure_runs_on_every_shipped_config(tmp_path, name):
     assert mem["notes"][0] == GDN_NOTE
     if name == "vlm_demo":
         assert any("the vision tower is left out" in note for note in mem["notes"])
-    kinds = {k for k, _ in memory.text_config(memory.config_dict_of(cfg))["kinds"]}
+    kinds = {k for k, _ in text_config(config_dict_of(cfg))["kinds"]}
     chosen = plan["savings"]
     word = "recompute" if chosen["activation_checkpointing"] or chosen["offload_layers"] else "backward"
     assert {"forward", "loss", "optimizer"} <= set(mem["phases"])
@@ -173,6 +174,7 @@ def test_gpu_memory_gives_the_largest_budget_that_fits(tmp_path):
     """--gpu-memory GIB: the largest budget whose estimate, every saving left auto on, fits GIB less the reserve; a
     little more GPU memory holds a larger one."""
     from packtrain.models import savings
+    from packtrain.models.budget import device_reserve, plan_budget
 
     model, prefix, conts, train = SHAPES["checkpointed"]
     path = write_config(tmp_path, model, train, data=pretokenized(tmp_path / "train.jsonl", prefix, conts, 97))
@@ -184,11 +186,11 @@ def test_gpu_memory_gives_the_largest_budget_that_fits(tmp_path):
 
     examples = load_split(cfg, "train")
     shape = unit_shape(cfg, plan_for(cfg, examples), examples)
-    found = savings.max_token_budget(cfg, shape, 1, savings.plan_budget(cfg, 1, 3.0), 3.0)
+    found = savings.max_token_budget(cfg, shape, 1, plan_budget(cfg, 1, 3.0), 3.0)
     assert found["token_budget"] == budget and found["estimate_bytes"] <= 3 * memory.GiB - found["reserve_bytes"]
-    assert out["budget_search"]["reserve_bytes"] == savings.device_reserve(3 * memory.GiB)
+    assert out["budget_search"]["reserve_bytes"] == device_reserve(3 * memory.GiB)
     assert out["budget_search"]["device_budget_bytes"] == out["device_budget_bytes"]
-    larger = savings.max_token_budget(cfg, shape, 1, savings.plan_budget(cfg, 1, 3.3), 3.3)
+    larger = savings.max_token_budget(cfg, shape, 1, plan_budget(cfg, 1, 3.3), 3.3)
     assert larger["token_budget"] > budget
     text = run_in_process("plan", path, "--memory", "--gpu-memory", "3").stdout
     assert "largest packing.token_budget fitting 3 GiB per GPU less the" in text and f"{budget:,} positions" in text
@@ -201,6 +203,7 @@ def test_the_run_header_shows_the_choice(tmp_path):
 
     from packtrain.data.examples import load_split
     from packtrain.models import savings
+    from packtrain.models.budget import plan_budget
     from packtrain.run import report
     from packtrain.run.units import plan_for
 
@@ -208,7 +211,7 @@ def test_the_run_header_shows_the_choice(tmp_path):
     cfg = load_config(write_config(tmp_path, model, {"offload": 2}))
     examples = load_split(cfg, "train")
     shape = unit_shape(cfg, plan_for(cfg, examples), examples)
-    choice = savings.choose(cfg, shape, 1, savings.plan_budget(cfg, 1, 80.0))
+    choice = savings.choose(cfg, shape, 1, plan_budget(cfg, 1, 80.0))
     lines = report.memory_lines(SimpleNamespace(savings=choice))
     assert lines[0].startswith("  memory: checkpointing, 2 of 8 layer inputs in host memory, ")
     assert "GiB per GPU at the largest unit" in lines[0]
@@ -280,7 +283,7 @@ def test_a_tiled_norms_backward_holds_what_the_estimate_counts():
             y = tiled_norm(norm, rows, H, h)
             counter.set_phase("backward")
             y.backward(torch.ones_like(y))
-    terms = {t.key: t.bytes for t in memory.norm_terms(memory.text_config(hybrid(H, 128)), "full_attention", T, 2,
+    terms = {t.key: t.bytes for t in memory.norm_terms(text_config(hybrid(H, 128)), "full_attention", T, 2,
                                                        rows)}
     # the norm's output y beside it (what reads it holds it)
     assert counter.peaks["backward"] - T * H * 2 == terms["norm_input"] + terms["norm_backward"]
@@ -310,7 +313,7 @@ def test_a_tiled_mlps_backward_holds_what_the_estimate_counts():
             y = tiled_mlp(mlp, mlp.forward, x, rows)
             counter.set_phase("backward")
             y.sum().backward()
-    terms = {t.key: t.bytes for t in memory.mlp_terms(memory.text_config(model), "full_attention", T, 2, mlp_rows=rows)}
+    terms = {t.key: t.bytes for t in memory.mlp_terms(text_config(model), "full_attention", T, 2, mlp_rows=rows)}
     # x counts from the tiles' first view of it; the MLP's output y and the scalar loss are alive beside the tile
     assert counter.peaks["backward"] - T * 64 * 2 - 2 * 2 == terms["mlp"] + terms["mlp_tile"] + terms["workspace"]
 
@@ -326,7 +329,7 @@ def test_the_loss_phase_is_extrapolated_to_every_layer():
     # take the model's other layers' too (left as measured, no test saw it: the peak was elsewhere)
     from packtrain.run.measure import LayerRecord, Measured, extrapolate
 
-    text = memory.text_config(hybrid(64, 128, layers=8))
+    text = text_config(hybrid(64, 128, layers=8))
     assert [k[0] for k in text["kinds"]] == ["linear_attention"] * 3 + ["full_attention"] + \
         ["linear_attention"] * 3 + ["full_attention"]
     gdn, attention = text["kinds"][0], text["kinds"][3]

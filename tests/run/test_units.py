@@ -12,7 +12,8 @@ import pytest
 from parity import max_rel, trainable_grads, without_float32_casts
 from tiny_models import patched_lora_model, random_pack
 
-from packtrain.data.planner import Pack, Plan, attention_pairs
+from packtrain.data.pairs import pack_pairs
+from packtrain.data.planner import Pack, Plan
 from packtrain.packed.kernels import Backend
 from packtrain.packed.lm import PackedLM
 from packtrain.run.steps import rank_units, step_examples
@@ -35,9 +36,9 @@ def _plan():
     p9, nine = random_pack(9, [(4, 2), (1, 3)], seed=2)
     examples = [_Example(p6, c.item_ids, c.target_ids) for c in six] + [_Example(p9, c.item_ids, c.target_ids)
                                                                        for c in nine]
-    packs = [Pack(0, (0, 1, 2), 6 + sum(len(c) for c in six[:3]), attention_pairs(6, [len(c) for c in six[:3]])),
-             Pack(0, (3,), 6 + len(six[3]), attention_pairs(6, [len(six[3])])),
-             Pack(1, (4, 5), 9 + sum(len(c) for c in nine), attention_pairs(9, [len(c) for c in nine]))]
+    packs = [Pack(0, (0, 1, 2), 6 + sum(len(c) for c in six[:3]), pack_pairs(6, [len(c) for c in six[:3]])),
+             Pack(0, (3,), 6 + len(six[3]), pack_pairs(6, [len(six[3])])),
+             Pack(1, (4, 5), 9 + sum(len(c) for c in nine), pack_pairs(9, [len(c) for c in nine]))]
     return Plan(packs, [tuple(p6), tuple(p9)], [], 64, 8), examples
 
 

@@ -1,15 +1,15 @@
-"""One typed config tree, loaded from YAML and overridden with ``--set section.key=value``.
+"""packtrain's config: every section and key with its type and default, the bounds and the rules between keys, and
+the loading of a YAML file with ``--set section.key=value`` overrides.
 
 Every problem in a config (unknown key, wrong type, bad value) is collected and reported together, each with
-its dotted path, in one :class:`ConfigError`.
+its dotted path, in one :class:`ConfigError` (the typed tree: :mod:`packtrain.config.typed`; what
+``data.template_kwargs`` may hold: :mod:`packtrain.config.templates`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,59 +17,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML follows YAML 1.1, where ``1e-4`` is a string; accept it as a float, as YAML 1.2 does. A key given twice
-    in one mapping is an error (PyYAML keeps the last silently: a second ``train:`` block replaced the first whole,
-    its ``save_every`` gone)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
-            except TypeError:  # an unhashable key: SafeLoader's own error follows
-                continue
-            if first != key_node.start_mark.line + 1:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first on line {first}): each key may appear once in a "
-                    "mapping (merge the two blocks)", key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-
-
-def _load_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)
-
-
-def read_json_object(path: Path, label: str) -> dict:
-    """A JSON file that must hold an object (a model's config.json, an adapter's adapter_config.json); anything
-    else is a :class:`ValueError` naming ``label`` and the file (one line at the CLI)."""
-    import json
-
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{label}: {path}: unreadable ({e}); a damaged or truncated copy?") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{label}: {path}: expected a JSON object")  # noqa: TRY004 - a user error: exit 2
-    return raw
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; ``problems`` lists every dotted path that is wrong."""
-
-    def __init__(self, problems: list[str], source: str | None = None):
-        self.problems = problems
-        where = f" in {source}" if source else ""
-        super().__init__(f"invalid config{where}:\n" + "\n".join(f"  - {p}" for p in problems))
+from packtrain.config.templates import template_kwargs_problems
+from packtrain.config.typed import ConfigError, apply_overrides, build, get_dotted, load_yaml, yaml_problem
 
 
 @dataclass
@@ -383,154 +332,13 @@ def _number_problems(obj: Any, prefix: str = "") -> list[str]:
         return problems
     bad = {p.split(":", 1)[0] for p in problems}
     for path, most, why in _AT_MOST:
-        value = _get(obj, path)
+        value = get_dotted(obj, path)
         if path not in bad and isinstance(value, (int, float)) and not isinstance(value, bool) and value > most:
             problems.append(f"{path}: must be at most {most:,} ({why}), got {value!r}")
     return problems
 
 
 _BOUND_MESSAGES = {path: msg for path, _, msg in _BOUNDS}
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _check_value(value: Any, tp: Any) -> tuple[bool, Any]:
-    """Return (ok, coerced value). Ints are accepted where floats are expected; bools are never ints."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return (value in typing.get_args(tp)), value
-    if origin in (Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            ok, v = _check_value(value, arg)
-            if ok:
-                return True, v
-        return False, value
-    if origin is list:
-        if not isinstance(value, list):
-            return False, value
-        (item_tp,) = typing.get_args(tp)
-        out = []
-        for item in value:
-            ok, v = _check_value(item, item_tp)
-            if not ok:
-                return False, value
-            out.append(v)
-        return True, out
-    if tp is type(None):
-        return value is None, value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value)
-        return False, value
-    if tp is str:
-        return isinstance(value, str), value
-    if tp is dict:
-        return isinstance(value, dict), value
-    raise TypeError(f"unsupported config type {tp!r}")
-
-
-def _build(cls: type, raw: Any, prefix: str, problems: list[str]):
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        problems.append(f"{prefix or 'config'}: expected a mapping, got {type(raw).__name__}")
-        return cls()
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
-    kwargs = {}
-    for key, value in raw.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in fields:
-            problems.append(f"{path}: unknown key (known: {', '.join(sorted(fields))})")
-            continue
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, path, problems)
-            continue
-        ok, coerced = _check_value(value, tp)
-        if not ok:
-            problems.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
-            continue
-        kwargs[key] = coerced
-    return cls(**kwargs)
-
-
-def _get(cfg: Config, dotted: str):
-    obj = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-# apply_chat_template's own arguments: packtrain sets them per render, data.template_kwargs may not; where each
-# comes from instead
-_RENDERS_TEXT = "packtrain renders text and tokenizes it itself"
-TEMPLATE_ARGUMENTS = {
-    "conversation": "the example's messages", "tools": "each example's `tools`",
-    "documents": "no documents are rendered: put them in the messages",
-    "chat_template": "data.chat_template", "add_generation_prompt": "packtrain adds it to each trained turn's prompt",
-    "continue_final_message": "every turn is rendered whole", "tokenize": _RENDERS_TEXT, "padding": _RENDERS_TEXT,
-    "truncation": "nothing is truncated: packing.token_budget bounds an example",
-    "max_length": "nothing is truncated: packing.token_budget bounds an example", "return_tensors": _RENDERS_TEXT,
-    "return_dict": _RENDERS_TEXT, "return_assistant_tokens_mask": "data.train_on picks the trained turns",
-    "tokenizer_kwargs": _RENDERS_TEXT}
-# Qwen's chat-template switches and the test their templates make of each: only a boolean passes `is false`, so
-# enable_thinking "no" would leave thinking on
-BOOLEAN_TEMPLATE_KWARGS = {"enable_thinking": "is false", "preserve_thinking": "is true"}
-
-
-# data.template_kwargs is rendered into every example: bounded before anything walks it whole (a YAML alias bomb of
-# a few lines is billions of values once expanded; `plan` grew to 5 GB and hung)
-TEMPLATE_KWARGS_VALUES = 10_000
-TEMPLATE_KWARGS_DEPTH = 16
-
-
-def _too_large(kwargs: dict) -> bool:
-    """More than TEMPLATE_KWARGS_VALUES values or TEMPLATE_KWARGS_DEPTH levels; a value an alias repeats counts
-    each time, and the count stops at the bound, so a bomb is never expanded."""
-    values, stack = 0, [(kwargs, 1)]
-    while stack:
-        value, depth = stack.pop()
-        values += 1
-        if values > TEMPLATE_KWARGS_VALUES or depth > TEMPLATE_KWARGS_DEPTH:
-            return True
-        if isinstance(value, dict):
-            stack += [(v, depth + 1) for v in value.values()]
-        elif isinstance(value, list):
-            stack += [(v, depth + 1) for v in value]
-    return False
-
-
-def _template_kwargs_problems(kwargs: dict) -> list[str]:
-    if _too_large(kwargs):
-        return [(f"data.template_kwargs: more than {TEMPLATE_KWARGS_VALUES} values or {TEMPLATE_KWARGS_DEPTH} levels "
-                 "deep (YAML aliases count each time they are used); template switches are a few scalars")]
-    problems = []
-    reserved = sorted(set(kwargs) & set(TEMPLATE_ARGUMENTS))
-    if reserved:
-        where = "; ".join(f"{k}: {TEMPLATE_ARGUMENTS[k]}" for k in reserved)
-        problems.append(f"data.template_kwargs: {', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} set by "
-                        f"packtrain for each render ({where})")
-    for key, test in BOOLEAN_TEMPLATE_KWARGS.items():
-        if key in kwargs and not isinstance(kwargs[key], bool):
-            problems.append(f"data.template_kwargs.{key}: expected true or false (unquoted), got {kwargs[key]!r}: "
-                            f"Qwen's templates test `{key} {test}`, which no other value passes")
-    return problems
 
 
 def built_context_grads(p: PackingConfig) -> tuple[str, ...]:
@@ -555,7 +363,7 @@ def _validate(cfg: Config) -> list[str]:
     problems = _number_problems(cfg)
     numbers = {p.split(":", 1)[0] for p in problems}  # a NaN fails every bound: said once
     for path, ok, msg in _BOUNDS:
-        value = _get(cfg, path)
+        value = get_dotted(cfg, path)
         if value is not None and path not in numbers and not ok(value):
             problems.append(f"{path}: {msg}, got {value!r}")
     if cfg.packing.on_overflow == "walk" and cfg.packing.context_grad == "kv_only":
@@ -575,48 +383,15 @@ def _validate(cfg: Config) -> list[str]:
     if cfg.train.cost_per_position == 0 and cfg.train.cost_per_pair == 0:
         problems.append("train.cost_per_position, train.cost_per_pair: both 0 gives every pack cost 0 (and the "
                         "utilisation 0/0); set one above 0, or leave one null for the model's figure")
-    problems += _template_kwargs_problems(cfg.data.template_kwargs or {})
+    problems += template_kwargs_problems(cfg.data.template_kwargs or {})
     if cfg.model.kernels == "fla" and cfg.model.dtype == "float64":  # fla's kernels are float32/bf16 only
         problems.append("model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)")
     return problems
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``section.key=value`` -> (["section", "key"], value parsed as YAML)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip() or "" in key.strip().split("."):
-        raise ConfigError([f"--set {text!r}: expected section.key=value"])
-    try:
-        parsed = _load_yaml(value) if value.strip() else None
-    except yaml.YAMLError:
-        raise ConfigError([f"--set {text!r}: the value is not valid YAML"]) from None
-    return key.strip().split("."), parsed
-
-
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    parsed, problems = [], []
-    for text in overrides:
-        try:
-            parsed.append(parse_override(text))
-        except ConfigError as e:
-            problems += e.problems
-    if problems:
-        raise ConfigError(problems)
-    for keys, value in parsed:
-        node = raw
-        for k in keys[:-1]:
-            nxt = node.get(k)
-            if not isinstance(nxt, dict):
-                nxt = {}
-                node[k] = nxt
-            node = nxt
-        node[keys[-1]] = value
-    return raw
-
-
 def config_from_dict(raw: dict, base_dir: str = ".", source: str | None = None) -> Config:
     problems: list[str] = []
-    cfg = _build(Config, raw, "", problems)
+    cfg = build(Config, raw, "", problems)
     # A field with a wrong type keeps its (valid) default, so the bounds checks can still run: every problem is
     # reported in one go.
     problems += _validate(cfg)
@@ -626,23 +401,14 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str | None = None) 
     return cfg
 
 
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """``line L, column C: problem`` (PyYAML's own text names "<unicode string>" and spans several lines)."""
-    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
-    if mark is None or problem is None:
-        return str(e)
-    context = getattr(e, "context", None)
-    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
-
-
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError([f"config file not found: {path}"])
     try:
-        raw = _load_yaml(path.read_text()) or {}
+        raw = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError([f"not valid YAML: {_yaml_problem(e)}"], str(path)) from None
+        raise ConfigError([f"not valid YAML: {yaml_problem(e)}"], str(path)) from None
     if not isinstance(raw, dict):
         raise ConfigError(["the top level must be a mapping"], str(path))
     raw = apply_overrides(raw, overrides or [])
