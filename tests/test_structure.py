@@ -250,10 +250,16 @@ def test_the_branch_counter_fails_on_a_planted_branch(tmp_path, monkeypatch):
 
 @functools.cache
 def _call_types() -> frozenset[str]:
-    """The calls of packtrain.packed.lm.PackedLM: the classes of packtrain/packed that define ``run``."""
-    return frozenset(node.name for path in (ROOT / "packed").rglob("*.py")
-                     for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
-                     and any(isinstance(f, ast.FunctionDef) and f.name == "run" for f in node.body))
+    """The calls of packtrain.packed.lm.PackedLM: the classes of packtrain/packed that define ``run``, and their
+    subclasses there (StandaloneCall, TreeCall: a PackCall's run on another forward)."""
+    classes = [node for path in (ROOT / "packed").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ClassDef)]
+    calls = {c.name for c in classes if any(isinstance(f, ast.FunctionDef) and f.name == "run" for f in c.body)}
+    while True:
+        more = {c.name for c in classes if any(_name(b) in calls for b in c.bases)} - calls
+        if not more:
+            return frozenset(calls)
+        calls |= more
 
 
 def _type_checks(tree: ast.AST, names: set[str]) -> list[int]:
@@ -271,7 +277,8 @@ def test_calls_and_layer_inputs_run_by_method_not_by_type():
     """PackedLM.forward is ``call.run(self)``: no isinstance on a call type (or a layout) in packed/lm.py; the
     attention function and the GDN forward dispatch by method on what they get under the layout kwarg."""
     calls = _call_types()
-    assert {"PackCall", "GroupCall", "PrefixCall", "Window", "ItemsCall", "DecodeCall"} <= calls
+    assert {"PackCall", "StandaloneCall", "TreeCall", "GroupCall", "PrefixCall", "Window", "ItemsCall",
+            "DecodeCall"} <= calls
     found = {f"packed/lm.py:{n}" for n in _type_checks(ast.parse((ROOT / "packed" / "lm.py").read_text()),
                                                        calls | {"PackLayout"})}
     for name in ("patch.py", "attention.py"):

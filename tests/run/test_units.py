@@ -107,3 +107,24 @@ def test_a_tree_unit_is_sized_as_the_tree_it_builds(tmp_path):
     assert unit.kind.segments(unit, plan, examples) == [1] * 126
     shape = unit_shape(cfg, plan, examples)
     assert (shape.prefix, sum(shape.lengths), shape.continuations, sum(shape.targets)) == (30, 126, 64, 64)
+
+
+def test_the_kinds_of_a_config_are_built_once_and_configured():
+    """Kinds.of: the pack kind of packing.mode, in groups with their count, the walk with its spec; the planner and
+    the units read the same object (a walked pack is the walk's, every other the pack kind's)."""
+    from packtrain.config import WalkSpec
+    from packtrain.data.planner import plan_packs
+    from packtrain.run.units import GroupsKind, WalkKind
+
+    grouped = Kinds.named("shared_prefix", 3)
+    assert isinstance(grouped.pack, GroupsKind) and grouped.n_groups == 3 and grouped.walk is None
+    assert grouped.whole_packs().pack.name == "pack" and grouped.whole_packs().n_groups == 1
+    assert [Kinds.named(m).pack.name for m in ("shared_prefix", "standalone", "tree")] == ["pack", "standalone",
+                                                                                           "tree"]
+    spec = WalkSpec(8, None)
+    kinds = Kinds.named("standalone", walk_spec=spec)
+    assert isinstance(kinds.walk, WalkKind) and kinds.walk_spec == spec
+    examples = [_Example((1, 2), (3,), (4,)), _Example((1, 2), (5,) * 20, (6,))]
+    plan = plan_packs(examples, 12, 4, "walk", walk_spec=spec)
+    assert sorted(kinds.kind_of(pack).name for pack in plan.packs) == ["standalone", "walk"]
+    assert {u.kind for pack in plan.packs for u in kinds.units(pack)} == {kinds.pack, kinds.walk}
