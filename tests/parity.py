@@ -16,7 +16,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 from packtrain.models.lora_compute import lora_forward
 from packtrain.packed.kernels import torch_ref
 from packtrain.packed.layout import build_pack_layout, build_standalone_layout
-from packtrain.packed.lm import PackCall, PackedLM
+from packtrain.packed.lm import PackCall, PackedLM, StandaloneCall
 from packtrain.packed.patch import patch_model, text_parts
 
 
@@ -63,7 +63,7 @@ def standalone_run(model, prefix, conts, vision=None, pixels=None, context_grad=
     losses = []
     for i, c in enumerate(conts):
         layout = build_standalone_layout(prefix, c, vision)
-        out = lm(PackCall(_with_pixels(layout, [c], None if pixels is None else [pixels[i]])))
+        out = lm(StandaloneCall(_with_pixels(layout, [c], None if pixels is None else [pixels[i]])))
         out.loss_sum.backward()
         losses.extend(out.per_example.tolist())
     return losses, trainable_grads(model)

@@ -1,10 +1,13 @@
 """The package's structure: dependencies run one way, no module imports in a cycle (lazy imports included), one
-place decides and runs a unit's kind (the unit kinds, packtrain/run/units.py), and tests/ mirrors the package."""
+place decides and runs a unit's kind (the unit kinds, packtrain/run/units.py) and one what the gradient does with P
+(the context strategies, packtrain/packed/context.py), counted, and tests/ mirrors the package."""
 
 import ast
 import collections
 import functools
 from pathlib import Path
+
+import pytest
 
 import packtrain
 
@@ -110,53 +113,98 @@ def test_the_checks_see_a_cycle_and_a_wrong_way_import(tmp_path, monkeypatch):
         raise AssertionError("the cycle was not seen")
 
 
-# Where a unit's kind may be decided: the kinds themselves (packtrain/run/units.py) and the walk's and the groups'
-# own code (a walk's dummy, a group's weight). config.py validates a config's values, the planner makes the packs.
-KIND_HOMES = {"packtrain.run.units", "packtrain.packed.walk", "packtrain.packed.groups", "packtrain.config",
-              "packtrain.data.planner"}
+# The homes of the decisions: the unit kinds (packtrain/run/units.py: what a unit is, how its packs are planned and
+# run) and the context strategies (packtrain/packed/context.py: what the gradient does with P). Outside them a branch
+# on a packing mode, a bench variant or a context mode by its name, or on a kind flag the data carries, is counted
+# (config.py's validation included: it is the schema's, and its rules count like any other code's).
+HOMES = {"packtrain.run.units", "packtrain.packed.context"}
+MAX_BRANCHES = 8
 PACKING_MODES = {"shared_prefix", "standalone", "tree"}
+CONTEXT_NAMES = {"full", "kv_only", "frozen"}
+VARIANT_NAMES = {"plain"}  # the bench's other variants are named after packing and context modes
+NAMED = PACKING_MODES | CONTEXT_NAMES | VARIANT_NAMES
+FLAGS = {"tree", "packed"}  # a kind carried by the data: plan.tree, layout.packed
+NONE_FLAGS = {"pairs", "walk", "schedule", "walk_spec"}  # pack.pairs is None, pack.walk is None, ...
+FLAG_KEYWORDS = {"packed", "tree", "items_only"}  # build(..., packed=False)
 # what a unit runs on, besides the calls of the root: no code outside the kinds asks which one it holds
 WORK_TYPES = {"Groups", "PackLayout", "Rows", "PackPass"}
+# Where a unit's dummy (a flag of the equal-call rule, not a kind) may be asked: the kinds, and the walk's own calls
+# (a dummy walk runs position 0 alone with its slot's calls).
+DUMMY_HOMES = HOMES | {"packtrain.packed.walk"}
 
 
 def _name(node) -> str | None:
     return getattr(node, "attr", getattr(node, "id", None))
 
 
-def kind_sites(tree: ast.AST) -> list[tuple[int, str]]:
-    """The places in a module's tree that decide which kind a unit is: (line, what)."""
-    sites = [(line, "isinstance on a call or work type") for line in _type_checks(tree, _call_types() | WORK_TYPES)]
+def _strings(node) -> set[str]:
+    """The string constants of a constant or a literal tuple, list or set of them."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*map(_strings, node.elts)) if node.elts else set()
+    return {node.value} if isinstance(node, ast.Constant) and isinstance(node.value, str) else set()
+
+
+def _tests(tree: ast.AST) -> list[ast.AST]:
+    """The expressions a module branches on: if, while, assert and conditional tests, and/or operands and
+    comprehension conditions."""
     tests = [n.test for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp, ast.While, ast.Assert))]
     tests += [v for n in ast.walk(tree) if isinstance(n, ast.BoolOp) for v in n.values]
-    tests += [c for n in ast.walk(tree) if isinstance(n, ast.comprehension) for c in n.ifs]
+    return tests + [c for n in ast.walk(tree) if isinstance(n, ast.comprehension) for c in n.ifs]
+
+
+def branch_sites(tree: ast.AST) -> list[tuple[int, str]]:
+    """The places in a module's tree that branch on a mode, variant or context name, or on a kind flag carried by
+    the data: (line, what)."""
+    sites = [(line, "isinstance on a call or work type") for line in _type_checks(tree, _call_types() | WORK_TYPES)]
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
             names = {_name(x) for x in sides}
+            named = set().union(*map(_strings, sides)) & NAMED
             none = any(isinstance(x, ast.Constant) and x.value is None for x in sides)
-            modes = {x.value for x in sides if isinstance(x, ast.Constant)} & PACKING_MODES
-            if none and names & {"schedule", "walk"} and any(isinstance(x, ast.Attribute) for x in sides):
-                sites.append((node.lineno, "is it walked?"))
-            if names & {"n_groups", "continuation_groups"}:
+            if named:
+                sites.append((node.lineno, f"{sorted(named)[0]!r} compared"))
+            elif none and names & NONE_FLAGS and any(isinstance(x, ast.Attribute) for x in sides):
+                sites.append((node.lineno, f".{sorted(names & NONE_FLAGS)[0]} is None?"))
+            elif names & {"n_groups", "continuation_groups"} and any(isinstance(x, ast.Constant) for x in sides):
                 sites.append((node.lineno, "is it in groups?"))
-            if modes and names & {"mode"}:
-                sites.append((node.lineno, f"packing mode {sorted(modes)[0]}?"))
-        if isinstance(node, (ast.Name, ast.keyword, ast.arg)) and (node.id if isinstance(node, ast.Name) else
-                                                                   node.arg) == "items_only":
-            sites.append((getattr(node, "lineno", 0), "items only?"))
-    for test in tests:
+            elif any(isinstance(x, ast.Attribute) and x.attr == "name" and _name(x.value) == "context" for x in sides):
+                sites.append((node.lineno, "a context mode by its name"))
+        if isinstance(node, ast.keyword) and node.arg in FLAG_KEYWORDS:
+            sites.append((node.value.lineno, f"{node.arg}= flag"))
+    for test in _tests(tree):
         for node in ast.walk(test):
-            if isinstance(node, ast.Attribute) and node.attr == "dummy":
-                sites.append((node.lineno, "is it a dummy?"))
+            if isinstance(node, ast.Attribute) and node.attr in FLAGS:
+                sites.append((node.lineno, f".{node.attr} flag"))
     return sorted(set(sites))
 
 
+def dummy_sites(tree: ast.AST) -> list[int]:
+    """The lines that ask whether a unit is a dummy."""
+    return sorted({node.lineno for test in _tests(tree) for node in ast.walk(test)
+                   if isinstance(node, ast.Attribute) and node.attr == "dummy"})
+
+
+def _branches_outside_the_homes() -> list[str]:
+    """One entry per line (a branch with two of the patterns is one branch)."""
+    lines = {}
+    for mod, path in sorted(_modules().items()):
+        if mod not in HOMES:
+            for line, what in branch_sites(ast.parse(path.read_text())):
+                lines.setdefault(f"{path.relative_to(ROOT.parent)}:{line}", what)
+    return [f"{where}: {what}" for where, what in lines.items()]
+
+
 def test_only_the_kinds_decide_a_units_kind():
-    """Nothing outside the unit kinds (packtrain/run/units.py) asks what kind a unit is: not whether it is walked, in
-    groups, a dummy, a generation's items or of which packing mode, nor which call or work type it holds."""
-    found = [f"{path.relative_to(ROOT.parent)}:{line}: {what}" for mod, path in _modules().items()
-             if mod not in KIND_HOMES for line, what in kind_sites(ast.parse(path.read_text()))]
-    assert not found, "\n".join(found)
+    """Outside the unit kinds (packtrain/run/units.py) and the context strategies (packtrain/packed/context.py), at
+    most MAX_BRANCHES branches on a packing mode, a variant or a context mode by name, or on a kind flag the data
+    carries (plan.tree, pack.pairs is None, pack.walk is None, layout.packed, packed=False), and no isinstance on a
+    call or work type; a unit's dummy is asked only by the kinds and the walk."""
+    found = _branches_outside_the_homes()
+    assert len(found) <= MAX_BRANCHES, f"{len(found)} branches outside the homes:\n" + "\n".join(found)
+    dummies = [f"{path.relative_to(ROOT.parent)}:{line}" for mod, path in _modules().items()
+               if mod not in DUMMY_HOMES for line in dummy_sites(ast.parse(path.read_text()))]
+    assert not dummies, f"a unit's dummy asked outside the kinds: {dummies}"
 
 
 def test_the_kind_check_sees_every_kind_of_site():
@@ -168,18 +216,50 @@ kept = [u for u in units if not u.dummy]
 layout = unit_layout(unit, plan, examples, items_only=True)
 if isinstance(work, Groups): pass
 ok = lm.context.name == "frozen" and unit.kind is WALK
+tree = plan.tree and pack.pairs is None
+alone = build(unit, plan, examples, packed=False) if not layout.packed else None
+plain = variant in ("plain", "standalone")
+same = lm.context.name == other
 """
-    assert [what for _, what in kind_sites(ast.parse(source))] == [
-        "is it walked?", "is it in groups?", "packing mode shared_prefix?", "is it a dummy?", "items only?",
-        "isinstance on a call or work type"]
+    assert [what for _, what in branch_sites(ast.parse(source))] == [
+        ".schedule is None?", "is it in groups?", "'shared_prefix' compared", "items_only= flag",
+        "isinstance on a call or work type", "'frozen' compared", ".pairs is None?", ".tree flag", ".packed flag",
+        "packed= flag", "'plain' compared", "a context mode by its name"]
+    assert dummy_sites(ast.parse(source)) == [5]
+
+
+def test_the_branch_counter_fails_on_a_planted_branch(tmp_path, monkeypatch):
+    """The count above can fail: the package's own modules with one more branch planted in a copy of
+    packtrain/run/steps.py (outside the homes) beyond the budget, and each planted kind of branch is one more."""
+    found = _branches_outside_the_homes()
+    planted = ["if plan.tree: pass", "if pack.pairs is None: pass", "ok = setup.mode != 'standalone'",
+               "x = lm.context.name == 'kv_only'", "if layout.packed: pass", "y = build(u, p, e, packed=False)"]
+    pkg = tmp_path / "packtrain"
+    for path in ROOT.rglob("*.py"):
+        (pkg / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / path.relative_to(ROOT)).write_text(path.read_text())
+    steps = pkg / "run" / "steps.py"
+    n = max(MAX_BRANCHES + 1 - len(found), len(planted))  # past the budget, every kind of branch at least once
+    steps.write_text(steps.read_text() + "\n" + "\n".join((planted * n)[:n]) + "\n")
+    monkeypatch.setattr(packtrain, "__file__", str(pkg / "__init__.py"))
+    monkeypatch.setitem(globals(), "ROOT", pkg)
+    assert len(_branches_outside_the_homes()) == len(found) + n
+    with pytest.raises(AssertionError, match="branches outside the homes"):
+        test_only_the_kinds_decide_a_units_kind()
 
 
 @functools.cache
 def _call_types() -> frozenset[str]:
-    """The calls of packtrain.packed.lm.PackedLM: the classes of packtrain/packed that define ``run``."""
-    return frozenset(node.name for path in (ROOT / "packed").rglob("*.py")
-                     for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
-                     and any(isinstance(f, ast.FunctionDef) and f.name == "run" for f in node.body))
+    """The calls of packtrain.packed.lm.PackedLM: the classes of packtrain/packed that define ``run``, and their
+    subclasses there (StandaloneCall, TreeCall: a PackCall's run on another forward)."""
+    classes = [node for path in (ROOT / "packed").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ClassDef)]
+    calls = {c.name for c in classes if any(isinstance(f, ast.FunctionDef) and f.name == "run" for f in c.body)}
+    while True:
+        more = {c.name for c in classes if any(_name(b) in calls for b in c.bases)} - calls
+        if not more:
+            return frozenset(calls)
+        calls |= more
 
 
 def _type_checks(tree: ast.AST, names: set[str]) -> list[int]:
@@ -197,7 +277,8 @@ def test_calls_and_layer_inputs_run_by_method_not_by_type():
     """PackedLM.forward is ``call.run(self)``: no isinstance on a call type (or a layout) in packed/lm.py; the
     attention function and the GDN forward dispatch by method on what they get under the layout kwarg."""
     calls = _call_types()
-    assert {"PackCall", "GroupCall", "PrefixCall", "Window", "ItemsCall", "DecodeCall"} <= calls
+    assert {"PackCall", "StandaloneCall", "TreeCall", "GroupCall", "PrefixCall", "Window", "ItemsCall",
+            "DecodeCall"} <= calls
     found = {f"packed/lm.py:{n}" for n in _type_checks(ast.parse((ROOT / "packed" / "lm.py").read_text()),
                                                        calls | {"PackLayout"})}
     for name in ("patch.py", "attention.py"):

@@ -92,11 +92,15 @@ def examples_of(prefix, conts, first: int = 0) -> list:
 
 def plan_of(prompts, packs, examples):
     """A plan (packtrain.data.planner.Plan) of ``packs``, each (prompt index, example indices), over ``prompts``;
-    a pack's positions as the planner counts them."""
+    a pack's positions and pairs as the planner counts them."""
+    from packtrain.data.pairs import pack_pairs
     from packtrain.data.planner import Pack, Plan
 
-    return Plan(packs=[Pack(p, tuple(e), len(prompts[p]) + sum(examples[i].len_continuation for i in e))
-                       for p, e in packs],
+    def pack(p, e):
+        lengths = [examples[i].len_continuation for i in e]
+        return Pack(p, tuple(e), len(prompts[p]) + sum(lengths), pack_pairs(len(prompts[p]), lengths))
+
+    return Plan(packs=[pack(p, e) for p, e in packs],
                 prompts=[tuple(p) for p in prompts], skipped=[], token_budget=10**9, max_continuations=10**6)
 
 

@@ -39,7 +39,7 @@ from packtrain.packed.kernels import select_backend  # noqa: E402
 from packtrain.packed.lm import PackedLM  # noqa: E402
 from packtrain.packed.patch import patch_model  # noqa: E402
 from packtrain.run.generate import GenerateSpec, generate  # noqa: E402
-from packtrain.run.units import UnitSetup  # noqa: E402
+from packtrain.run.units import Kinds  # noqa: E402
 
 ONE = DistInfo(0, 1, 0, torch.device("cpu"))
 
@@ -57,7 +57,7 @@ def long_shape(vocab: int, seed: int = 0):
 
 def packtrain_way(lm, examples, new):
     plan = plan_packs(examples, token_budget=1 << 20, max_continuations=len(examples))
-    out = generate(lm, plan, examples, UnitSetup("shared_prefix"), GenerateSpec(new, frozenset()), ONE)
+    out = generate(lm, plan, examples, Kinds.named("shared_prefix"), GenerateSpec(new, frozenset()), ONE)
     return [list(out[i].ids) for i in range(len(examples))]
 
 
@@ -102,7 +102,7 @@ def main() -> None:
     ways = {"packtrain": lambda ex, n: packtrain_way(lm, ex, n), "one at a time": lambda ex, n: one_at_a_time(
         model, ex, n), "batched (left-padded)": lambda ex, n: batched(model, ex, n)}
     print(f"torch {torch.__version__}, 1 thread, model: configs/demo.yaml (random weights, LoRA), float32, greedy")
-    print(f"| shape | way | median s | vs packtrain | answers equal to one at a time |")
+    print("| shape | way | median s | vs packtrain | answers equal to one at a time |")
     print("|---|---|---|---|---|")
     with torch.no_grad():
         for name in chosen:

@@ -30,7 +30,7 @@ def child(length: int, horizon: str, chunk: int) -> None:
     from packtrain.data.walk_calls import WalkSpec, walk_calls
     from packtrain.packed.kernels import Backend
     from packtrain.packed.layout import Continuation, build_standalone_layout
-    from packtrain.packed.lm import PackCall, PackedLM
+    from packtrain.packed.lm import PackedLM, StandaloneCall
     from packtrain.packed.patch import patch_model
     from packtrain.packed.walk import train_walk
 
@@ -49,7 +49,7 @@ def child(length: int, horizon: str, chunk: int) -> None:
     layout = build_standalone_layout(prefix, cont)
     t0 = time.perf_counter()
     if horizon == "standalone":
-        lm(PackCall(layout)).loss_sum.backward()
+        lm(StandaloneCall(layout)).loss_sum.backward()
     else:
         spec = WalkSpec(chunk, None if horizon == "all" else int(horizon))
         train_walk(lm, layout, spec, 1.0, walk_calls(P, len(cont.item_ids), length, spec))

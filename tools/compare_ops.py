@@ -26,13 +26,12 @@ from torch.profiler import profile
 from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.variants import Models, Workload, _whole_example
 from packtrain.config import config_from_dict
-from packtrain.data.planner import plan_for
 from packtrain.distributed import DistInfo
 from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.packed import attention
 from packtrain.packed.lm import PackCall
 from packtrain.run.steps import rank_units
-from packtrain.run.units import UnitSetup, build, choose_savings
+from packtrain.run.units import Kinds, build, choose_savings, plan_for
 
 
 def main() -> None:
@@ -56,8 +55,8 @@ def main() -> None:
     cfg, _ = choose_savings(cfg, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")))  # as bench chooses them
     work = Workload.of(cfg, examples, plan, torch.device("cpu"))
     models = Models(work)
-    lm = models.lms["full"]
-    packed, alone = UnitSetup("shared_prefix"), UnitSetup("standalone")
+    lm = models.lms["shared_prefix"]
+    packed, alone = Kinds.named("shared_prefix"), Kinds.named("standalone")
     (unit,) = rank_units(plan, work.steps[0], packed, 0, 1)
     layout = build(unit, plan, examples, packed).work
     singles = [build(u, plan, examples, alone).work for u in rank_units(plan, work.steps[0], alone, 0, 1)]

@@ -29,10 +29,9 @@ from make_seed_data import seed_records  # noqa: E402
 
 from packtrain.config import load_config  # noqa: E402
 from packtrain.data.examples import load_split  # noqa: E402
-from packtrain.data.planner import plan_for  # noqa: E402
 from packtrain.models import memory  # noqa: E402
 from packtrain.models.text_config import config_dict_of, text_config
-from packtrain.run.units import unit_shape  # noqa: E402
+from packtrain.run.units import plan_for, unit_shape  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,7 +94,7 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     from packtrain.packed.patch import text_parts
     from packtrain.run.harness import on_every_rank, one_pack, update_step
     from packtrain.run.measure import _phase_hooks
-    from packtrain.run.units import UnitSetup
+    from packtrain.run.units import Kinds
 
     device = torch.device("cuda")
     with device:
@@ -104,7 +103,7 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     text = text_config(config_dict_of(cfg))
     text_model, _ = text_parts(model)
     layers = list(text_model.layers)
-    setup = UnitSetup.of(cfg)
+    setup = Kinds.of(cfg)
     one, _ = one_pack(plan, examples, setup, cfg.train.max_positions)
     step = update_step(cfg, lm, setup, one, examples, DistInfo(0, 1, 0, device))
     optimizer = step.optimizer

@@ -313,9 +313,8 @@ def _seed_setup(tmp: Path, tiny: bool, **train):
 
     from packtrain.config import load_config
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for
     from packtrain.distributed import DistInfo
-    from packtrain.run.units import choose_savings
+    from packtrain.run.units import choose_savings, plan_for
 
     base = yaml.safe_load((REPO / "configs" / "qwen3.6-27b.yaml").read_text())
     text = _config_27b(2, tiny)
@@ -350,13 +349,13 @@ def _seed_step(cfg, plan, examples):
     from packtrain.models.build import build_base_model
     from packtrain.models.wrap import assemble
     from packtrain.run.harness import on_every_rank, one_pack, update_step
-    from packtrain.run.units import UnitSetup
+    from packtrain.run.units import Kinds
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with device:
         base = build_base_model(cfg)
     _, lm, _ = assemble(base, cfg, device)
-    setup = UnitSetup.of(cfg)
+    setup = Kinds.of(cfg)
     one, _ = one_pack(plan, examples, setup, cfg.train.max_positions)
     step = update_step(cfg, lm, setup, one, examples, DistInfo(0, 1, 0, device))
     return step, step.prepare(on_every_rank(step)), lm

@@ -26,13 +26,12 @@ from packtrain.bench.measure import _release, memory_in_use
 from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.variants import Models, Workload
 from packtrain.config import config_from_dict
-from packtrain.data.planner import plan_for
 from packtrain.distributed import DistInfo
 from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.packed.lm import PackCall
 from packtrain.run.harness import PeakMemory
 from packtrain.run.steps import rank_units
-from packtrain.run.units import UnitSetup, build, choose_savings
+from packtrain.run.units import Kinds, build, choose_savings, plan_for
 
 KINDS = [  # (label, op names); the first match wins, the rest is "elementwise, copies, indexing"
     ("linear layers and LoRA (mm)", ("aten::mm", "aten::addmm")),
@@ -68,7 +67,7 @@ def main() -> None:
     cfg, _ = choose_savings(cfg, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")))  # as bench chooses them
     work = Workload.of(cfg, examples, plan, torch.device("cpu"))
     models = Models(work)
-    setup = UnitSetup("shared_prefix", args.groups)
+    setup = Kinds.named("shared_prefix", args.groups)
     (unit,) = rank_units(plan, work.steps[0], setup, 0, 1)
     if args.groups > 1:
         from packtrain.packed.groups import train_groups

@@ -172,23 +172,13 @@ def model_flops(text: dict, positions: int, pairs: int, head_rows: int, lora_r: 
     return positions * per_position + pairs * full_layers * per_pair + head_rows * per_head_row
 
 
-def variant_work(variant: str, stats: dict, target_tokens: int) -> tuple[int, int, int]:
-    """(positions, attention pairs per layer and head, lm_head rows) the variant computes in one epoch; the tree
-    variant's from its own plan's statistics (``stats["tree"]``)."""
-    if variant == "tree":
-        return stats["tree"]["positions_packed"], stats["tree"]["attention_pairs_packed"], target_tokens
-    if variant in ("shared_prefix", "kv_only", "frozen"):
-        return stats["positions_packed"], stats["attention_pairs_packed"], target_tokens
-    positions = stats["positions_standalone"]
-    head_rows = positions if variant == "plain" else target_tokens
-    return positions, stats["attention_pairs_standalone"], head_rows
-
-
-def summarize(results: dict[str, VariantRuns], stats: dict, target_tokens: int, text: dict, lora_r: int,
-              lora_targets, peak_tflops: float | None) -> dict:
+def summarize(results: dict[str, VariantRuns], work: dict[str, tuple[int, int, int]], stats: dict,
+              target_tokens: int, text: dict, lora_r: int, lora_targets, peak_tflops: float | None) -> dict:
+    """Each variant's figures; ``work``: the (positions, attention pairs, lm_head rows) of its epoch
+    (:meth:`packtrain.bench.variants.PackedVariant.figures`), ``stats`` the config's plan's."""
     out = {}
     for v, vr in results.items():
-        positions, pairs, head_rows = variant_work(v, stats, target_tokens)
+        positions, pairs, head_rows = work[v]
         entry = {"positions": positions, "attention_pairs": pairs, "lm_head_rows": head_rows,
                  "model_flops": model_flops(text, positions, pairs, head_rows, lora_r, lora_targets),
                  "error": vr.error}

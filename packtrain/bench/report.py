@@ -9,6 +9,7 @@ MiB = 2**20
 # Shared-prefix speedup over each loop, as a fraction of the position ratio, that a pack should reach (issue 17);
 # the tree's over shared_prefix, as a fraction of shared_prefix's positions over the tree's (issue 39)
 GOALS = {"plain": 1.0, "standalone": 0.9, "tree": 0.9}
+BASE = "shared_prefix"  # the variant every other is timed against ("x shared")
 
 
 def _fmt(value, spec: str, missing: str = "-") -> str:
@@ -18,17 +19,19 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 def speedups(result: dict, clock: str = "seconds") -> tuple[dict, dict, dict]:
     """(time of each other variant / shared_prefix's, that / the position ratio, final-loss rel. diff vs it);
     ``clock`` "seconds" (wall) or "cpu_seconds" (this process's CPU time)."""
-    variants, ratio = result["variants"], result["position_ratio"]
-    base = variants.get("shared_prefix", {})
+    variants = result["variants"]
+    base = variants.get(BASE, {})
     speed, of_ratio, loss_diff = {}, {}, {}
     for name, v in variants.items():
-        if name == "shared_prefix" or "seconds" not in v or "seconds" not in base:
+        if name == BASE or "seconds" not in v or "seconds" not in base:
             continue
         speed[name] = v[clock] / base[clock]
-        if name == "tree":  # faster than shared_prefix: its speedup over it against its position ratio to it
-            of_ratio[name] = (1 / speed[name]) / (base["positions"] / v["positions"])
-        elif name not in ("kv_only", "frozen"):  # the same positions as shared_prefix: the ratio does not apply
-            of_ratio[name] = speed[name] / ratio
+        # the one of the two that computes fewer positions: its speedup over the other against the other's positions
+        # over its own (shared_prefix over standalone, a tree over shared_prefix); the same positions (kv_only,
+        # frozen): the ratio does not apply
+        if v["positions"] != base["positions"]:
+            fewer, more = sorted([(base["positions"], base[clock]), (v["positions"], v[clock])])
+            of_ratio[name] = (more[1] / fewer[1]) / (more[0] / fewer[0])
         loss_diff[name] = abs(base["final_loss"] - v["final_loss"]) / abs(v["final_loss"])
     return speed, of_ratio, loss_diff
 
@@ -73,14 +76,7 @@ def format_table(result: dict) -> str:
         (f"  ({'CUDA allocated' if m['cuda'] else 'resident set'}, in the memory pass). final loss: the trained "
          "adapter's mean loss."),
     ]
-    if "tree" in r["variants"] and "tree" in r["plan"]:
-        t = r["plan"]["tree"]
-        lines.append(f"  tree: {t['packs']} tree pack(s), {t['positions_packed']:,} positions (shared_prefix "
-                     f"{r['plan']['positions_packed']:,}); its of ratio: shared_prefix's time / the tree's, over "
-                     "shared_prefix's positions / the tree's.")
-    if {"kv_only", "frozen"} & set(r["variants"]):
-        lines.append("  kv_only, frozen: the shared-prefix packs under packing.context_grad (below 1.00x: faster than the "
-                     "exact gradient); they train something else, so their final loss differs by design.")
+    lines += [f"  {note}" for note in r.get("notes", [])]
     if r["peak_tflops"]:
         lines.append(f"  MFU: model FLOPs/s / {r['peak_tflops']:g} TFLOP/s ({r['peak_source']})")
     return "\n".join(lines)

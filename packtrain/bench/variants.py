@@ -14,6 +14,11 @@
   example (labels -100 outside the target), the same peft adapter config, gradient accumulation over the step's
   examples (loss / examples in the step). Its model is a copy of the same base, never patched.
 
+Each packtrain variant is the config under overrides of its packing settings (:data:`VARIANTS`: its
+``packing.mode``, ``packing.context_grad``), run as ``packtrain train`` runs that config: its kinds
+(:meth:`packtrain.run.units.Kinds.of`), its plan, and a root over the one model :func:`packtrain.models.wrap.assemble`
+made (:func:`packtrain.models.wrap.root`, under the variant's context mode).
+
 Every variant trains the steps ``packtrain train`` trains on one rank (epoch 0 of
 :meth:`packtrain.run.steps.StepPlan.for_run`, under ``train.balance``); the packtrain variants run the trainer's own
 step (:class:`packtrain.run.step.Step`), and the plain loop scales each loss by 1 / (examples in the step), clips
@@ -33,20 +38,83 @@ import torch
 from peft import get_peft_model
 
 from packtrain.config import Config
-from packtrain.data.planner import Plan, plan_for
+from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.models.build import build_base_model, lora_config
-from packtrain.models.wrap import assemble
-from packtrain.packed.lm import PackedLM
+from packtrain.models.wrap import assemble, root
 from packtrain.run.evaluate import evaluate, mean_loss
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.step import Step
 from packtrain.run.steps import StepPlan
-from packtrain.run.units import UnitSetup
+from packtrain.run.units import Kinds, plan_for
 
-VARIANTS = ("shared_prefix", "kv_only", "frozen", "tree", "standalone", "plain")
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "tree")  # a tree pays only on data that shares histories
-CONTEXT_GRAD = {"shared_prefix": "full", "kv_only": "kv_only", "frozen": "frozen", "tree": "full", "standalone": "full"}
+
+class PackedVariant:
+    """packtrain under the config with ``packing`` overriding its packing settings: the run ``packtrain train``
+    makes of that config (its kinds, plan, steps and root, :meth:`Workload.for_variant`)."""
+
+    def __init__(self, name: str, note: str = "", default: bool = True, **packing):
+        self.name, self.note, self.default, self.packing = name, note, default, packing
+
+    def config(self, cfg: Config) -> Config:
+        return dataclasses.replace(cfg, packing=dataclasses.replace(cfg.packing, **self.packing))
+
+    def epoch(self, models: Models, work: Workload, max_steps: int | None = None) -> list[float]:
+        """One epoch through the trainer's step on one rank; returns each step's mean per-example loss."""
+        work = work.for_variant(self)
+        cfg, state = work.cfg, models.packtrain_state
+        optimizer, scheduler = state.reset(len(work.steps))
+        step = Step(models.lms[self.name], Kinds.of(cfg), work.plan, work.examples, DistInfo(0, 1, 0, work.device),
+                    list(state.params.values()), optimizer, scheduler, cfg.optim.max_grad_norm,
+                    cfg.train.max_positions)
+        return [step.run(pack_ids, k).loss for k, pack_ids in enumerate(work.steps[:max_steps])]
+
+    def evaluate(self, models: Models, work: Workload) -> float:
+        """The adapter's mean per-example loss through the packed forward of the variant's kinds and context."""
+        work = work.for_variant(self)
+        rows = evaluate(models.lms[self.name], work.plan, work.examples, Kinds.of(work.cfg),
+                        DistInfo(0, 1, 0, work.device))
+        return mean_loss(rows)
+
+    def figures(self, work: Workload, stats: dict, target_tokens: int) -> tuple[int, int, int]:
+        """(positions, attention pairs per layer and head, lm_head rows) of one epoch, from the variant's own plan's
+        statistics (``stats``): a pack's P once (shared), or each example's whole sequence."""
+        column = "packed" if Kinds.of(work.for_variant(self).cfg).pack.shares_prefix else "standalone"
+        return stats[f"positions_{column}"], stats[f"attention_pairs_{column}"], target_tokens
+
+
+class PlainVariant:
+    """The loop a transformers + peft user writes (see the module docstring), on the config's steps."""
+    name, note, default, packing = "plain", "", True, {}
+
+    def config(self, cfg: Config) -> Config:
+        return cfg
+
+    def epoch(self, models: Models, work: Workload, max_steps: int | None = None) -> list[float]:
+        return plain_epoch(models, work, max_steps)
+
+    def evaluate(self, models: Models, work: Workload) -> float:
+        return plain_mean_loss(models.plain, work)
+
+    def figures(self, work: Workload, stats: dict, target_tokens: int) -> tuple[int, int, int]:
+        """Every example's whole sequence, and every position through lm_head (transformers' loss)."""
+        return stats["positions_standalone"], stats["attention_pairs_standalone"], stats["positions_standalone"]
+
+
+_REDUCED = ("kv_only, frozen: the shared-prefix packs under packing.context_grad (below 1.00x: faster than the exact "
+            "gradient); they train something else, so their final loss differs by design.")
+_ALL = (
+    PackedVariant("shared_prefix", mode="shared_prefix", context_grad="full"),
+    PackedVariant("kv_only", _REDUCED, mode="shared_prefix", context_grad="kv_only"),
+    PackedVariant("frozen", _REDUCED, mode="shared_prefix", context_grad="frozen"),
+    PackedVariant("tree", "tree: {packs} tree pack(s), {positions_packed:,} positions (shared_prefix {base:,}); its of "
+                  "ratio: shared_prefix's time / the tree's, over shared_prefix's positions / the tree's.",
+                  default=False, mode="tree", context_grad="full", continuation_groups=1),
+    PackedVariant("standalone", mode="standalone", context_grad="full", continuation_groups=1),
+    PlainVariant(),
+)
+VARIANTS = {v.name: v for v in _ALL}
+DEFAULT_VARIANTS = tuple(v.name for v in _ALL if v.default)  # not the tree: it pays only on data that shares histories
 
 
 @dataclass
@@ -63,15 +131,12 @@ class Workload:
         steps = StepPlan.for_run(cfg, plan, examples, 1)
         return cls(cfg, examples, plan, [steps.pack_ids(0, i) for i in range(steps.steps_per_epoch)], device)
 
-    def for_variant(self, variant: str) -> Workload:
-        """The workload a variant trains: the tree variant's plan is the tree planner's (``packing.mode: tree``),
-        every other variant's the config's."""
-        if variant != "tree":
-            return self
-        if "tree" not in self._variants:
-            cfg = dataclasses.replace(self.cfg, packing=dataclasses.replace(self.cfg.packing, mode="tree"))
-            self._variants["tree"] = Workload.of(cfg, self.examples, plan_for(cfg, self.examples), self.device)
-        return self._variants["tree"]
+    def for_variant(self, variant) -> Workload:
+        """The workload a variant trains: the config under its overrides, planned by that config's kinds (once)."""
+        if variant.name not in self._variants:
+            cfg = variant.config(self.cfg)
+            self._variants[variant.name] = Workload.of(cfg, self.examples, plan_for(cfg, self.examples), self.device)
+        return self._variants[variant.name]
 
 
 def trainable_by_name(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -108,7 +173,7 @@ class Trainable:
 
 
 class Models:
-    """The packtrain model (both packtrain variants) and the plain one, from one base and one initial adapter."""
+    """The packtrain model (every packtrain variant) and the plain one, from one base and one initial adapter."""
 
     def __init__(self, work: Workload):
         cfg = work.cfg
@@ -117,8 +182,8 @@ class Models:
         model, self.lm, self.backend = assemble(base, cfg, work.device)
         self.lm.train()
         t = cfg.train
-        # one root per context mode over the same (wrapped) model: the variants differ only in that mode
-        self.lms = {mode: PackedLM(model, mode, t.loss_chunk_rows) for mode in set(CONTEXT_GRAD.values())}
+        # each packtrain variant's root over the same assembled model, under its config (its context mode)
+        self.lms = {v.name: root(model, v.config(cfg)).train() for v in VARIANTS.values()}
         if t.activation_checkpointing or t.offload:  # what a transformers user turns on
             plain_base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.plain = get_peft_model(plain_base, lora_config(cfg, plain_base)).to(work.device).train()
@@ -134,12 +199,7 @@ class Models:
         """Mean per-example loss of the adapter a run left, each variant computing it its own way: the packed
         forward (under the variant's context mode), the standalone forward, or transformers' forward with labels on
         the plain model, so that equal final losses compare independent computations."""
-        if variant == "plain":
-            return plain_mean_loss(self.plain, work)
-        work = work.for_variant(variant)
-        rows = evaluate(self.lms[CONTEXT_GRAD[variant]], work.plan, work.examples, unit_setup(variant, work.cfg),
-                        DistInfo(0, 1, 0, work.device))
-        return mean_loss(rows)
+        return VARIANTS[variant].evaluate(self, work)
 
 
 def _whole_example(ex, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,23 +223,6 @@ def plain_mean_loss(plain: torch.nn.Module, work: Workload) -> float:
     return sum(losses) / len(losses)
 
 
-def unit_setup(variant: str, cfg: Config) -> UnitSetup:
-    """How a packtrain variant's units run: its packing mode, and the config's groups and walk."""
-    mode = variant if variant in ("standalone", "tree") else "shared_prefix"
-    return UnitSetup(mode, cfg.packing.continuation_groups, cfg.walk_spec())
-
-
-def packtrain_epoch(models: Models, work: Workload, variant: str, max_steps: int | None = None) -> list[float]:
-    """One epoch through the trainer's step on one rank; returns each step's mean per-example loss."""
-    work = work.for_variant(variant)
-    cfg, state = work.cfg, models.packtrain_state
-    optimizer, scheduler = state.reset(len(work.steps))
-    step = Step(models.lms[CONTEXT_GRAD[variant]], unit_setup(variant, cfg), work.plan, work.examples,
-                DistInfo(0, 1, 0, work.device), list(state.params.values()), optimizer, scheduler,
-                cfg.optim.max_grad_norm, cfg.train.max_positions)
-    return [step.run(pack_ids, k).loss for k, pack_ids in enumerate(work.steps[:max_steps])]
-
-
 def plain_epoch(models: Models, work: Workload, max_steps: int | None = None) -> list[float]:
     """One epoch of the loop a transformers + peft user writes: one whole example per forward."""
     state = models.plain_state
@@ -199,6 +242,4 @@ def plain_epoch(models: Models, work: Workload, max_steps: int | None = None) ->
 
 
 def run_variant(name: str, models: Models, work: Workload, max_steps: int | None = None) -> list[float]:
-    if name == "plain":
-        return plain_epoch(models, work, max_steps)
-    return packtrain_epoch(models, work, name, max_steps)
+    return VARIANTS[name].epoch(models, work, max_steps)

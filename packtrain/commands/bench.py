@@ -70,11 +70,10 @@ def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
     types = text["layer_types"]
     full = sum(t == FULL for t in types)
     ckpt = ", checkpointed layers" if cfg.train.activation_checkpointing or cfg.train.offload else ""
-    from packtrain.run.units import UnitSetup, pack_kind
+    from packtrain.run.units import Kinds
 
-    setup = UnitSetup.of(cfg)
-    runs = pack_kind(setup).runs(setup)
-    ckpt += f", {runs}" if runs else ""
+    setup = Kinds.of(cfg)
+    ckpt += "".join(f", {line}" for line in setup.pack.runs({}))
     describe = (f"{len(types)} layers ({len(types) - full} GDN + {full} attention), hidden {text['hidden_size']:,}, "
                 f"vocab {text['vocab_size']:,}, {cfg.model.dtype}, LoRA r {cfg.lora.r} on "
                 f"{','.join(cfg.lora.target_modules)} ({trainable:,} parameters){ckpt}; kernels {backend.describe()}")
@@ -146,10 +145,10 @@ def run_bench(args) -> int:
     from packtrain.bench.presets import H100_BF16_DENSE_TFLOPS, H100_SOURCE, get_preset
     from packtrain.bench.report import format_table, plot, speedups, write_json
     from packtrain.bench.variants import DEFAULT_VARIANTS, VARIANTS, Models, Workload
-    from packtrain.data.planner import plan_for, plan_stats, target_count
+    from packtrain.data.planner import plan_stats, target_count
     from packtrain.distributed import init_distributed
     from packtrain.run.report import savings_lines
-    from packtrain.run.units import choose_savings
+    from packtrain.run.units import choose_savings, plan_for
     from packtrain.rundir.disk import check_not_an_input, check_output_path, config_inputs
 
     check_output_path(args.out, "--out", directory=True)  # before the models are built and timed
@@ -176,11 +175,18 @@ def run_bench(args) -> int:
     models = Models(work)
     warmup = preset.warmup if args.warmup is None else args.warmup
     chosen = _variants(args, VARIANTS, preset.variants or DEFAULT_VARIANTS)
-    if "tree" in chosen:  # its own packs: the tree planner's
-        stats["tree"] = plan_stats(work.for_variant("tree").plan, examples)
+    target_tokens = sum(target_count(examples[e]) for pack in plan.packs for e in pack.examples)
+    figures, notes = {}, []
+    for name in chosen:  # each variant's own plan (the tree's: the tree planner's), planned before any is timed
+        variant = VARIANTS[name]
+        own = plan_stats(work.for_variant(variant).plan, examples)
+        if own != stats:
+            stats[name] = own
+        figures[name] = variant.figures(work, own, target_tokens)
+        note = variant.note.format(**own, base=stats["positions_packed"])
+        notes += [note] if note and note not in notes else []
     runs = interleave(models, work, chosen, repeats, warmup)
     peak = args.peak_tflops or (H100_BF16_DENSE_TFLOPS if device.type == "cuda" else None)
-    target_tokens = sum(target_count(examples[e]) for pack in plan.packs for e in pack.examples)
     result = {
         "title": f"packtrain bench ({f'preset {preset.name}' if args.config is None else args.config}): {data}",
         "command": "packtrain " + " ".join(sys.argv[1:]),
@@ -203,7 +209,8 @@ def run_bench(args) -> int:
         "warmup": warmup,
         "peak_tflops": peak,
         "peak_source": None if peak is None else ("--peak-tflops" if args.peak_tflops else H100_SOURCE),
-        "variants": summarize(runs, stats, target_tokens, text, cfg.lora.r, cfg.lora.target_modules, peak),
+        "variants": summarize(runs, figures, stats, target_tokens, text, cfg.lora.r, cfg.lora.target_modules, peak),
+        "notes": notes,
     }
     result["speedup"], result["speedup_over_position_ratio"], result["final_loss_rel_diff"] = speedups(result)
     result["cpu_speedup"], result["cpu_speedup_over_position_ratio"], _ = speedups(result, "cpu_seconds")

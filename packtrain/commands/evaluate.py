@@ -20,13 +20,12 @@ from packtrain.rundir.disk import check_not_an_input, check_output_path, config_
 
 def run_eval(args) -> int:
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for
     from packtrain.models.build import build_base_model
     from packtrain.models.loading import read_adapter
     from packtrain.models.wrap import assemble
     from packtrain.run.evaluate import evaluate, mean_loss
     from packtrain.run.task import errors_path_for, task_start
-    from packtrain.run.units import UnitSetup, image_loader
+    from packtrain.run.units import Kinds, image_loader, plan_for
 
     cfg = load_config(args.config, args.overrides)
     check_output_path(args.out, "--out", directory=False)
@@ -48,7 +47,7 @@ def run_eval(args) -> int:
     try:
         model, lm, backend = assemble(build_base_model(cfg), cfg, info.device, shard=info.enabled, adapter=adapter,
                                       training=False)
-        setup = UnitSetup.of(cfg, image_loader(cfg, model, examples), n_groups=1)
+        setup = Kinds.of(cfg, image_loader(cfg, model, examples), n_groups=1)
         out = Path(args.out)
         if args.generate:
             _generate(cfg, model, lm, examples, scorer, tokenizer, setup, info, out, split, args.adapter)

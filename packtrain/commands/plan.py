@@ -16,11 +16,11 @@ from pathlib import Path
 
 from packtrain.config import ConfigError, built_context_grads, load_config
 from packtrain.data.examples import load_split
-from packtrain.data.planner import plan_for, plan_stats
+from packtrain.data.planner import plan_stats
 from packtrain.models import memory, memory_report, savings
 from packtrain.models.budget import format_node_pool, node_pool, plan_budget
 from packtrain.run import balance
-from packtrain.run.units import unit_shape
+from packtrain.run.units import plan_for, unit_shape
 
 
 def _shown(path: Path) -> Path:

@@ -50,9 +50,8 @@ def run_pretune_fla(args) -> int:
     import triton
 
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for
     from packtrain.run.harness import build_lm, one_pack, one_update, update_step
-    from packtrain.run.units import UnitSetup, choose_savings, image_loader
+    from packtrain.run.units import Kinds, choose_savings, image_loader, plan_for
 
     cfg = load_config(args.config, args.overrides)
     examples = load_split(cfg, "train")
@@ -68,7 +67,7 @@ def run_pretune_fla(args) -> int:
         if backend.gdn != "fla":
             raise ValueError(f"model.kernels={cfg.model.kernels} selected {backend.describe()}: pretune-fla tunes "
                              "the fla kernels (model.kernels: fla or auto)")
-        setup = UnitSetup.of(cfg, image_loader(cfg, model, examples), n_groups=1)  # one call per pack: no groups
+        setup = Kinds.of(cfg, image_loader(cfg, model, examples), n_groups=1)  # one call per pack: no groups
         one, _ = one_pack(plan, examples, setup, cfg.train.max_positions, args.prompt_tokens)
         one_update(update_step(cfg, lm, setup, one, examples, info, steps=1))
         torch.cuda.synchronize()

@@ -47,10 +47,10 @@ def format_table(title: str, phases, cuda: bool, since_start: bool, ranks: list[
 
 def run_smoke(args) -> int:
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for, target_count
+    from packtrain.data.planner import target_count
     from packtrain.run import harness
     from packtrain.run.report import savings_lines
-    from packtrain.run.units import UnitSetup, choose_savings, image_loader
+    from packtrain.run.units import Kinds, choose_savings, image_loader, plan_for
     from packtrain.rundir import checkpoint as ckpt
 
     cfg = load_config(args.config, args.overrides)
@@ -65,7 +65,7 @@ def run_smoke(args) -> int:
     if info.is_main:
         print("\n".join(savings_lines(choice)))
     # as the trainer runs it: in continuation groups (packtrain/packed/groups.py), walked (packtrain/packed/walk.py)
-    setup = UnitSetup.of(cfg)
+    setup = Kinds.of(cfg)
     one, unit = harness.one_pack(plan, examples, setup, cfg.train.max_positions)
     out = Path(cfg.output_dir) / "smoke"
     probe = harness.PeakMemory(info.device)
@@ -75,7 +75,7 @@ def run_smoke(args) -> int:
     def load():
         state["lm"], state["model"], state["backend"] = harness.build_lm(cfg, info)
         # the step's build loads the pack's images (a vision-language model's), as the trainer's does
-        pictured = UnitSetup.of(cfg, image_loader(cfg, state["model"], examples))
+        pictured = Kinds.of(cfg, image_loader(cfg, state["model"], examples))
         state["step"] = harness.update_step(cfg, state["lm"], pictured, one, examples, info)
         state["updates"] = 0
 
@@ -89,8 +89,8 @@ def run_smoke(args) -> int:
                              info)
 
     targets = sum(target_count(examples[e]) for e in unit.examples)
-    title = (f"smoke: the largest {unit.kind.describe(unit, setup)}, {one.packs[0].positions:,} positions "
-             f"({len(unit.examples)} continuations{unit.kind.detail(unit, setup)}, {targets:,} target tokens), "
+    title = (f"smoke: the largest {unit.kind.describe(unit)}, {one.packs[0].positions:,} positions "
+             f"({len(unit.examples)} continuations{unit.kind.detail(unit)}, {targets:,} target tokens), "
              f"device {info.device}, {cfg.model.dtype}")
     try:
         harness.run_phase(phases, probe, "load model", load)

@@ -26,10 +26,11 @@ import statistics
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from packtrain.config import Config, WalkSpec
+from packtrain.config import WalkSpec
+from packtrain.data.pairs import causal_pairs, pack_pairs, tree_pairs
 from packtrain.data.tree import continuations, example_keys, key_tokens, tree_of_keys
 from packtrain.data.tree_packs import pack_tree
 from packtrain.data.walk_calls import WalkCalls, walk_calls
@@ -44,8 +45,10 @@ class Pack:
     prompt: int  # index into Plan.prompts
     examples: tuple[int, ...]  # indices into the examples, in the order they are laid out after P
     positions: int  # len(P) + sum of the continuation lengths (a tree pack: len(P) + its tree's tokens)
+    # its query-key pairs of causal attention, per layer and head: a flat pack's (data/pairs.py) (a walked example's,
+    # of its whole sequence), a tree pack's its tree's (every token reads P, its ancestors and its node's earlier ones)
+    pairs: int
     walk: WalkCalls | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
-    pairs: int | None = None  # a tree pack's attention pairs (data/tree_packs.attention_pairs); None: a flat pack
 
 
 @dataclass
@@ -56,7 +59,8 @@ class Plan:
     token_budget: int
     max_continuations: int
     seed: int = 0
-    tree: bool = False  # packing.mode tree: each pack is the prefix tree of its examples (plan_tree_packs)
+    # what the planner adds to plan_stats' figures: a tree plan's shared_prefix ones (the same examples planned flat)
+    figures: dict = field(default_factory=dict)
 
 
 def _where(ex: Any, index: int) -> str:
@@ -153,7 +157,7 @@ def plan_packs(
                 raise _over_budget(ex, i, len(prefix), length, token_budget)
         for _, i, length in sorted(walked):
             sched = walk_calls(len(prefix), len(examples[i].item_ids), length, walk_spec, frozen)
-            packs.append(Pack(len(prompts), (i,), len(prefix) + length, sched))
+            packs.append(Pack(len(prompts), (i,), len(prefix) + length, pack_pairs(len(prefix), [length]), sched))
         if not fitting:
             if walked:
                 prompts.append(prefix)
@@ -163,7 +167,8 @@ def plan_packs(
         lengths = [-key[0] for key in fitting]
         for b in _best_fit_decreasing(lengths, capacity, max_continuations):
             used = sum(lengths[j] for j in b)
-            packs.append(Pack(len(prompts), tuple(order[j] for j in b), len(prefix) + used))
+            packs.append(Pack(len(prompts), tuple(order[j] for j in b), len(prefix) + used,
+                              pack_pairs(len(prefix), [lengths[j] for j in b])))
         prompts.append(prefix)
     if not packs:
         raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
@@ -206,6 +211,7 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
     packs: list[Pack] = []
     prompts: list[tuple[int, ...]] = []
     skipped: list[int] = []
+    lengths: dict[int, list[int]] = {}  # the planned continuations' lengths per prompt, for shared_prefix's figures
     groups = _group_by_prompt(examples)
     for prefix in sorted(groups):
         p, fitting = len(prefix), groups[prefix]
@@ -226,12 +232,18 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
             salts = None if salts is None else [salts[k] for k in keep]
         tree = tree_of_keys(keys, salts, continuations(group))
         for tp in pack_tree(tree, token_budget - p, max_continuations, _by_id(examples, fitting)):
-            packs.append(Pack(len(prompts), tuple(map(fitting.__getitem__, tp.paths)), p + tp.positions,
-                              pairs=p * (p + 1) // 2 + p * tp.positions + tp.pairs))
+            pack = Pack(len(prompts), tuple(map(fitting.__getitem__, tp.paths)), p + tp.positions,
+                        pairs=tree_pairs(p, tp.positions, tp.pairs))
+            packs.append(pack)
+            lengths.setdefault(pack.prompt, []).extend(len(examples[i].item_ids) + len(examples[i].target_ids)
+                                                   for i in pack.examples)
         prompts.append(prefix)
     if not packs:
         raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
-    return Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed, tree=True)
+    plan = Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed)
+    plan.figures = _against_flat(plan, lengths, sum(pack.positions for pack in packs),
+                                 sum(pack.pairs for pack in packs))
+    return plan
 
 
 def _by_id(examples: Sequence[Any], indices: list[int]):
@@ -248,16 +260,6 @@ def epoch_order(plan: Plan, epoch: int, seed: int | None = None) -> list[int]:
     return order
 
 
-def _pairs(length: int) -> int:
-    """Query-key pairs of causal attention over ``length`` positions."""
-    return length * (length + 1) // 2
-
-
-def attention_pairs(prefix_len: int, cont_lens) -> int:
-    """A pack's query-key pairs of causal attention: P's own, and each continuation's against P and itself."""
-    return prefix_len * (prefix_len + 1) // 2 + sum(c * prefix_len + c * (c + 1) // 2 for c in cont_lens)
-
-
 def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     """Exact counts for a plan: positions and full-attention pairs (per layer and head), standalone vs packed.
 
@@ -267,36 +269,23 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     sequence once, chunk by chunk (the same positions and pairs in both columns); it is counted apart from the packs
     (``walked``, ``walk_chunks``) and not in the per-pack or budget figures.
 
-    A tree plan's packs count their trees (``Pack.positions``, ``Pack.pairs``: every token reads P, its ancestors
-    and its own node's earlier tokens), and the figures gain shared_prefix's: the same examples planned flat
-    (``positions_shared_prefix``, ``attention_pairs_shared_prefix``, ``packs_shared_prefix`` and the ratios of
-    shared_prefix's over the tree's).
+    A pack's packed pairs are its own (``Pack.pairs``: a tree pack's every token reads P, its ancestors and its own
+    node's earlier tokens), and a tree plan's figures gain shared_prefix's (``Plan.figures``, the tree planner's:
+    the same examples planned flat, ``positions_shared_prefix``, ``attention_pairs_shared_prefix``,
+    ``packs_shared_prefix`` and the ratios of shared_prefix's over the tree's).
     """
-    per_pack = []
-    lengths: dict[int, list[int]] = {}  # a tree plan's continuation lengths per prompt, for shared_prefix's figures
-    positions_standalone = pairs_standalone = pairs_packed = walk_positions = 0
-    walks = [pack for pack in plan.packs if pack.walk is not None]
-    for pack in walks:
-        positions_standalone += pack.positions
-        pairs_standalone += _pairs(pack.positions)
-        pairs_packed += _pairs(pack.positions)
-        walk_positions += pack.positions
-    for pack in plan.packs:
-        if pack.walk is not None:
-            continue
+    positions_standalone = pairs_standalone = 0
+    for pack in plan.packs:  # a walked example is its own sequence: the same positions and pairs in both columns
         p = len(plan.prompts[pack.prompt])
-        pairs_packed += _pairs(p) if pack.pairs is None else pack.pairs
         cs = [len(examples[i].item_ids) + len(examples[i].target_ids) for i in pack.examples]
         positions_standalone += p * len(cs) + sum(cs)
-        pairs_standalone += sum(_pairs(p + c) for c in cs)
-        if pack.pairs is None:
-            pairs_packed += p * sum(cs) + sum(map(_pairs, cs))
-        elif plan.tree:
-            lengths.setdefault(pack.prompt, []).extend(cs)
-        per_pack.append(len(pack.examples))
+        pairs_standalone += sum(causal_pairs(p + c) for c in cs)
+    pairs_packed = sum(pack.pairs for pack in plan.packs)
+    walks = [pack for pack in plan.packs if pack.walk is not None]
+    per_pack = [len(pack.examples) for pack in plan.packs if pack.walk is None]
+    walk_positions = sum(pack.positions for pack in walks)
     positions_packed = sum(pack.positions for pack in plan.packs)
     planned = [examples[i] for pack in plan.packs for i in pack.examples]
-    tree = _against_flat(plan, lengths, positions_packed, pairs_packed) if plan.tree else {}
     return {
         "examples": sum(per_pack) + len(walks),
         # the lines the planned examples come from (one per conversation), the assistant turns they train and the
@@ -322,7 +311,7 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         "attention_pairs_standalone": pairs_standalone,
         "attention_pairs_packed": pairs_packed,
         "attention_pair_ratio": pairs_standalone / pairs_packed,
-        **tree,
+        **plan.figures,
     }
 
 
@@ -339,22 +328,13 @@ def _against_flat(plan: Plan, lengths: dict[int, list[int]], positions: int, pai
         n = len(_best_fit_decreasing(cs, plan.token_budget - p, plan.max_continuations))
         packs += n
         flat_positions += n * p + sum(cs)
-        flat_pairs += n * _pairs(p) + p * sum(cs) + sum(map(_pairs, cs))
+        flat_pairs += n * causal_pairs(p) + p * sum(cs) + sum(map(causal_pairs, cs))
     return {"packs_shared_prefix": packs,
             "positions_shared_prefix": flat_positions,
             "attention_pairs_shared_prefix": flat_pairs,
             # shared_prefix's over the tree's
             "shared_prefix_position_ratio": flat_positions / positions,
             "shared_prefix_attention_pair_ratio": flat_pairs / pairs}
-
-
-def plan_for(cfg: Config, examples) -> Plan:
-    """The plan of ``examples`` under a config's packing settings."""
-    p = cfg.packing
-    if p.mode == "tree":
-        return plan_tree_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed)
-    return plan_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed,
-                      walk_spec=cfg.walk_spec(), frozen=p.context_grad == "frozen")
 
 
 def plan_fingerprint(plan: Plan, examples) -> str:

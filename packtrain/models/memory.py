@@ -45,6 +45,7 @@ from packtrain.models.parameters import (
     targeted,
 )
 from packtrain.models.text_config import DENSE, FULL, MOE, config_dict_of, kind_name, split_kind, text_config
+from packtrain.packed.context import context_grad as context_mode
 from packtrain.packed.families import FAMILIES
 
 GiB = 2**30
@@ -414,12 +415,8 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     largest group (packtrain/packed/groups.py): the graph alive is P's and that group's, a layer's recompute the larger of
     P's and the group's, plus the gradients of P's K/V, states and tails the groups sum."""
     M, W = targets, world_size
-    # frozen: only the continuations carry a graph (P's positions run once under no_grad)
-    T = positions - prefix if context_grad == "frozen" else positions
-    T_layer = T
-    if group_positions is not None:
-        T = group_positions + (0 if context_grad == "frozen" else prefix)
-        T_layer = group_positions if context_grad == "frozen" else max(prefix, group_positions)
+    context = context_mode(context_grad)
+    T, T_layer = context.graph_rows(positions, prefix, group_positions)  # frozen: the continuations' rows alone
     H, V, L = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
     b = DTYPE_BYTES[dtype]
     a = DTYPE_BYTES[adapter_dtype] if adapter_dtype else (b if savings.lora_in_model_dtype else 4 if b == 2 else b)
@@ -454,7 +451,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                           f"parameters x (copy, grad, {states} optimizer states) x {b} bytes{sharded}",
                           math.ceil(n_saved * b * (2 + states) / W)))
         static.append("saved_modules")
-    if context_grad == "frozen":
+    if not context.prefix_grad:  # frozen: P's state kept as constants
         terms += frozen_prefix_terms(text, prefix, b)
         static.append("prefix_cache")
     elif group_positions is not None:
@@ -465,7 +462,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
 
     layer_input = T * H * b
     kinds = sorted(set(text["kinds"]))
-    share = (T_layer - prefix) / T_layer if prefix and context_grad != "frozen" else 1.0
+    share = (T_layer - prefix) / T_layer if prefix and context.prefix_grad else 1.0
     per_kind = {k: layer_recompute(text, k, T_layer, b, a, lora_r, targets_list, lora_dropout,
                                    target_parameters=lora_parameters_targets, savings=savings, continuations=share)
                 for k in kinds}
@@ -559,7 +556,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
     # AdamW's step: its foreach kernels hold about two more copies of the trained tensors
     phases["optimizer"] = base + math.ceil((n_lora * master + n_saved * b) * 2 / W)
     conts = f", {continuations} continuations" if continuations is not None else ""
-    mode = "" if context_grad == "full" else f"; context_grad {context_grad}"
+    mode = context.estimate_note()
     if group_positions is not None:
         mode += f"; continuations in groups (the largest {group_positions:,} positions)"
     return MemoryEstimate(terms, f"memory per GPU for the largest pack: {positions:,} positions{conts}, {M:,} target "

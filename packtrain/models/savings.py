@@ -35,6 +35,7 @@ from packtrain.models.budget import Budget
 from packtrain.models.memory import OFFLOAD_CHUNK_BYTES, GiB, StepSavings, UnitShape
 from packtrain.models.step_time import step_seconds
 from packtrain.models.text_config import config_dict_of, text_config
+from packtrain.packed.context import context_grad as context_mode
 
 AUTO = "auto"
 KEYS = ("activation_checkpointing", "offload", "loss_chunk_rows", "mlp_chunk_rows", "norm_chunk_rows")
@@ -164,11 +165,8 @@ def _options(cfg, device: str, layers: int) -> dict:
 
 
 def _host_per_node(shape: UnitShape, text: dict, b: int, offloaded: int, ranks: int, context_grad: str) -> int:
-    T = shape.prefix + sum(shape.lengths)
-    if context_grad == "frozen" and shape.shares_prefix:
-        T -= shape.prefix
-    if shape.group_positions is not None:
-        T = shape.group_positions + (0 if context_grad == "frozen" else shape.prefix)
+    T, _ = context_mode(context_grad).graph_rows(shape.prefix + sum(shape.lengths),
+                                                 shape.prefix if shape.shares_prefix else 0, shape.group_positions)
     per_layer = math.ceil(T * text["hidden_size"] * b / OFFLOAD_CHUNK_BYTES) * OFFLOAD_CHUNK_BYTES
     return ranks * offloaded * per_layer
 

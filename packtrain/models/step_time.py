@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from packtrain.models.memory import StepSavings, UnitShape
 from packtrain.models.parameters import expert_shapes, linears
 from packtrain.models.text_config import DENSE, FULL
+from packtrain.packed.context import context_grad as context_mode
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def step_seconds(text: dict, shape: UnitShape, savings: StepSavings, dtype_bytes
     T, M, H = shape.prefix + sum(shape.lengths), sum(shape.targets), text["hidden_size"]
     pairs, prefix_pairs = _pairs(shape)
     width = attention_width(text)
-    frozen = context_grad == "frozen" and shape.shares_prefix
+    frozen = not context_mode(context_grad).prefix_grad and shape.shares_prefix  # P once, without its graph
     T_grad = T - shape.prefix if frozen else T
     pairs_grad = pairs - prefix_pairs if frozen else pairs
     per_layer = [layer_parameters_per_token(text, k) for k in text["kinds"]]

@@ -181,6 +181,13 @@ def assemble(base_model: nn.Module, cfg: Config, device, shard: bool = False, ba
     return model, lm, backend
 
 
+def root(model: nn.Module, cfg: Config) -> PackedLM:
+    """Another root over a model :func:`assemble` made (one rank, no FSDP), under ``cfg``'s
+    ``packing.context_grad`` and ``train.loss_chunk_rows``: the bench's variants train one model under each of
+    their configs."""
+    return PackedLM(model, cfg.packing.context_grad, cfg.train.loss_chunk_rows)
+
+
 def with_adapter(base_model: nn.Module, cfg: Config, adapter: str | Path | None) -> nn.Module:
     """``base_model`` with a new LoRA adapter (``"new"``), a trained one loaded frozen (a directory), or none."""
     if adapter is None:

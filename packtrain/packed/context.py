@@ -1,5 +1,7 @@
-"""``packing.context_grad``: what the gradient does with the shared prefix P. Chosen once at setup
-(:class:`ContextGrad`, printed in the run header) and applied to every forward by :class:`packtrain.packed.lm.PackedLM`.
+"""``packing.context_grad``: what the gradient does with the shared prefix P, one class per mode (:class:`Full`,
+:class:`KvOnly`, :class:`Frozen`, each a :class:`ContextGrad`). Chosen once at setup (:func:`context_grad`, printed in
+the run header) and applied to every forward by :class:`packtrain.packed.lm.PackedLM`; the modes' methods answer
+every question about P's gradient (nothing else compares a mode's name).
 
 - ``full``: the exact gradient through P; every continuation's gradient sums into P's activations.
 - ``kv_only`` (stop-gradient through the context): the forward is unchanged (bitwise). In backward the gradient on
@@ -30,26 +32,21 @@ same semantics on a pack, and skips work where an upstream gradient is exactly z
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
-from packtrain.packed.cut import cut_at_layer_inputs
-from packtrain.packed.layout import PackLayout
-from packtrain.packed.pack_pass import ItemRecord, PackPass
-from packtrain.packed.patch import LAYOUT_KWARG, packed_positions, text_parts
-from packtrain.packed.prefix import PrefixCall, PrefixState
-from packtrain.packed.rowsparse import rows_from
+    from packtrain.packed.layout import PackLayout
+    from packtrain.packed.pack_pass import ItemRecord
+    from packtrain.packed.prefix import PrefixState
 
-MODES = ("full", "kv_only", "frozen")
-_DESCRIBE = {
-    "full": "full (exact gradient through P)",
-    "kv_only": "kv_only (forward unchanged; gradient cut at P's rows of every decoder-layer input)",
-    "frozen": "frozen (P under no_grad once per pack; continuations read its K/V, GDN state and conv tail as "
-              "constants)",
-}
+# Importing this module needs no torch: the planner's and the memory estimate's callers ask the modes too. What runs
+# the model imports torch and the packed computation where it runs.
+
 # Modules whose P rows get exactly zero upstream gradient under kv_only (their outputs feed only P's own rows).
 ROW_SPARSE_MODULES = ("mlp", "self_attn.q_proj", "self_attn.o_proj", "linear_attn.in_proj_z", "linear_attn.out_proj")
 
@@ -65,11 +62,17 @@ class _LayerRows:
         self.start: int | None = None
 
     def pre_hook(self, module, args, kwargs):
+        from packtrain.packed.patch import LAYOUT_KWARG
+
         pack = kwargs.get(LAYOUT_KWARG)
         self.start = None if pack is None else pack.grad_rows_from(self.index)
 
 
 def _row_sparse_forward(module: nn.Module, rows: _LayerRows) -> None:
+    import torch
+
+    from packtrain.packed.rowsparse import rows_from
+
     original = module.forward
 
     def forward(*args, **kwargs):
@@ -83,6 +86,8 @@ def _row_sparse_forward(module: nn.Module, rows: _LayerRows) -> None:
 
 def install_row_sparse(model: nn.Module) -> None:
     """Idempotent; dormant unless a packed kv_only layout is running (then see the module docstring)."""
+    from packtrain.packed.patch import text_parts
+
     text_model, _ = text_parts(model)
     for i, layer in enumerate(text_model.layers):
         layer = getattr(layer, "_checkpoint_wrapped_module", layer)
@@ -136,40 +141,128 @@ def keep_from(layout: PackLayout, n_layers: int) -> tuple[int, ...]:
     return (p,) * (n_layers - 1) + (last,)
 
 
-# -- the mode ---------------------------------------------------------------------------------------------------
+# -- the modes: one class each ---------------------------------------------------------------------------------
 class ContextGrad:
-    """The chosen mode; :meth:`hidden_states` runs the body of ``lm`` (a PackedLM) on a layout under it."""
-
-    def __init__(self, name: str):
-        if name not in MODES:
-            raise ValueError(f"packing.context_grad: unknown value {name!r} ({' | '.join(MODES)})")
-        self.name = name
+    """One ``packing.context_grad`` mode: what every question about P's gradient is answered by (nothing else
+    compares a mode's name). :meth:`hidden_states` runs the body of ``lm`` (a PackedLM) on a pack under it,
+    :meth:`standalone_hidden_states` on one example alone (the mode's reference semantics); both return (final
+    hidden states [1, T', D], the target positions into them, rows of the targets whose logits are constants or
+    None)."""
+    name: ClassVar[str]
+    description: ClassVar[str]
+    prefix_grad: ClassVar[bool] = True  # P's own computation gets gradient (frozen: P is a constant)
+    walks: ClassVar[bool] = True  # packing.on_overflow: walk runs under it
 
     def describe(self) -> str:
-        return _DESCRIBE[self.name]
+        return self.description
 
     def install(self, model: nn.Module) -> None:
-        if self.name == "kv_only":
-            install_row_sparse(model)
+        """What the mode adds to the model once (kv_only: the row-sparse backward)."""
 
     def hidden_states(self, lm, layout: PackLayout):
-        """(final hidden states [1, T', D], the target positions into them, rows of the targets whose logits are
-        constants (frozen: read off P's last row) or None)."""
-        if self.name == "frozen":
-            return self._frozen(lm, layout)
-        if self.name == "full":
-            return lm.hidden_states(layout), layout.target_positions, None
-        p = layout.prefix_len
+        raise NotImplementedError
+
+    def standalone_hidden_states(self, lm, layout: PackLayout):
+        raise NotImplementedError
+
+    def tree_hidden_states(self, lm, layout: PackLayout, tree_pass):
+        """A prefix tree's pack (:class:`packtrain.packed.tree.TreeCall`): full only."""
+        raise ValueError(f"packing.mode tree: packing.context_grad {self.name} is not built for prefix trees "
+                         "(full only)")
+
+    def prefix_pass(self, layers, p: int):
+        """The context P alone runs in (:class:`packtrain.packed.prefix.PrefixCall`): with its graph, cut, or under
+        no_grad."""
+        return contextlib.nullcontext()
+
+    def check_walk(self) -> None:
+        """Refuse a walk (``packing.on_overflow: walk``) the mode does not run."""
+        if not self.walks:
+            raise ValueError(f"packing.on_overflow=walk: packing.context_grad {self.name} is not supported (full or "
+                             "frozen)")
+
+    # -- what the memory and time estimates count (packtrain/models/memory.py, step_time.py, savings.py) --------
+    def graph_rows(self, positions: int, prefix: int, group_positions: int | None) -> tuple[int, int]:
+        """(the rows whose activations a unit's graph keeps, the rows one layer's recompute holds) for a unit of
+        ``positions`` whose first ``prefix`` are P: every row; in continuation groups (``group_positions``: the
+        largest group's continuation rows) P's and that group's, a layer's recompute the larger of the two."""
+        if group_positions is None:
+            return positions, positions
+        return group_positions + prefix, max(prefix, group_positions)
+
+    def estimate_note(self) -> str:
+        """What an estimate's title says of the mode."""
+        return f"; context_grad {self.name}"
+
+
+class Full(ContextGrad):
+    name = "full"
+    description = "full (exact gradient through P)"
+
+    def hidden_states(self, lm, layout):
+        from packtrain.packed.pack_pass import PackPass
+
+        return lm.hidden_states(layout, PackPass(layout)), layout.target_positions, None
+
+    def standalone_hidden_states(self, lm, layout):
+        return lm.hidden_states(layout), layout.target_positions, None
+
+    def tree_hidden_states(self, lm, layout, tree_pass):
+        return lm.hidden_states(layout, tree_pass), layout.target_positions, None
+
+    def estimate_note(self):
+        return ""  # the default mode goes unsaid
+
+
+class KvOnly(ContextGrad):
+    name = "kv_only"
+    description = "kv_only (forward unchanged; gradient cut at P's rows of every decoder-layer input)"
+    walks = False
+
+    def install(self, model):
+        install_row_sparse(model)
+
+    def hidden_states(self, lm, layout):
+        from packtrain.packed.cut import cut_at_layer_inputs
+        from packtrain.packed.pack_pass import PackPass
+        from packtrain.packed.patch import text_parts
+
         layers = text_parts(lm.model)[0].layers
-        pack = PackPass(layout, keep_from=keep_from(layout, len(layers))) if layout.packed else None
-        with cut_at_layer_inputs(layers, p):
+        with cut_at_layer_inputs(layers, layout.prefix_len):
+            pack = PackPass(layout, keep_from=keep_from(layout, len(layers)))
             return lm.hidden_states(layout, pack), layout.target_positions, None
 
-    def _frozen(self, lm, layout: PackLayout):
+    def standalone_hidden_states(self, lm, layout):
+        from packtrain.packed.cut import cut_at_layer_inputs
+        from packtrain.packed.patch import text_parts
+
+        with cut_at_layer_inputs(text_parts(lm.model)[0].layers, layout.prefix_len):
+            return lm.hidden_states(layout), layout.target_positions, None
+
+    def prefix_pass(self, layers, p):
+        from packtrain.packed.cut import cut_at_layer_inputs
+
+        return cut_at_layer_inputs(layers, p)
+
+
+class Frozen(ContextGrad):
+    name = "frozen"
+    description = ("frozen (P under no_grad once per pack; continuations read its K/V, GDN state and conv tail as "
+                   "constants)")
+    prefix_grad = False
+
+    def hidden_states(self, lm, layout):
+        from packtrain.packed.prefix import PrefixCall
+
+        return continuations_on(lm, layout, PrefixCall(layout).run(lm), constant=True)
+
+    def standalone_hidden_states(self, lm, layout):
+        """The mode's reference semantics: transformers' own cache path on concat(P, C)."""
+        import torch
+
+        from packtrain.packed.patch import packed_positions
+
         p = layout.prefix_len
-        if layout.packed:
-            return continuations_on(lm, layout, PrefixCall(layout).run(lm), constant=True)
-        # the mode's reference semantics: transformers' own cache path on concat(P, C)
         prefix = dataclasses.replace(layout, input_ids=layout.input_ids[:, :p], image_grid_thw=None,
                                      pixel_values=None, _cache={})
         with torch.no_grad():  # P through the model's own forward, keeping only its cache
@@ -181,6 +274,27 @@ class ContextGrad:
         hidden = torch.cat([last, second.last_hidden_state], dim=1)
         return hidden, layout.target_positions - (p - 1), layout.target_positions < p
 
+    def prefix_pass(self, layers, p):
+        import torch
+
+        return torch.no_grad()
+
+    def graph_rows(self, positions, prefix, group_positions):
+        """P runs once under no_grad: only the continuations' rows keep a graph."""
+        rows = positions - prefix if group_positions is None else group_positions
+        return rows, rows
+
+
+CONTEXTS: dict[str, type[ContextGrad]] = {c.name: c for c in (Full, KvOnly, Frozen)}
+MODES = tuple(CONTEXTS)
+
+
+def context_grad(name: str) -> ContextGrad:
+    """The mode named ``name`` (``packing.context_grad``)."""
+    if name not in CONTEXTS:
+        raise ValueError(f"packing.context_grad: unknown value {name!r} ({' | '.join(MODES)})")
+    return CONTEXTS[name]()
+
 
 def continuations_on(lm, layout: PackLayout, prefix: PrefixState, constant: bool, record: ItemRecord | None = None):
     """A pack's continuations alone against P's state from outside (``prefix``, a
@@ -188,6 +302,10 @@ def continuations_on(lm, layout: PackLayout, prefix: PrefixState, constant: bool
     targets read off P's last row take ``prefix.last``, every other target t row t - P + 1; with ``constant`` those
     first ones are constants (frozen). ``record``: a generation's item pass, which keeps each continuation's own
     state. Under every mode the kernels read P from ``prefix`` alone (no kv_only kept rows: no P row is here)."""
+    import torch
+
+    from packtrain.packed.pack_pass import PackPass
+
     p = layout.prefix_len
     rest = _continuation_view(layout)
     second = lm.run_body(rest, PackPass(rest, prefix=prefix, record=record))

@@ -6,7 +6,7 @@ A rank pads its calls in one of these ways, and only through this module and the
   example, its loss :func:`silenced`); each kind of unit pads its own slots (:meth:`packtrain.run.units.Kind.pad`
   through :func:`packtrain.run.units.pad_slots`: a walk also takes the slot's largest walk calls);
 - inside a unit, calls a rank has no work for are :func:`filler_calls` (a walk's missing chunks) or zero-weight
-  groups (:func:`packtrain.packed.groups.group_units`);
+  groups (:meth:`packtrain.run.units.GroupsKind.build`, run by :mod:`packtrain.packed.groups`);
 - :func:`anchored`: a loss with nothing to learn still runs a backward (zero gradients), so the backward's
   reduce-scatters run too;
 - :func:`agree`: one all-reduce MAX of small integers, for every decision ranks must make together (the step's skip

@@ -28,7 +28,6 @@ rule of :mod:`packtrain.run.steps`): a pack with fewer continuations than G fill
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from packtrain.packed.context import continuations_on
@@ -72,13 +71,6 @@ def split(lengths: list[int], n_groups: int) -> list[list[int]]:
     return runs
 
 
-def group_units(unit, lengths: list[int], n_groups: int) -> tuple[list, list[float]]:
-    """``unit`` (a pack, :class:`packtrain.run.steps.Unit`) as ``n_groups`` units of its examples, and their weights."""
-    runs = split(lengths, n_groups)
-    units = [dataclasses.replace(unit, examples=tuple(unit.examples[i] for i in run or [0])) for run in runs]
-    return units, [1.0 if run else 0.0 for run in runs]
-
-
 @dataclass
 class GroupCall:
     """Call 2: one group's continuations, reading P from ``prefix``."""
@@ -88,8 +80,8 @@ class GroupCall:
     def run(self, lm) -> LossOutput:
         """The group's loss, as a whole pack's (:class:`packtrain.packed.lm.PackCall`) with P's rows read from
         ``prefix``; under frozen the targets read off P's last row are constants."""
-        frozen = lm.context.name == "frozen"
-        return examples_loss(lm, self.layout, *continuations_on(lm, self.layout, self.prefix, constant=frozen))
+        constant = not lm.context.prefix_grad
+        return examples_loss(lm, self.layout, *continuations_on(lm, self.layout, self.prefix, constant=constant))
 
 
 def train_groups(lm, groups: Groups, scale: float) -> tuple[float, list[float]]:
@@ -108,7 +100,7 @@ def _run_groups(lm, groups: Groups, scale: float | None) -> tuple[float, list[fl
     if any(lay.image_grid_thw is not None for lay in groups.layouts):
         raise ValueError("packing.continuation_groups > 1 takes text-only packs; this pack has images "
                          "(set packing.continuation_groups: 1)")
-    grad = scale is not None and lm.context.name != "frozen"
+    grad = scale is not None and lm.context.prefix_grad
     prefix = lm(PrefixCall(groups.layouts[0]))
     leaves = prefix.leaves(grad) if scale is not None else prefix
     total, losses = 0.0, []

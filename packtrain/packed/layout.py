@@ -8,8 +8,9 @@ every axis) so image tokens can later get their own coordinates without changing
 Shape legend: T buffer length, N continuations, M target tokens (the loss tokens: each continuation's whole target,
 or its loss spans), W conv kernel.
 
-A standalone layout is the same structure for one example alone (``packed=False``): the whole sequence is one
-causal segment and the model runs unmodified.
+A standalone layout is the same structure for one example alone: the whole sequence is one causal segment and the
+model runs unmodified on it (:class:`packtrain.packed.lm.StandaloneCall`; a pack runs in a
+:class:`~packtrain.packed.lm.PackCall`). The layout does not say which: the call does.
 
 A layout describes the buffer only. How a packed forward's kernels run on it (P's state read from outside,
 kv_only's kept rows, a generation's record) is the :class:`~packtrain.packed.pack_pass.PackPass` that carries it.
@@ -50,7 +51,6 @@ class Continuation:
 
 @dataclass
 class PackLayout:
-    packed: bool
     prefix_len: int  # |P|, in a pack and in a standalone layout alike
     cont_lens: list[int]  # host copy of continuation lengths (empty for standalone)
     input_ids: torch.Tensor  # [1, T]
@@ -165,7 +165,7 @@ def build_pack_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
         t_ids.extend(tokens)
         t_ex.extend([i] * len(tokens))
     grids = [g for c in continuations for g in c.images]
-    layout = _finish(True, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, len(continuations), grids)
+    layout = _finish(p, lens, ids, positions, segments, t_pos, t_ids, t_ex, len(continuations), grids)
     return layout
 
 
@@ -176,16 +176,15 @@ def build_standalone_layout(prefix_ids: Sequence[int], continuation: Continuatio
     t_pos, t_ids = _targets(len(prefix_ids), continuation, len(prefix_ids) - 1)
     n = len(ids)
     positions, _ = mrope_positions(ids, continuation.images, vision)
-    return _finish(False, len(prefix_ids), [], ids, positions, [0] * n, t_pos, t_ids, [0] * len(t_ids), 1,
+    return _finish(len(prefix_ids), [], ids, positions, [0] * n, t_pos, t_ids, [0] * len(t_ids), 1,
                    list(continuation.images))
 
 
-def _finish(packed, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_examples, grids=()) -> PackLayout:
+def _finish(p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_examples, grids=()) -> PackLayout:
     thw = torch.tensor(positions, dtype=torch.long)  # [3, T]: temporal, height, width
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     ex = torch.tensor(t_ex, dtype=torch.long)
     return PackLayout(
-        packed=packed,
         prefix_len=p,
         cont_lens=list(lens),
         input_ids=torch.tensor([ids], dtype=torch.long),

@@ -5,13 +5,15 @@ Every forward of packtrain's model is one call object through the root (so FSDP'
 ==========================================================  =========================================================
 call                                                        returns
 ==========================================================  =========================================================
-:class:`PackCall`: a whole pack, or one example alone       :class:`~packtrain.packed.loss.LossOutput`
+:class:`PackCall`: a whole pack                             :class:`~packtrain.packed.loss.LossOutput`
+:class:`StandaloneCall`: one example alone                  :class:`~packtrain.packed.loss.LossOutput`
 :class:`~packtrain.packed.groups.GroupCall`: one group      :class:`~packtrain.packed.loss.LossOutput`
 :class:`~packtrain.packed.prefix.PrefixCall`: P alone       :class:`~packtrain.packed.prefix.PrefixState`
 :class:`~packtrain.packed.walk.Window`: a walk's window     :class:`~packtrain.packed.walk.WindowOut`
 :class:`~packtrain.packed.decode.ItemsCall`: items on P     (first logits [B, V], :class:`~packtrain.packed.rows.Rows`)
 :class:`~packtrain.packed.decode.DecodeCall`: one token     logits [B, V]
-:class:`~packtrain.packed.tree.TreeCall`: a prefix tree     :class:`~packtrain.packed.loss.LossOutput`
+:class:`~packtrain.packed.tree.TreeCall`: a prefix tree     :class:`~packtrain.packed.loss.LossOutput` (a
+                                                            PackCall with the tree's pass)
 ==========================================================  =========================================================
 
 A pack's loss uses the target-only head: only the hidden states just before each target token go through
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 
 from packtrain.packed import loss
-from packtrain.packed.context import ContextGrad
+from packtrain.packed.context import context_grad as context_mode
 from packtrain.packed.layout import PackLayout
 from packtrain.packed.loss import LossOutput, examples_loss
 from packtrain.packed.pack_pass import PackPass
@@ -51,7 +53,8 @@ class Call(Protocol[R_co]):
 
 @dataclass
 class PackCall:
-    """A whole pack, or one example alone (a standalone layout): its loss under ``packing.context_grad``."""
+    """A whole pack: its loss under ``packing.context_grad`` (:meth:`ContextGrad.hidden_states
+    <packtrain.packed.context.ContextGrad.hidden_states>`)."""
     layout: PackLayout
 
     def run(self, lm: PackedLM) -> LossOutput:
@@ -59,14 +62,25 @@ class PackCall:
         device = text_parts(lm.model)[0].embed_tokens.weight.device
         if layout.input_ids.device != device:
             layout = layout.to(device)
-        return examples_loss(lm, layout, *lm.context.hidden_states(lm, layout))
+        return examples_loss(lm, layout, *self.hidden_states(lm, layout))
+
+    def hidden_states(self, lm: PackedLM, layout: PackLayout):
+        return lm.context.hidden_states(lm, layout)
+
+
+class StandaloneCall(PackCall):
+    """One example alone (a standalone layout, ``concat(P, C)``) through the model's own forward: its loss under
+    the mode's reference semantics."""
+
+    def hidden_states(self, lm: PackedLM, layout: PackLayout):
+        return lm.context.standalone_hidden_states(lm, layout)
 
 
 class PackedLM(nn.Module):
     """Wraps a (peft-wrapped) Qwen3.5 model; ``forward(call)`` runs a :class:`Call` and returns what it returns.
 
-    A packed layout runs the patched model (see :mod:`packtrain.packed.patch`); a standalone layout runs the
-    model's own unmodified forward on the one sequence. ``context_grad`` (``packing.context_grad``, chosen once
+    A pack runs the patched model (see :mod:`packtrain.packed.patch`); one example alone runs the model's own
+    unmodified forward on the one sequence. ``context_grad`` (``packing.context_grad``, chosen once
     here) decides what the gradient does with P in both (:mod:`packtrain.packed.context`); ``loss_chunk_rows``
     (``train.loss_chunk_rows``) how many target rows go through the head and the loss at a time. This module is the
     root FSDP shards, so the root's forward hooks run around the whole computation.
@@ -76,7 +90,7 @@ class PackedLM(nn.Module):
                  loss_chunk_rows: int = 0):
         super().__init__()
         self.model = model
-        self.context = ContextGrad(context_grad)
+        self.context = context_mode(context_grad)
         self.context.install(model)
         self.loss_chunk_rows = loss_chunk_rows
         # (hidden [M, D], target ids [M], constant rows [M] or None) -> per-token losses [M]; under FSDP2 run as the
@@ -88,20 +102,21 @@ class PackedLM(nn.Module):
         return loss.describe(self.loss_chunk_rows)
 
     def hidden_states(self, layout: PackLayout, pack: PackPass | None = None) -> torch.Tensor:
-        """The final hidden states [1, T, D] of the layout's buffer (the body's last output)."""
+        """The final hidden states [1, T, D] of the layout's buffer (the body's last output); ``pack``: as
+        :meth:`run_body`."""
         return self.run_body(layout, pack).last_hidden_state
 
     def run_body(self, layout: PackLayout, pack: PackPass | None = None, **extra):
         """Embedding (+ vision) + decoder stack on the layout's buffer; ``extra`` goes to the body call. ``pack``:
-        what the patched layers read of a packed layout (:mod:`packtrain.packed.pack_pass`; default: the buffer
-        alone)."""
+        what the patched layers read of a pack (:mod:`packtrain.packed.pack_pass`); without it, the model's own
+        forward on the layout's one sequence."""
         body, is_vlm = model_body(self.model)
         kwargs = {"use_cache": False}
-        if layout.packed:
+        if pack is not None:
             # A dict mask skips transformers' mask builder, which would infer (wrong) sequence boundaries
             # from the shared-prefix position ids; the layout carries the real ones.
             kwargs.update({"position_ids": packed_positions(self.model, layout),
-                           LAYOUT_KWARG: pack if pack is not None else PackPass(layout),
+                           LAYOUT_KWARG: pack,
                            "attention_mask": {"full_attention": None, "linear_attention": None}})
         if layout.image_grid_thw is not None:
             if not is_vlm:

@@ -23,7 +23,6 @@ Shapes: keys/values [1, G, n, D] (n positions), conv tail [1, C, W-1], state [1,
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -31,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from packtrain.packed.cut import cut_at_layer_inputs
 from packtrain.packed.layout import PackLayout
 from packtrain.packed.patch import packed_positions, text_parts
 
@@ -159,7 +157,7 @@ def run_span(lm, layout: PackLayout, start: int, end: int, before: PrefixState) 
     else:  # every query sees every earlier position and its own span causally; explicit, so no builder guesses
         own = torch.ones(end - start, end - start, dtype=torch.bool, device=layout.input_ids.device).tril()
         mask = torch.cat([own.new_ones(end - start, start), own], dim=1)[None, None]
-    body = dataclasses.replace(layout, packed=False, input_ids=layout.input_ids[:, start:end], image_grid_thw=None,
+    body = dataclasses.replace(layout, input_ids=layout.input_ids[:, start:end], image_grid_thw=None,
                                pixel_values=None, _cache={})
     positions = packed_positions(lm.model, layout)[..., start:end]  # M-RoPE [4, 1, T] or 1-D [1, T] by family
     hidden = lm.run_body(body, cache=cache, use_cache=True, position_ids=positions,
@@ -176,9 +174,7 @@ class PrefixCall:
         """P under ``lm``'s ``packing.context_grad``: with its graph (full), under no_grad (frozen), or with the
         gradient cut at P's rows of every decoder-layer input (kv_only,
         :func:`packtrain.packed.cut.cut_at_layer_inputs`)."""
-        context_grad, p = lm.context.name, self.layout.prefix_len
-        layers = text_parts(lm.model)[0].layers
-        cut = cut_at_layer_inputs(layers, p) if context_grad == "kv_only" else contextlib.nullcontext()
-        with cut, torch.set_grad_enabled(torch.is_grad_enabled() and context_grad != "frozen"):
+        p = self.layout.prefix_len
+        with lm.context.prefix_pass(text_parts(lm.model)[0].layers, p):
             _, state = run_span(lm, self.layout, 0, p, PrefixState())
         return state

@@ -41,8 +41,7 @@ from packtrain.packed.gdn import (
 )
 from packtrain.packed.kernels import Backend, torch_ref
 from packtrain.packed.layout import Continuation, PackLayout, _finish, _targets, check_pack, tree_allowed
-from packtrain.packed.loss import LossOutput, examples_loss
-from packtrain.packed.patch import text_parts
+from packtrain.packed.lm import PackCall
 
 
 @dataclass
@@ -133,7 +132,7 @@ def build_tree_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
     grids = [continuations[j].images[k] for j, k in sources]
     ids = list(prefix_ids) + [t for n in tree.nodes for t in n.tokens]
     segments = [0] * p + [i + 1 for i, n in enumerate(lens) for _ in range(n)]
-    flat = _finish(True, p, lens, ids, positions, segments, t_pos, t_ids, t_ex, len(continuations), grids)
+    flat = _finish(p, lens, ids, positions, segments, t_pos, t_ids, t_ex, len(continuations), grids)
     return TreeLayout(**{f.name: getattr(flat, f.name) for f in dataclasses.fields(PackLayout)},
                       parents=[n.parent for n in tree.nodes], depths=_depths(tree),
                       last_segment=_last_segments(tree), paths=tree.paths, image_sources=sources)
@@ -377,18 +376,10 @@ class TreePass:
         return None  # every row may get gradient (context_grad full)
 
 
-@dataclass
-class TreeCall:
-    """A tree pack through the root (``lm(TreeCall(layout))``): every example's loss, under
-    ``packing.context_grad: full`` only."""
-    layout: TreeLayout
+class TreeCall(PackCall):
+    """A tree pack through the root (``lm(TreeCall(layout))``): a :class:`~packtrain.packed.lm.PackCall` whose
+    forward runs the tree's pass (:class:`TreePass`), under ``packing.context_grad: full`` only
+    (:meth:`~packtrain.packed.context.ContextGrad.tree_hidden_states`)."""
 
-    def run(self, lm) -> LossOutput:
-        if lm.context.name != "full":
-            raise ValueError(f"packing.mode tree: packing.context_grad {lm.context.name} is not built for prefix "
-                             "trees (full only)")
-        layout = self.layout
-        device = text_parts(lm.model)[0].embed_tokens.weight.device
-        if layout.input_ids.device != device:
-            layout = layout.to(device)
-        return examples_loss(lm, layout, lm.hidden_states(layout, TreePass(layout)), layout.target_positions, None)
+    def hidden_states(self, lm, layout: TreeLayout):
+        return lm.context.tree_hidden_states(lm, layout, TreePass(layout))

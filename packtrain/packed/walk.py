@@ -178,10 +178,8 @@ def train_walk(lm, layout: PackLayout, spec: WalkSpec, scale: float, slot: WalkC
     """Forward and backward of one walked example (gradients accumulate into the parameters, scaled by
     ``scale``); ``slot`` is the walk calls every rank issues in this slot
     (:func:`packtrain.data.walk_calls.walk_calls`)."""
-    if lm.context.name == "kv_only":
-        raise ValueError("packing.on_overflow=walk: packing.context_grad kv_only is not supported (full or frozen)")
-    frozen = lm.context.name == "frozen"
-    walk = _Walk(lm, layout, spec, frozen, scale, dummy)
+    lm.context.check_walk()
+    walk = _Walk(lm, layout, spec, not lm.context.prefix_grad, scale, dummy)
     if spec.horizon is None:
         walk.exact(slot)
     else:

@@ -35,7 +35,8 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from packtrain.data.planner import Plan, attention_pairs, epoch_order
+from packtrain.data.pairs import pack_pairs
+from packtrain.data.planner import Plan, epoch_order
 
 BALANCES = ("cost", "round_robin")
 # The share of round robin's distinct prompts per step that a balanced step keeps (a step of similar packs would
@@ -77,31 +78,21 @@ class CostModel:
         return self.per_position * positions + self.per_pair * pairs
 
     def pack_cost(self, prefix_len: int, cont_lens) -> float:
-        return self.cost(prefix_len + sum(cont_lens), attention_pairs(prefix_len, cont_lens))
+        return self.cost(prefix_len + sum(cont_lens), pack_pairs(prefix_len, cont_lens))
 
     def describe(self) -> str:
         return f"{self.per_position:.3g} per position + {self.per_pair:.3g} per attention pair"
 
 
-def _pack_shape(plan: Plan, examples, pack) -> tuple[int, list[int]]:
-    return len(plan.prompts[pack.prompt]), [examples[e].len_continuation for e in pack.examples]
-
-
-def _pack_pairs(plan: Plan, examples, pack) -> int:
-    """A tree pack's pairs are its tree's (the planner counts them: every token reads P, its ancestors and its own
-    node's earlier tokens); a flat pack's are :func:`attention_pairs` of its continuations."""
-    return pack.pairs if pack.pairs is not None else attention_pairs(*_pack_shape(plan, examples, pack))
-
-
 def pack_attention_pairs(plan: Plan, examples) -> list[int]:
-    """Each pack's attention pairs, by pack index."""
-    return [_pack_pairs(plan, examples, p) for p in plan.packs]
+    """Each pack's attention pairs, by pack index (the planner's :attr:`~packtrain.data.planner.Pack.pairs`)."""
+    return [p.pairs for p in plan.packs]
 
 
 def pack_costs(plan: Plan, examples, model: CostModel) -> list[float]:
     """Each pack's cost, by pack index: per_position x its positions + per_pair x its attention pairs (a walked
     example: its whole sequence, as one continuation; a tree pack: its tree's positions and pairs)."""
-    return [model.cost(p.positions, _pack_pairs(plan, examples, p)) for p in plan.packs]
+    return [model.cost(p.positions, p.pairs) for p in plan.packs]
 
 
 def _seeded(seed: int, epoch: int, what: str) -> random.Random:

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch.distributed as dist
 
 from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.run.steps import rank_units
-from packtrain.run.units import UnitSetup, build, run_unit
+from packtrain.run.units import Kinds, build, run_unit
 
 
-def evaluate(lm, plan: Plan, examples, setup: UnitSetup, info: DistInfo, progress=None) -> list[dict]:
+def evaluate(lm, plan: Plan, examples, setup: Kinds, info: DistInfo, progress=None) -> list[dict]:
     """``[{"id", "loss", "target_tokens"}]`` in example order (on every rank), skipped examples left out; every unit
-    through the unit runner under no_grad (whole packs, whatever ``setup.n_groups``; walked examples chunk by
-    chunk)."""
-    setup = dataclasses.replace(setup, n_groups=1)
+    through the unit runner under no_grad (whole packs, whatever ``packing.continuation_groups``; walked examples
+    chunk by chunk)."""
+    setup = setup.whole_packs()
     was_training = lm.training
     lm.eval()
     results: dict[int, tuple[float, int]] = {}

@@ -33,7 +33,7 @@ from packtrain.packed.equal import agree
 from packtrain.packed.layout import Continuation, build_pack_layout
 from packtrain.packed.patch import unwrap
 from packtrain.packed.prefix import PrefixCall
-from packtrain.run.units import ITEMS, UnitSetup, items_units
+from packtrain.run.units import ITEMS, Kinds, items_units
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def _p_only(prefix) -> object:
     return build_pack_layout(prefix, [Continuation(prefix[-1:], ())], targets=False)
 
 
-def generate(lm, plan: Plan, examples, setup: UnitSetup, spec: GenerateSpec, info: DistInfo,
+def generate(lm, plan: Plan, examples, setup: Kinds, spec: GenerateSpec, info: DistInfo,
              progress=None) -> dict[int, Generated]:
     """Every example of ``plan``'s packs generated, by example index (on every rank)."""
     shards = prompt_shards(plan, list(range(len(plan.packs))), info.world_size)
@@ -132,7 +132,7 @@ def generate(lm, plan: Plan, examples, setup: UnitSetup, spec: GenerateSpec, inf
     with torch.no_grad():
         for k, unit in enumerate(slots[info.rank]):
             new_prompt = k == 0 or any(s[k].prompt != s[k - 1].prompt for s in slots)
-            layout = ITEMS.build(unit, plan, examples, setup)
+            layout = ITEMS.build(unit, plan, examples, setup.images)
             if layout is not None:
                 layout = layout.to(info.device)
             if new_prompt:

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
+from packtrain.data.pairs import causal_pairs, tree_pairs
 from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.step import Step
-from packtrain.run.units import Unit, UnitSetup, largest_unit, units_of
+from packtrain.run.units import Kinds, Unit, largest_unit
 
 
 def build_lm(cfg, info):
@@ -31,25 +32,28 @@ def build_lm(cfg, info):
     return lm, model, backend
 
 
-def one_pack(plan: Plan, examples, setup: UnitSetup, max_positions: int | None = None,
+def one_pack(plan: Plan, examples, setup: Kinds, max_positions: int | None = None,
              prompt_tokens: int | None = None) -> tuple[Plan, Unit]:
     """A plan of one pack: the plan's largest unit (:func:`packtrain.run.units.largest_unit`) as a pack of its own
     (a pack's one unit is the pack; an example alone, the pack of that example), with P cut to its first
     ``prompt_tokens`` tokens (None: as planned). Returns (the plan, its one unit)."""
     unit = largest_unit(plan, examples, setup, max_positions)
     pack = next(p for p in plan.packs if p.prompt == unit.prompt and set(unit.examples) <= set(p.examples))
+    p = len(plan.prompts[unit.prompt])
     prompt = plan.prompts[unit.prompt][:prompt_tokens]  # [:None]: all of it
-    cut = len(plan.prompts[unit.prompt]) - len(prompt)
+    after = unit.kind.positions(unit, plan, examples) - p  # the unit's positions after P
     if pack.examples != unit.examples:  # several units in a pack (examples alone): the largest one's examples
-        pack = dataclasses.replace(pack, examples=unit.examples,
-                                   positions=unit.kind.positions(unit, plan, examples))
-    pack = dataclasses.replace(pack, prompt=0, positions=pack.positions - cut)
+        own = sum(causal_pairs(examples[e].len_continuation) for e in unit.examples)
+    else:  # a pack's (or a tree's) pairs past P's keys
+        own = pack.pairs - causal_pairs(p) - p * after
+    pack = dataclasses.replace(pack, prompt=0, examples=unit.examples, positions=len(prompt) + after,
+                               pairs=tree_pairs(len(prompt), after, own))
     one = dataclasses.replace(plan, packs=[pack], prompts=[prompt], skipped=[])
-    (unit,) = units_of(pack, setup)
+    (unit,) = setup.units(pack)
     return one, unit
 
 
-def update_step(cfg, lm, setup: UnitSetup, plan: Plan, examples, info: DistInfo, steps: int = 2) -> Step:
+def update_step(cfg, lm, setup: Kinds, plan: Plan, examples, info: DistInfo, steps: int = 2) -> Step:
     """The trainer's step on ``plan`` (a one-pack plan, :func:`one_pack`) over ``lm``'s trainable parameters, with
     a fresh optimizer and an LR schedule of ``steps``."""
     params = [p for p in lm.parameters() if p.requires_grad]

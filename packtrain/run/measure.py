@@ -263,7 +263,7 @@ def measure(cfg, plan, examples) -> Measured:
     from packtrain.models.wrap import assemble
     from packtrain.packed.patch import text_parts
     from packtrain.run.harness import on_every_rank, one_pack, update_step
-    from packtrain.run.units import UnitSetup
+    from packtrain.run.units import Kinds
 
     notes = []
     if any(getattr(ex, "images", ()) for ex in examples):
@@ -271,7 +271,7 @@ def measure(cfg, plan, examples) -> Measured:
         notes.append("the vision tower is left out (frozen, small): image tokens run as text tokens")
     small = _reduced_cfg(cfg, text_config(config_dict_of(cfg))["num_hidden_layers"])
     text = text_config(small.model.config)
-    setup = UnitSetup.of(cfg)
+    setup = Kinds.of(cfg)
     one, _ = one_pack(plan, examples, setup, cfg.train.max_positions)
     with FakeTensorMode(allow_non_fake_inputs=True), fla_shapes.installed(), flex_shapes.installed(), _fake_build():
         base = build_base_model(small)

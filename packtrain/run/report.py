@@ -11,7 +11,6 @@ from packtrain.models import memory, savings
 from packtrain.models.lora_compute import describe as describe_lora
 from packtrain.packed.families import describe as describe_model
 from packtrain.run.balance import BALANCES, epoch_steps, utilisation
-from packtrain.run.units import pack_kind
 
 
 def header(trainer) -> list[str]:
@@ -37,12 +36,7 @@ def header(trainer) -> list[str]:
     other = next(b for b in BALANCES if b != steps.balance)
     lines.append(f"  train.balance {steps.balance}: utilisation {figures[steps.balance]:.3f} over epoch 0's steps "
                  f"({other} {figures[other]:.3f}; mean / largest rank cost per step)")
-    walk_spec, runs = t.setup.walk_spec, pack_kind(t.setup).runs(t.setup)
-    if walk_spec is not None:
-        lines.append(f"  on_overflow {walk_spec.describe()}: {s['walked']} examples over the budget in "
-                     f"{s['walk_chunks']} chunks")
-    if runs:
-        lines.append(f"  {runs}")
+    lines += [f"  {line}" for line in t.setup.runs(s)]
     if t.dist.enabled:
         local = sum(getattr(p, "_local_tensor", p).numel() for p in t.lm.parameters())
         total = sum(p.numel() for p in t.lm.parameters())

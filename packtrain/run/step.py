@@ -25,7 +25,7 @@ from packtrain.packed.equal import agree
 from packtrain.packed.loss import CUT_OFF, ZeroGradientError
 from packtrain.run import finite
 from packtrain.run.steps import rank_units, step_examples
-from packtrain.run.units import Built, Unit, UnitSetup, build, over_cap, run_unit, step_scale
+from packtrain.run.units import Built, Kinds, Unit, build, over_cap, run_unit, step_scale
 
 OK, SKIP, FATAL = 0, 1, 2  # per-unit codes, agreed across ranks (the largest wins)
 
@@ -59,7 +59,7 @@ class Step:
     (the trainer's also agrees on stop signals); ``on_nonfinite(loss, grad_norm)``: called for a non-finite step,
     which then makes no update (it may raise to stop the run)."""
     lm: torch.nn.Module
-    setup: UnitSetup
+    setup: Kinds
     plan: object
     examples: list
     info: DistInfo

@@ -3,8 +3,8 @@
 A step takes ``train.packs_per_step`` packs (global, across ranks): under ``train.balance: cost`` (the default)
 packs of similar cost, spread over the ranks evenly by cost (:mod:`packtrain.run.balance`); under ``round_robin``
 the next packs of the epoch's seeded order. Rank r takes packs r, r+world, ... of the step's list, and makes their
-units (:func:`packtrain.run.units.units_of`, which stamps each unit's kind: a whole pack, a pack in groups, one
-example alone, a walked example), padded by the equal-call rule (:func:`packtrain.run.units.pad_units`): every rank
+units (:meth:`packtrain.run.units.Kinds.units`, which stamps each unit's kind: a whole pack, a pack in groups, one
+example alone, a prefix tree, a walked example), padded by the equal-call rule (:func:`packtrain.run.units.pad_units`): every rank
 issues the same sequence of calls. Each rank runs its packs first, then its walks. :class:`StepPlan` is the one
 source of a run's steps: the trainer, the bench and the harness all take theirs from it.
 """
@@ -16,7 +16,7 @@ import math
 from packtrain.config import Config
 from packtrain.data.planner import Plan
 from packtrain.run.balance import CostModel, epoch_steps, pack_costs, step_pack_ids
-from packtrain.run.units import Unit, UnitSetup, pad_units, units_of
+from packtrain.run.units import Kinds, Unit, pad_units
 
 
 def steps_per_epoch(plan: Plan, packs_per_step: int) -> int:
@@ -61,7 +61,7 @@ def step_examples(plan: Plan, pack_ids: list[int]) -> int:
     return sum(len(plan.packs[i].examples) for i in pack_ids)
 
 
-def rank_units(plan: Plan, pack_ids: list[int], setup: UnitSetup, rank: int, world: int) -> list[Unit]:
+def rank_units(plan: Plan, pack_ids: list[int], kinds: Kinds, rank: int, world: int) -> list[Unit]:
     """``rank``'s units of the step made of ``pack_ids``: its packs, then its walks, under the equal-call rule."""
-    per_rank = [[u for i in pack_ids[r::world] for u in units_of(plan.packs[i], setup)] for r in range(world)]
-    return pad_units(per_rank, rank)
+    per_rank = [[u for i in pack_ids[r::world] for u in kinds.units(plan.packs[i])] for r in range(world)]
+    return pad_units(per_rank, rank, kinds)

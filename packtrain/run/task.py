@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from packtrain.data.planner import Plan, plan_for
+from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.run.generate import Generated, GenerateSpec, generate, stop_ids
 from packtrain.run.scoring import Scorer, ScorerError, errors_markdown, load_scorer, strip_thinking, summarize
-from packtrain.run.units import UnitSetup
+from packtrain.run.units import Kinds, plan_for
 
 
 @dataclass
@@ -142,7 +142,7 @@ def public_row(row: dict) -> dict:
     return out
 
 
-def run_task(lm, task: Task, setup: UnitSetup, info: DistInfo, progress=None) -> TaskResult:
+def run_task(lm, task: Task, setup: Kinds, info: DistInfo, progress=None) -> TaskResult:
     """Generate and score every example of the task (on every rank; rank 0 writes)."""
     t0 = time.perf_counter()
     generated = generate(lm, task.plan, task.examples, setup, task.spec, info, progress)

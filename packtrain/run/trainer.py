@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from packtrain.config import Config
 from packtrain.data.examples import load_split
-from packtrain.data.planner import plan_fingerprint, plan_for
+from packtrain.data.planner import plan_fingerprint
 from packtrain.distributed import DistInfo, barrier, init_distributed, lost_peer
 from packtrain.exits import NonFiniteError, PeerLost, Preempted
 from packtrain.models.build import build_base_model
@@ -39,7 +39,7 @@ from packtrain.run.signals import StopSignals
 from packtrain.run.step import Step
 from packtrain.run.steps import StepPlan
 from packtrain.run.task import task_for, task_start
-from packtrain.run.units import UnitSetup, check_data, choose_savings, image_loader, unit_shape
+from packtrain.run.units import Kinds, choose_savings, image_loader, plan_for, unit_shape
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
 from packtrain.rundir import resume as resuming
@@ -125,7 +125,7 @@ class Trainer:
         self.eval_examples = load_split(cfg, "eval")
         # generate.every: a bad generate.metric fails here, before the model is built
         self.scorer, self.task_tokenizer = task_start(cfg) if cfg.generate.every is not None else (None, None)
-        check_data(UnitSetup.of(cfg), self.train_examples)
+        Kinds.of(cfg).check(self.train_examples)
         self.plan = plan_for(cfg, self.train_examples)
         self.fingerprint = plan_fingerprint(self.plan, self.train_examples)  # every token of the plan: once
         check_same_plan(self.fingerprint, self.dist)
@@ -148,7 +148,7 @@ class Trainer:
         model = build_base_model(cfg, save_to=base_dir if self.dist.is_main else None, meta=True)
         self.model, self.lm, self.backend = assemble(model, self.run_cfg, self.dist.device, shard=self.dist.enabled)
         images = image_loader(cfg, self.model, self.train_examples + (self.eval_examples or []))
-        self.setup = UnitSetup.of(cfg, images)
+        self.setup = Kinds.of(cfg, images)
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
         if self.scorer is not None:
             self.task = task_for(cfg, self.model, self.eval_examples, self.scorer, self.task_tokenizer)

@@ -1,10 +1,12 @@
 """The kinds of unit and the unit runner: the one place that decides what a unit is and how it runs.
 
-A *unit* is one forward/backward of an optimizer step (or one evaluation, or one generation). Its kind is stamped
-once, where units are made (:func:`units_of`, called by :mod:`packtrain.run.steps` and the generation), and
-nothing else decides it: each kind is one class below, with what it builds, how it trains and evaluates, the
-calls it issues and its padding (the equal-call rule, :mod:`packtrain.packed.equal`). Adding a kind is adding a
-class to :data:`KINDS`.
+A *unit* is one forward/backward of an optimizer step (or one evaluation, or one generation). A run's kinds are
+built once from its config (:meth:`Kinds.of`: the kind of its packs, configured -- a pack's groups with their
+count, the walk with its spec), and the planner (:meth:`Kinds.plan`) and the units (:meth:`Kinds.units`, called by
+:mod:`packtrain.run.steps`) read that one object; nothing else decides a unit's kind. Each kind is one class below,
+with how its packs are planned, what it builds, how it trains and evaluates, the calls it issues and its padding
+(the equal-call rule, :mod:`packtrain.packed.equal`). Adding a kind is adding a class and its ``packing.mode`` (or
+setting) in :meth:`Kinds.named`.
 
 ============  ==============================================  ==================================  =======================
 kind          computes                                        calls of the root per unit          padding (pad a slot)
@@ -13,6 +15,9 @@ pack          a whole pack ``[P, C1..Cn]`` in one buffer      1                 
 groups        a pack's continuations in G groups against      G + 1 (P, each group): a pack with  a dummy pack unit
               one P graph (``packing.continuation_groups``)   fewer continuations fills groups
 standalone    one example ``concat(P, C)`` alone              1                                   a dummy example
+tree          a prompt group's continuations as one prefix    1                                   a dummy tree unit
+              tree (``packing.mode: tree``): every shared
+              run of tokens once
 walk          an example over the budget, chunk by chunk      the slot's walk calls (largest of   a dummy walk; the slot's
               (``packing.on_overflow: walk``)                 the slot on any rank)               largest walk calls
 items         a pack's items against P, then decoded          P (once per prompt group), items,   a dummy unit; decoding
@@ -39,7 +44,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 from packtrain.config import Config, WalkSpec
 from packtrain.data.examples import processor_dir
 from packtrain.data.images import ImageLoader, load_image_processor
-from packtrain.data.planner import Pack, Plan, target_count
+from packtrain.data.planner import Pack, Plan, plan_packs, plan_tree_packs, target_count
 from packtrain.data.walk_calls import WalkCalls
 from packtrain.models.memory import UnitShape
 
@@ -51,18 +56,71 @@ U = TypeVar("U")
 
 
 @dataclass(frozen=True)
-class UnitSetup:
-    """How a run's units are built and run, chosen once at setup."""
-    mode: str  # packing.mode: shared_prefix | standalone
-    n_groups: int = 1  # packing.continuation_groups (1: a pack is one call)
-    walk_spec: WalkSpec | None = None  # packing.on_overflow: walk (None: no example is walked)
+class Kinds:
+    """A run's kinds, built once from the config (:meth:`of`): the kind of its packs (a whole pack, a pack in its
+    groups, one example alone or a prefix tree), the walk with its spec (``packing.on_overflow: walk``) and the
+    images' loader. The planner (:meth:`plan`) and the units (:meth:`units`) read this one object."""
+    mode: str  # packing.mode, for a run's header and records
+    pack: Kind  # the kind of the packs that are not walked
+    walk: WalkKind | None = None  # packing.on_overflow: walk (None: no example is walked)
     images: ImageLoader | None = None
 
     @classmethod
-    def of(cls, cfg: Config, images: ImageLoader | None = None, n_groups: int | None = None) -> UnitSetup:
-        """The config's setup; ``n_groups`` in place of ``packing.continuation_groups`` (1: whole packs)."""
-        groups = cfg.packing.continuation_groups if n_groups is None else n_groups
-        return cls(cfg.packing.mode, groups, cfg.walk_spec(), images)
+    def of(cls, cfg: Config, images: ImageLoader | None = None, n_groups: int | None = None) -> Kinds:
+        """The config's kinds; ``n_groups`` in place of ``packing.continuation_groups`` (1: whole packs)."""
+        p = cfg.packing
+        groups = p.continuation_groups if n_groups is None else n_groups
+        return cls.named(p.mode, groups, cfg.walk_spec(), images)
+
+    @classmethod
+    def named(cls, mode: str, n_groups: int = 1, walk_spec: WalkSpec | None = None,
+              images: ImageLoader | None = None) -> Kinds:
+        """The kinds of ``packing.mode`` ``mode`` with these settings (tests and tools without a config)."""
+        pack = GroupsKind(n_groups) if n_groups > 1 else _PACK_KINDS[mode]()
+        return cls(mode, pack, None if walk_spec is None else WalkKind(walk_spec), images)
+
+    @property
+    def n_groups(self) -> int:
+        return self.pack.n_groups
+
+    @property
+    def walk_spec(self) -> WalkSpec | None:
+        return None if self.walk is None else self.walk.spec
+
+    def plan(self, cfg: Config, examples) -> Plan:
+        """The plan of ``examples`` under the config's packing settings, by the pack kind's planner."""
+        return self.pack.plan(cfg, examples, self.walk_spec)
+
+    def kind_of(self, pack: Pack) -> Kind:
+        """The kind of ``pack``'s units: the walk for a walked pack, else the run's pack kind."""
+        return self.walk if pack.walk is not None else self.pack
+
+    def units(self, pack: Pack) -> list[Unit]:
+        """The units of one pack: the one place a unit's kind is decided."""
+        return self.kind_of(pack).units(pack)
+
+    def check(self, examples) -> None:
+        """The pack kind refuses, before the model is built, data it cannot run."""
+        self.pack.check(examples)
+
+    def runs(self, stats: dict | None = None) -> list[str]:
+        """How the run's packs and walks run, for a run's header and the bench's summary (``stats``: the plan's,
+        :func:`packtrain.data.planner.plan_stats`, for the walk's line)."""
+        kinds = ([self.walk] if self.walk is not None else []) + [self.pack]
+        return [line for line in (k.runs(stats or {}) for k in kinds) if line]
+
+    def whole_packs(self) -> Kinds:
+        """The same kinds with each pack one call (an evaluation: no gradient to keep per group)."""
+        return dataclasses.replace(self, pack=self.pack.whole())
+
+    def pad_order(self) -> tuple[Kind, ...]:
+        """The order a rank runs its units in: its packs first, then its walks (a generation's items alone)."""
+        return (self.pack, ITEMS) + ((self.walk,) if self.walk is not None else ())
+
+
+def plan_for(cfg: Config, examples) -> Plan:
+    """The plan of ``examples`` under a config's packing settings (its kinds' planner)."""
+    return Kinds.of(cfg).plan(cfg, examples)
 
 
 @dataclass(frozen=True)
@@ -108,28 +166,40 @@ def step_scale(step_examples: int) -> float:
 
 # -- the kinds --------------------------------------------------------------------------------------------------
 class Kind:
-    """One kind of unit. Subclasses set the class attributes and override what differs."""
+    """One kind of unit, configured (a pack's groups with their count, the walk with its spec). Subclasses set the
+    class attributes and override what differs."""
     name: ClassVar[str]
     capped: ClassVar[bool] = True  # train.max_positions skips a unit over it
     shares_prefix: ClassVar[bool] = True  # P computed once for all its examples (the memory estimate's packs)
+    n_groups: int = 1  # continuation groups a pack of this kind runs in (1: one call)
 
-    def takes(self, pack: Pack, setup: UnitSetup) -> bool:
-        """Whether this kind makes the units of ``pack`` (the first kind in :data:`KINDS` that takes it does)."""
-        raise NotImplementedError
+    def plan(self, cfg: Config, examples, walk_spec: WalkSpec | None) -> Plan:
+        """The packs of ``examples`` for a run of this kind (packs flat, or ``walk_spec``'s walked examples apart)."""
+        from packtrain.packed.context import context_grad
+
+        p = cfg.packing
+        return plan_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed,
+                          walk_spec=walk_spec, frozen=not context_grad(p.context_grad).prefix_grad)
 
     def units(self, pack: Pack) -> list[Unit]:
         return [Unit(self, pack.prompt, pack.examples)]
+
+    def whole(self) -> Kind:
+        """This kind with a pack in one call (:meth:`Kinds.whole_packs`)."""
+        return self
 
     def positions(self, unit: Unit, plan: Plan, examples) -> int:
         """The buffer positions of ``unit``, without building it."""
         return len(plan.prompts[unit.prompt]) + sum(examples[e].len_continuation for e in unit.examples)
 
-    def groups(self, setup: UnitSetup) -> int:
-        """Continuation groups a pack of this kind runs in (1: one call)."""
-        return 1
+    def build(self, unit: Unit, plan: Plan, examples, images: ImageLoader | None):
+        """What the unit runs on: a whole pack's layout, with its examples' images loaded (in buffer order)."""
+        from packtrain.packed.layout import build_pack_layout
 
-    def build(self, unit: Unit, plan: Plan, examples, setup: UnitSetup):
-        return _layout(unit, plan, examples, setup.images, packed=True)
+        prefix, chosen, spec = _unit_parts(unit, plan, examples, images)
+        refs = [tuple(getattr(ex, "images", ())) for ex in chosen]
+        layout = build_pack_layout(prefix, _continuations(chosen, refs), spec)
+        return _with_images(layout, refs, images)
 
     def call(self, work):
         """The one call of the root a one-call unit makes on what it built."""
@@ -137,7 +207,7 @@ class Kind:
 
         return PackCall(work)
 
-    def train(self, lm, unit: Unit, work, setup: UnitSetup, scale: float):
+    def train(self, lm, unit: Unit, work, scale: float):
         """Forward and backward (gradients into the parameters, ``loss_sum * scale``): (loss sum, per-example
         losses, target tokens per example)."""
         from packtrain.packed.loss import require_grad
@@ -147,12 +217,12 @@ class Kind:
         (out.loss_sum * scale).backward()
         return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
 
-    def evaluate(self, lm, unit: Unit, work, setup: UnitSetup):
+    def evaluate(self, lm, unit: Unit, work):
         """The same under no_grad (the caller's)."""
         out = lm(self.call(work))
         return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
 
-    def calls(self, unit: Unit, setup: UnitSetup, training: bool) -> int:
+    def calls(self, unit: Unit, training: bool) -> int:
         """The forward calls of the root the unit issues: the same for every unit of a slot on every rank."""
         return 1
 
@@ -160,7 +230,7 @@ class Kind:
         """The equal-call rule for this kind: ``rank``'s units padded to the most any rank has."""
         return pad_slots(per_rank, rank, _dummy_of)
 
-    def group_positions(self, lengths: list[int], setup: UnitSetup) -> int | None:
+    def group_positions(self, lengths: list[int]) -> int | None:
         """The continuation positions of the largest of a unit's groups (None: one call holds them all)."""
         return None
 
@@ -172,77 +242,80 @@ class Kind:
         """A tree's leaves, what ``packing.max_continuations`` bounds there (None: the unit is not a tree)."""
         return None
 
-    def describe(self, unit: Unit, setup: UnitSetup) -> str:
+    def describe(self, unit: Unit) -> str:
         """What the unit is, in a line of output: "pack", "example", ..."""
         return self.name
 
-    def detail(self, unit: Unit, setup: UnitSetup) -> str:
+    def detail(self, unit: Unit) -> str:
         """How it runs, after its continuations' count in a line of output ("" or " in 3 groups", ...)."""
         return ""
 
-    def check(self, setup: UnitSetup, examples) -> None:
+    def check(self, examples) -> None:
         """Refuse data this kind cannot run, before the model is built."""
 
-    def runs(self, setup: UnitSetup) -> str:
-        """How a run's packs of this kind run, for a run's header and the bench's summary ("": nothing to say)."""
+    def runs(self, stats: dict) -> str:
+        """How a run's units of this kind run, for a run's header and the bench's summary ("": nothing to say)."""
         return ""
 
 
 class PackKind(Kind):
     name = "pack"
 
-    def takes(self, pack, setup):
-        return setup.mode == "shared_prefix" and setup.n_groups == 1
 
-
+@dataclass(frozen=True)
 class GroupsKind(Kind):
-    name = "groups"
+    """A pack's continuations in ``n_groups`` groups against one P graph (:mod:`packtrain.packed.groups`)."""
+    n_groups: int
+    name: ClassVar[str] = "groups"
 
-    def takes(self, pack, setup):
-        return setup.mode == "shared_prefix" and setup.n_groups > 1
+    def build(self, unit, plan, examples, images):
+        """One layout per group (P and the group's continuations), and each group's weight."""
+        from packtrain.packed.groups import Groups, split
+        from packtrain.packed.layout import build_pack_layout
 
-    def groups(self, setup):
-        return setup.n_groups
+        prefix, chosen, spec = _unit_parts(unit, plan, examples, images)
+        runs = split([len(ex.item_ids) + len(ex.target_ids) for ex in chosen], self.n_groups)
+        layouts = []
+        for run in runs:  # a run past the last continuation: a filler group of the first, weight 0
+            group = [chosen[i] for i in run or [0]]
+            refs = [tuple(getattr(ex, "images", ())) for ex in group]
+            layouts.append(_with_images(build_pack_layout(prefix, _continuations(group, refs), spec), refs, images))
+        return Groups(layouts, [1.0 if run else 0.0 for run in runs])
 
-    def build(self, unit, plan, examples, setup):
-        """A pack's continuations in ``setup.n_groups`` groups (:mod:`packtrain.packed.groups`)."""
-        from packtrain.packed.groups import Groups, group_units
-
-        lengths = [len(examples[e].item_ids) + len(examples[e].target_ids) for e in unit.examples]
-        units, weights = group_units(unit, lengths, setup.n_groups)
-        return Groups([_layout(u, plan, examples, setup.images, packed=True) for u in units], weights)
-
-    def train(self, lm, unit, work, setup, scale):
+    def train(self, lm, unit, work, scale):
         from packtrain.packed.groups import train_groups
 
         total, losses = train_groups(lm, work, scale)
         return total, losses, _group_targets(work)
 
-    def evaluate(self, lm, unit, work, setup):
+    def evaluate(self, lm, unit, work):
         from packtrain.packed.groups import eval_groups
 
         total, losses = eval_groups(lm, work)
         return total, losses, _group_targets(work)
 
-    def calls(self, unit, setup, training):
-        return setup.n_groups + 1
+    def calls(self, unit, training):
+        return self.n_groups + 1
 
-    def group_positions(self, lengths, setup):
+    def whole(self):
+        return PackKind()
+
+    def group_positions(self, lengths):
         from packtrain.packed.groups import split
 
-        return max(sum(lengths[i] for i in run) for run in split(lengths, setup.n_groups))
+        return max(sum(lengths[i] for i in run) for run in split(lengths, self.n_groups))
 
-    def describe(self, unit, setup):
+    def describe(self, unit):
         return "pack"
 
-    def detail(self, unit, setup):
-        return f" in {setup.n_groups} groups"
+    def detail(self, unit):
+        return f" in {self.n_groups} groups"
 
-    def runs(self, setup):
-        return f"continuation_groups {setup.n_groups}: each pack's continuations in {setup.n_groups} groups against " \
+    def runs(self, stats):
+        return f"continuation_groups {self.n_groups}: each pack's continuations in {self.n_groups} groups against " \
                "one P graph"
 
-    def check(self, setup, examples):
+    def check(self, examples):
         pictured = next((ex for ex in examples if getattr(ex, "images", ())), None)
         if pictured is not None:
             raise ValueError(f"{pictured.source}: has images, and packing.continuation_groups > 1 takes text-only "
@@ -253,51 +326,54 @@ class StandaloneKind(Kind):
     name = "standalone"
     shares_prefix = False
 
-    def takes(self, pack, setup):
-        return setup.mode == "standalone"
-
     def units(self, pack):
         return [Unit(self, pack.prompt, (e,)) for e in pack.examples]
 
-    def build(self, unit, plan, examples, setup):
-        return _layout(unit, plan, examples, setup.images, packed=False)
+    def build(self, unit, plan, examples, images):
+        """One example alone: ``concat(P, C)``, the model's own forward's sequence."""
+        return _alone(unit, plan, examples, images)
 
-    def describe(self, unit, setup):
+    def call(self, work):
+        from packtrain.packed.lm import StandaloneCall
+
+        return StandaloneCall(work)
+
+    def describe(self, unit):
         return "example"
 
 
+@dataclass(frozen=True)
 class WalkKind(Kind):
-    name = "walk"
-    capped = False  # one window of it is in memory at a time
-    shares_prefix = False
-
-    def takes(self, pack, setup):
-        return pack.walk is not None
+    """An example over the budget, walked chunk by chunk under ``spec`` (:mod:`packtrain.packed.walk`)."""
+    spec: WalkSpec
+    name: ClassVar[str] = "walk"
+    capped: ClassVar[bool] = False  # one window of it is in memory at a time
+    shares_prefix: ClassVar[bool] = False
 
     def units(self, pack):
         return [Unit(self, pack.prompt, pack.examples, walk=pack.walk)]
 
-    def build(self, unit, plan, examples, setup):
-        return _layout(unit, plan, examples, setup.images, packed=False)
+    def build(self, unit, plan, examples, images):
+        return _alone(unit, plan, examples, images)
 
-    def train(self, lm, unit, work, setup, scale):
+    def train(self, lm, unit, work, scale):
         from packtrain.packed.walk import train_walk
 
-        r = train_walk(lm, work, setup.walk_spec, scale, unit.walk, unit.dummy)
+        r = train_walk(lm, work, self.spec, scale, unit.walk, unit.dummy)
         return r.loss, [r.loss], [r.target_tokens]
 
-    def evaluate(self, lm, unit, work, setup):
+    def evaluate(self, lm, unit, work):
         from packtrain.packed.walk import eval_walk
 
-        r = eval_walk(lm, work, setup.walk_spec, unit.walk.chunks, unit.dummy)
+        r = eval_walk(lm, work, self.spec, unit.walk.chunks, unit.dummy)
         return r.loss, [r.loss], [r.target_tokens]
 
-    def calls(self, unit, setup, training):
+    def calls(self, unit, training):
         """P, then the slot's no-grad forwards and windows with grad (horizon all: P's forward comes first);
         evaluating, P and every chunk."""
         if not training:
             return unit.walk.chunks + 1
-        return unit.walk.forwards + unit.walk.backwards + (1 if setup.walk_spec.horizon is None else 0)
+        return unit.walk.forwards + unit.walk.backwards + (1 if self.spec.horizon is None else 0)
 
     def pad(self, per_rank, rank):
         """Dummies as every kind pads, and every walk of slot k runs the largest walk calls any rank has there (the
@@ -311,11 +387,15 @@ class WalkKind(Kind):
             out[k] = dataclasses.replace(unit, walk=slot)
         return out
 
-    def describe(self, unit, setup):
+    def describe(self, unit):
         return "walked example"
 
-    def detail(self, unit, setup):
+    def detail(self, unit):
         return f" in {unit.walk.chunks} chunks"
+
+    def runs(self, stats):
+        return (f"on_overflow {self.spec.describe()}: {stats.get('walked', 0)} examples over the budget in "
+                f"{stats.get('walk_chunks', 0)} chunks")
 
 
 class TreeKind(Kind):
@@ -323,8 +403,10 @@ class TreeKind(Kind):
     of tokens that several continuations share is computed once (:mod:`packtrain.packed.tree`)."""
     name = "tree"
 
-    def takes(self, pack, setup):
-        return setup.mode == "tree"
+    def plan(self, cfg, examples, walk_spec):
+        """The tree planner's packs (:func:`packtrain.data.planner.plan_tree_packs`)."""
+        p = cfg.packing
+        return plan_tree_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed)
 
     def positions(self, unit, plan, examples):
         return len(plan.prompts[unit.prompt]) + sum(self.segments(unit, plan, examples))
@@ -341,15 +423,23 @@ class TreeKind(Kind):
         stop = example_tree([examples[e] for e in unit.examples]).stop
         return sum(end == i + 1 for i, end in enumerate(stop))  # a leaf's subtree is itself, as pack_tree counts
 
-    def build(self, unit, plan, examples, setup):
-        return _layout(unit, plan, examples, setup.images, packed=True, tree=True)
+    def build(self, unit, plan, examples, images):
+        """The pack's prefix tree; images: the buffer holds each shared one once, in the tree's order."""
+        from packtrain.data.tree import image_salt
+        from packtrain.packed.tree import build_tree_layout
+
+        prefix, chosen, spec = _unit_parts(unit, plan, examples, images)
+        per_example = [tuple(getattr(ex, "images", ())) for ex in chosen]
+        layout = build_tree_layout(prefix, _continuations(chosen, per_example), spec,
+                                   image_keys=[image_salt(ex) for ex in chosen])
+        return _with_images(layout, [(per_example[j][k],) for j, k in layout.image_sources], images)
 
     def call(self, work):
         from packtrain.packed.tree import TreeCall
 
         return TreeCall(work)
 
-    def describe(self, unit, setup):
+    def describe(self, unit):
         return "tree pack"
 
 
@@ -357,35 +447,21 @@ class ItemsKind(Kind):
     """A generation's unit (:mod:`packtrain.run.generate`): built, padded and decoded there, never trained."""
     name = "items"
 
-    def takes(self, pack, setup):
-        return False  # made by the generation alone (:func:`items_units`)
+    def build(self, unit, plan, examples, images):
+        """P and the unit's examples' items alone, those with an item (None when no example has one): a
+        generation's prompts."""
+        from packtrain.packed.layout import build_pack_layout
 
-    def build(self, unit, plan, examples, setup):
-        """P and the unit's examples' items alone, those with an item (None when no example has one)."""
-        return _layout(unit, plan, examples, setup.images, packed=True, items_only=True)
-
-
-PACK, GROUPS, STANDALONE, WALK, TREE, ITEMS = (PackKind(), GroupsKind(), StandaloneKind(), WalkKind(), TreeKind(),
-                                               ItemsKind())
-# the order decides: a walked pack is a walk in any packing mode
-KINDS: tuple[Kind, ...] = (WALK, GROUPS, PACK, STANDALONE, TREE, ITEMS)
-
-
-def units_of(pack: Pack, setup: UnitSetup) -> list[Unit]:
-    """The units of one pack: the one place a unit's kind is decided."""
-    kind = next(k for k in KINDS if k.takes(pack, setup))
-    return kind.units(pack)
+        prefix, chosen, spec = _unit_parts(unit, plan, examples, images, lambda ex: bool(ex.item_ids))
+        if not chosen:
+            return None
+        refs = [_item_images(ex, spec) for ex in chosen]
+        conts = _continuations(chosen, refs, items_alone=True)
+        return _with_images(build_pack_layout(prefix, conts, spec, targets=False), refs, images)
 
 
-def pack_kind(setup: UnitSetup) -> Kind:
-    """The kind of the setup's packs that are not walked."""
-    unwalked = Pack(0, (), 0)
-    return next(k for k in KINDS if k.takes(unwalked, setup))
-
-
-def check_data(setup: UnitSetup, examples) -> None:
-    """The kind of the setup's packs refuses, before the model is built, data it cannot run."""
-    pack_kind(setup).check(setup, examples)
+_PACK_KINDS = {"shared_prefix": PackKind, "standalone": StandaloneKind, "tree": TreeKind}  # packing.mode's
+ITEMS = ItemsKind()
 
 
 def items_units(plan: Plan, pack_ids: list[int]) -> list[Unit]:
@@ -393,18 +469,15 @@ def items_units(plan: Plan, pack_ids: list[int]) -> list[Unit]:
     return [ITEMS.units(plan.packs[i])[0] for i in pack_ids]
 
 
-def pad_units(per_rank: list[list[Unit]], rank: int) -> list[Unit]:
-    """``rank``'s units under the equal-call rule: kind by kind in :data:`KINDS` order (its packs, then its walks),
-    each kind padded by its own rule."""
+def pad_units(per_rank: list[list[Unit]], rank: int, kinds: Kinds) -> list[Unit]:
+    """``rank``'s units under the equal-call rule: kind by kind in :meth:`Kinds.pad_order` (its packs, then its
+    walks), each kind padded by its own rule."""
     out = []
-    for kind in _PAD_ORDER:
+    for kind in kinds.pad_order():
         mine = [[u for u in units if u.kind is kind] for units in per_rank]
         if any(mine):
             out += kind.pad(mine, rank)
     return out
-
-
-_PAD_ORDER = (GROUPS, PACK, STANDALONE, TREE, ITEMS, WALK)  # a rank runs its packs first, then its walks
 
 
 def pad_slots(per_rank: list[list[U]], rank: int, dummy_of) -> list[U]:
@@ -426,16 +499,16 @@ def _group_targets(work: Groups) -> list[int]:
     return [n for lay, w in zip(work.layouts, work.weights) if w for n in lay.target_counts.tolist()]
 
 
-def largest_unit(plan: Plan, examples, setup: UnitSetup, max_positions: int | None = None) -> Unit:
+def largest_unit(plan: Plan, examples, kinds: Kinds, max_positions: int | None = None) -> Unit:
     """The unit with the most positions, what one forward holds at most; units over ``train.max_positions`` are
     skipped in training. Walked examples hold one chunk's window at a time, so a plan's other units come first."""
-    units = [u for pack in plan.packs for u in units_of(pack, setup)]
+    units = [u for pack in plan.packs for u in kinds.units(pack)]
     units = [u for u in units if u.kind.capped] or units
     sized = [(u.kind.positions(u, plan, examples), u) for u in units]
     if max_positions is not None:
         sized = [s for s in sized if not s[1].kind.capped or s[0] <= max_positions]
         if not sized:
-            what = units[0].kind.describe(units[0], setup)
+            what = units[0].kind.describe(units[0])
             raise ValueError(f"train.max_positions={max_positions}: every {what} is longer, so training would skip "
                              "them all")
     return max(sized, key=lambda s: s[0])[1]
@@ -443,11 +516,10 @@ def largest_unit(plan: Plan, examples, setup: UnitSetup, max_positions: int | No
 
 def unit_shape(cfg: Config, plan: Plan, examples) -> UnitShape:
     """The shape of the plan's largest unit under the config, what the memory estimate sizes."""
-    setup = UnitSetup.of(cfg)
-    unit = largest_unit(plan, examples, setup, cfg.train.max_positions)
+    unit = largest_unit(plan, examples, Kinds.of(cfg), cfg.train.max_positions)
     lengths = unit.kind.segments(unit, plan, examples)
     return UnitShape(len(plan.prompts[unit.prompt]), lengths, [target_count(examples[e]) for e in unit.examples],
-                     unit.kind.group_positions(lengths, setup), unit.kind.shares_prefix,
+                     unit.kind.group_positions(lengths), unit.kind.shares_prefix,
                      unit.kind.leaves(unit, plan, examples))
 
 
@@ -462,8 +534,8 @@ def choose_savings(cfg: Config, plan: Plan, examples, dist):
 
 
 # -- the runner -------------------------------------------------------------------------------------------------
-def build(unit: Unit, plan: Plan, examples, setup: UnitSetup) -> Built:
-    return Built(unit, unit.kind.build(unit, plan, examples, setup))
+def build(unit: Unit, plan: Plan, examples, kinds: Kinds) -> Built:
+    return Built(unit, unit.kind.build(unit, plan, examples, kinds.images))
 
 
 def over_cap(built: Built, max_positions: int | None) -> bool:
@@ -471,7 +543,7 @@ def over_cap(built: Built, max_positions: int | None) -> bool:
     return max_positions is not None and built.unit.kind.capped and built.positions > max_positions
 
 
-def run_unit(lm, built: Built, setup: UnitSetup, device, scale: float | None = None) -> UnitResult:
+def run_unit(lm, built: Built, kinds: Kinds, device, scale: float | None = None) -> UnitResult:
     """Run one unit on ``device``: training (forward and backward, gradients accumulated into the parameters,
     ``loss_sum * scale``) when ``scale`` is given, else evaluation under no_grad."""
     import torch
@@ -483,12 +555,12 @@ def run_unit(lm, built: Built, setup: UnitSetup, device, scale: float | None = N
     calls = lm.calls
     if not training:
         with torch.no_grad():
-            loss_sum, per_example, targets = kind.evaluate(lm, unit, work, setup)
+            loss_sum, per_example, targets = kind.evaluate(lm, unit, work)
     else:
         scale = equal.silenced(scale) if unit.dummy else scale
-        loss_sum, per_example, targets = kind.train(lm, unit, work, setup, scale)
+        loss_sum, per_example, targets = kind.train(lm, unit, work, scale)
     calls = lm.calls - calls
-    expected = kind.calls(unit, setup, training)
+    expected = kind.calls(unit, training)
     if calls != expected:  # the equal-call rule broken: another rank would wait for a call this one never makes
         raise RuntimeError(f"a {kind.name} unit issued {calls} forward calls, its kind says {expected}")
     if unit.dummy:
@@ -496,38 +568,39 @@ def run_unit(lm, built: Built, setup: UnitSetup, device, scale: float | None = N
     return UnitResult(loss_sum, per_example, targets, work.length, calls)
 
 
-def _layout(unit: Unit, plan: Plan, examples, images: ImageLoader | None, packed: bool,
-            items_only: bool = False, tree: bool = False) -> PackLayout | None:
-    """The layout of one unit (a pack, or one example alone when not ``packed``, or a pack's prefix tree with
-    ``tree``); with ``images``, its examples' images are loaded (in buffer order) as well. ``items_only``: a pack of
-    the examples' items alone, those with an item (a generation's prompts; None when no example has one)."""
-    from packtrain.packed.layout import Continuation, build_pack_layout, build_standalone_layout
-
-    prefix = plan.prompts[unit.prompt]
-    chosen = [examples[e] for e in unit.examples if not items_only or examples[e].item_ids]
-    if not chosen:
-        return None
+# -- what the kinds' builds share ---------------------------------------------------------------------------------
+def _unit_parts(unit: Unit, plan: Plan, examples, images: ImageLoader | None, keep=None):
+    """(P, the unit's examples, those ``keep`` takes, the vision spec); refuses images without a loader."""
+    chosen = [examples[e] for e in unit.examples if keep is None or keep(examples[e])]
     if any(getattr(ex, "images", ()) for ex in chosen) and images is None:
         raise ValueError(f"{chosen[0].source}: examples with images need a vision-language model and an image "
                          "processor")
-    spec = images.spec if images is not None else None
-    per_example = [_item_images(ex, spec) if items_only else tuple(getattr(ex, "images", ())) for ex in chosen]
-    conts = [Continuation(ex.item_ids, () if items_only else ex.target_ids, [r.grid_thw for r in refs],
-                          () if items_only else getattr(ex, "spans", ())) for ex, refs in zip(chosen, per_example)]
-    refs = [r for ex_refs in per_example for r in ex_refs]
-    if tree:  # images: the buffer holds each shared one once, in the tree's order
-        from packtrain.data.tree import image_salt
-        from packtrain.packed.tree import build_tree_layout
+    return plan.prompts[unit.prompt], chosen, images.spec if images is not None else None
 
-        layout = build_tree_layout(prefix, conts, spec, image_keys=[image_salt(ex) for ex in chosen])
-        refs = [per_example[j][k] for j, k in layout.image_sources]
-    elif packed:
-        layout = build_pack_layout(prefix, conts, spec, targets=not items_only)
-    else:
-        (cont,) = conts
-        layout = build_standalone_layout(prefix, cont, spec)
-    if refs:
-        layout.pixel_values, _ = images.load(refs)
+
+def _continuations(chosen, refs, items_alone: bool = False) -> list:
+    """The examples as layout continuations, with their images' grids (``items_alone``: their items, no target)."""
+    from packtrain.packed.layout import Continuation
+
+    return [Continuation(ex.item_ids, () if items_alone else ex.target_ids, [r.grid_thw for r in ex_refs],
+                         () if items_alone else getattr(ex, "spans", ())) for ex, ex_refs in zip(chosen, refs)]
+
+
+def _alone(unit: Unit, plan: Plan, examples, images: ImageLoader | None):
+    """The unit's one example alone: ``concat(P, C)``."""
+    from packtrain.packed.layout import build_standalone_layout
+
+    prefix, (ex,), spec = _unit_parts(unit, plan, examples, images)
+    refs = [tuple(getattr(ex, "images", ()))]
+    (cont,) = _continuations([ex], refs)
+    return _with_images(build_standalone_layout(prefix, cont, spec), refs, images)
+
+
+def _with_images(layout, refs, images: ImageLoader | None):
+    """``layout`` with the pixels of ``refs`` (per example, in buffer order) loaded, where there are any."""
+    flat = [r for ex_refs in refs for r in ex_refs]
+    if flat:
+        layout.pixel_values, _ = images.load(flat)
     return layout
 
 

@@ -9,9 +9,8 @@ from cli_helpers import REPO, run_in_process, write_config
 from packtrain.commands import smoke
 from packtrain.config import load_config
 from packtrain.data.examples import load_split
-from packtrain.data.planner import plan_for
 from packtrain.run import harness
-from packtrain.run.units import UnitSetup, build, largest_unit, units_of
+from packtrain.run.units import Kinds, build, largest_unit, plan_for
 
 PHASES = ["load model", "update 1", "update 2 (with optimizer state)", "save checkpoint"]
 
@@ -38,10 +37,10 @@ def test_the_largest_unit_is_the_pack_with_most_positions(tmp_path):
     cfg = load_config(write_config(tmp_path))
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    unit = largest_unit(plan, examples, UnitSetup("shared_prefix"))
+    unit = largest_unit(plan, examples, Kinds.named("shared_prefix"))
     assert max(p.positions for p in plan.packs) == next(p.positions for p in plan.packs
                                                         if (p.prompt, p.examples) == (unit.prompt, unit.examples))
-    alone = largest_unit(plan, examples, UnitSetup("standalone"))
+    alone = largest_unit(plan, examples, Kinds.named("standalone"))
     lengths = [len(plan.prompts[p.prompt]) + examples[e].len_continuation for p in plan.packs for e in p.examples]
     assert len(alone.examples) == 1
     assert len(plan.prompts[alone.prompt]) + examples[alone.examples[0]].len_continuation == max(lengths)
@@ -52,13 +51,13 @@ def test_shortened_prompt_keeps_the_continuations(tmp_path):
     cfg = load_config(write_config(tmp_path))
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    setup = UnitSetup("shared_prefix")
+    setup = Kinds.named("shared_prefix")
     unit = largest_unit(plan, examples, setup)
     full, _ = harness.one_pack(plan, examples, setup)
     short, short_unit = harness.one_pack(plan, examples, setup, prompt_tokens=5)
     assert short.prompts == [plan.prompts[unit.prompt][:5]] and full.prompts == [plan.prompts[unit.prompt]]
     assert short_unit.examples == unit.examples and len(short.packs) == 1
-    full_layout, short_layout = (build(units_of(p.packs[0], setup)[0], p, examples, setup).work for p in (full, short))
+    full_layout, short_layout = (build(setup.units(p.packs[0])[0], p, examples, setup).work for p in (full, short))
     assert short_layout.prefix_len == 5 and full_layout.length - short_layout.length == full_layout.prefix_len - 5
     assert short.packs[0].positions == short_layout.length and full.packs[0].positions == full_layout.length
     assert torch.equal(short_layout.target_ids, full_layout.target_ids)
@@ -68,7 +67,7 @@ def test_the_one_pack_plan_of_a_standalone_run_is_its_largest_example(tmp_path):
     cfg = load_config(write_config(tmp_path))
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    setup = UnitSetup("standalone")
+    setup = Kinds.named("standalone")
     one, unit = harness.one_pack(plan, examples, setup)
     assert unit == largest_unit(plan, examples, setup) and one.packs[0].examples == unit.examples
     assert one.packs[0].positions == build(unit, one, examples, setup).positions  # prompt 0 of the one-pack plan

@@ -410,3 +410,22 @@ def test_frozen_flex_mask_equals_the_batched_path_forward(fake_fla_frozen, monke
         with torch.no_grad():
             losses[attention] = PackedLM(model, "frozen")(PackCall(build_pack_layout(prefix, conts))).per_example
     assert rel(losses["flex"], losses["batched"]) < 1e-6
+
+
+def test_each_mode_answers_what_the_estimates_ask():
+    """The three strategies: whether P gets gradient, the rows a unit's graph keeps and a layer's recompute holds
+    (P 10 and 30 continuation rows; in groups the largest group 12), the estimate's note; an unknown name refused."""
+    from packtrain.packed.context import context_grad
+
+    full, kv_only, frozen = (context_grad(m) for m in MODES)
+    assert (full.prefix_grad, kv_only.prefix_grad, frozen.prefix_grad) == (True, True, False)
+    for mode in (full, kv_only):
+        assert mode.graph_rows(40, 10, None) == (40, 40) and mode.graph_rows(40, 10, 12) == (22, 12)
+    assert frozen.graph_rows(40, 10, None) == (30, 30) and frozen.graph_rows(40, 10, 12) == (12, 12)
+    assert [m.estimate_note() for m in (full, kv_only, frozen)] == ["", "; context_grad kv_only",
+                                                                   "; context_grad frozen"]
+    assert (full.walks, kv_only.walks, frozen.walks) == (True, False, True)
+    with pytest.raises(ValueError, match="kv_only is not supported"):
+        kv_only.check_walk()
+    with pytest.raises(ValueError, match="unknown value 'none'"):
+        context_grad("none")

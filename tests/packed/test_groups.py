@@ -166,7 +166,7 @@ def test_one_update_in_groups_is_the_one_forward_update(monkeypatch):
     from packtrain.distributed import DistInfo
     from packtrain.run.harness import one_update
     from packtrain.run.step import Step
-    from packtrain.run.units import GROUPS, PACK, UnitSetup, units_of
+    from packtrain.run.units import GroupsKind, Kinds, PackKind
 
     prefix_len, specs, layer_types = CASES[0]
     prefix, conts = random_pack(prefix_len, specs, seed=0)
@@ -174,9 +174,9 @@ def test_one_update_in_groups_is_the_one_forward_update(monkeypatch):
     plan = plan_of([prefix], [(0, range(len(conts)))], examples)
     with without_float32_casts(monkeypatch):
         after = []
-        for kind, n_groups in ((PACK, 1), (GROUPS, 3)):
-            setup = UnitSetup("shared_prefix", n_groups)
-            assert [u.kind for u in units_of(plan.packs[0], setup)] == [kind]
+        for kind, n_groups in ((PackKind, 1), (GroupsKind, 3)):
+            setup = Kinds.named("shared_prefix", n_groups)
+            assert [type(u.kind) for u in setup.units(plan.packs[0])] == [kind]
             model = patched_lora_model(layer_types, seed=0, backend=BACKEND)
             params = [p for p in model.parameters() if p.requires_grad]
             sgd = torch.optim.SGD(params, lr=0.5)

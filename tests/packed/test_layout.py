@@ -44,7 +44,7 @@ def test_standalone_layout_table():
     assert lay.position_ids[0, 0].tolist() == [0, 1, 2, 3, 4]
     assert lay.target_positions.tolist() == [3]
     assert lay.target_counts.tolist() == [1]
-    assert not lay.packed
+    assert lay.cont_lens == [] and lay.segment_ids.tolist() == [0] * 5
 
 
 def test_layout_rejects_empty_parts():

@@ -16,7 +16,7 @@ from packtrain.packed.kernels import (
     select_backend,
 )
 from packtrain.packed.layout import build_pack_layout, build_standalone_layout
-from packtrain.packed.lm import PackCall, PackedLM
+from packtrain.packed.lm import PackCall, PackedLM, StandaloneCall
 from packtrain.packed.patch import UnsupportedModelError, patch_model
 
 L, F = "linear_attention", "full_attention"
@@ -167,7 +167,7 @@ def test_mlp_tiles_in_every_forward_and_survive_checkpointing():
 
     def no_grad_run(m, prefix, conts):
         with torch.no_grad():
-            return PackedLM(m)(PackCall(build_standalone_layout(prefix, conts[1])))
+            return PackedLM(m)(StandaloneCall(build_standalone_layout(prefix, conts[1])))
 
     _, seen_no_grad = mlp_rows_seen(model(tiles), no_grad_run)
     assert max(seen_no_grad) == 16 and sum(seen_no_grad) == 3 * lengths[1]

@@ -28,7 +28,7 @@ from packtrain.packed.lm import PackedLM
 from packtrain.packed.patch import text_parts
 from packtrain.packed.walk import train_walk
 from packtrain.run.steps import rank_units
-from packtrain.run.units import WALK, Unit, UnitSetup
+from packtrain.run.units import Kinds, Unit, WalkKind
 
 L, F = "linear_attention", "full_attention"
 # (P, item, target, chunk, layer types)
@@ -233,25 +233,28 @@ def test_every_rank_gets_the_same_walk_slots():
     examples = [ex("a", 3), ex("b", 30), ex("c", 50), ex("d", 5), ex("e", 2)]
     plan = plan_packs(examples, 12, 1, "walk", walk_spec=WalkSpec(8, None))
     ids = list(range(len(plan.packs)))
-    units = [rank_units(plan, ids, UnitSetup("shared_prefix"), r, 2) for r in range(2)]
+    kinds = Kinds.named("shared_prefix", walk_spec=WalkSpec(8, None))
+    units = [rank_units(plan, ids, kinds, r, 2) for r in range(2)]
     shape = [[(u.kind.name, u.walk) for u in mine] for mine in units]
     assert shape[0] == shape[1]  # same kinds in the same order, walks padded to the same schedule
-    walked = [u for mine in units for u in mine if u.kind is WALK and not u.dummy]
+    walked = [u for mine in units for u in mine if u.kind is kinds.walk and not u.dummy]
     assert sorted(examples[u.examples[0]].id for u in walked) == ["b", "c"]
-    assert all(u.walk == WalkCalls(7, 7, 7) for mine in units for u in mine if u.kind is WALK)  # c: 53 -> 7
+    assert all(u.walk == WalkCalls(7, 7, 7) for mine in units for u in mine if u.kind is kinds.walk)  # c: 53 -> 7
     # one walk in the step: the other rank runs a dummy walk of the same schedule
     plan = plan_packs(examples[:2] + examples[3:4], 12, 1, "walk", walk_spec=WalkSpec(8, None))
-    units = [rank_units(plan, [0, 1, 2], UnitSetup("standalone"), r, 2) for r in range(2)]
-    assert [[(u.dummy, u.walk) for u in mine if u.kind is WALK] for mine in units] == \
+    kinds = Kinds.named("standalone", walk_spec=WalkSpec(8, None))
+    units = [rank_units(plan, [0, 1, 2], kinds, r, 2) for r in range(2)]
+    assert [[(u.dummy, u.walk) for u in mine if u.kind is kinds.walk] for mine in units] == \
         [[(False, WalkCalls(4, 4, 4))], [(True, WalkCalls(4, 4, 4))]]
 
 
 def test_a_dummy_walk_takes_its_slots_schedule_not_its_fillers():
     """Rank 0 walks a long then a short example, rank 1 one long one: rank 1's dummy in slot 1 (a copy of its long
     walk) once kept the long schedule while rank 0 ran the short one, and the ranks deadlocked."""
-    a, b, c = Unit(WALK, 0, (0,), walk=WalkCalls(4, 4, 4)), Unit(WALK, 0, (1,), walk=WalkCalls(3, 3, 3)), \
-        Unit(WALK, 0, (2,), walk=WalkCalls(4, 4, 4))
-    slots = [WALK.pad([[a, b], [c]], r) for r in range(2)]
+    walk = WalkKind(WalkSpec(8, None))
+    a, b, c = Unit(walk, 0, (0,), walk=WalkCalls(4, 4, 4)), Unit(walk, 0, (1,), walk=WalkCalls(3, 3, 3)), \
+        Unit(walk, 0, (2,), walk=WalkCalls(4, 4, 4))
+    slots = [walk.pad([[a, b], [c]], r) for r in range(2)]
     assert [[u.walk for u in mine] for mine in slots] == [[WalkCalls(4, 4, 4), WalkCalls(3, 3, 3)]] * 2
     assert [u.dummy for u in slots[1]] == [False, True]
 

@@ -182,7 +182,7 @@ def test_gpu_memory_gives_the_largest_budget_that_fits(tmp_path):
     budget = out["max_token_budget"]
     cfg = load_config(path)
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for
+    from packtrain.run.units import plan_for
 
     examples = load_split(cfg, "train")
     shape = unit_shape(cfg, plan_for(cfg, examples), examples)
@@ -202,10 +202,10 @@ def test_the_run_header_shows_the_choice(tmp_path):
     from types import SimpleNamespace
 
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for
     from packtrain.models import savings
     from packtrain.models.budget import plan_budget
     from packtrain.run import report
+    from packtrain.run.units import plan_for
 
     model = SHAPES["checkpointed"][0]
     cfg = load_config(write_config(tmp_path, model, {"offload": 2}))
@@ -225,7 +225,7 @@ def test_the_run_header_shows_the_choice(tmp_path):
 @pytest.mark.parametrize("loss_rows, mlp_rows", [(1024, None), (0, 0), (5, 7)])
 def test_the_estimate_follows_the_configs_chunks(tmp_path, loss_rows, mlp_rows):
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for
+    from packtrain.run.units import plan_for
 
     model = hybrid(128, 384, vocab=1000)
     train = {"activation_checkpointing": True, "offload": False, "loss_chunk_rows": loss_rows,

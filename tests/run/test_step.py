@@ -16,7 +16,6 @@ own copy of the model, and the update is their summed gradients, as FSDP sums th
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
 from parity import hf_loss_tensors, max_rel, without_float32_casts
 from tiny_models import examples_of, patched_lora_model, plan_of, random_pack
@@ -27,7 +26,7 @@ from packtrain.packed.kernels import Backend
 from packtrain.packed.lm import PackedLM
 from packtrain.run import step as step_module
 from packtrain.run.step import Step
-from packtrain.run.units import UnitSetup
+from packtrain.run.units import Kinds
 
 L, F = "linear_attention", "full_attention"
 BACKEND = Backend(gdn="torch", attention="batched")
@@ -52,7 +51,7 @@ def _step(examples, plan, info, **kw):
     params = [p for p in model.parameters() if p.requires_grad]
     sgd = torch.optim.SGD(params, lr=LR)
     schedule = torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0)
-    return model, Step(PackedLM(model, "full"), UnitSetup("shared_prefix"), plan, examples, info, params, sgd,
+    return model, Step(PackedLM(model, "full"), Kinds.named("shared_prefix"), plan, examples, info, params, sgd,
                        schedule, **kw)
 
 

@@ -22,7 +22,7 @@ def _trainer(tmp_path, *overrides, name="cfg.yaml"):
 ], ids=["zero-gradients", "no-graph"])
 def test_zero_gradient_guard_fires_when_adapters_are_cut_off(tmp_path, monkeypatch, cut, message):
     original = PackedLM.hidden_states
-    monkeypatch.setattr(PackedLM, "hidden_states", lambda self, layout: cut(original(self, layout)))
+    monkeypatch.setattr(PackedLM, "hidden_states", lambda self, layout, pack=None: cut(original(self, layout, pack)))
     trainer = _trainer(tmp_path, "data.eval=null", "train.max_steps=2")
     with pytest.raises(ZeroGradientError, match=message):
         trainer.train()

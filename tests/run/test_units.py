@@ -12,11 +12,12 @@ import pytest
 from parity import max_rel, trainable_grads, without_float32_casts
 from tiny_models import patched_lora_model, random_pack
 
+from packtrain.data.pairs import pack_pairs
 from packtrain.data.planner import Pack, Plan
 from packtrain.packed.kernels import Backend
 from packtrain.packed.lm import PackedLM
 from packtrain.run.steps import rank_units, step_examples
-from packtrain.run.units import UnitSetup, build, run_unit, step_scale
+from packtrain.run.units import Kinds, build, run_unit, step_scale
 
 L, F = "linear_attention", "full_attention"
 
@@ -35,8 +36,9 @@ def _plan():
     p9, nine = random_pack(9, [(4, 2), (1, 3)], seed=2)
     examples = [_Example(p6, c.item_ids, c.target_ids) for c in six] + [_Example(p9, c.item_ids, c.target_ids)
                                                                        for c in nine]
-    packs = [Pack(0, (0, 1, 2), 6 + sum(len(c) for c in six[:3])), Pack(0, (3,), 6 + len(six[3])),
-             Pack(1, (4, 5), 9 + sum(len(c) for c in nine))]
+    packs = [Pack(0, (0, 1, 2), 6 + sum(len(c) for c in six[:3]), pack_pairs(6, [len(c) for c in six[:3]])),
+             Pack(0, (3,), 6 + len(six[3]), pack_pairs(6, [len(six[3])])),
+             Pack(1, (4, 5), 9 + sum(len(c) for c in nine), pack_pairs(9, [len(c) for c in nine]))]
     return Plan(packs, [tuple(p6), tuple(p9)], [], 64, 8), examples
 
 
@@ -65,8 +67,8 @@ def test_ranks_dummies_and_groups_train_the_one_rank_step(mode, n_groups, world,
     with without_float32_casts(monkeypatch):
         model = patched_lora_model([L, F, L], seed=3, backend=Backend(gdn="torch", attention="batched"))
         lm = PackedLM(model).train()
-        ref, _, ref_loss = _step(lm, plan, examples, UnitSetup(mode), 1)
-        got, calls, loss = _step(lm, plan, examples, UnitSetup(mode, n_groups), world)
+        ref, _, ref_loss = _step(lm, plan, examples, Kinds.named(mode), 1)
+        got, calls, loss = _step(lm, plan, examples, Kinds.named(mode, n_groups), world)
     assert max_rel(got, ref) < 1e-12
     assert abs(loss - ref_loss) < 1e-12 * abs(ref_loss)
     assert all(c == calls[0] for c in calls), calls  # every rank issues the same forward calls
@@ -77,9 +79,9 @@ def test_a_dummy_unit_learns_nothing_and_reports_nothing(monkeypatch):
     plan, examples = _plan()
     model = patched_lora_model([L, F], seed=4, backend=Backend(gdn="torch", attention="batched"))
     lm = PackedLM(model).train()
-    units = rank_units(plan, [0, 1, 2], UnitSetup("shared_prefix"), 1, 2)  # rank 1: pack 1, then a dummy
+    units = rank_units(plan, [0, 1, 2], Kinds.named("shared_prefix"), 1, 2)  # rank 1: pack 1, then a dummy
     assert [u.dummy for u in units] == [False, True]
-    result = run_unit(lm, build(units[1], plan, examples, UnitSetup("shared_prefix")), UnitSetup("shared_prefix"),
+    result = run_unit(lm, build(units[1], plan, examples, Kinds.named("shared_prefix")), Kinds.named("shared_prefix"),
                       "cpu", 0.5)
     assert (result.loss_sum, result.per_example, result.positions, result.calls) == (0.0, [], 0, 1)
     assert all(float(g.abs().max()) == 0.0 for g in trainable_grads(model).values())
@@ -92,17 +94,37 @@ def test_a_tree_unit_is_sized_as_the_tree_it_builds(tmp_path):
 
     from packtrain.config import load_config
     from packtrain.data.examples import load_split
-    from packtrain.data.planner import plan_for
-    from packtrain.run.units import TREE, unit_shape, units_of
+    from packtrain.run.units import plan_for, unit_shape
 
     cfg = load_config(binary_tree_config(tmp_path))  # P 30 and a full binary tree of depth 6: 126 one-token nodes
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    setup = UnitSetup.of(cfg)
-    (unit,) = units_of(plan.packs[0], setup)
-    assert unit.kind is TREE and len(unit.examples) == 64
+    setup = Kinds.of(cfg)
+    (unit,) = setup.units(plan.packs[0])
+    assert unit.kind is setup.pack and unit.kind.name == "tree" and len(unit.examples) == 64
     built = build(unit, plan, examples, setup)
     assert built.positions == 30 + 126 == unit.kind.positions(unit, plan, examples)
     assert unit.kind.segments(unit, plan, examples) == [1] * 126
     shape = unit_shape(cfg, plan, examples)
     assert (shape.prefix, sum(shape.lengths), shape.continuations, sum(shape.targets)) == (30, 126, 64, 64)
+
+
+def test_the_kinds_of_a_config_are_built_once_and_configured():
+    """Kinds.of: the pack kind of packing.mode, in groups with their count, the walk with its spec; the planner and
+    the units read the same object (a walked pack is the walk's, every other the pack kind's)."""
+    from packtrain.config import WalkSpec
+    from packtrain.data.planner import plan_packs
+    from packtrain.run.units import GroupsKind, WalkKind
+
+    grouped = Kinds.named("shared_prefix", 3)
+    assert isinstance(grouped.pack, GroupsKind) and grouped.n_groups == 3 and grouped.walk is None
+    assert grouped.whole_packs().pack.name == "pack" and grouped.whole_packs().n_groups == 1
+    assert [Kinds.named(m).pack.name for m in ("shared_prefix", "standalone", "tree")] == ["pack", "standalone",
+                                                                                           "tree"]
+    spec = WalkSpec(8, None)
+    kinds = Kinds.named("standalone", walk_spec=spec)
+    assert isinstance(kinds.walk, WalkKind) and kinds.walk_spec == spec
+    examples = [_Example((1, 2), (3,), (4,)), _Example((1, 2), (5,) * 20, (6,))]
+    plan = plan_packs(examples, 12, 4, "walk", walk_spec=spec)
+    assert sorted(kinds.kind_of(pack).name for pack in plan.packs) == ["standalone", "walk"]
+    assert {u.kind for pack in plan.packs for u in kinds.units(pack)} == {kinds.pack, kinds.walk}
