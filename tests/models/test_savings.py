@@ -19,7 +19,7 @@ AUTO = {k: "auto" for k in savings.KEYS}
 
 
 def _seed_shape() -> UnitShape:
-    """The seed-like pack of tools/make_seed_data.py: P 64,000 + 80 continuations of 400-700 + 200-400 tokens."""
+    """The seed-like pack of tools/data/make_seed_data.py: P 64,000 + 80 continuations of 400-700 + 200-400 tokens."""
     sys.path.insert(0, str(REPO / "tools"))
     from make_seed_data import seed_records
 

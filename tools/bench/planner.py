@@ -5,8 +5,8 @@ The generated data: 2,000 prompts with P of 1,000-8,000 tokens, each example dra
 at most 90 continuations per pack). Token tuples are shared between examples where they can be, to keep memory small;
 generating the data is not timed.
 
-    python tools/bench_planner.py                  # the figure in docs/performance.md
-    python tools/bench_planner.py --examples 100000
+    python tools/bench/planner.py                  # the figure in docs/performance.md
+    python tools/bench/planner.py --examples 100000
 """
 
 from __future__ import annotations

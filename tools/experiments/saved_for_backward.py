@@ -4,7 +4,8 @@ width, LoRA r 8 with dropout 0.05 on q, k, v, o and gate_proj. Runs against an o
 (``PYTHONPATH=CHECKOUT``), where the MLP's ``mlp_rows`` blocks kept every activation and the norms their float32
 copies.
 
-    python tools/saved_for_backward.py [--hidden 1024 --intermediate 3584 --prefix 2048 --continuations 8x256]
+    python tools/experiments/saved_for_backward.py [--hidden 1024 --intermediate 3584 --prefix 2048 \\
+        --continuations 8x256]
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ this process (one thread), median of interleaved repeats. The default shape is t
 (2 key heads, 4 value heads, head dims 64) over a P of 2,048 tokens; packtrain's rule in chunks of 64 (the
 default, transformers' and fla's) and of 32 (what a pack's P runs in on the torch back end, packtrain/packed/gdn.py).
 
-    python tools/bench_chunk_rule.py [--tokens 2048] [--repeats 7]
-    python tools/bench_chunk_rule.py --varlen   # the continuations' chunk size (packtrain/packed/gdn.py)
+    python tools/bench/chunk_rule.py [--tokens 2048] [--repeats 7]
+    python tools/bench/chunk_rule.py --varlen   # the continuations' chunk size (packtrain/packed/gdn.py)
 
 ``--varlen``: packtrain's varlen rule over the continuations of a few pack shapes, every one from one shared
 initial state (as in a pack), forward + backward, for continuation chunks of 8, 16, 24 and 32 rows.

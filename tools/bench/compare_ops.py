@@ -4,8 +4,8 @@ transformers loop, in one process, one thread. Prints the CPU times (median of 3
 position ratio, then self CPU time per operator under the torch profiler, the pack's scaled by the position ratio
 (a row where the pack's figure is larger is work the pack does more of per position than the loops).
 
-    python tools/compare_ops.py --prefix-tokens 1024 --continuations 24 --cont-tokens 48:48
-    python tools/compare_ops.py --prefix-tokens 1024 --continuations 12 --cont-tokens 100:230 --shapes
+    python tools/bench/compare_ops.py --prefix-tokens 1024 --continuations 24 --cont-tokens 48:48
+    python tools/bench/compare_ops.py --prefix-tokens 1024 --continuations 12 --cont-tokens 100:230 --shapes
 
 ``--shapes`` adds, for the largest operators, their calls grouped by input shape (matmul throughput per shape).
 ``--no-profile`` prints the timings only. ``--padded-attention`` also times the pack with the CPU attention's padded
@@ -24,7 +24,7 @@ import torch
 from torch.profiler import profile
 
 from packtrain.bench.presets import Shape, generate_examples, get_preset
-from packtrain.bench.variants import Models, Workload, _whole_example
+from packtrain.bench.variants import Models, Workload, whole_example
 from packtrain.config import config_from_dict
 from packtrain.data.planner import plan_for
 from packtrain.distributed import DistInfo
@@ -50,7 +50,7 @@ def main() -> None:
     shape = Shape(1, args.prefix_tokens, args.continuations, (int(lo), int(hi or lo)))
     preset = get_preset("cpu")
     preset.config["packing"]["token_budget"] = args.prefix_tokens + shape.continuations * shape.cont_tokens[1]
-    cfg = config_from_dict(preset.config, source="tools/compare_ops.py")
+    cfg = config_from_dict(preset.config, source="tools/bench/compare_ops.py")
     examples = generate_examples(shape, memory.text_config(memory.config_dict_of(cfg))["vocab_size"], 0)
     plan = plan_for(cfg, examples)
     cfg, _ = choose_savings(cfg, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")))  # as bench chooses them
@@ -71,7 +71,7 @@ def main() -> None:
 
     def plain():
         for ex in examples:
-            input_ids, labels = _whole_example(ex, work.device)
+            input_ids, labels = whole_example(ex, work.device)
             models.plain(input_ids=input_ids, labels=labels, use_cache=False).loss.backward()
 
     def pack_padded():

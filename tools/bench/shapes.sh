@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# tools/bench_shapes.sh [OUT_DIR] [PYTHON]: every shape docs/performance.md records, one after another, each
+# tools/bench/shapes.sh [OUT_DIR] [PYTHON]: every shape docs/performance.md records, one after another, each
 # `packtrain bench` run timing shared-prefix vs standalone vs the plain loop interleaved in one process (median of
 # three repeats, one torch thread). Run it on a quiet machine: each table prints the load average at its start and
 # end. About 45 minutes on 2 idle cores. Results: OUT_DIR/<shape>/bench.json and bench.png, and the tables in
 # OUT_DIR/tables.txt.
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the comment above, without its marks
+  sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"
+  exit 0
+fi
 out=${1:-runs/bench-shapes}
 py=${2:-python}
 variants=${VARIANTS:-shared_prefix,standalone,plain}  # the goal's three; VARIANTS=... to add kv_only,frozen

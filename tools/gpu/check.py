@@ -8,7 +8,7 @@
     bash tools/gpu_check.sh 2           # there: memory against --measure, positions/s and MFU, offload
 
 Each part installs the wheels into /tmp/site (no network there), then runs its steps, each under its own time
-limit, its output appended to $OUT/partN.log. A step decides verdicts (tools/gpu_verdicts.py), each written to
+limit, its output appended to $OUT/partN.log. A step decides verdicts (tools/gpu/verdicts.py), each written to
 $OUT/verdicts.jsonl and the table $OUT/verdicts.md the moment it is decided, so a part stopped at its limit still
 leaves every verdict decided before; a step that ran past its limit or failed leaves a FAIL for each verdict it
 did not decide. Exit status 0 when every verdict passed. Standard library only (it runs before the wheels are in).
@@ -28,7 +28,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 # What the device image lacks, or holds at a version packtrain is not tested on (FACTS: torch 2.11, triton 3.6,
@@ -58,13 +58,13 @@ class Step:
     name: str
     limit: int  # seconds
     argv: list[str]  # "{py}": the device's python
-    verdicts: tuple[str, ...]  # what it decides (a step of gpu_verdicts.py decides its own)
+    verdicts: tuple[str, ...]  # what it decides (a step of verdicts.py decides its own)
 
     def command(self, python: str) -> list[str]:
         return [python if a == "{py}" else a for a in self.argv]
 
 
-VERDICTS = ["{py}", "tools/gpu_verdicts.py"]
+VERDICTS = ["{py}", "tools/gpu/verdicts.py"]
 STEPS = [
     Step(1, "versions", 45, [*VERDICTS, "versions"], ("versions",)),
     Step(1, "kernels", 140, [*VERDICTS, "flex", "gdn"], ("flex", "gdn", "gdn_kernel")),
@@ -191,10 +191,10 @@ def _command_problems(step: Step) -> list[str]:
             compile(path.read_text(), f, "exec")
         except SyntaxError as e:
             problems.append(f"{f} does not compile: line {e.lineno}: {e.msg}")
-    if args[1:2] == ["tools/gpu_verdicts.py"] and not problems:
-        listed = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_verdicts.py"), "--list"],
+    if args[1:2] == ["tools/gpu/verdicts.py"] and not problems:
+        listed = subprocess.run([sys.executable, str(REPO / "tools" / "gpu" / "verdicts.py"), "--list"],
                                 capture_output=True, text=True, cwd=REPO).stdout.split()
-        problems += [f"tools/gpu_verdicts.py decides no verdict {v!r}" for v in (*args[2:], *step.verdicts)
+        problems += [f"tools/gpu/verdicts.py decides no verdict {v!r}" for v in (*args[2:], *step.verdicts)
                      if v not in listed]
     problems += [f"{f} does not exist" for f in args if f.startswith("tests/") and not (REPO / f).is_file()]
     return problems
@@ -202,11 +202,11 @@ def _command_problems(step: Step) -> list[str]:
 
 # -- a part on the device -------------------------------------------------------------------------------------------
 def _record(out: Path, name: str, passed: bool, measured: str, bound: str, detail: str = "") -> None:
-    sys.path.insert(0, str(REPO / "tools"))
-    import gpu_verdicts
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
+    import verdicts
 
     os.environ["OUT"] = str(out)
-    gpu_verdicts.record(name, passed, measured, bound, detail)
+    verdicts.record(name, passed, measured, bound, detail)
 
 
 def _decided(out: Path) -> set[str]:

@@ -1,7 +1,7 @@
 """Write a seed-like pretokenized data set: one P of 64,000 tokens shared by continuations of 400-700 item and
 200-400 target tokens (seeded, deterministic), for the memory figures of docs/performance.md ("Memory").
 
-    python tools/make_seed_data.py /tmp/seed.jsonl                 # 80 continuations: one pack of ~133K positions
+    python tools/data/make_seed_data.py /tmp/seed.jsonl                 # 80 continuations: one pack of ~133K positions
     packtrain plan configs/qwen3.6-27b.yaml --set data.train=/tmp/seed.jsonl --set data.format=pretokenized \\
         --memory --measure --world-size 64
 """

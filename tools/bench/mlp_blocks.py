@@ -3,7 +3,7 @@ pack-sized buffer in one piece, in blocks of rows (packtrain's CPU back end runs
 ``kernels.CPU_MLP_ROWS``), and over an example-sized buffer. CPU time of this process, one thread, median of
 interleaved repeats.
 
-    python tools/bench_mlp_blocks.py [--rows 3119] [--example-rows 1190] [--repeats 15]
+    python tools/bench/mlp_blocks.py [--rows 3119] [--example-rows 1190] [--repeats 15]
 """
 
 from __future__ import annotations

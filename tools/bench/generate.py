@@ -12,8 +12,8 @@ and ``long`` (P of 1,024 tokens, 24 items of 40-80 tokens, 16 new tokens). No st
 same number of tokens. The ways run interleaved ``--repeats`` times; the table gives the median seconds and each
 way's ratio to packtrain, and how many packtrain answers equal the one-at-a-time ones.
 
-    python tools/bench_generate.py            # both shapes
-    python tools/bench_generate.py --shape long --repeats 5
+    python tools/bench/generate.py            # both shapes
+    python tools/bench/generate.py --shape long --repeats 5
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from packtrain.config import load_config  # noqa: E402

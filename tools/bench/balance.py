@@ -6,13 +6,13 @@ Two distributions, seeded:
 - ``seed-like`` (the design's data): 300 prompts with P of 20K-64K tokens, each with 300-1,500 examples whose
   continuations are 350-2,100 tokens, under the default budget (150,000 positions, at most 90 continuations): a
   median of 74 continuations per pack;
-- ``planner-bench``: tools/bench_planner.py's data (P of 1K-8K, about 500 examples per prompt, continuations
+- ``planner-bench``: tools/bench/planner.py's data (P of 1K-8K, about 500 examples per prompt, continuations
   97-6,008 tokens).
 
 The cost model is Qwen3.6-27B's (configs/qwen3.6-27b.yaml): FLOPs per position and per attention pair.
 
-    python tools/bench_balance.py                       # both, 64 ranks, one pack per rank per step
-    python tools/bench_balance.py --world-size 8 --data seed-like
+    python tools/bench/balance.py                       # both, 64 ranks, one pack per rank per step
+    python tools/bench/balance.py --world-size 8 --data seed-like
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "bench"))
 
-from bench_planner import generate as planner_bench_data  # noqa: E402
+from planner import generate as planner_bench_data  # noqa: E402
 
 from packtrain.config import load_config  # noqa: E402
 from packtrain.data.examples import Example  # noqa: E402

@@ -5,7 +5,7 @@ own code for the same sixteen words, plus filler rules and worked examples. An i
 words; the target is those codes ("toma kelu"), a few tokens. The same item has a different target under each
 rulebook, so a model can only get it right by reading the rulebook it is given.
 
-    python tools/make_demo_data.py            # 300 train + 60 eval examples
+    python tools/data/make_demo_data.py            # 300 train + 60 eval examples
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "data" / "demo"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "data" / "demo"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-per-rulebook", type=int, default=60)
     parser.add_argument("--eval-per-rulebook", type=int, default=12)

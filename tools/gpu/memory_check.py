@@ -2,13 +2,13 @@
 
 Qwen3.6-27B's widths with 2 decoder layers (one GDN, one attention) and its vocabulary, bf16, LoRA r 8 with dropout
 0.05 on q, k, v, o and gate_proj, checkpointing + offload, one rank; the pack is P 64,000 + 80 continuations of
-400-700 item and 200-400 target tokens (tools/make_seed_data.py). The step runs for real on CUDA (packtrain's kernels:
-fla, FlexAttention) through the harness's update, and torch.cuda.max_memory_allocated is read at each phase's end
-(the phases of packtrain.run.measure: forward, loss, each layer kind's recompute, optimizer). The memory verdict of
-tools/gpu_check.sh 2 is :func:`cuda_phases` against --measure (tools/gpu_verdicts.py); by hand this prints the three
-side by side and writes $OUT/gpu_memory.json.
+400-700 item and 200-400 target tokens (tools/data/make_seed_data.py). The step runs for real on CUDA
+(packtrain's kernels: fla, FlexAttention) through the harness's update, and torch.cuda.max_memory_allocated is read
+at each phase's end (the phases of packtrain.run.measure: forward, loss, each layer kind's recompute, optimizer). The
+memory verdict of tools/gpu_check.sh 2 is :func:`cuda_phases` against --measure (tools/gpu/verdicts.py); by hand
+this prints the three side by side and writes $OUT/gpu_memory.json.
 
-    python tools/gpu_memory_check.py [--prefix 64000] [--continuations 80]
+    python tools/gpu/memory_check.py [--prefix 64000] [--continuations 80]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 
 from make_seed_data import seed_records  # noqa: E402
 
@@ -33,7 +33,7 @@ from packtrain.data.planner import plan_for  # noqa: E402
 from packtrain.models import memory  # noqa: E402
 from packtrain.run.units import unit_shape  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class CudaPhases:
@@ -83,7 +83,7 @@ def write_config(tmp: Path, prefix: int, continuations: int) -> Path:
            "data": {"train": str(data), "format": "pretokenized"},
            "packing": {**base["packing"], "token_budget": 200_000, "max_continuations": 500}}
     path = tmp / "cfg.yaml"
-    path.write_text("# python tools/gpu_memory_check.py\n" + yaml.safe_dump(cfg))
+    path.write_text("# python tools/gpu/memory_check.py\n" + yaml.safe_dump(cfg))
     return path
 
 
@@ -93,7 +93,7 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     from packtrain.models.wrap import assemble
     from packtrain.packed.patch import text_parts
     from packtrain.run.harness import one_update, update_step
-    from packtrain.run.measure import _phase_hooks
+    from packtrain.run.measure import phase_hooks
     from packtrain.run.units import UnitSetup, build, largest_unit
 
     device = torch.device("cuda")
@@ -112,7 +112,7 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
 
     counter = CudaPhases(device)
     records = [LayerRecord(tuple(k)) for k in text["kinds"]]
-    hooks = _phase_hooks(counter, layers, records, text, True, text_model.norm)
+    hooks = phase_hooks(counter, layers, records, text, True, text_model.norm)
     hooks.append(optimizer.register_step_pre_hook(lambda *_: counter.set_phase("optimizer")))
     counter.set_phase("forward")
     one_update(step, built)

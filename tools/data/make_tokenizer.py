@@ -12,7 +12,8 @@ Both are saved as transformers fast-tokenizer directories. The demo text has onl
 the vocabulary stops growing well before the requested size; the real size is printed. Deterministic: the same
 data gives the same files.
 
-    python tools/make_demo_data.py && python tools/make_tokenizer.py && python tools/make_tokenizer.py --qwen-like
+    python tools/data/make_demo_data.py && python tools/data/make_tokenizer.py
+    python tools/data/make_tokenizer.py --qwen-like
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # The Qwen3.6-like chat template, maintained by hand in the file it is saved to (tools, reasoning, tool calls and
 # responses, enable_thinking; see the file's header); tests/data/test_chat.py checks its behaviours.

@@ -5,7 +5,7 @@ Per adapter: the bytes autograd saves in its call (each storage once, parameters
 which counts for the first of them), and the largest tensor the call makes (packtrain's: the base layer's output). bf16 model, float32 adapters built
 by packtrain's ``apply_lora``; dropout masks at CPU size (the input's dtype; CUDA's fused dropout keeps 1 byte).
 
-    python tools/lora_saved_bytes.py [--tokens 133189] [--r 8] [--dropout 0.05]
+    python tools/experiments/lora_saved_bytes.py [--tokens 133189] [--r 8] [--dropout 0.05]
 """
 
 from __future__ import annotations

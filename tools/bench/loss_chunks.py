@@ -1,7 +1,7 @@
 """Peak memory and time of the target-only head + cross-entropy (packtrain/packed/loss.py) against
 ``train.loss_chunk_rows``, on CPU.
 
-    OMP_NUM_THREADS=1 python tools/bench_loss_chunks.py [--targets 1024] [--hidden 256] [--rows 0 128 256 512]
+    OMP_NUM_THREADS=1 python tools/bench/loss_chunks.py [--targets 1024] [--hidden 256] [--rows 0 128 256 512]
 
 Each chunk size runs in its own child process: one forward + backward of ``target_losses`` on ``--targets`` float32
 hidden rows through a float32 head of the real vocabulary (248,320) at width ``--hidden``. The parent reads the

@@ -8,11 +8,12 @@ Data: three rulebooks ("sign codes") each give every coloured shape a meaning wo
 sign as an image of a coloured shape (sizes vary, so image grids vary; some items show two signs) or names it in
 words, and the target is the meaning the rulebook gives it. Deterministic: the same files every run.
 
-    python tools/make_vlm_demo.py
+    python tools/data/make_vlm_demo.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -21,7 +22,7 @@ from PIL import Image, ImageDraw
 from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ASSETS = REPO / "packtrain/assets/vlm"
 DATA = REPO / "data/vlm_demo"
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
@@ -110,5 +111,6 @@ def write_data(n_train: int = 150, n_eval: int = 30) -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     write_processor()
     write_data()

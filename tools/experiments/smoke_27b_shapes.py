@@ -1,6 +1,6 @@
 """A Qwen3.6-27B-shaped load and update on CPU: the released layer shapes with 2 decoder layers, bf16, sharded.
 
-    python tools/smoke_27b_shapes.py [--work DIR] [--ranks 2] [--keep]
+    python tools/experiments/smoke_27b_shapes.py [--work DIR] [--ranks 2] [--keep]
 
 Writes a random checkpoint with Qwen3.6-27B's exact layer shapes (hidden 5,120; Gated DeltaNet 16 key / 48 value
 heads of 128; attention 24 / 4 heads of 256 with the output gate (always on in Qwen3.5's q_proj); intermediate 17,408; vocabulary 248,320;
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 TEXT = {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,

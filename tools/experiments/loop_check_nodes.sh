@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # N two-rank `packtrain check-nodes` runs in a row (gloo, CPU); prints each failure and the count. Not a CI test:
 # the evidence behind tests/ops/test_ops_distributed.py::test_identical_ranks_pass (a SIGABRT at exit, 3 of 16 runs).
-#   bash tools/loop_check_nodes.sh [N=20]        (PYTHON=/path/to/python to pick the interpreter)
+#   bash tools/experiments/loop_check_nodes.sh [N=20]        (PYTHON=/path/to/python to pick the interpreter)
 set -uo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the comment above, without its marks
+  sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"
+  exit 0
+fi
 N=${1:-20}
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 DIR=$(mktemp -d)
 "$PY" - "$DIR" <<'PYEOF'

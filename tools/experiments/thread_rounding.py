@@ -2,7 +2,7 @@
 self-attention [1, 4 heads, T, 16] for T = 1..130 and a few longer, float64 and float32; prints the lengths whose
 outputs differ bitwise between the two thread counts, and the largest difference.
 
-    python tools/thread_rounding.py
+    python tools/experiments/thread_rounding.py
 
 Measured with torch 2.13.0+cpu (MKL 2024.2, 2 cores): float64 differs for odd T of 9-31 (1 ulp; one query block
 of odd length), float32 nowhere. tests/run/test_preemption.py therefore compares runs with the same thread count.
@@ -10,12 +10,15 @@ of odd length), float32 nowhere. tests/run/test_preemption.py therefore compares
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float64, torch.float32):
         differ, worst = [], 0.0

@@ -1,6 +1,6 @@
 """Peak memory and time of the walk (packing.on_overflow: walk) against example length, on CPU.
 
-    OMP_NUM_THREADS=1 python tools/bench_walk.py [--lengths 4096 16384 65536] [--chunk 1024] [--standalone 4096]
+    OMP_NUM_THREADS=1 python tools/bench/walk.py [--lengths 4096 16384 65536] [--chunk 1024] [--standalone 4096]
 
 Each configuration runs in its own child process (one forward+backward of one example: P of 64 tokens and a
 continuation of L tokens on a tiny float32 Qwen3.5 hybrid with LoRA); the parent reads the child's peak RSS from

@@ -8,8 +8,8 @@ int objects, as a tokenizer's would be shared. Half the conversations keep their
 example is a prefix of turn k+1's: a chain), half drop each earlier turn's reasoning (8 tokens) from the history, as
 Qwen's templates do (the history an interior node, each turn with its reasoning a leaf). Generating is not timed.
 
-    PYTHONPATH=. python tools/bench_tree_planner.py                  # the figure in docs/performance.md
-    PYTHONPATH=. python tools/bench_tree_planner.py --examples 100000
+    PYTHONPATH=. python tools/bench/tree_planner.py                  # the figure in docs/performance.md
+    PYTHONPATH=. python tools/bench/tree_planner.py --examples 100000
 
 (``PYTHONPATH=.``: a script run from tools/ imports the installed packtrain, not this tree's, otherwise.)
 """

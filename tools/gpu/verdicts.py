@@ -1,8 +1,8 @@
-"""The GPU bring-up's verdicts, each a measurement against a bound with PASS / FAIL (run by tools/gpu_check.py;
+"""The GPU bring-up's verdicts, each a measurement against a bound with PASS / FAIL (run by tools/gpu/check.py;
 the bounds and their reasons: docs/operations.md, "First run on a GPU").
 
-    python tools/gpu_verdicts.py NAME [NAME ...] [--tiny] [--out DIR]   # NAME: see --list
-    python tools/gpu_verdicts.py --list
+    python tools/gpu/verdicts.py NAME [NAME ...] [--tiny] [--out DIR]   # NAME: see --list
+    python tools/gpu/verdicts.py --list
 
 Each verdict appends one JSON line to DIR/verdicts.jsonl ($OUT, default /tmp/gpu_check) the moment it is decided
 and rewrites DIR/verdicts.md, the table, so a run stopped at its time limit keeps every verdict decided before.
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NAMES = ("versions", "flex", "gdn", "gdn_kernel", "parity", "memory", "speed", "offload")
 # fla's tests/ops/test_gated_delta.py (fp16 against a float32 reference, RMSE ratio): o, ht 0.005; dq, dk, dv, dh0
 # 0.008; dbeta, dg 0.02. bf16 keeps 8 significant bits where fp16 keeps 11: each bound times 2^3.
@@ -308,7 +308,7 @@ def parity(tiny: bool) -> bool:
 def _seed_setup(tmp: Path, tiny: bool, **train):
     import yaml
 
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "tools" / "data"))
     from make_seed_data import seed_records
 
     from packtrain.config import load_config
@@ -370,8 +370,8 @@ def memory(tiny: bool) -> bool:
 
     if not torch.cuda.is_available():
         return record("memory", True, "skipped: no CUDA allocator", f"within {MEMORY_TOLERANCE:.0%}", "CPU")
-    sys.path.insert(0, str(REPO / "tools"))
-    from gpu_memory_check import cuda_phases
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
+    from memory_check import cuda_phases
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg, examples, plan = _seed_setup(Path(tmp), tiny)

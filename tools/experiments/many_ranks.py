@@ -11,11 +11,12 @@ Checks, each printed with its verdict:
    uninterrupted 1-rank adapter (float64: compared to 1e-10; bitwise where the world size is the same);
 5. the hang watchdog ends the job when one rank of machine 1 is stopped (SIGSTOP).
 
-    python tools/many_ranks.py            # exit 0 when every check holds
+    python tools/experiments/many_ranks.py            # exit 0 when every check holds
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -25,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from cli_helpers import SGD, adapter_of, free_port, max_rel, write_config  # noqa: E402
+from cli_helpers import SGD, adapter_of, free_port, adapter_rel, write_config  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -81,6 +82,7 @@ def checkpoints(run: Path) -> list[str]:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="many-ranks-"))
     # 15 examples -> 6 packs; 4 packs per step on 8 ranks: at least 4 ranks run a dummy unit every step
@@ -94,7 +96,7 @@ def main() -> int:
     ref = one_rank([*train, "--set", f"output_dir={tmp / 'one'}"])
     runs = wait_all(machines([*train, "--set", f"output_dir={tmp / 'eight'}"]))
     ok = all(code == 0 for code, _, _ in runs) and ref.returncode == 0
-    diff = max_rel(adapter_of(tmp / "eight"), adapter_of(tmp / "one")) if ok else float("nan")
+    diff = adapter_rel(adapter_of(tmp / "eight"), adapter_of(tmp / "one")) if ok else float("nan")
     check("8 ranks give the 1-rank adapter", ok and diff < 1e-10,
           f"max relative difference {diff:.1e}; exits {[c for c, _, _ in runs]}")
 
@@ -124,7 +126,7 @@ def main() -> int:
     code4 = wait_all(procs)[0][0]
     mid = steps_done(run)
     last = one_rank([*train, "--set", f"output_dir={run}", "--resume"])
-    diff = max_rel(adapter_of(run), adapter_of(tmp / "one")) if last.returncode == 0 else float("nan")
+    diff = adapter_rel(adapter_of(run), adapter_of(tmp / "one")) if last.returncode == 0 else float("nan")
     check("--resume on 4 ranks, then 1 rank: the uninterrupted adapter", last.returncode == 0 and diff < 1e-10,
           f"stopped at step {stopped} (8 ranks), {mid} (4 ranks, exit {code4}), 1 rank exit {last.returncode}; "
           f"max relative difference {diff:.1e}")

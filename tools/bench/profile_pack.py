@@ -3,9 +3,9 @@ profiler, self CPU time summed by kind of op; before that, the pack's CPU time a
 three, resident set above the loaded models). One torch thread. Runs against an older checkout too
 (``PYTHONPATH=CHECKOUT``), without ``--extra``.
 
-    python tools/profile_pack.py --prefix-tokens 2048 --continuations 16 --cont-tokens 56:72
-    python tools/profile_pack.py --prefix-tokens 2048 --continuations 15 --cont-tokens 40:60 --extra 1x1000
-    python tools/profile_pack.py --prefix-tokens 2048 --continuations 8 --cont-tokens 500:1000 --groups 4
+    python tools/bench/profile_pack.py --prefix-tokens 2048 --continuations 16 --cont-tokens 56:72
+    python tools/bench/profile_pack.py --prefix-tokens 2048 --continuations 15 --cont-tokens 40:60 --extra 1x1000
+    python tools/bench/profile_pack.py --prefix-tokens 2048 --continuations 8 --cont-tokens 500:1000 --groups 4
 
 ``--groups G`` runs the pack as the trainer does with ``packing.continuation_groups: G`` (packtrain/packed/groups.py).
 
@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import profile
 
-from packtrain.bench.measure import _release, memory_in_use
+from packtrain.bench.measure import memory_in_use, release_memory
 from packtrain.bench.presets import Shape, generate_examples, get_preset
 from packtrain.bench.variants import Models, Workload
 from packtrain.config import config_from_dict
@@ -55,14 +55,14 @@ def main() -> None:
     lo, _, hi = args.cont_tokens.partition(":")
     shape = Shape(1, args.prefix_tokens, args.continuations, (int(lo), int(hi or lo)))
     if args.extra:
-        from packtrain.commands.bench import _extra
+        from packtrain.commands.bench import parse_extra
 
-        shape = Shape(*shape.__dict__.values(), extra=tuple(_extra(e) for e in args.extra))
+        shape = Shape(*shape.__dict__.values(), extra=tuple(parse_extra(e) for e in args.extra))
     preset = get_preset("cpu")
     # the whole shape in one pack
     preset.config["packing"]["token_budget"] = args.prefix_tokens + shape.continuations * shape.cont_tokens[1] + sum(
         n * h for n, _, h in getattr(shape, "extra", ()))
-    cfg = config_from_dict(preset.config, source="tools/profile_pack.py")
+    cfg = config_from_dict(preset.config, source="tools/bench/profile_pack.py")
     examples = generate_examples(shape, memory.text_config(memory.config_dict_of(cfg))["vocab_size"], 0)
     plan = plan_for(cfg, examples)
     cfg, _ = choose_savings(cfg, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")))  # as bench chooses them
@@ -86,7 +86,7 @@ def main() -> None:
     step()  # warm-up (and the layout's cached indices)
     seconds, peaks = [], []
     for _ in range(3):
-        _release(work.device)
+        release_memory(work.device)
         probe = PeakMemory(work.device)
         probe.reset()
         before, c0 = memory_in_use(work.device), time.process_time()

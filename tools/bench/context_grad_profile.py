@@ -1,6 +1,6 @@
 """Where the time of one pack goes under each packing.context_grad (docs/performance.md).
 
-    OMP_NUM_THREADS=1 python tools/context_grad_profile.py [--repeats 5] [--prefix-tokens 2048]
+    OMP_NUM_THREADS=1 python tools/bench/context_grad_profile.py [--repeats 5] [--prefix-tokens 2048]
 
 The `cpu` bench preset's model and pack (P of 2,048 tokens, 16 continuations of 56-72), one thread. Forward and
 backward of the same pack under full, kv_only and frozen, interleaved (the order rotated per repeat), medians;
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packtrain, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's packtrain, installed or not
 
 from packtrain.bench.presets import generate_examples, get_preset
 from packtrain.config import config_from_dict
