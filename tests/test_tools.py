@@ -7,6 +7,7 @@ A Python script's ``--help`` runs in this process (``runpy``, as ``python tools/
 script's runs in bash."""
 
 import ast
+import importlib.util
 import contextlib
 import io
 import runpy
@@ -92,3 +93,45 @@ def test_the_private_import_check_sees_one():
 def test_the_readme_lists_every_script():
     readme = (TOOLS / "README.md").read_text()
     assert [s for s in _scripts() if f"`{s}`" not in readme] == []
+
+
+def _node_ids():
+    spec = importlib.util.spec_from_file_location("node_ids", TOOLS / "experiments" / "node_ids.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_node_ids_maps_moved_files_and_ids_and_names_the_lost(tmp_path):
+    """tools/experiments/node_ids.py on a literal table: a kept id, a moved file, a renamed id, one whose file moved
+    where it was not collected (lost, naming its target) and one no move names (lost)."""
+    node_ids = _node_ids()
+    moves = tmp_path / "moves.txt"
+    moves.write_text("# a comment\ntests/a/test_x.py -> tests/b/test_x.py\n"
+                     "tests/test_y.py::test_old[1] -> tests/test_z.py::test_new[1]\n")
+    files, ids = node_ids.read_moves(moves)
+    before = ["tests/test_k.py::test_k", "tests/a/test_x.py::test_1", "tests/a/test_x.py::test_2",
+              "tests/test_y.py::test_old[1]", "tests/test_y.py::test_gone"]
+    after = ["tests/test_k.py::test_k", "tests/b/test_x.py::test_1", "tests/test_z.py::test_new[1]",
+             "tests/test_new.py::test_n"]
+    result = node_ids.compare(before, after, files, ids)
+    assert result == {"kept": ["tests/test_k.py::test_k"],
+                      "moved": [("tests/a/test_x.py::test_1", "tests/b/test_x.py::test_1"),
+                                ("tests/test_y.py::test_old[1]", "tests/test_z.py::test_new[1]")],
+                      "lost": [("tests/a/test_x.py::test_2", "tests/b/test_x.py::test_2"),
+                               ("tests/test_y.py::test_gone", None)],
+                      "added": ["tests/test_new.py::test_n"]}
+
+
+def test_node_ids_refuses_a_move_of_a_file_to_an_id(tmp_path):
+    moves = tmp_path / "moves.txt"
+    moves.write_text("tests/a/test_x.py -> tests/b/test_x.py::test_1\n")
+    with pytest.raises(SystemExit, match=r"moves.txt:1: expected 'OLD -> NEW', both files or both node ids"):
+        _node_ids().read_moves(moves)
+
+
+def test_the_moves_of_docs_moved_tests_name_files_that_exist():
+    """Every move's target file is collected today (a later move of the same file updates its line)."""
+    files, ids = _node_ids().read_moves(REPO / "docs" / "moved_tests.txt")
+    targets = set(files.values()) | {new.partition("::")[0] for new in ids.values()}
+    assert [t for t in sorted(targets) if not (REPO / t).is_file()] == []

@@ -20,7 +20,7 @@ AUTO = {k: "auto" for k in savings.KEYS}
 
 def _seed_shape() -> UnitShape:
     """The seed-like pack of tools/data/make_seed_data.py: P 64,000 + 80 continuations of 400-700 + 200-400 tokens."""
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "tools" / "data"))
     from make_seed_data import seed_records
 
     records = list(seed_records(64_000, 80, 248_320, 0))
@@ -213,7 +213,7 @@ def test_the_largest_budget_keeps_the_reserve():
 # -- through the command line ----------------------------------------------------------------------------------------
 def _seed_like_config(tmp_path):
     """configs/qwen3.6-27b.yaml (every saving auto) on a smaller seed-like pack: P 20,000 + 8 continuations."""
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "tools" / "data"))
     from make_seed_data import seed_records
 
     data = tmp_path / "seed.jsonl"

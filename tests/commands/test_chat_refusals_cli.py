@@ -3,9 +3,8 @@ CLI (`packtrain plan`, in process) in one line naming the template, the file, th
 packtrain does with special tokens written inside message content (docs/design.md, "Chat data")."""
 
 import pytest
-from chat_data import CALC, TOOLS, WEATHER, call, single, tool_loop, tutoring, write_jsonl
+from chat_data import CALC, CHATML, TOOLS, WEATHER, call, single, tool_loop, tutoring, write_jsonl
 from cli_helpers import run_in_process, write_config
-from test_chat import CHATML
 
 from packtrain.data.examples import load_examples, load_tokenizer
 

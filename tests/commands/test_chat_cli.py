@@ -4,7 +4,7 @@ conversation with labels -100 outside the assistant spans (tests/chat_data.py's 
 model, the MoE and the VLM; reasoning, tools and tool responses included.
 
 Tolerances: float64 as shipped (transformers' float32 casts in RMSNorm, the gated norm and the GDN kernel), as in
-tests/packed/test_families_cli.py (5e-6 on losses) and tests/packed/test_walk_cli.py (1e-6 on SGD adapters).
+tests/commands/test_families_cli.py (5e-6 on losses) and tests/commands/test_walk_cli.py (1e-6 on SGD adapters).
 """
 
 import json
