@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # N two-rank `packtrain check-nodes` runs in a row (gloo, CPU); prints each failure and the count. Not a CI test:
-# the evidence behind tests/ops/test_ops_distributed.py::test_identical_ranks_pass (a SIGABRT at exit, 3 of 16 runs).
+# it counts the exits a single run rarely shows (docs/distributed.md, the exit's evidence, has the recorded counts).
 #   bash tools/experiments/loop_check_nodes.sh [N=20]        (PYTHON=/path/to/python to pick the interpreter)
 set -uo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the comment above, without its marks

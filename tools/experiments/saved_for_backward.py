@@ -1,8 +1,7 @@
 """What one packed forward keeps for backward, by kind: the bytes of the activations autograd holds when the forward
 ends (distinct storages, the weights' own left out), on a two-layer hybrid (Gated DeltaNet + attention) at a moderate
-width, LoRA r 8 with dropout 0.05 on q, k, v, o and gate_proj. Runs against an older checkout too
-(``PYTHONPATH=CHECKOUT``), where the MLP's ``mlp_rows`` blocks kept every activation and the norms their float32
-copies.
+width, LoRA r 8 with dropout 0.05 on q, k, v, o and gate_proj. Runs against another checkout too
+(``PYTHONPATH=CHECKOUT``; docs/performance.md compares three).
 
     python tools/experiments/saved_for_backward.py [--hidden 1024 --intermediate 3584 --prefix 2048 \\
         --continuations 8x256]

@@ -4,8 +4,8 @@ outputs differ bitwise between the two thread counts, and the largest difference
 
     python tools/experiments/thread_rounding.py
 
-Measured with torch 2.13.0+cpu (MKL 2024.2, 2 cores): float64 differs for odd T of 9-31 (1 ulp; one query block
-of odd length), float32 nowhere. tests/run/test_preemption.py therefore compares runs with the same thread count.
+The recorded run and why tests/run/test_preemption.py compares runs with one thread count: docs/performance.md
+(``thread_rounding.py``).
 """
 
 from __future__ import annotations
