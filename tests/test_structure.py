@@ -256,7 +256,8 @@ TESTED_MODULES = [
     "commands/export", "commands/plan", "commands/smoke", "commands/train", "config", "data/chat", "data/examples",
     "data/images", "data/planner", "distributed", "models/loading", "models/lora_compute", "models/memory",
     "models/offload", "models/savings", "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/watchdog",
-    "packed/attention", "packed/families", "packed/gdn", "packed/groups", "packed/kernels/torch_ref", "packed/layout",
+    "packed/attention", "packed/cut", "packed/equal", "packed/families", "packed/gdn", "packed/groups",
+    "packed/kernels/torch_ref", "packed/layout", "packed/rng",
     "packed/loss", "packed/recompute", "packed/tree", "packed/walk", "run/balance", "run/finite", "run/generate",
     "run/measure", "run/scoring", "run/trainer", "run/units", "rundir/directory", "versions",
 ]
