@@ -257,9 +257,9 @@ TESTED_MODULES = [
     "data/images", "data/planner", "distributed", "models/loading", "models/lora_compute", "models/memory",
     "models/offload", "models/savings", "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/watchdog", "packed/attention",
     "packed/cut", "packed/equal", "packed/families", "packed/gdn", "packed/groups", "packed/kernels/torch_ref",
-    "packed/layout", "packed/loss", "packed/recompute", "packed/rng", "packed/tree", "packed/walk", "run/balance",
-    "run/finite", "run/generate", "run/measure", "run/scoring", "run/signals", "run/trainer", "run/units",
-    "rundir/checkpoint", "rundir/directory", "rundir/resume", "versions",
+    "packed/layout", "packed/loss", "packed/recompute", "packed/rng", "packed/rowsparse", "packed/tree", "packed/walk",
+    "run/balance", "run/finite", "run/generate", "run/measure", "run/scoring", "run/signals", "run/trainer",
+    "run/units", "rundir/checkpoint", "rundir/directory", "rundir/resume", "versions",
 ]
 
 
