@@ -29,7 +29,9 @@ test: $(STAMP)
 # cache keeps the download between runs on one machine.
 FLOOR := .venv-floor
 FLOOR_TESTS := tests/test_versions.py tests/packed tests/run/test_generate.py tests/models/test_loading.py \
-	tests/models/test_lora_compute.py tests/models/test_offload.py tests/test_distributed.py
+	tests/models/test_lora_compute.py tests/models/test_offload.py tests/test_distributed.py \
+	tests/commands/test_context_grad_cli.py tests/commands/test_families_cli.py tests/commands/test_groups_cli.py \
+	tests/commands/test_tree_cli.py tests/commands/test_walk_cli.py  # the packed computation through the CLI
 $(FLOOR)/.installed: pyproject.toml packtrain/versions.py
 	$(PY) -m venv $(FLOOR)
 	PYTHONPATH=. $(PY) -m packtrain.versions --floor > $(FLOOR)/floor.txt

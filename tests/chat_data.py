@@ -14,6 +14,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN_LIKE = REPO / "packtrain" / "assets" / "qwen_tokenizer"
+# A plain ChatML template: no system default, no reasoning, no tools (the refusal tests derive broken ones from it).
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+          "{%- endif %}")
 
 
 def official_template_path(version: str) -> Path:

@@ -421,13 +421,28 @@ def adapter_rel(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)
 
 
+def assert_tree_shared(cfg: Path, run_dir: Path, *sets: str) -> None:
+    """The tree run in ``run_dir`` (one pass over ``cfg``'s training data, ``sets``: its ``--set`` values besides
+    packing.mode) computed fewer buffer positions than the flat packs of packing.mode shared_prefix hold (`packtrain
+    plan`: each P once per pack, each continuation whole). A run whose packs shared nothing past P (a planner or a
+    kind fallen back to flat packs) trains the standalone update too, and fails here."""
+    steps = [r for r in metrics_of(run_dir) if r.get("split") != "eval"]
+    flat = json.loads(run_in_process("plan", cfg, "--json", "--set", "packing.mode=shared_prefix",
+                                     *(x for value in sets for x in ("--set", value))).stdout)
+    assert sum(r["examples"] for r in steps) == flat["examples"], "not one pass over the training data"
+    computed = sum(r["positions"] for r in steps)
+    assert computed < flat["positions_packed"], (f"the tree shared nothing: {computed} positions computed, the flat "
+                                                 f"packs hold {flat['positions_packed']}")
+
+
 def assert_tree_trains_as_standalone(cfg: Path, tmp: Path, examples: int, *standalone: str) -> None:
     """``cfg`` (one SGD step) trained under packing.mode tree and standalone (``standalone``: its extra ``--set``
-    values) gives the same adapter and loss, and the tree's adapter evaluates the same ``examples`` per-example losses
-    in both modes. Tolerances: float64 except transformers' float32 casts (RMSNorm, gated norm, GDN gate), measured
-    1.4e-8 on the adapter."""
+    values) gives the same adapter and loss, the tree having shared positions (:func:`assert_tree_shared`), and the
+    tree's adapter evaluates the same ``examples`` per-example losses in both modes. Tolerances: float64 except
+    transformers' float32 casts (RMSNorm, gated norm, GDN gate), measured 1.4e-8 on the adapter."""
     tree = run_in_process("train", cfg, "--set", f"output_dir={tmp / 'tree'}", "--set", "packing.mode=tree")
     assert "mode tree" in tree.stdout
+    assert_tree_shared(cfg, tmp / "tree")
     sets = [x for value in standalone for x in ("--set", value)]
     run_in_process("train", cfg, "--set", f"output_dir={tmp / 'alone'}", "--set", "packing.mode=standalone", *sets)
     assert adapter_rel(adapter_of(tmp / "tree"), adapter_of(tmp / "alone")) < 1e-6
@@ -444,11 +459,11 @@ def assert_tree_trains_as_standalone(cfg: Path, tmp: Path, examples: int, *stand
 
 
 def seed_unit_shape():
-    """The seed-like pack of tools/make_seed_data.py as the memory estimate sizes it: P 64,000 + 80 continuations of
+    """The seed-like pack of tools/data/make_seed_data.py as the memory estimate sizes it: P 64,000 + 80 continuations of
     400-700 + 200-400 tokens."""
     from packtrain.models.memory import UnitShape
 
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "tools" / "data"))
     from make_seed_data import seed_records
 
     records = list(seed_records(64_000, 80, 248_320, 0))

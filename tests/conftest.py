@@ -23,8 +23,8 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 # One torch thread here and in every process the tests start (cli_helpers, long_run_helpers): torch's CPU kernels
-# do not round the same with 1 and 2 threads (tools/thread_rounding.py), and runs trained in this process are
-# compared bit for bit with runs in processes.
+# do not round the same with 1 and 2 threads (tools/experiments/thread_rounding.py), and runs trained in this process
+# are compared bit for bit with runs in processes.
 torch.set_num_threads(1)
 
 # transformers' log handler keeps the stream it was made with: made now, it writes to pytest's capture for the whole

@@ -1,8 +1,9 @@
-"""The GPU bring-up (tools/gpu_check.py, tools/gpu_verdicts.py) on CPU: the dry run passes, and fails naming the step
+"""The GPU bring-up (tools/gpu/check.py, tools/gpu/verdicts.py) on CPU: the dry run passes, and fails naming the step
 when a wheel is missing or wrong or the steps' limits exceed the device's; a part run here leaves a verdict (decided,
 or FAIL with the reason) for everything it owes, in at most the files that come back; the verdicts' code paths at
 tiny shapes."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,8 +13,9 @@ import zipfile
 import pytest
 from cli_helpers import REPO
 
-sys.path.insert(0, str(REPO / "tools"))
-import gpu_check  # noqa: E402
+_spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gpu" / "check.py")
+gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(_spec)  # its dataclass reads its module
+_spec.loader.exec_module(gpu_check)
 
 
 def _run(*args, env=None, timeout=300):
@@ -35,13 +37,13 @@ def _fake_wheels(folder, skip=(), version_of=None):
 
 
 def test_the_dry_run_passes_with_every_wheel_and_the_limits_as_they_are(tmp_path):
-    proc = _run("tools/gpu_check.py", "--dry-run", env={"GPU_CHECK_WHEELS": str(_fake_wheels(tmp_path / "w"))})
+    proc = _run("tools/gpu/check.py", "--dry-run", env={"GPU_CHECK_WHEELS": str(_fake_wheels(tmp_path / "w"))})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAIL" not in proc.stdout and "11 of 11 checks ok" in proc.stdout
 
 
 def test_a_missing_wheel_fails_the_wheels_step_naming_it(tmp_path):
-    proc = _run("tools/gpu_check.py", "--dry-run", env={"GPU_CHECK_WHEELS": str(_fake_wheels(tmp_path / "w",
+    proc = _run("tools/gpu/check.py", "--dry-run", env={"GPU_CHECK_WHEELS": str(_fake_wheels(tmp_path / "w",
                                                                                             skip=("peft",)))})
     assert proc.returncode == 1
     assert "FAIL wheels" in proc.stdout and "peft==0.21.2 missing" in proc.stdout
@@ -49,13 +51,13 @@ def test_a_missing_wheel_fails_the_wheels_step_naming_it(tmp_path):
 
 def test_a_wheel_whose_metadata_is_another_version_fails(tmp_path):
     folder = _fake_wheels(tmp_path / "w", version_of={"transformers": "5.17.0"})
-    proc = _run("tools/gpu_check.py", "--dry-run", env={"GPU_CHECK_WHEELS": str(folder)})
+    proc = _run("tools/gpu/check.py", "--dry-run", env={"GPU_CHECK_WHEELS": str(folder)})
     assert proc.returncode == 1 and "its metadata says transformers 5.17.0" in proc.stdout
 
 
 def test_limits_over_the_device_fail_the_budget_naming_the_part_and_its_steps(tmp_path):
     env = {"GPU_CHECK_WHEELS": str(_fake_wheels(tmp_path / "w")), "GPU_CHECK_LIMITS": "kernels=400"}
-    proc = _run("tools/gpu_check.py", "--dry-run", env=env)
+    proc = _run("tools/gpu/check.py", "--dry-run", env=env)
     assert proc.returncode == 1
     assert "FAIL budget: part 1" in proc.stdout and "kernels 400 s" in proc.stdout
     assert "over 480 s per command" in proc.stdout and "FAIL budget: device time" in proc.stdout
@@ -76,7 +78,7 @@ def test_a_part_that_runs_out_of_time_leaves_a_verdict_for_everything_it_owes(tm
     out = tmp_path / "out"
     env = {"OUT": str(out), "GPU_CHECK_WHEELS": str(tmp_path / "none"),
            "GPU_CHECK_LIMITS": "kernels=2,parity=2,tests=2"}
-    proc = _run("tools/gpu_check.py", "1", env=env)
+    proc = _run("tools/gpu/check.py", "1", env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = {r["verdict"]: r for r in map(json.loads, (out / "verdicts.jsonl").read_text().splitlines())}
     owed = [v for s in gpu_check.STEPS if s.part == 1 for v in s.verdicts]
@@ -93,15 +95,9 @@ def test_the_verdicts_decide_at_tiny_shapes_on_cpu(tmp_path):
     """Every verdict with a CPU form, at tiny shapes (fla under Triton's interpreter, the dense attention in
     FlexAttention's place, the torch back end in the step's), decided and passed: the code a GPU run executes."""
     names = ["versions", "flex", "gdn", "parity", "speed", "offload"]
-    proc = _run("tools/gpu_verdicts.py", *names, "--tiny", env={"OUT": str(tmp_path), "TRITON_INTERPRET": "1"},
+    proc = _run("tools/gpu/verdicts.py", *names, "--tiny", env={"OUT": str(tmp_path), "TRITON_INTERPRET": "1"},
                 timeout=600)
     rows = {r["verdict"]: r for r in map(json.loads, (tmp_path / "verdicts.jsonl").read_text().splitlines())}
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert set(rows) == {*names, "gdn_kernel"} and all(r["pass"] for r in rows.values()), rows
     assert "fla Triton ran (0 FlashQLA calls)" in rows["gdn_kernel"]["measured"]
-
-
-@pytest.mark.parametrize("script", ["tools/gpu_check.py", "tools/gpu_verdicts.py"])
-def test_help(script):
-    proc = _run(script, "--help")
-    assert proc.returncode == 0 and "usage:" in proc.stdout

@@ -328,3 +328,41 @@ def test_the_mirror_check_sees_a_stray_folder_and_a_name_twice(tmp_path):
         (tmp_path / "tests" / name).write_text("")
     assert tree_mismatches(tmp_path / "tests", tmp_path / "packtrain") == [
         "tests/nonsense/ is no packtrain subpackage", "test_a.py is in 2 folders"]
+
+
+# Modules that hold logic, each with a test file of its own name (tests/<package>/test_<module>.py; a top-level
+# module's at tests/test_<module>.py). A module joins the list with its file; the list grows until every module that
+# holds logic is on it.
+TESTED_MODULES = [
+    "commands/export", "commands/plan", "commands/smoke", "commands/train", "config", "data/chat", "data/examples",
+    "data/images", "data/planner", "distributed", "models/loading", "models/lora_compute", "models/memory",
+    "models/offload", "models/savings", "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/watchdog", "packed/attention",
+    "packed/cut", "packed/equal", "packed/families", "packed/gdn", "packed/groups", "packed/kernels/torch_ref",
+    "packed/layout", "packed/loss", "packed/recompute", "packed/rng", "packed/rowsparse", "packed/tree", "packed/walk",
+    "run/balance", "run/finite", "run/generate", "run/measure", "run/scoring", "run/signals", "run/trainer",
+    "run/units", "rundir/checkpoint", "rundir/directory", "rundir/resume", "versions",
+]
+
+
+def missing_test_files(modules: list[str], tests: Path, package: Path) -> list[str]:
+    """The modules of ``modules`` (paths under ``package`` without .py) that are gone, or have no test file of
+    their own name under ``tests``."""
+    wrong = [f"packtrain/{m}.py does not exist" for m in modules
+             if not ((package / f"{m}.py").is_file() or (package / m / "__init__.py").is_file())]  # or a package
+    return wrong + [f"packtrain/{m}.py has no tests/{Path(m).parent / f'test_{Path(m).name}.py'}"
+                    for m in modules if not (tests / Path(m).parent / f"test_{Path(m).name}.py").is_file()]
+
+
+def test_every_listed_module_has_its_own_test_file():
+    assert not missing_test_files(TESTED_MODULES, Path(__file__).resolve().parent, ROOT)
+
+
+def test_the_test_file_check_sees_a_missing_file_and_a_gone_module(tmp_path):
+    for name in ("packtrain/run/step.py", "packtrain/run/units.py", "packtrain/config.py", "tests/run/test_units.py",
+                 "tests/test_config.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    modules = ["run/step", "run/units", "config", "run/gone"]
+    assert missing_test_files(modules, tmp_path / "tests", tmp_path / "packtrain") == [
+        "packtrain/run/gone.py does not exist", "packtrain/run/step.py has no tests/run/test_step.py",
+        "packtrain/run/gone.py has no tests/run/test_gone.py"]

@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from packtrain.models import lora_compute
-from packtrain.packed.layout import Continuation
+from packtrain.packed.layout import Continuation, build_pack_layout
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
@@ -102,6 +102,17 @@ def plan_of(prompts, packs, examples):
 
     return Plan(packs=[pack(p, e) for p, e in packs],
                 prompts=[tuple(p) for p in prompts], skipped=[], token_budget=10**9, max_continuations=10**6)
+
+
+def pack_layout(prefix_len, lengths, seed=0):
+    """A pack of P = 1..prefix_len and one continuation per entry of ``lengths``, each of that many random tokens
+    split into item and target (an entry of 1 gets a 1-token item and a 1-token target): for the kernels' tests,
+    where only the lengths matter."""
+    g = torch.Generator().manual_seed(seed)
+    conts = [Continuation(torch.randint(1, 50, (n - n // 2,), generator=g).tolist(),
+                          torch.randint(1, 50, (n // 2 or 1,), generator=g).tolist()[:max(n // 2, 1)])
+             for n in lengths]
+    return build_pack_layout(list(range(1, prefix_len + 1)), conts)
 
 
 # Other families (packtrain.packed.families): tiny configs with shapes unlike the Qwen3.5 ones above, and the LoRA each

@@ -1,11 +1,3 @@
 #!/usr/bin/env bash
-# Download the wheels tools/gpu_check.sh installs on the GPU machine, which has no network, into .whl/ (git-ignored;
-# name .whl in the device call's carry). The list is tools/gpu_check.py's WHEELS (`--wheels`); the dry run checks it.
-# Usage: bash tools/fetch_gpu_wheels.sh
-set -euo pipefail
-cd "$(dirname "$0")/.."
-mapfile -t wheels < <(python3 tools/gpu_check.py --wheels)
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform any -d .whl "${wheels[@]}"
-ls -la .whl
+# The GPU bring-up's wheels (tools/gpu/fetch_wheels.sh), at the path the README, docs/operations.md and .ci/run name.
+exec bash "$(dirname "$0")/gpu/fetch_wheels.sh" "$@"

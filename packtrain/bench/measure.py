@@ -69,7 +69,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _release(device: torch.device) -> None:
+def release_memory(device: torch.device) -> None:
+    """Free what the last run left: a garbage collection, then CUDA's cached blocks or glibc's free heap pages."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -91,7 +92,7 @@ def timed_run(fn, device: torch.device, release: bool = False) -> Run:
     """One run of ``fn``: its time and the peak memory it added. ``release``: hand freed memory back first (the
     memory pass); otherwise only collect garbage (the timed repeats, on a warm allocator)."""
     if release:
-        _release(device)
+        release_memory(device)
     else:
         gc.collect()
     _sync(device)
@@ -118,7 +119,7 @@ def interleave(models: Models, work: Workload, variants: list[str], repeats: int
                 raise
             results[v].error = f"out of memory: {str(e).splitlines()[0][:200]}"
             log(f"  {v}: {results[v].error}; left out of the remaining repeats")
-            _release(work.device)
+            release_memory(work.device)
 
     def warm_up():
         for v in variants:

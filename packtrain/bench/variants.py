@@ -202,7 +202,7 @@ class Models:
         return VARIANTS[variant].evaluate(self, work)
 
 
-def _whole_example(ex, device) -> tuple[torch.Tensor, torch.Tensor]:
+def whole_example(ex, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``concat(P, item, target)`` and labels that are -100 outside the target."""
     input_ids = torch.tensor([ex.prefix_ids + ex.item_ids + ex.target_ids], device=device)
     labels = input_ids.clone()
@@ -217,7 +217,7 @@ def plain_mean_loss(plain: torch.nn.Module, work: Workload) -> float:
     plain.eval()
     losses = []
     for ex in work.examples:
-        input_ids, labels = _whole_example(ex, work.device)
+        input_ids, labels = whole_example(ex, work.device)
         losses.append(plain(input_ids=input_ids, labels=labels, use_cache=False).loss.item())
     plain.train(was_training)
     return sum(losses) / len(losses)
@@ -232,7 +232,7 @@ def plain_epoch(models: Models, work: Workload, max_steps: int | None = None) ->
         batch = [work.examples[e] for i in pack_ids for e in work.plan.packs[i].examples]
         total = 0.0
         for ex in batch:
-            input_ids, labels = _whole_example(ex, work.device)
+            input_ids, labels = whole_example(ex, work.device)
             loss = models.plain(input_ids=input_ids, labels=labels, use_cache=False).loss
             (loss / len(batch)).backward()
             total += loss.item()

@@ -35,7 +35,7 @@ def _shape(args, preset):
         if getattr(args, name) is not None:
             shape = dataclasses.replace(shape, **{name: getattr(args, name)})
     if args.extra_continuations:
-        shape = dataclasses.replace(shape, extra=tuple(_extra(spec) for spec in args.extra_continuations))
+        shape = dataclasses.replace(shape, extra=tuple(parse_extra(spec) for spec in args.extra_continuations))
     return shape
 
 
@@ -49,7 +49,7 @@ def _variants(args, known, default) -> list[str]:
     return chosen
 
 
-def _extra(spec: str) -> tuple[int, int, int]:
+def parse_extra(spec: str) -> tuple[int, int, int]:
     """``COUNTxN`` or ``COUNTxMIN:MAX`` -> (count, shortest, longest)."""
     count, _, lengths = spec.partition("x")
     lo, _, hi = lengths.partition(":")

@@ -10,7 +10,7 @@ one. Python's salted ``hash()`` decides nothing that reaches the plan. Only the 
 depends on the seed: ``epoch_order`` shuffles them per epoch.
 
 Speed: one grouping pass, one sort per group and a bisect per example; how long a million examples take:
-docs/performance.md, "Planner: 1,000,000 examples" (``python tools/bench_planner.py``).
+docs/performance.md, "Planner: 1,000,000 examples" (``python tools/bench/planner.py``).
 
 Under ``packing.mode: tree`` (:func:`plan_tree_packs`) a group's continuations are one prefix tree, cut into packs
 whose tree fits the budget (the rule: :func:`packtrain.data.tree_packs.pack_tree`; docs/design.md, "Prefix trees: the
@@ -196,7 +196,7 @@ def plan_tree_packs(
 @contextmanager
 def _collector_paused():
     """Python's cyclic garbage collector off: a tree plan makes millions of small lists and tuples and no cycles,
-    and the collector's passes over them took half the planner's time (tools/bench_tree_planner.py)."""
+    and the collector's passes over them took half the planner's time (tools/bench/tree_planner.py)."""
     was = gc.isenabled()
     gc.disable()
     try:

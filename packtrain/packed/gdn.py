@@ -54,10 +54,10 @@ def packed_conv_torch(mixed_TC, weight_CW, bias_C, layout: PackLayout) -> torch.
 
 # Continuations run in chunks of 16 rows, or 32 when one of them is longer than 256 tokens: each pads only its
 # last chunk, and smaller chunks cost less intra-chunk work but more steps of the scan, which a long continuation
-# pays for (docs/performance.md, "The continuations' chunk": `python tools/bench_chunk_rule.py --varlen`).
+# pays for (docs/performance.md, "The continuations' chunk": `python tools/bench/chunk_rule.py --varlen`).
 SHORT_CHUNK, LONG_CHUNK, LONG_CONTINUATION = 16, 32, 256
 # P in chunks of 32, where transformers' and fla's rule take 64: faster on the CPU at the bench model's GDN shape
-# (docs/performance.md, "P's chunk rule vs transformers' fallback": `python tools/bench_chunk_rule.py`).
+# (docs/performance.md, "P's chunk rule vs transformers' fallback": `python tools/bench/chunk_rule.py`).
 PREFIX_CHUNK = 32
 
 

@@ -42,7 +42,7 @@ BALANCES = ("cost", "round_robin")
 # The share of round robin's distinct prompts per step that a balanced step keeps (a step of similar packs would
 # otherwise be a few prompts' full packs: less diverse updates)
 DIVERSITY = 0.85
-# How far down the list a step looks for another prompt's pack, in steps' lengths (tools/bench_balance.py: at 1 a
+# How far down the list a step looks for another prompt's pack, in steps' lengths (tools/bench/balance.py: at 1 a
 # step of the seed-like data kept 78% of round robin's distinct prompts, at 4 93%, for 0.002 of utilisation)
 LOOKAHEAD = 4
 

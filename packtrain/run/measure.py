@@ -293,7 +293,7 @@ def measure(cfg, plan, examples) -> Measured:
         weights = _storage_bytes(p for p in lm.parameters() if not p.requires_grad)
         adapters = _storage_bytes(params)
         head = max(_storage_bytes(text_model.embed_tokens.parameters()), _storage_bytes(lm_head.parameters()))
-        hooks = _phase_hooks(counter, layers, records, text, bool(cfg.train.activation_checkpointing or
+        hooks = phase_hooks(counter, layers, records, text, bool(cfg.train.activation_checkpointing or
                                                                   cfg.train.offload), text_model.norm)
         with counter:
             for p in lm.parameters():
@@ -338,7 +338,7 @@ def _cached_tensors(layouts) -> list[torch.Tensor]:
     return found
 
 
-def _phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool, final_norm) -> list:
+def phase_hooks(counter: LiveBytes, layers, records, text, recompute: bool, final_norm) -> list:
     """Forward hooks on each decoder layer (its wrapper: the recompute calls what is inside) that keep its
     record, and a hook on its output's gradient that starts its backward phase. A layer's input is alive until its
     call returns, so what it leaves is read when the next layer (or the final norm) starts."""

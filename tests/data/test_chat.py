@@ -11,6 +11,7 @@ import json
 import pytest
 from chat_data import (
     AGENT,
+    CHATML,
     TOOLS,
     assert_examples_are,
     chatml_generated_text,
@@ -24,11 +25,6 @@ from chat_data import (
 from cli_helpers import REPO, run_in_process, write_config
 
 from packtrain.data.examples import DataError, load_examples, load_tokenizer
-
-CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-          "{%- endif %}")
-
 
 @pytest.fixture(scope="module")
 def tok():

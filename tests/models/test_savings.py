@@ -151,7 +151,7 @@ def test_the_largest_budget_keeps_the_reserve():
 # -- through the command line ----------------------------------------------------------------------------------------
 def _seed_like_config(tmp_path):
     """configs/qwen3.6-27b.yaml (every saving auto) on a smaller seed-like pack: P 20,000 + 8 continuations."""
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "tools" / "data"))
     from make_seed_data import seed_records
 
     data = tmp_path / "seed.jsonl"

@@ -24,7 +24,7 @@ print(f"rank {os.environ['RANK']}: rc {rc}, gloo threads left {[n for n in names
 def test_identical_ranks_pass_and_leave_no_gloo_worker_at_exit(tmp_path):
     """Two identical ranks pass check-nodes, and both interpreters exit 0. That was flaky: rank 0 aborted at exit
     ("terminate called without an active exception", SIGABRT) on 3 of 16 runs, 2 of 10 here; after the fix, 40
-    two-rank runs of `packtrain check-nodes` in a row exited 0: ``bash tools/loop_check_nodes.sh 40``.
+    two-rank runs of `packtrain check-nodes` in a row exited 0: ``bash tools/experiments/loop_check_nodes.sh 40``.
 
     The cause, checked here without luck: gloo's worker threads were still alive when the interpreter shut down
     (the default group was pinned by torch.distributed.nn's default arguments, imported by peft after init), and

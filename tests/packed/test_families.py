@@ -129,7 +129,7 @@ def test_moe_trains_experts_and_shared_expert_not_router():
     assert not any(".mlp.gate." in n for n in trainable)
 
 
-# -- refusals and LoRA targeting (in process; tests/packed/test_families_cli.py runs two refusals through the CLI) --
+# -- refusals and LoRA targeting (in process; tests/commands/test_families_cli.py runs two refusals through the CLI) --
 
 def _cfg(model, lora=None):
     from packtrain.config import config_from_dict

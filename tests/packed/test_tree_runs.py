@@ -1,6 +1,7 @@
 """packing.mode: tree across ranks and runs, through the CLI: 2 ranks train what 1 rank trains (balanced steps over
 the tree packs' costs), a stopped and resumed tree run equals the uninterrupted one, a resume under another
-packing.mode is refused, and `eval --generate` under tree generates what shared_prefix generates."""
+packing.mode is refused, and `eval --generate` under tree decodes the tree plan's packs and generates what
+transformers' own generate does."""
 
 import json
 
@@ -67,16 +68,38 @@ def test_a_stopped_tree_run_resumes_to_the_uninterrupted_run_and_refuses_another
     assert steps == [1, 2, 3, 4] and train_losses(run) == train_losses(straight)
 
 
-def test_eval_generate_under_tree_generates_what_shared_prefix_generates(tmp_path):
+def test_eval_generate_under_tree_decodes_the_tree_packs_as_transformers_generates(tmp_path, monkeypatch):
     """Generation keeps sharing P only: under tree it decodes the tree plan's packs' items (other packs than
     shared_prefix's on the training data: (5, 9, 7), (6, 8), ... against (9, 8), (7, 5, 6), ...), and each row's
-    greedy tokens are its own, whatever pack it is in."""
+    greedy tokens are its own, whatever pack it is in: transformers' own ``generate`` on ``concat(P, item)``."""
+    from packtrain.config import load_config
+    from packtrain.data.examples import load_split, load_tokenizer
+    from packtrain.models.build import build_base_model
+    from packtrain.run import task
+    from packtrain.run.units import plan_for
+
+    decoded = []
+    generate = task.generate
+    monkeypatch.setattr(task, "generate", lambda lm, plan, *a, **k: decoded.append(plan) or generate(lm, plan, *a, **k))
     cfg = write_config(tmp_path, data={"eval": None}, generate={"max_new_tokens": 4})
-    rows, printed = {}, {}
-    for mode in ("tree", "shared_prefix"):
-        out = tmp_path / f"{mode}.jsonl"
-        printed[mode] = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", out,
-                                       "--set", f"packing.mode={mode}").stdout
-        rows[mode] = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows["tree"]) == 15 and rows["tree"] == rows["shared_prefix"]
-    assert "15 examples of data.train in 3 prompt groups" in printed["tree"]
+    out = tmp_path / "tree.jsonl"
+    printed = run_in_process("eval", cfg, "--adapter", "none", "--generate", "--out", out,
+                             "--set", "packing.mode=tree").stdout
+    assert "15 examples of data.train in 3 prompt groups" in printed
+    packs = {mode: [p.examples for p in plan_for(load_config(cfg, [f"packing.mode={mode}"]), examples).packs]
+             for mode in ("tree", "shared_prefix") for examples in [load_split(load_config(cfg), "train")]}
+    assert [[p.examples for p in plan.packs] for plan in decoded] == [packs["tree"]] != [packs["shared_prefix"]]
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    config = load_config(cfg)
+    examples = load_split(config, "train")
+    assert [r["id"] for r in rows] == [ex.id for ex in examples]
+    im_end = load_tokenizer(None).convert_tokens_to_ids("<|im_end|>")
+    model = build_base_model(config).eval()
+    for ex, row in zip(examples, rows):
+        ids = torch.tensor([list(ex.prefix_ids) + list(ex.item_ids)])
+        with torch.no_grad():
+            new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                 do_sample=False, eos_token_id=[im_end], pad_token_id=0)[0, ids.shape[1]:].tolist()
+        new = new[:new.index(im_end)] if im_end in new else new
+        assert row["prediction_ids"] == new, (ex.id, row, new)

@@ -1,8 +1,10 @@
 """Finite or stop, through the real CLI (in this process; two ranks as processes): a diverging run exits 4 at its
 first NaN/inf step without an update and without writing NaN anywhere; a parameter that an update made non-finite
-is never saved; train.max_nonfinite_skips skips such steps, counted in metrics.jsonl."""
+is never saved; train.max_nonfinite_skips skips such steps, counted in metrics.jsonl. The finite check's verdict and
+its message (packtrain/run/finite.py), in process."""
 
 import json
+import math
 import re
 
 import pytest
@@ -11,8 +13,10 @@ from cli_helpers import run_in_process, run_ranks, write_config
 from long_run_helpers import no_packtrain_traceback, nonfinite_files
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from packtrain.config import config_from_dict
 from packtrain.exits import NONFINITE_EXIT
 from packtrain.faults import NAN_AT as INJECT_ENV
+from packtrain.run.finite import is_finite, stop_message
 from packtrain.rundir.checkpoint import checkpoints, verify_checkpoint
 
 
@@ -116,3 +120,14 @@ def test_a_nan_on_one_rank_stops_both_at_the_same_step(tmp_path):
     assert proc.returncodes == [NONFINITE_EXIT, NONFINITE_EXIT], (proc.returncodes, proc.stderr[-3000:])
     assert proc.stderr.count("step 2: loss ") == 1  # one message, from rank 0
     _assert_stopped_cleanly(tmp_path / "run", proc.stderr, 2)
+
+
+def test_finite_verdict_and_message():
+    assert is_finite(1.0, 0.5) and not is_finite(1.0, math.nan) and not is_finite(math.inf, 0.5)
+    cfg = config_from_dict({"optim": {"lr": 1e20}, "model": {"dtype": "bfloat16"}})
+    msg = stop_message(7, math.nan, math.inf, cfg, "run/checkpoints/step-6", skips=0)
+    assert msg.startswith("step 7: loss nan, gradient norm inf")
+    for part in ("run/checkpoints/step-6, is intact", "optim.lr (now 1e+20)", "model.dtype float32",
+                 "--resume --set train.max_nonfinite_skips=N"):
+        assert part in msg, part
+    assert "no checkpoint was written yet" in stop_message(1, math.nan, 0.0, cfg, None, skips=0)

@@ -252,7 +252,7 @@ def test_the_estimates_tile_defaults_are_the_back_ends():
 def test_the_seed_data_is_seeded_and_seed_shaped():
     import sys
 
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "tools" / "data"))
     from make_seed_data import seed_records
 
     first, again = list(seed_records(640, 8, 248_320, 0)), list(seed_records(640, 8, 248_320, 0))

@@ -7,8 +7,8 @@ resume paths (SIGKILL: commands/test_train; 2 -> 1 ranks: test_distributed).
 
 Every run of one comparison has the same torch thread count, one (the forked ranks and the pytest process:
 cli_helpers, conftest.py): torch's own CPU kernels do not round the same with 1 and 2 threads (its flash attention in
-float64 gives outputs 1 ulp apart for query blocks of odd length 9-31, `tools/thread_rounding.py`), so a bit-for-bit
-comparison across thread counts would test torch, not the resume."""
+float64 gives outputs 1 ulp apart for query blocks of odd length 9-31, `tools/experiments/thread_rounding.py`), so a
+bit-for-bit comparison across thread counts would test torch, not the resume."""
 
 import json
 import os
