@@ -74,8 +74,8 @@ def test_attention_seeing_other_continuations_is_caught(monkeypatch):
 def test_buffer_positions_instead_of_standalone_are_caught(monkeypatch, bad_positions):
     original = layout._finish
 
-    def cumulative(packed, p, lens, ids, positions, *rest):
-        return original(packed, p, lens, ids, [list(range(len(ids)))] * 3, *rest)
+    def cumulative(p, lens, ids, positions, *rest):
+        return original(p, lens, ids, [list(range(len(ids)))] * 3, *rest)
 
     monkeypatch.setattr(layout, "_finish", cumulative)
     d = _diff(monkeypatch)
