@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 WORDS = [
     "falcon", "river", "lantern", "copper", "meadow", "harbor", "violet", "thunder",
@@ -73,17 +74,39 @@ def all_requests() -> list[list[str]]:
     return [[w] for w in WORDS] + [[a, b] for a in WORDS for b in WORDS if a != b]
 
 
-def build(seed: int, train_per_rulebook: int, eval_per_rulebook: int) -> tuple[list[dict], list[dict]]:
-    rng = random.Random(seed)
-    train, evals = [], []
+TRAIN_PER_RULEBOOK, EVAL_PER_RULEBOOK = 60, 12  # the committed data/demo
+
+
+class Rulebook(NamedTuple):
+    name: str
+    codes: dict[str, str]  # word -> code
+    system: str  # the system prompt: rules, the code table, worked examples
+    requests: list[list[str]]  # the words of each request
+
+
+def rulebooks(rng: random.Random, requests_per_rulebook: int) -> list[Rulebook]:
+    """Each rulebook and its requests, drawn from ``rng`` in this order: the demo's rulebooks are those of
+    ``random.Random(seed)`` with ``TRAIN_PER_RULEBOOK + EVAL_PER_RULEBOOK`` requests each, the first
+    ``TRAIN_PER_RULEBOOK`` of them its training requests."""
+    books = []
     for name in RULEBOOK_NAMES:
         codes = make_codes(rng)
         system = make_rulebook(name, codes, rng)
-        requests = rng.sample(all_requests(), train_per_rulebook + eval_per_rulebook)
-        slug = name.split()[0].lower()
+        books.append(Rulebook(name, codes, system, rng.sample(all_requests(), requests_per_rulebook)))
+    return books
+
+
+def slug(name: str) -> str:
+    return name.split()[0].lower()
+
+
+def build(seed: int, train_per_rulebook: int, eval_per_rulebook: int) -> tuple[list[dict], list[dict]]:
+    rng = random.Random(seed)
+    train, evals = [], []
+    for name, codes, system, requests in rulebooks(rng, train_per_rulebook + eval_per_rulebook):
         for k, words in enumerate(requests):
             split, out = ("train", train) if k < train_per_rulebook else ("eval", evals)
-            out.append({"id": f"{slug}-{split}-{k:03d}", "system": system, "item": request_text(words),
+            out.append({"id": f"{slug(name)}-{split}-{k:03d}", "system": system, "item": request_text(words),
                         "target": answer_text(words, codes)})
     rng.shuffle(train)
     rng.shuffle(evals)
@@ -97,17 +120,22 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def write_splits(out: Path, train: list[dict], evals: list[dict], what: str) -> None:
+    """OUT/train.jsonl and OUT/eval.jsonl, and a line saying so."""
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "eval.jsonl", evals)
+    print(f"wrote {len(train)} train and {len(evals)} {what} to {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "data" / "demo"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train-per-rulebook", type=int, default=60)
-    parser.add_argument("--eval-per-rulebook", type=int, default=12)
+    parser.add_argument("--train-per-rulebook", type=int, default=TRAIN_PER_RULEBOOK)
+    parser.add_argument("--eval-per-rulebook", type=int, default=EVAL_PER_RULEBOOK)
     args = parser.parse_args()
     train, evals = build(args.seed, args.train_per_rulebook, args.eval_per_rulebook)
-    write_jsonl(Path(args.out) / "train.jsonl", train)
-    write_jsonl(Path(args.out) / "eval.jsonl", evals)
-    print(f"wrote {len(train)} train and {len(evals)} eval examples to {args.out}")
+    write_splits(Path(args.out), train, evals, "eval examples")
 
 
 if __name__ == "__main__":
