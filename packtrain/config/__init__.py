@@ -128,6 +128,17 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
+    # What the loss is (packtrain/run/objective.py): sft, each example's mean target cross-entropy; weighted, that
+    # times the example's "weight"; dpo, per preference pair -log sigmoid(dpo_beta * ((logp_c - ref_c) - (logp_r -
+    # ref_r))), logp the summed log-probabilities of an answer, ref the base model's (the adapter disabled)
+    objective: Literal["sft", "dpo", "weighted"] = "sft"
+    dpo_beta: float = 0.1
+    # sigmoid: the DPO loss above; ipo: (margin - 1 / (2 * dpo_beta))^2 on per-token mean log-probabilities (TRL's)
+    dpo_loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    # The reference log-probabilities: precompute, one pass over the training data before step 0, cached in the
+    # run directory (OUTPUT/reference.json, checked against the data, the base and the tokenizer); per_step, a
+    # no-grad forward of each unit with the adapter disabled, before its training forward
+    dpo_reference: Literal["precompute", "per_step"] = "precompute"
     epochs: int = 2
     max_steps: int | None = None
     packs_per_step: int = 1  # global: packs of one optimizer step across all ranks
@@ -258,6 +269,7 @@ _BOUNDS = [
     ("packing.continuation_groups", lambda v: v >= 1, "must be at least 1"),
     ("packing.walk.horizon", lambda v: v == "all" or v >= 0, "must be >= 0 tokens or all"),
     ("lora.r", lambda v: v >= 1, "must be at least 1"),
+    ("train.dpo_beta", lambda v: v > 0, "must be positive"),
     ("lora.dropout", lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
     ("optim.lr", lambda v: v > 0, "must be positive"),
     ("optim.max_grad_norm", lambda v: v > 0, "must be positive (or null: no clipping)"),
@@ -359,6 +371,26 @@ def _tree_problems(p: PackingConfig) -> list[str]:
     return problems
 
 
+def _objective_problems(cfg: Config) -> list[str]:
+    """The packings train.objective dpo and weighted are not built for, one line each."""
+    objective, p = cfg.train.objective, cfg.packing
+    if objective == "sft":
+        return []
+    problems = []
+    if p.on_overflow == "walk":
+        problems.append(f"train.objective {objective}: packing.on_overflow walk is not built for it (error or skip)")
+    if p.context_grad != "full":
+        problems.append(f"train.objective {objective}: packing.context_grad {p.context_grad} is not built for it "
+                        "(full only)")
+    if objective == "dpo" and p.continuation_groups > 1:
+        problems.append(f"train.objective dpo: packing.continuation_groups {p.continuation_groups} is not built for "
+                        "it (a pair's loss needs both answers in one graph; set 1)")
+    if objective == "dpo" and p.max_continuations < 2:
+        problems.append("train.objective dpo: packing.max_continuations must be at least 2 (a pair's two answers "
+                        f"are in one pack), got {p.max_continuations}")
+    return problems
+
+
 def _validate(cfg: Config) -> list[str]:
     problems = _number_problems(cfg)
     numbers = {p.split(":", 1)[0] for p in problems}  # a NaN fails every bound: said once
@@ -373,6 +405,7 @@ def _validate(cfg: Config) -> list[str]:
     if cfg.packing.continuation_groups > 1 and cfg.packing.mode != "shared_prefix":
         problems.append(f"packing.continuation_groups: groups a pack's continuations, so it needs packing.mode "
                         f"shared_prefix, got mode {cfg.packing.mode!r} with {cfg.packing.continuation_groups} groups")
+    problems += _objective_problems(cfg)
     if cfg.model.path is not None and cfg.model.config is not None:
         problems.append("model: give either model.path or model.config, not both")
     if cfg.lora.target_parameters and cfg.lora.dropout > 0:

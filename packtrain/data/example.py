@@ -14,7 +14,7 @@ class DataError(ValueError):
     """An unusable example or data file; the message names the file, the line and the field."""
 
     def __init__(self, source: str | Path, line: int | None, field: str | None, problem: str):
-        self.source, self.line, self.field = str(source), line, field
+        self.source, self.line, self.field, self.problem = str(source), line, field, problem
         where = f"{source}:{line}" if line else str(source)
         what = f" field '{field}':" if field else ""
         super().__init__(f"{where}:{what} {problem}")
@@ -36,6 +36,11 @@ class Example:
     # Text and chat: the item and the target, tokenized apart as when the model generates the target, are other
     # tokens than the whole render tokenized at once (a merge across the boundary, as Qwen's "\n\n" after <think>).
     whole_differs: bool = False
+    weight: float = 1.0  # the example's weight under train.objective weighted (the record's "weight")
+    # A preference pair's side: the pair's id (the record's) and "chosen" or "rejected"; "" for a plain example. A
+    # pair's two examples share P and the item and differ in their targets (the answers).
+    pair: str = ""
+    side: str = ""
 
     @property
     def continuation_ids(self) -> tuple[int, ...]:
@@ -67,3 +72,6 @@ class Conversation:
     images: list[tuple[str, str]] = field(default_factory=list)  # (resolved path, field) in order of appearance
     tools: list[dict] | None = None
     images_through: list[int] = field(default_factory=list)  # images in messages[: i + 1], per message i
+    weight: float = 1.0  # what its examples carry (Example.weight, .pair, .side)
+    pair: str = ""
+    side: str = ""

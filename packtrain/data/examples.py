@@ -9,6 +9,9 @@ Three formats (``data.format``; detected from the first line when omitted):
   message carries a tool's result and follows an assistant message with tool calls (or another tool message).
 - pretokenized: ``{"id"?, "prefix_ids": [int], "item_ids": [int], "target_ids": [int]}``
 
+Every format also takes preference pairs (``chosen`` and ``rejected`` in place of the target) and a ``weight`` on
+any record: :mod:`packtrain.data.preference`.
+
 Text and chat go through the tokenizer's chat template (or ``data.chat_template``), with ``data.template_kwargs``
 (e.g. ``enable_thinking``) in every render and the example's tools in P. P is the system block: what the template
 writes before the first user turn, tools included, found without rendering the system message alone (Qwen's
@@ -40,6 +43,7 @@ prefix of every prompt's, or the example is refused, naming its file, line and f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -53,14 +57,17 @@ if TYPE_CHECKING:
 
 from packtrain.data.chat import tokenize
 from packtrain.data.example import Conversation, DataError, Example
+from packtrain.data.preference import PAIR_KEYS, SIDE_FIELDS, SIDES, check_pairs, chat_answer, is_pair, pair_fields, \
+    weight_of
 
 FORMATS = ("text", "chat", "pretokenized")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 ROLES = ("system", "user", "assistant", "tool")
 # The keys an example and a message may have; any other is refused, naming it: a key packtrain does not read was
 # dropped silently (``enable_thinking`` on an example, ``thinking`` on a message: neither reached the template)
-EXAMPLE_KEYS = {"text": ("id", "system", "item", "target", "images"), "chat": ("id", "messages", "tools"),
-                "pretokenized": ("id", "prefix_ids", "item_ids", "target_ids")}
+EXAMPLE_KEYS = {"text": ("id", "system", "item", "target", "images", "weight"),
+                "chat": ("id", "messages", "tools", "weight"),
+                "pretokenized": ("id", "prefix_ids", "item_ids", "target_ids", "weight")}
 MESSAGE_KEYS = {"system": ("role", "content"), "user": ("role", "content"),
                 "assistant": ("role", "content", "reasoning_content", "tool_calls"),
                 "tool": ("role", "content", "name", "tool_call_id")}
@@ -222,13 +229,14 @@ def _empty_file(path: Path) -> DataError:
 def _format_of(record: dict, source: Path, line: int) -> str:
     if "messages" in record:
         return "chat"
-    if "prefix_ids" in record:
+    if "prefix_ids" in record or "chosen_ids" in record:
         return "pretokenized"
-    if "system" in record or "target" in record:
+    if "system" in record or "target" in record or "chosen" in record:
         return "text"
     raise DataError(source, line, None, f"cannot tell the format from the keys {sorted(record)}: expected "
                                         "system/item/target (text), messages (chat) or prefix_ids/item_ids/"
-                                        "target_ids (pretokenized)")
+                                        "target_ids (pretokenized); a preference pair has chosen and rejected "
+                                        "(chosen_ids and rejected_ids) in place of the target")
 
 
 def detect_format(path: str | Path, max_line_bytes: int | None = None) -> str:
@@ -282,10 +290,12 @@ def _example_id(record: dict, line: int, source: Path) -> str:
     return str(value)
 
 
-def _pretokenized(record: dict, line: int, source: Path, vocab_size: int | None, prefixes: dict) -> Example:
-    _known_keys(record, EXAMPLE_KEYS["pretokenized"], "a pretokenized example", "", source, line)
+def _pretokenized(record: dict, line: int, source: Path, vocab_size: int | None, prefixes: dict) -> list[Example]:
+    paired = is_pair(record)
+    _keys_of(record, "pretokenized", paired, source, line)
+    targets = pair_fields(record, "pretokenized", source, line) if paired else ("target_ids",)
     ids = {}
-    for name in ("prefix_ids", "item_ids", "target_ids"):
+    for name in ("prefix_ids", "item_ids", *targets):
         value = _field(record, name, "pretokenized", source, line)
         if name == "item_ids" and value == []:  # an empty item is allowed; an empty P or target is not
             ids[name] = ()
@@ -293,7 +303,31 @@ def _pretokenized(record: dict, line: int, source: Path, vocab_size: int | None,
         ids[name] = _token_ids(value, name, source, line, vocab_size)
     # Equal prefixes share one tuple: memory, and the planner groups them without hashing each copy.
     prefix = prefixes.setdefault(ids["prefix_ids"], ids["prefix_ids"])
-    return Example(_example_id(record, line, source), prefix, ids["item_ids"], ids["target_ids"], str(source), line)
+    id_, weight = _example_id(record, line, source), weight_of(record, source, line)
+    if not paired:
+        return [Example(id_, prefix, ids["item_ids"], ids["target_ids"], str(source), line, weight=weight)]
+    return [Example(f"{id_}:{side}", prefix, ids["item_ids"], ids[name], str(source), line, weight=weight, pair=id_,
+                    side=side) for side, name in zip(SIDES, targets)]
+
+
+def _keys_of(record: dict, fmt: str, paired: bool, source: Path, line: int) -> None:
+    """A key outside the format's (a preference pair's, when ``paired``) is refused, naming it."""
+    what = f"a {fmt} preference pair" if paired else f"a {fmt} example"
+    if paired:
+        pair_fields(record, fmt, source, line)  # a side missing, or a target beside them: said as such
+    _known_keys(record, (PAIR_KEYS if paired else EXAMPLE_KEYS)[fmt], what, "", source, line)
+
+
+def _sides(record: dict, fmt: str, source: Path, line: int, conversation) -> list[Conversation]:
+    """The record's conversations: one, or a pair's two (``conversation(target field)`` makes either)."""
+    weight = weight_of(record, source, line)
+    if not is_pair(record):
+        return [dataclasses.replace(conversation("target"), weight=weight)]
+    out = []
+    for side, name in zip(SIDES, pair_fields(record, fmt, source, line)):
+        c = conversation(name)
+        out.append(dataclasses.replace(c, id=f"{c.id}:{side}", weight=weight, pair=c.id, side=side))
+    return out
 
 
 def _image_path(value: Any, field: str, source: Path, line: int) -> str:
@@ -303,9 +337,13 @@ def _image_path(value: Any, field: str, source: Path, line: int) -> str:
     return str(path if path.is_absolute() else (Path(source).parent / path))
 
 
-def _text_conversation(record: dict, line: int, source: Path) -> Conversation:
-    _known_keys(record, EXAMPLE_KEYS["text"], "a text example", "", source, line)
-    system, item, target = (_field(record, k, "text", source, line) for k in ("system", "item", "target"))
+def _text_conversations(record: dict, line: int, source: Path) -> list[Conversation]:
+    _keys_of(record, "text", is_pair(record), source, line)
+    return _sides(record, "text", source, line, lambda target: _text_conversation(record, line, source, target))
+
+
+def _text_conversation(record: dict, line: int, source: Path, target_field: str) -> Conversation:
+    system, item, target = (_field(record, k, "text", source, line) for k in ("system", "item", target_field))
     item = _string(item, "item", source, line)
     images = record.get("images", [])
     if not isinstance(images, list):
@@ -317,9 +355,9 @@ def _text_conversation(record: dict, line: int, source: Path) -> Conversation:
     messages = [
         {"role": "system", "content": _string(system, "system", source, line)},
         {"role": "user", "content": user},
-        {"role": "assistant", "content": _string(target, "target", source, line, nonempty=True)},
+        {"role": "assistant", "content": _string(target, target_field, source, line, nonempty=True)},
     ]
-    return Conversation(_example_id(record, line, source), line, messages, "system", "target", paths,
+    return Conversation(_example_id(record, line, source), line, messages, "system", target_field, paths,
                          images_through=[0, len(paths), len(paths)])
 
 
@@ -392,8 +430,32 @@ def _order_problem(role: str, previous: dict) -> str | None:
     return None
 
 
+def _chat_conversations(record: dict, line: int, source: Path) -> list[Conversation]:
+    paired = is_pair(record)
+    _keys_of(record, "chat", paired, source, line)
+    if not paired:
+        return _sides(record, "chat", source, line, lambda _: _chat_conversation(record, line, source))
+    prompt = _field(record, "messages", "chat", source, line)
+    if not isinstance(prompt, list) or not prompt:
+        raise DataError(source, line, "messages", "expected the prompt turns: a list of a system message and the "
+                                                  "turns before the answer")
+
+    def side(name: str) -> Conversation:
+        answer = chat_answer(record[name], name, source, line)
+        try:
+            c = _chat_conversation({**record, "messages": [*prompt, answer]}, line, source)
+        except DataError as e:  # the answer's problem is named by its own field
+            at = f"messages[{len(prompt)}]"
+            if e.field is None or not e.field.startswith(at):
+                raise
+            raise DataError(source, line, name + e.field[len(at):], e.problem) from None
+        c.target_field = name
+        return c
+
+    return _sides(record, "chat", source, line, side)
+
+
 def _chat_conversation(record: dict, line: int, source: Path) -> Conversation:
-    _known_keys(record, EXAMPLE_KEYS["chat"], "a chat example", "", source, line)
     messages = _field(record, "messages", "chat", source, line)
     if not isinstance(messages, list) or len(messages) < 2:
         raise DataError(source, line, "messages", "expected a list of at least a system and an assistant message")
@@ -489,10 +551,14 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
         if tokenizer is not None:
             vocab_size = min(len(tokenizer), vocab_size or len(tokenizer))
         prefixes: dict[tuple[int, ...], tuple[int, ...]] = {}
-        examples = [_pretokenized(r, line, path, vocab_size, prefixes) for line, r in records]
+        examples = [ex for line, r in records for ex in _pretokenized(r, line, path, vocab_size, prefixes)]
     else:
-        parse = _text_conversation if fmt == "text" else _chat_conversation
-        conversations = [parse(r, line, path) for line, r in records]
+        parse = _text_conversations if fmt == "text" else _chat_conversations
+        conversations = [c for line, r in records for c in parse(r, line, path)]
+        paired = next((c for c in conversations if c.pair), None)
+        if paired is not None and train_on != "last":
+            raise DataError(path, paired.line, None, f"a preference pair trains its two answers: data.train_on "
+                                                     f"{train_on} is not built for pairs (use train_on: last)")
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
             tokenizer = load_tokenizer(tokenizer)
         if isinstance(processor, (str, Path)):
@@ -500,6 +566,7 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
 
             processor = load_image_processor(processor)
         examples = tokenize(conversations, tokenizer, path, processor, train_on, template_kwargs, chat_template)
+    check_pairs(examples, path, dict(zip(SIDES, SIDE_FIELDS[fmt])))
     seen: dict[str, int] = {}
     for ex in examples:
         if ex.id in seen:

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packtrain.config import WalkSpec
-from packtrain.data.pairs import causal_pairs, pack_pairs, tree_pairs
-from packtrain.data.tree import continuations, example_keys, key_tokens, tree_of_keys
+from packtrain.data.pairs import causal_pairs, node_pairs, pack_pairs, tree_pairs
+from packtrain.data.preference import pair_examples
+from packtrain.data.tree import continuations, example_keys, example_tree, key_tokens, tree_of_keys
 from packtrain.data.tree_packs import pack_tree
 from packtrain.data.walk_calls import WalkCalls, walk_calls
 
@@ -83,26 +84,34 @@ def _group_by_prompt(examples: Sequence[Any]) -> dict[tuple[int, ...], list[int]
     return groups
 
 
-def _best_fit_decreasing(lengths: list[int], capacity: int, max_items: int) -> list[list[int]]:
-    """Bins of positions into ``lengths`` (sorted descending, each <= capacity), best fit."""
+def _best_fit_decreasing(lengths: list[int], capacity: int, max_items: int,
+                         counts: list[int] | None = None) -> list[list[int]]:
+    """Bins of positions into ``lengths`` (sorted descending, each <= capacity), best fit; ``counts``: the
+    continuations each entry is (a preference pair is 2), at most ``max_items`` per bin (None: 1 each)."""
     bins: list[list[int]] = []
     room: list[int] = []
+    held: list[int] = []
     # Open bins as one sorted list of ints room * n + bin: bisect finds the least room that fits, ties going to the
     # oldest bin. A bin that is full, or has less room than the shortest continuation, leaves the list.
     n = len(lengths)
     open_keys: list[int] = []
     shortest = lengths[-1]
     for j, length in enumerate(lengths):
+        count = 1 if counts is None else counts[j]
         k = bisect_left(open_keys, length * n)
+        while k < len(open_keys) and held[open_keys[k] % n] + count > max_items:  # a pair where one slot is left
+            k += 1
         if k < len(open_keys):
             b = open_keys.pop(k) % n
         else:
             b = len(bins)
             bins.append([])
             room.append(capacity)
+            held.append(0)
         bins[b].append(j)
         room[b] -= length
-        if len(bins[b]) < max_items and room[b] >= shortest:
+        held[b] += count
+        if held[b] < max_items and room[b] >= shortest:
             insort(open_keys, room[b] * n + b)
     return bins
 
@@ -111,6 +120,20 @@ def _over_budget(ex: Any, index: int, prefix_len: int, length: int, token_budget
     return PlanError(f"{_where(ex, index)} needs {prefix_len + length} positions (P {prefix_len} + continuation "
                      f"{length}), over packing.token_budget={token_budget}; raise the budget or set "
                      "packing.on_overflow=skip")
+
+
+def _pair_over_budget(ex: Any, index: int, prefix_len: int, length: int, token_budget: int) -> PlanError:
+    return PlanError(f"{_where(ex, index)}: its preference pair needs {prefix_len + length} positions (P {prefix_len} + "
+                     f"both answers' continuations {length}, in one pack), over packing.token_budget={token_budget}; "
+                     "raise the budget or set packing.on_overflow=skip")
+
+
+def _partners(examples: Sequence[Any]) -> dict[int, int]:
+    """Each preference-pair example's index -> its other answer's (empty without pairs)."""
+    out = {}
+    for c, r in pair_examples(examples):
+        out[c], out[r] = r, c
+    return out
 
 
 def target_count(ex: Any) -> int:
@@ -138,14 +161,26 @@ def plan_packs(
     prompts: list[tuple[int, ...]] = []
     skipped: list[int] = []
     groups = _group_by_prompt(examples)
+    partner = _partners(examples)
     for prefix in sorted(groups):
         capacity = token_budget - len(prefix)
         fitting, walked = [], []
         for i in groups[prefix]:
             ex = examples[i]
+            if i in partner:  # a preference pair: its two answers go into one pack together, from its chosen one
+                if ex.side == "chosen":
+                    both = (i, partner[i])
+                    length = sum(len(examples[j].item_ids) + len(examples[j].target_ids) for j in both)
+                    if length <= capacity:
+                        fitting.append((-length, ex.item_ids, ex.target_ids, str(getattr(ex, "id", "")), both))
+                    elif on_overflow == "skip":
+                        skipped.extend(both)
+                    else:
+                        raise _pair_over_budget(ex, i, len(prefix), length, token_budget)
+                continue
             length = len(ex.item_ids) + len(ex.target_ids)
             if length <= capacity:
-                fitting.append((-length, ex.item_ids, ex.target_ids, str(getattr(ex, "id", "")), i))
+                fitting.append((-length, ex.item_ids, ex.target_ids, str(getattr(ex, "id", "")), (i,)))
             elif on_overflow == "skip":
                 skipped.append(i)
             elif on_overflow == "walk":
@@ -165,10 +200,11 @@ def plan_packs(
         fitting.sort()
         order = [key[-1] for key in fitting]
         lengths = [-key[0] for key in fitting]
-        for b in _best_fit_decreasing(lengths, capacity, max_continuations):
-            used = sum(lengths[j] for j in b)
-            packs.append(Pack(len(prompts), tuple(order[j] for j in b), len(prefix) + used,
-                              pack_pairs(len(prefix), [lengths[j] for j in b])))
+        counts = [len(entry) for entry in order] if partner else None
+        for b in _best_fit_decreasing(lengths, capacity, max_continuations, counts):
+            chosen = tuple(i for j in b for i in order[j])
+            cont = [len(examples[i].item_ids) + len(examples[i].target_ids) for i in chosen]
+            packs.append(Pack(len(prompts), chosen, len(prefix) + sum(cont), pack_pairs(len(prefix), cont)))
         prompts.append(prefix)
     if not packs:
         raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
@@ -213,8 +249,15 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
     skipped: list[int] = []
     lengths: dict[int, list[int]] = {}  # the planned continuations' lengths per prompt, for shared_prefix's figures
     groups = _group_by_prompt(examples)
+    partner = _partners(examples)
     for prefix in sorted(groups):
         p, fitting = len(prefix), groups[prefix]
+        if partner:  # a pair whose two answers' tree is over the budget: refused, or both skipped
+            over = _pairs_over(examples, fitting, partner, p, token_budget, on_overflow)
+            skipped += over
+            fitting = [i for i in fitting if i not in set(over)]
+            if not fitting:
+                continue
         group = list(map(examples.__getitem__, fitting))
         keys, salts = example_keys(group)
         if key_tokens(max(keys, key=len)) > token_budget - p:
@@ -231,9 +274,12 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
             fitting, group, keys = ([column[k] for k in keep] for column in (fitting, group, keys))
             salts = None if salts is None else [salts[k] for k in keep]
         tree = tree_of_keys(keys, salts, continuations(group))
-        for tp in pack_tree(tree, token_budget - p, max_continuations, _by_id(examples, fitting)):
-            pack = Pack(len(prompts), tuple(map(fitting.__getitem__, tp.paths)), p + tp.positions,
-                        pairs=tree_pairs(p, tp.positions, tp.pairs))
+        cut = pack_tree(tree, token_budget - p, max_continuations, _by_id(examples, fitting))
+        cut = [(tuple(map(fitting.__getitem__, tp.paths)), tp.positions, tp.pairs) for tp in cut]
+        if partner:
+            cut = _rejoin_pairs(cut, examples, partner, token_budget - p, max_continuations)
+        for members, positions, pairs in cut:
+            pack = Pack(len(prompts), members, p + positions, pairs=tree_pairs(p, positions, pairs))
             packs.append(pack)
             lengths.setdefault(pack.prompt, []).extend(len(examples[i].item_ids) + len(examples[i].target_ids)
                                                    for i in pack.examples)
@@ -244,6 +290,66 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
     plan.figures = _against_flat(plan, lengths, sum(pack.positions for pack in packs),
                                  sum(pack.pairs for pack in packs))
     return plan
+
+
+def _pairs_over(examples: Sequence[Any], members: list[int], partner: dict[int, int], prefix_len: int,
+                token_budget: int, on_overflow: str) -> list[int]:
+    """The examples of the pairs among ``members`` whose pair tree (item -> {chosen, rejected}) is over the budget
+    (``on_overflow`` skip; error: refused, naming the pair)."""
+    over = []
+    for i in members:
+        if i in partner and examples[i].side == "chosen":
+            both = [examples[i], examples[partner[i]]]
+            size = example_tree(both).positions
+            if prefix_len + size > token_budget:
+                if on_overflow != "skip":
+                    raise _pair_over_budget(both[0], i, prefix_len, size, token_budget)
+                over += [i, partner[i]]
+    return over
+
+
+def _rejoin_pairs(cut: list[tuple[tuple[int, ...], int, int]], examples: Sequence[Any], partner: dict[int, int],
+                  capacity: int, max_leaves: int) -> list[tuple[tuple[int, ...], int, int]]:
+    """The tree packs ``cut`` (members, tree tokens, node pairs) with every preference pair in one pack. A pair's
+    answers share their item's node, a subtree of its own under P (``tree_salt``), which the cutter keeps whole;
+    only a pair that shares no token at all (an empty item, answers that start apart) can land in two packs: its
+    rejected answer joins its chosen one's pack where the tree still fits, else the pair takes a pack of its own."""
+    where = {i: k for k, (members, _, _) in enumerate(cut) for i in members}
+    members = [list(m) for m, _, _ in cut]
+    changed = set()
+    for i, k in list(where.items()):
+        j = partner.get(i)
+        if j is None or examples[i].side != "chosen" or where[j] == k:
+            continue
+        members[where[j]].remove(j)
+        changed |= {k, where[j]}
+        trial = _tree_figures([examples[e] for e in members[k] + [j]])
+        if trial[0] <= capacity and trial[2] <= max_leaves:
+            members[k].append(j)
+            where[j] = k
+        else:
+            members[k].remove(i)
+            members.append([i, j])
+            where[i] = where[j] = len(members) - 1
+            changed.add(len(members) - 1)
+    out = []
+    for k, m in enumerate(members):
+        if not m:
+            continue
+        if k in changed or k >= len(cut):
+            m = sorted(m, key=lambda e: (str(getattr(examples[e], "id", "")), e))
+            positions, pairs, _ = _tree_figures([examples[e] for e in m])
+            out.append((tuple(m), positions, pairs))
+        else:
+            out.append(cut[k])
+    return out
+
+
+def _tree_figures(group: list[Any]) -> tuple[int, int, int]:
+    """(tokens, node pairs, leaves) of the tree of ``group``, as pack_tree counts a pack."""
+    tree = example_tree(group)
+    leaves = sum(end == n + 1 for n, end in enumerate(tree.stop))
+    return tree.positions, sum(map(node_pairs, tree.start, tree.end)), leaves
 
 
 def _by_id(examples: Sequence[Any], indices: list[int]):

@@ -211,10 +211,19 @@ def image_salt(ex) -> tuple:
     return tuple((ref.path, ref.grid_thw) for ref in getattr(ex, "images", ()))
 
 
+def tree_salt(ex) -> tuple:
+    """What keeps an example's path apart from others' with equal tokens: its images (:func:`image_salt`), and its
+    preference pair: a pair's two answers are a subtree of their own under P (item -> {chosen, rejected}), which
+    fits a pack whenever the pair does, so the pack cutter never parts them."""
+    pair = getattr(ex, "pair", "")
+    return image_salt(ex) + ((("pair", pair),) if pair else ())
+
+
 def example_keys(examples: Sequence) -> tuple[list[bytes], list[tuple] | None]:
-    """Examples' paths, each one's continuation (item + target), as keys (path_key), and their salts, their images
-    (None when none has images: the same tree, sorted faster)."""
-    salts = [image_salt(ex) for ex in examples] if any(getattr(ex, "images", ()) for ex in examples) else None
+    """Examples' paths, each one's continuation (item + target), as keys (path_key), and their salts (tree_salt;
+    None when no example has images or a pair: the same tree, sorted faster)."""
+    salted = any(getattr(ex, "images", ()) or getattr(ex, "pair", "") for ex in examples)
+    salts = [tree_salt(ex) for ex in examples] if salted else None
     return _keys([ex.item_ids for ex in examples], [ex.target_ids for ex in examples]), salts
 
 

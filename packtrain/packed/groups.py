@@ -42,6 +42,7 @@ class Groups:
     group's weight (1, or 0 for a filler)."""
     layouts: list[PackLayout]
     weights: list[float]
+    runs: list[list[int]] | None = None  # per group, the positions of its continuations in the pack's order
 
     @property
     def length(self) -> int:
@@ -50,7 +51,7 @@ class Groups:
         return p + sum(lay.length - p for lay, w in zip(self.layouts, self.weights) if w)
 
     def to(self, device) -> Groups:
-        return Groups([lay.to(device) for lay in self.layouts], self.weights)
+        return Groups([lay.to(device) for lay in self.layouts], self.weights, self.runs)
 
 
 def split(lengths: list[int], n_groups: int) -> list[list[int]]:
@@ -84,11 +85,11 @@ class GroupCall:
         return examples_loss(lm, self.layout, *continuations_on(lm, self.layout, self.prefix, constant=constant))
 
 
-def train_groups(lm, groups: Groups, scale: float) -> tuple[float, list[float]]:
+def train_groups(lm, groups: Groups, scale: float, loss_of=None) -> tuple[float, list[float]]:
     """Forward and backward of one pack in groups (gradients accumulate into the parameters, scaled by ``scale``
-    times each group's weight). Returns (the sum of its examples' losses, the per-example losses of its real
-    groups in the pack's order)."""
-    return _run_groups(lm, groups, scale)
+    times each group's weight). ``loss_of(group, out)``: a group's loss from its output (None: ``out.loss_sum``).
+    Returns (the sum of its examples' losses, the per-example losses of its real groups in the pack's order)."""
+    return _run_groups(lm, groups, scale, loss_of)
 
 
 def eval_groups(lm, groups: Groups) -> tuple[float, list[float]]:
@@ -96,7 +97,7 @@ def eval_groups(lm, groups: Groups) -> tuple[float, list[float]]:
     return _run_groups(lm, groups, None)
 
 
-def _run_groups(lm, groups: Groups, scale: float | None) -> tuple[float, list[float]]:
+def _run_groups(lm, groups: Groups, scale: float | None, loss_of=None) -> tuple[float, list[float]]:
     if any(lay.image_grid_thw is not None for lay in groups.layouts):
         raise ValueError("packing.continuation_groups > 1 takes text-only packs; this pack has images "
                          "(set packing.continuation_groups: 1)")
@@ -104,12 +105,13 @@ def _run_groups(lm, groups: Groups, scale: float | None) -> tuple[float, list[fl
     prefix = lm(PrefixCall(groups.layouts[0]))
     leaves = prefix.leaves(grad) if scale is not None else prefix
     total, losses = 0.0, []
-    for layout, weight in zip(groups.layouts, groups.weights):
+    for g, (layout, weight) in enumerate(zip(groups.layouts, groups.weights)):
         out = lm(GroupCall(layout, leaves))
+        loss = out.loss_sum if loss_of is None else loss_of(g, out)
         if scale is not None:
-            require_grad(out.loss_sum)
-            (out.loss_sum * (scale * weight)).backward()
-        total += weight * float(out.per_example.sum())
+            require_grad(loss)
+            (loss * (scale * weight)).backward()
+        total += weight * float(loss.detach())
         if weight:
             losses += out.per_example.tolist()
     if grad:  # into P's graph

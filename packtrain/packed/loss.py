@@ -75,6 +75,7 @@ class LossOutput:
     loss_sum: torch.Tensor  # scalar: sum over examples of their mean target cross-entropy
     per_example: torch.Tensor  # [N] detached per-example losses
     target_tokens: torch.Tensor  # [N]
+    live: torch.Tensor | None = None  # [N] the per-example losses with their gradient (packtrain.run.objective)
 
     @property
     def num_examples(self) -> int:
@@ -96,4 +97,13 @@ def examples_loss(lm, layout, hidden: torch.Tensor, positions: torch.Tensor,
         # frozen, every target read off P's last row: nothing to learn, but the backward must still run (zero
         # gradients) so that every rank makes the same FSDP calls and the trainer's step goes on
         loss_sum = anchored(loss_sum, hidden[0, 1:])
-    return LossOutput(loss_sum=loss_sum, per_example=per_example.detach(), target_tokens=layout.target_counts)
+    return LossOutput(loss_sum=loss_sum, per_example=per_example.detach(), target_tokens=layout.target_counts,
+                      live=per_example)
+
+
+def concat_outputs(outs: list[LossOutput]) -> LossOutput:
+    """Several forwards' losses as one output, their examples in order (a pair's two answers, each alone)."""
+    return LossOutput(loss_sum=sum((o.loss_sum for o in outs[1:]), outs[0].loss_sum),
+                      per_example=torch.cat([o.per_example for o in outs]),
+                      target_tokens=torch.cat([o.target_tokens for o in outs]),
+                      live=torch.cat([o.live for o in outs]))

@@ -139,15 +139,12 @@ def build_tree_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
 
 
 def _salts(continuations: Sequence[Continuation], image_keys: Sequence | None) -> list:
-    """build_tree's salts: text-only continuations share freely; one with images only with those of equal keys
-    (compared by their text form, which orders any keys), or with none when no keys are given."""
-    out = []
-    for i, c in enumerate(continuations):
-        if not c.images:
-            out.append((0, ""))
-        else:
-            out.append((1, str(image_keys[i])) if image_keys is not None else (2, str(i)))
-    return out
+    """build_tree's salts: continuations share only where their keys are equal (compared by their text form, which
+    orders any keys: e.g. :func:`packtrain.data.tree.tree_salt`); without keys text-only ones share freely and one
+    with images shares nothing."""
+    if image_keys is not None:
+        return [(1 if c.images else 0, str(key)) for c, key in zip(continuations, image_keys)]
+    return [(2, str(i)) if c.images else (0, "") for i, c in enumerate(continuations)]
 
 
 def _positions(p: int, length: int, rows, tokens, continuations, vision) -> list[list[int]]:

@@ -53,15 +53,15 @@ class Records:
         if self.dist.is_main:
             tqdm.write(line)
 
-    def bar(self, desc: str, unit: str, beat: str) -> _Beating:
+    def bar(self, desc: str, unit: str, beat: str) -> Beating:
         """A progress bar (a terminal only: it would litter logs) whose every update also tells the watchdog that
         ``beat`` is still running (a long evaluation is progress)."""
         bar = tqdm(total=None, desc=desc, unit=unit, leave=False,
                    disable=not (self.dist.is_main and self.progress and sys.stderr.isatty()))
-        return _Beating(bar, lambda: self.ops.progress(beat))
+        return Beating(bar, lambda: self.ops.progress(beat))
 
 
-class _Beating:
+class Beating:
     """A progress bar that also tells the hang watchdog a unit of work finished."""
 
     def __init__(self, bar, beat):

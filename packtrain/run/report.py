@@ -23,10 +23,13 @@ def header(trainer) -> list[str]:
              f"world size {t.dist.world_size}, dtype {cfg.model.dtype}",
              f"  {describe_model(t.model)}",
              f"  context_grad {t.lm.context.describe()}",
-             f"  loss: {t.lm.describe_loss()}"]
+             f"  loss: {t.lm.describe_loss()}",
+             f"  objective {t.setup.objective.describe()}"]
     lora = describe_lora(t.model)
     if lora is not None:
         lines.append(f"  {lora}")
+    if t.setup.objective.paired:
+        lines.append(f"  {s['examples'] // 2:,} preference pairs, each pair's two answers in one pack")
     if cfg.data.train_on != "last" or s["turns"] != s["examples"]:
         lines.append(f"  data.train_on {cfg.data.train_on}: {s['conversations']:,} conversations, {s['turns']:,} "
                      f"assistant turns trained, {s['target_tokens']:,} target tokens")

@@ -124,7 +124,7 @@ class Step:
         info = self.info
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         if n_examples > 0:
-            scale = faults.nan_scale(info.rank, number + 1, step_scale(n_examples))
+            scale = faults.nan_scale(info.rank, number + 1, step_scale(self.setup.objective.items(n_examples)))
             for ready, skipped in zip(built, skip):
                 if not skipped:
                     r = run_unit(self.lm, ready, self.setup, info.device, scale)
@@ -136,7 +136,7 @@ class Step:
                 skipped_examples: int, t0: float) -> StepResult:
         """Clip, agree on finiteness, step the optimizer (or skip the update), step the schedule."""
         grad_norm, lr = 0.0, self.scheduler.get_last_lr()[0]
-        loss = float(totals[0]) / n_examples if n_examples else None
+        loss = float(totals[0]) / self.setup.objective.items(n_examples) if n_examples else None
         if n_examples > 0:
             max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)

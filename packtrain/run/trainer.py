@@ -12,7 +12,9 @@ generation, checkpoints) and when is the run's cadence, :mod:`packtrain.run.cade
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +33,10 @@ from packtrain.ops.nodes import check_same_config, check_same_plan
 from packtrain.ops.runtime import RunOps
 from packtrain.packed.equal import agree
 from packtrain.packed.families import check_model
-from packtrain.run import finite, report
-from packtrain.run.cadence import Cadence, Checkpoints, Evaluation, Generation, Records
+from packtrain.run import finite, reference, report
+from packtrain.run.cadence import Beating, Cadence, Checkpoints, Evaluation, Generation, Records
 from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
+from packtrain.run.objective import Objective
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.signals import StopSignals
 from packtrain.run.step import Step
@@ -126,6 +129,8 @@ class Trainer:
         # generate.every: a bad generate.metric fails here, before the model is built
         self.scorer, self.task_tokenizer = task_start(cfg) if cfg.generate.every is not None else (None, None)
         Kinds.of(cfg).check(self.train_examples)
+        if self.eval_examples:
+            Objective.of(cfg).check(self.eval_examples, "data.eval")
         self.plan = plan_for(cfg, self.train_examples)
         self.fingerprint = plan_fingerprint(self.plan, self.train_examples)  # every token of the plan: once
         check_same_plan(self.fingerprint, self.dist)
@@ -149,6 +154,9 @@ class Trainer:
         self.model, self.lm, self.backend = assemble(model, self.run_cfg, self.dist.device, shard=self.dist.enabled)
         images = image_loader(cfg, self.model, self.train_examples + (self.eval_examples or []))
         self.setup = Kinds.of(cfg, images)
+        if self.setup.objective.paired and cfg.train.dpo_reference == "precompute":
+            table = self._reference_table(cfg)
+            self.setup = dataclasses.replace(self.setup, objective=self.setup.objective.with_table(table))
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
         if self.scorer is not None:
             self.task = task_for(cfg, self.model, self.eval_examples, self.scorer, self.task_tokenizer)
@@ -176,6 +184,37 @@ class Trainer:
             self.cadence.resume(state.get("owed", []), latest)
         if self.dist.is_main:
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+    def _reference_table(self, cfg: Config) -> dict[str, float]:
+        """dpo, precompute: the reference log-probabilities of the training examples, read from OUTPUT/reference.json
+        (rank 0 reads it and every rank gets it, or its refusal) or computed by every rank and written by rank 0
+        (packtrain.run.reference)."""
+        expected = reference.digests(cfg, self.train_examples)
+        found: list = [None]
+        if self.dist.is_main:
+            try:
+                found[0] = ("table", reference.read(self.out, expected))
+            except ValueError as e:
+                found[0] = ("refused", str(e))
+        if self.dist.enabled:
+            torch.distributed.broadcast_object_list(found, src=0)
+        verdict, value = found[0]
+        if verdict == "refused":
+            raise ValueError(value)
+        if value is not None:
+            self.log(f"dpo reference: {len(value):,} log-probabilities read from {self.out / reference.FILE}")
+            return value
+        t0 = time.perf_counter()
+        bar = tqdm(total=None, desc="reference", unit="unit", leave=False,
+                   disable=not (self.dist.is_main and cfg.logging.progress))
+        table = reference.compute(self.lm, self.plan, self.train_examples, self.setup, self.dist,
+                                  Beating(bar, lambda: self.ops.progress("a dpo reference unit")))
+        bar.close()
+        if self.dist.is_main:
+            path = reference.write(self.out, expected, table)
+            self.log(f"dpo reference: {len(table):,} log-probabilities of the base model (adapter disabled) in "
+                     f"{time.perf_counter() - t0:.1f} s, written to {path}")
+        return table
 
     def _cadence(self, cfg: Config) -> Cadence:
         """What runs between steps (packtrain.run.cadence): the eval loss (data.eval), the task (generate.every),

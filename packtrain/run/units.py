@@ -47,6 +47,7 @@ from packtrain.data.images import ImageLoader, load_image_processor
 from packtrain.data.planner import Pack, Plan, plan_packs, plan_tree_packs, target_count
 from packtrain.data.walk_calls import WalkCalls
 from packtrain.models.memory import UnitShape
+from packtrain.run.objective import Objective, Terms
 
 if TYPE_CHECKING:
     from packtrain.packed.groups import Groups
@@ -64,20 +65,28 @@ class Kinds:
     pack: Kind  # the kind of the packs that are not walked
     walk: WalkKind | None = None  # packing.on_overflow: walk (None: no example is walked)
     images: ImageLoader | None = None
+    objective: Objective = Objective()  # train.objective: what a unit's loss is (packtrain.run.objective)
 
     @classmethod
     def of(cls, cfg: Config, images: ImageLoader | None = None, n_groups: int | None = None) -> Kinds:
         """The config's kinds; ``n_groups`` in place of ``packing.continuation_groups`` (1: whole packs)."""
         p = cfg.packing
         groups = p.continuation_groups if n_groups is None else n_groups
-        return cls.named(p.mode, groups, cfg.walk_spec(), images)
+        return cls.named(p.mode, groups, cfg.walk_spec(), images, Objective.of(cfg))
 
     @classmethod
     def named(cls, mode: str, n_groups: int = 1, walk_spec: WalkSpec | None = None,
-              images: ImageLoader | None = None) -> Kinds:
-        """The kinds of ``packing.mode`` ``mode`` with these settings (tests and tools without a config)."""
-        pack = GroupsKind(n_groups) if n_groups > 1 else _PACK_KINDS[mode]()
-        return cls(mode, pack, None if walk_spec is None else WalkKind(walk_spec), images)
+              images: ImageLoader | None = None, objective: Objective | None = None) -> Kinds:
+        """The kinds of ``packing.mode`` ``mode`` with these settings (tests and tools without a config). Under
+        dpo one example alone is a pair's two answers alone (one unit: its loss needs both)."""
+        objective = objective or Objective()
+        if n_groups > 1:
+            pack = GroupsKind(n_groups)
+        elif mode == "standalone" and objective.paired:
+            pack = StandalonePairKind()
+        else:
+            pack = _PACK_KINDS[mode]()
+        return cls(mode, pack, None if walk_spec is None else WalkKind(walk_spec), images, objective)
 
     @property
     def n_groups(self) -> int:
@@ -100,8 +109,9 @@ class Kinds:
         return self.kind_of(pack).units(pack)
 
     def check(self, examples) -> None:
-        """The pack kind refuses, before the model is built, data it cannot run."""
+        """The pack kind and the objective refuse, before the model is built, data they cannot run."""
         self.pack.check(examples)
+        self.objective.check(examples)
 
     def runs(self, stats: dict | None = None) -> list[str]:
         """How the run's packs and walks run, for a run's header and the bench's summary (``stats``: the plan's,
@@ -141,7 +151,8 @@ class Unit:
 class Built:
     """A unit and what it runs on: a layout (a pack, a standalone or a walked example) or a pack's groups."""
     unit: Unit
-    work: PackLayout | Groups | None
+    work: PackLayout | Groups | Sides | None
+    terms: Terms | None = None  # what its loss needs of its examples (None: a dummy's, or an evaluation's)
 
     @property
     def positions(self) -> int:
@@ -207,19 +218,26 @@ class Kind:
 
         return PackCall(work)
 
-    def train(self, lm, unit: Unit, work, scale: float):
-        """Forward and backward (gradients into the parameters, ``loss_sum * scale``): (loss sum, per-example
-        losses, target tokens per example)."""
+    def forward(self, lm, work):
+        """The unit's forward: its loss output (:class:`packtrain.packed.loss.LossOutput`)."""
+        return lm(self.call(work))
+
+    def train(self, lm, unit: Unit, work, scale: float, objective: Objective, terms: Terms | None):
+        """Forward and backward (gradients into the parameters, the objective's loss times ``scale``; a dummy's
+        ``terms`` are None: its examples' own loss, scaled to nothing): (the loss, per-example losses, target tokens
+        per example). Under dpo per_step, the reference forward comes first."""
         from packtrain.packed.loss import require_grad
 
-        out = lm(self.call(work))
-        require_grad(out.loss_sum)
-        (out.loss_sum * scale).backward()
-        return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
+        reference = objective.reference_log_probs(lm, lambda: self.forward(lm, work))
+        out = self.forward(lm, work)
+        loss = out.loss_sum if terms is None else objective.loss(out, terms, reference)
+        require_grad(loss)
+        (loss * scale).backward()
+        return float(loss.detach()), out.per_example.tolist(), out.target_tokens.tolist()
 
     def evaluate(self, lm, unit: Unit, work):
-        """The same under no_grad (the caller's)."""
-        out = lm(self.call(work))
+        """The per-example losses under no_grad (the caller's): (their sum, per-example losses, target tokens)."""
+        out = self.forward(lm, work)
         return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
 
     def calls(self, unit: Unit, training: bool) -> int:
@@ -280,12 +298,13 @@ class GroupsKind(Kind):
             group = [chosen[i] for i in run or [0]]
             refs = [tuple(getattr(ex, "images", ())) for ex in group]
             layouts.append(_with_images(build_pack_layout(prefix, _continuations(group, refs), spec), refs, images))
-        return Groups(layouts, [1.0 if run else 0.0 for run in runs])
+        return Groups(layouts, [1.0 if run else 0.0 for run in runs], [run or [0] for run in runs])
 
-    def train(self, lm, unit, work, scale):
+    def train(self, lm, unit, work, scale, objective, terms):
         from packtrain.packed.groups import train_groups
 
-        total, losses = train_groups(lm, work, scale)
+        loss_of = None if terms is None else lambda g, out: objective.loss(out, terms.subset(work.runs[g]))
+        total, losses = train_groups(lm, work, scale, loss_of)
         return total, losses, _group_targets(work)
 
     def evaluate(self, lm, unit, work):
@@ -342,6 +361,47 @@ class StandaloneKind(Kind):
         return "example"
 
 
+class StandalonePairKind(StandaloneKind):
+    """Under dpo, a preference pair's two answers each alone (``concat(P, item, answer)``, the model's own forward
+    on each), in one unit: the pair's loss needs both log-probabilities before its backward."""
+    name = "standalone pair"
+
+    def units(self, pack):
+        """One unit per pair: the planner lays a pair's answers out side by side (chosen, rejected)."""
+        return [Unit(self, pack.prompt, pack.examples[k:k + 2]) for k in range(0, len(pack.examples), 2)]
+
+    def build(self, unit, plan, examples, images):
+        return Sides([_alone(dataclasses.replace(unit, examples=(e,)), plan, examples, images)
+                      for e in unit.examples])
+
+    def forward(self, lm, work):
+        from packtrain.packed.loss import concat_outputs
+
+        return concat_outputs([super(StandalonePairKind, self).forward(lm, layout) for layout in work.layouts])
+
+    def calls(self, unit, training):
+        return len(unit.examples)
+
+    def pad(self, per_rank, rank):
+        return pad_slots(per_rank, rank, lambda unit: dataclasses.replace(unit, dummy=True))
+
+    def describe(self, unit):
+        return "pair alone"
+
+
+@dataclass
+class Sides:
+    """A standalone pair's two layouts, each answer alone."""
+    layouts: list
+
+    @property
+    def length(self) -> int:
+        return sum(layout.length for layout in self.layouts)
+
+    def to(self, device) -> Sides:
+        return Sides([layout.to(device) for layout in self.layouts])
+
+
 @dataclass(frozen=True)
 class WalkKind(Kind):
     """An example over the budget, walked chunk by chunk under ``spec`` (:mod:`packtrain.packed.walk`)."""
@@ -356,7 +416,7 @@ class WalkKind(Kind):
     def build(self, unit, plan, examples, images):
         return _alone(unit, plan, examples, images)
 
-    def train(self, lm, unit, work, scale):
+    def train(self, lm, unit, work, scale, objective, terms):
         from packtrain.packed.walk import train_walk
 
         r = train_walk(lm, work, self.spec, scale, unit.walk, unit.dummy)
@@ -425,13 +485,13 @@ class TreeKind(Kind):
 
     def build(self, unit, plan, examples, images):
         """The pack's prefix tree; images: the buffer holds each shared one once, in the tree's order."""
-        from packtrain.data.tree import image_salt
+        from packtrain.data.tree import tree_salt
         from packtrain.packed.tree import build_tree_layout
 
         prefix, chosen, spec = _unit_parts(unit, plan, examples, images)
         per_example = [tuple(getattr(ex, "images", ())) for ex in chosen]
         layout = build_tree_layout(prefix, _continuations(chosen, per_example), spec,
-                                   image_keys=[image_salt(ex) for ex in chosen])
+                                   image_keys=[tree_salt(ex) for ex in chosen])
         return _with_images(layout, [(per_example[j][k],) for j, k in layout.image_sources], images)
 
     def call(self, work):
@@ -535,7 +595,9 @@ def choose_savings(cfg: Config, plan: Plan, examples, dist):
 
 # -- the runner -------------------------------------------------------------------------------------------------
 def build(unit: Unit, plan: Plan, examples, kinds: Kinds) -> Built:
-    return Built(unit, unit.kind.build(unit, plan, examples, kinds.images))
+    """The unit's work, and (a real unit) what the objective's loss needs of its examples."""
+    terms = None if unit.dummy else kinds.objective.terms([examples[e] for e in unit.examples])
+    return Built(unit, unit.kind.build(unit, plan, examples, kinds.images), terms)
 
 
 def over_cap(built: Built, max_positions: int | None) -> bool:
@@ -558,9 +620,10 @@ def run_unit(lm, built: Built, kinds: Kinds, device, scale: float | None = None)
             loss_sum, per_example, targets = kind.evaluate(lm, unit, work)
     else:
         scale = equal.silenced(scale) if unit.dummy else scale
-        loss_sum, per_example, targets = kind.train(lm, unit, work, scale)
+        loss_sum, per_example, targets = kind.train(lm, unit, work, scale, kinds.objective, built.terms)
     calls = lm.calls - calls
-    expected = kind.calls(unit, training)
+    # under dpo per_step a unit's reference forward issues the calls of its training forward again
+    expected = kind.calls(unit, training) * (2 if training and kinds.objective.per_step else 1)
     if calls != expected:  # the equal-call rule broken: another rank would wait for a call this one never makes
         raise RuntimeError(f"a {kind.name} unit issued {calls} forward calls, its kind says {expected}")
     if unit.dummy:

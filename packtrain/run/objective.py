@@ -1,0 +1,207 @@
+"""The training objective (``train.objective``): what a unit's loss is, made of its examples' target
+cross-entropies, and what the step divides the loss by.
+
+===========  ======================================================================  ==========================
+objective    a unit's loss                                                           the step's mean is over
+===========  ======================================================================  ==========================
+sft          sum of each example's mean target cross-entropy                         its examples
+weighted     sum of ``weight`` times each example's mean target cross-entropy        its examples
+dpo          per preference pair, ``-log sigmoid(beta * ((lc - rc) - (lr - rr)))``   its pairs
+===========  ======================================================================  ==========================
+
+Under dpo, ``l`` is an answer's summed token log-probability under the policy (``lc`` chosen, ``lr`` rejected) and
+``r`` under the reference, the base model: the same packed forward with the adapter disabled, without gradient.
+``dpo_loss_type: ipo`` takes ``(m - 1 / (2 beta))^2`` with ``m`` the same margin of per-token mean
+log-probabilities (TRL's IPO). A pair's two answers are always in one unit (the planners keep them in one pack), so
+a unit's loss is a sum over its pairs and the step's mean over pairs holds on any split into packs, units or ranks.
+
+The reference comes from a table computed before training (``dpo_reference: precompute``,
+:mod:`packtrain.run.reference`), or from a no-grad forward of each unit just before its training forward
+(``per_step``: the unit then issues twice its calls).
+
+What an objective is needs no torch (``plan`` reads it); the losses import it where they run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from packtrain.data.preference import pair_examples
+
+if TYPE_CHECKING:
+    import torch
+
+    from packtrain.config import Config
+    from packtrain.packed.loss import LossOutput
+
+OBJECTIVES = ("sft", "dpo", "weighted")
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str = "sft"
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    reference: str = "precompute"
+    # precompute: the reference log-probability of every training example, by id (None until computed)
+    table: Mapping[str, float] | None = None
+
+    @classmethod
+    def of(cls, cfg: Config) -> Objective:
+        t = cfg.train
+        return cls(t.objective, t.dpo_beta, t.dpo_loss_type, t.dpo_reference)
+
+    @property
+    def paired(self) -> bool:
+        """The loss is per preference pair."""
+        return self.name == "dpo"
+
+    @property
+    def per_step(self) -> bool:
+        """Each unit runs its reference forward before its training forward."""
+        return self.paired and self.reference == "per_step"
+
+    def with_table(self, table: Mapping[str, float]) -> Objective:
+        return dataclasses.replace(self, table=table)
+
+    def items(self, n_examples: int) -> int:
+        """What the step's mean is over, of ``n_examples`` examples: the examples, or under dpo their pairs."""
+        return n_examples // 2 if self.paired else n_examples
+
+    def describe(self) -> str:
+        """The run header's line."""
+        if self.name == "sft":
+            return "sft: each example's mean target cross-entropy, averaged over the step's examples"
+        if self.name == "weighted":
+            return "weighted: each example's mean target cross-entropy times its weight, averaged over the step's " \
+                   "examples"
+        ref = ("precomputed before step 0 (OUTPUT/reference.json)" if self.reference == "precompute"
+               else "a no-grad forward of each unit before its training forward")
+        return f"dpo ({self.loss_type}, beta {self.beta:g}): averaged over the step's pairs; reference = the base " \
+               f"model (adapter disabled), {ref}"
+
+    def check(self, examples: Sequence, split: str = "data.train") -> None:
+        """Refuse data the objective cannot train on, naming the first example that shows it."""
+        pair = next((ex for ex in examples if getattr(ex, "pair", "")), None)
+        if self.paired:
+            single = next((ex for ex in examples if not getattr(ex, "pair", "")), None)
+            if single is not None:
+                raise ValueError(f"{_at(single)}: train.objective dpo trains on preference pairs (chosen and "
+                                 f"rejected), and this {split} example has one target")
+            return
+        if pair is not None:
+            raise ValueError(f"{_at(pair)}: {split} holds preference pairs (chosen and rejected): set "
+                             "train.objective: dpo")
+        weighted = next((ex for ex in examples if getattr(ex, "weight", 1.0) != 1.0), None)
+        if weighted is not None and self.name == "sft":
+            raise ValueError(f"{_at(weighted)}: {split} examples carry weights (weight {weighted.weight:g}), which "
+                             "train.objective sft would ignore: set train.objective: weighted (or drop the weights)")
+
+    def terms(self, examples: Sequence) -> Terms:
+        """What a unit's loss needs of its examples (in the unit's order)."""
+        if self.name == "sft":
+            return Terms(())
+        if self.name == "weighted":
+            return Terms(tuple(float(ex.weight) for ex in examples))
+        pairs = tuple(pair_examples(examples))
+        if 2 * len(pairs) != len(examples):
+            raise RuntimeError("a unit holds one answer of a preference pair without the other (the planner keeps "
+                               "both in one pack)")
+        weights = tuple(float(examples[c].weight) for c, _ in pairs)
+        reference = None
+        if self.table is not None:
+            missing = next((ex.id for ex in examples if ex.id not in self.table), None)
+            if missing is not None:
+                raise RuntimeError(f"the reference table has no entry for example {missing!r}")
+            reference = tuple(float(self.table[ex.id]) for ex in examples)
+        return Terms(weights, pairs, reference)
+
+    def loss(self, out: LossOutput, terms: Terms, reference: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit's loss (a scalar with gradient) from its forward's output ``out``; ``reference``: its examples'
+        reference log-probabilities from a per_step forward (else the table's, in ``terms``)."""
+        import torch
+
+        if self.name == "sft":
+            return out.loss_sum
+        live = out.live
+        if self.name == "weighted":
+            return (live * torch.tensor(terms.weights, dtype=live.dtype, device=live.device)).sum()
+        if reference is None:
+            if terms.reference is None:
+                raise RuntimeError("train.objective dpo: no reference log-probabilities for this unit (the "
+                                   "precompute pass did not run)")
+            reference = torch.tensor(terms.reference, dtype=torch.float64, device=live.device)
+        policy = log_probs(live, out.target_tokens)
+        return self.pair_losses(policy, reference, out.target_tokens, terms).sum()
+
+    def pair_losses(self, policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor,
+                    terms: Terms) -> torch.Tensor:
+        """[pairs] each pair's loss, times its weight, from per-example summed log-probabilities (float64)."""
+        import torch
+        import torch.nn.functional as F
+
+        chosen = torch.tensor([c for c, _ in terms.pairs], device=policy.device)
+        rejected = torch.tensor([r for _, r in terms.pairs], device=policy.device)
+        ratio = policy.to(torch.float64) - reference.to(torch.float64)
+        if self.loss_type == "ipo":
+            ratio = ratio / counts.to(device=policy.device, dtype=torch.float64)
+        margin = ratio[chosen] - ratio[rejected]
+        if self.loss_type == "ipo":
+            losses = (margin - 1 / (2 * self.beta)) ** 2
+        else:
+            losses = -F.logsigmoid(self.beta * margin)
+        weights = torch.tensor(terms.weights, dtype=torch.float64, device=policy.device)
+        return losses * weights
+
+    def reference_log_probs(self, lm, forward) -> torch.Tensor | None:
+        """per_step: the unit's reference log-probabilities, ``forward()`` run without gradient and with the
+        adapter disabled (None under any other objective)."""
+        if not self.per_step:
+            return None
+        import torch
+
+        with torch.no_grad(), adapters_disabled(lm):
+            out = forward()
+        return log_probs(out.live, out.target_tokens).to(torch.float64)
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What a unit's loss needs of its examples: the weights (weighted: per example; dpo: per pair), the pairs
+    (positions of chosen and rejected in the unit's example order) and the precomputed reference log-probabilities
+    (per example, or None)."""
+    weights: tuple[float, ...]
+    pairs: tuple[tuple[int, int], ...] = ()
+    reference: tuple[float, ...] | None = None
+
+    def subset(self, positions: Sequence[int]) -> Terms:
+        """The terms of the unit's examples at ``positions`` (a group of a pack: weighted only)."""
+        if self.pairs:
+            raise RuntimeError("a preference pair's loss needs both its answers in one graph")
+        return Terms(tuple(self.weights[i] for i in positions) if self.weights else ())
+
+
+def log_probs(mean_losses: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per example, the summed log-probability of its target tokens from their mean cross-entropy."""
+    return -mean_losses * counts.to(device=mean_losses.device, dtype=mean_losses.dtype)
+
+
+@contextlib.contextmanager
+def adapters_disabled(lm):
+    """The adapter off for the duration (peft's ``disable_adapter``): the base model, the reference of dpo."""
+    model = lm.model
+    disable = getattr(model, "disable_adapter", None)
+    if disable is None:
+        raise RuntimeError("train.objective dpo: the reference is the base model with the adapter disabled, and this "
+                           "model has no adapter (peft)")
+    with disable():
+        yield
+
+
+def _at(ex) -> str:
+    where = f"{ex.source}:{ex.line}" if getattr(ex, "source", "") else "the data"
+    return f"{where} (example {ex.id!r})"

@@ -1,0 +1,128 @@
+"""DPO's reference log-probabilities computed once before training (``train.dpo_reference: precompute``), cached in
+``OUTPUT/reference.json``.
+
+The pass is an evaluation of the training plan (:func:`packtrain.run.evaluate.evaluate`: the same packed units,
+under no_grad, every rank its share, gathered on every rank) with the adapter disabled: the base model. An
+example's reference is its answer's summed token log-probability, ``-mean loss * target tokens``.
+
+The file holds the table by example id and the digests of what it was computed from: the data (every training
+example's id and tokens), the base (``model.config`` and its seed and dtype, or ``model.path``'s config and weight
+files) and the tokenizer (its files, ``data.chat_template``, ``data.template_kwargs``). A resumed run reads it
+instead of computing it again; one whose digests differ is refused, naming what changed (a stale reference would
+train silently wrong). Rank 0 writes it atomically (a temporary, then a rename), so an interrupted pass leaves no
+file and the next start computes it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from packtrain.config import Config
+
+FILE = "reference.json"
+WEIGHT_SAMPLES = 8  # pieces of 64 KiB read from each weight file for the base's digest, spread over the file
+_PIECE = 1 << 16
+
+
+def data_digest(examples) -> str:
+    """Every example's id, tokens (P, item, target, loss spans) and images."""
+    h = hashlib.sha256()
+    for ex in sorted(examples, key=lambda ex: ex.id):
+        h.update(repr((ex.id, ex.prefix_ids, ex.item_ids, ex.target_ids, ex.spans,
+                       [(r.path, r.grid_thw) for r in ex.images])).encode())
+    return h.hexdigest()[:16]
+
+
+def base_digest(cfg: Config) -> str:
+    """The base model: ``model.config`` with ``model.seed`` (a random init), or ``model.path``'s config.json and its
+    weight files (names, sizes and :data:`WEIGHT_SAMPLES` pieces of each: a checkpoint of 54 GB is not read whole);
+    and ``model.dtype``."""
+    h = hashlib.sha256(repr(cfg.model.dtype).encode())
+    if cfg.model.config is not None:
+        h.update(json.dumps(cfg.model.config, sort_keys=True).encode() + repr(cfg.model.seed).encode())
+        return h.hexdigest()[:16]
+    folder = cfg.resolve_path(cfg.model.path)
+    for file in sorted(folder.iterdir()):
+        if file.name == "config.json":
+            h.update(file.read_bytes())
+        elif file.suffix in (".safetensors", ".bin", ".pt"):
+            h.update(f"{file.name}:{file.stat().st_size}".encode())
+            h.update(_sampled(file))
+    return h.hexdigest()[:16]
+
+
+def _sampled(file: Path) -> bytes:
+    size = file.stat().st_size
+    out = bytearray()
+    with file.open("rb") as f:
+        for k in range(WEIGHT_SAMPLES):
+            f.seek(max(0, (size - _PIECE) * k // max(WEIGHT_SAMPLES - 1, 1)))
+            out += f.read(_PIECE)
+    return bytes(out)
+
+
+def tokenizer_digest(cfg: Config) -> str:
+    """The tokenizer's files (its directory's JSON, Jinja and text files), ``data.chat_template`` and
+    ``data.template_kwargs``."""
+    from packtrain.data.examples import chat_template_of, tokenizer_dir
+
+    h = hashlib.sha256(json.dumps(cfg.data.template_kwargs or {}, sort_keys=True).encode())
+    folder = tokenizer_dir(cfg)
+    if folder.is_dir():
+        for file in sorted(folder.iterdir()):
+            if file.is_file() and file.suffix in (".json", ".jinja", ".txt", ".model") and file.name != "config.json":
+                h.update(file.name.encode() + file.read_bytes())
+    template = chat_template_of(cfg)
+    if template is not None:
+        h.update(template.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def digests(cfg: Config, examples) -> dict[str, str]:
+    return {"data": data_digest(examples), "base": base_digest(cfg), "tokenizer": tokenizer_digest(cfg)}
+
+
+_CHANGED = {"data": "training data (data.train)", "base": "base model (model.path / model.config)",
+            "tokenizer": "tokenizer (data.tokenizer, data.chat_template, data.template_kwargs)"}
+
+
+def read(out: Path, expected: dict[str, str]) -> dict[str, float] | None:
+    """The cached table, or None when there is none; refused when it was computed from other data, base or
+    tokenizer."""
+    path = out / FILE
+    if not path.exists():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        found, table = raw["digests"], {str(k): float(v) for k, v in raw["log_probs"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: unreadable DPO reference cache ({type(e).__name__}: {e}); remove it to compute "
+                         "the reference again") from None
+    changed = [name for name in expected if found.get(name) != expected[name]]
+    if changed:
+        what = ", ".join(_CHANGED[name] for name in changed)
+        raise ValueError(f"{path}: the DPO reference log-probabilities were computed with another {what}: refused "
+                         f"(they would train wrong); remove {FILE} to compute them again for this run")
+    return table
+
+
+def write(out: Path, expected: dict[str, str], table: dict[str, float]) -> Path:
+    path = out / FILE
+    tmp = out / f".tmp-{FILE}"
+    tmp.write_text(json.dumps({"digests": expected, "examples": len(table), "log_probs": table}))
+    os.replace(tmp, path)
+    return path
+
+
+def compute(lm, plan, examples, kinds, info, progress=None) -> dict[str, float]:
+    """The reference log-probability of every planned example, by id: the training plan evaluated with the
+    adapter disabled."""
+    from packtrain.run.evaluate import evaluate
+    from packtrain.run.objective import adapters_disabled
+
+    with adapters_disabled(lm):
+        rows = evaluate(lm, plan, examples, kinds, info, progress)
+    return {row["id"]: -row["loss"] * row["target_tokens"] for row in rows}

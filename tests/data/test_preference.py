@@ -1,0 +1,182 @@
+"""Preference pairs and weights in the three formats (packtrain.data.preference): two examples per pair sharing P
+and the item, the errors naming file, line and field, the planners keeping a pair's answers in one pack, and the
+objective refusing data and settings it does not train on."""
+
+import json
+import random
+
+import pytest
+
+from packtrain.config import ConfigError, config_from_dict
+from packtrain.data.example import DataError
+from packtrain.data.examples import load_examples
+from packtrain.data.planner import plan_packs, plan_tree_packs
+from packtrain.data.preference import pair_examples
+from packtrain.run.objective import Objective
+
+SYSTEM = "You are a careful clerk. Answer with the code only."
+CHAT_PROMPT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "code of falcon?"}]
+
+
+def write(tmp_path, rows, name="d.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_a_text_pair_is_two_examples_sharing_p_and_the_item(tmp_path):
+    path = write(tmp_path, [{"id": "a", "system": SYSTEM, "item": "falcon?", "chosen": "toma", "rejected": "kelu"},
+                            {"system": SYSTEM, "item": "river?", "target": "mi", "weight": 2.5}])
+    with pytest.raises(ValueError):  # a pair beside a plain example: loaded, but refused by either objective
+        Objective("dpo").check(load_examples(path))
+    chosen, rejected, plain = load_examples(path)
+    assert (chosen.id, chosen.pair, chosen.side) == ("a:chosen", "a", "chosen")
+    assert (rejected.id, rejected.pair, rejected.side) == ("a:rejected", "a", "rejected")
+    assert chosen.prefix_ids == rejected.prefix_ids and chosen.item_ids == rejected.item_ids
+    assert chosen.target_ids != rejected.target_ids
+    assert (plain.pair, plain.weight, chosen.weight) == ("", 2.5, 1.0)
+    # each answer is what the same record with that answer as its target gives
+    alone = write(tmp_path, [{"system": SYSTEM, "item": "falcon?", "target": t} for t in ("toma", "kelu")],
+                  "alone.jsonl")
+    assert [ex.target_ids for ex in load_examples(alone)] == [chosen.target_ids, rejected.target_ids]
+
+
+def test_the_chat_pair_forms_are_one_pair(tmp_path):
+    forms = [([{"role": "assistant", "content": "toma"}], [{"role": "assistant", "content": "kelu"}]),  # TRL's
+             ({"role": "assistant", "content": "toma"}, {"content": "kelu"}), ("toma", "kelu")]
+    loaded = [load_examples(write(tmp_path, [{"id": "q", "messages": CHAT_PROMPT, "chosen": c, "rejected": r}],
+                                  f"c{k}.jsonl")) for k, (c, r) in enumerate(forms)]
+    assert all([(e.id, e.item_ids, e.target_ids) for e in ex] == [(e.id, e.item_ids, e.target_ids) for e in loaded[0]]
+               for ex in loaded)
+    text = load_examples(write(tmp_path, [{"id": "q", "system": SYSTEM, "item": "code of falcon?", "chosen": "toma",
+                                           "rejected": "kelu"}], "t.jsonl"))
+    assert [e.target_ids for e in text] == [e.target_ids for e in loaded[0]]
+    assert [e.item_ids for e in text] == [e.item_ids for e in loaded[0]]
+
+
+def test_a_pretokenized_pair(tmp_path):
+    path = write(tmp_path, [{"prefix_ids": [5, 6, 7], "item_ids": [8], "chosen_ids": [9, 10], "rejected_ids": [11],
+                             "weight": -0.5}])
+    chosen, rejected = load_examples(path, vocab_size=50)
+    assert (chosen.id, chosen.target_ids, rejected.target_ids, chosen.weight) == ("1:chosen", (9, 10), (11,), -0.5)
+    assert pair_examples([chosen, rejected]) == [(0, 1)]
+
+
+@pytest.mark.parametrize("row,field,words", [
+    ({"system": SYSTEM, "item": "x", "chosen": "toma"}, "rejected", "missing"),
+    ({"system": SYSTEM, "item": "x", "rejected": "toma"}, "chosen", "missing"),
+    ({"system": SYSTEM, "item": "x", "chosen": "toma", "rejected": "toma"}, "rejected", "same answer"),
+    ({"system": SYSTEM, "item": "x", "chosen": "a", "rejected": "b", "target": "c"}, "target", "not target too"),
+    ({"system": SYSTEM, "item": "x", "chosen": "a", "rejected": "b", "score": 1}, "score", "unknown key"),
+    ({"system": SYSTEM, "item": "x", "target": "a", "weight": "high"}, "weight", "finite number"),
+    ({"system": SYSTEM, "item": "x", "target": "a", "weight": True}, "weight", "finite number"),
+    ('{"system": "S", "item": "x", "target": "a", "weight": NaN}', "weight", "NaN"),
+    ('{"system": "S", "item": "x", "target": "a", "weight": 1e999}', "weight", "1e999"),
+    ({"messages": CHAT_PROMPT, "chosen": "toma", "rejected": {"role": "user", "content": "x"}}, "rejected.role",
+     "assistant"),
+    ({"messages": CHAT_PROMPT, "chosen": [], "rejected": "x"}, "chosen", "one assistant message"),
+    ({"messages": CHAT_PROMPT, "chosen": {"role": "assistant", "content": 3}, "rejected": "x"}, "chosen.content",
+     "string"),
+    ({"messages": CHAT_PROMPT, "chosen": {"content": "same"}, "rejected": "same"}, "rejected", "same answer"),
+    ({"prefix_ids": [1], "item_ids": [2], "chosen_ids": [3], "rejected_ids": [3]}, "rejected_ids", "same answer"),
+    ({"prefix_ids": [1], "item_ids": [2], "chosen_ids": [3]}, "rejected_ids", "missing"),
+])
+def test_bad_pairs_and_weights_name_file_line_and_field(tmp_path, row, field, words):
+    good = {"system": SYSTEM, "item": "y", "target": "z"} if "system" in str(row) or "messages" in str(row) \
+        else {"prefix_ids": [1], "item_ids": [2], "target_ids": [3]}
+    if "messages" in str(row):
+        good = {"messages": [*CHAT_PROMPT, {"role": "assistant", "content": "z"}]}
+    if "chosen" in str(row) or "rejected" in str(row):  # a file of pairs: the good line is a pair too
+        good = {k: v for k, v in good.items() if k not in ("target", "target_ids")}
+        good |= ({"chosen_ids": [4], "rejected_ids": [5]} if "prefix_ids" in good else {"chosen": "u", "rejected": "v"})
+        if "messages" in good:
+            good["messages"] = CHAT_PROMPT
+    path = write(tmp_path, [good, row])
+    with pytest.raises(DataError) as e:
+        load_examples(path, vocab_size=50)
+    assert (e.value.source, e.value.line, e.value.field) == (str(path), 2, field)
+    assert words in str(e.value)
+
+
+def test_pairs_train_their_last_turn_only(tmp_path):
+    path = write(tmp_path, [{"messages": CHAT_PROMPT, "chosen": "toma", "rejected": "kelu"}])
+    with pytest.raises(DataError, match="train_on all is not built for pairs"):
+        load_examples(path, train_on="all")
+
+
+def _pairs(n_prompts=3, n=40, seed=0):
+    """Random pretokenized pairs (and their prompts' lengths) for the planners."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        prefix = tuple(range(1, 2 + (k % n_prompts) * 5))
+        item = tuple(rng.randrange(1, 90) for _ in range(rng.randrange(0, 9)))
+        common = tuple(rng.randrange(1, 90) for _ in range(rng.randrange(0, 3)))
+        for side in ("chosen", "rejected"):
+            answer = common + tuple(rng.randrange(1, 90) for _ in range(rng.randrange(1, 7)))
+            if side == "rejected":
+                answer += (95,)  # never equal to chosen
+            out.append(type("Ex", (), dict(id=f"p{k}:{side}", prefix_ids=prefix, item_ids=item, target_ids=answer,
+                                           pair=f"p{k}", side=side, images=(), spans=(), weight=1.0))())
+    rng.shuffle(out)
+    return out
+
+
+@pytest.mark.parametrize("planner", ["flat", "tree"])
+@pytest.mark.parametrize("budget,most", [(40, 3), (60, 5), (31, 2), (200, 90)])
+def test_a_pairs_answers_are_always_in_one_pack(planner, budget, most):
+    examples = _pairs()
+    plan = (plan_packs if planner == "flat" else plan_tree_packs)(examples, budget, most, on_overflow="skip")
+    where = {e: k for k, pack in enumerate(plan.packs) for e in pack.examples}
+    for c, r in pair_examples(examples):
+        assert (c in where) == (r in where)  # a pair is planned whole or skipped whole
+        if c in where:
+            assert where[c] == where[r]
+        else:
+            assert c in plan.skipped and r in plan.skipped
+    for pack in plan.packs:  # the bounds hold: positions and continuations
+        assert pack.positions <= budget and len(pack.examples) <= most
+    assert sum(len(p.examples) for p in plan.packs) + len(plan.skipped) == len(examples)
+
+
+def test_a_pair_over_the_budget_is_named(tmp_path):
+    examples = _pairs(n=2)
+    with pytest.raises(ValueError, match="preference pair needs"):
+        plan_packs(examples, 12, 8)
+
+
+def test_the_objective_refuses_data_it_does_not_train_on(tmp_path):
+    pairs = load_examples(write(tmp_path, [{"system": SYSTEM, "item": "x", "chosen": "a", "rejected": "b"}]))
+    weighted = load_examples(write(tmp_path, [{"system": SYSTEM, "item": "x", "target": "a", "weight": 0.5}], "w.jsonl"))
+    plain = load_examples(write(tmp_path, [{"system": SYSTEM, "item": "x", "target": "a"}], "p.jsonl"))
+    with pytest.raises(ValueError, match="set train.objective: dpo"):
+        Objective("sft").check(pairs)
+    with pytest.raises(ValueError, match="set train.objective: dpo"):
+        Objective("weighted").check(pairs)
+    with pytest.raises(ValueError, match="sft would ignore"):
+        Objective("sft").check(weighted)
+    with pytest.raises(ValueError, match="trains on preference pairs"):
+        Objective("dpo").check(plain)
+    Objective("dpo").check(pairs), Objective("weighted").check(weighted), Objective("sft").check(plain)
+
+
+@pytest.mark.parametrize("objective", ["dpo", "weighted"])
+@pytest.mark.parametrize("packing,words", [
+    ({"on_overflow": "walk"}, "on_overflow walk is not built"),
+    ({"context_grad": "kv_only"}, "context_grad kv_only is not built"),
+    ({"context_grad": "frozen"}, "context_grad frozen is not built"),
+])
+def test_the_objectives_refuse_the_walk_and_the_cut_contexts(objective, packing, words):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"train": {"objective": objective}, "packing": packing})
+    assert f"train.objective {objective}: packing.{words}" in str(e.value)
+
+
+def test_dpo_refuses_groups_and_single_continuation_packs():
+    with pytest.raises(ConfigError, match="continuation_groups 2 is not built"):
+        config_from_dict({"train": {"objective": "dpo"}, "packing": {"continuation_groups": 2}})
+    with pytest.raises(ConfigError, match="max_continuations must be at least 2"):
+        config_from_dict({"train": {"objective": "dpo"}, "packing": {"max_continuations": 1}})
+    with pytest.raises(ConfigError, match="dpo_beta: must be positive"):
+        config_from_dict({"train": {"objective": "dpo", "dpo_beta": 0}})
+    config_from_dict({"train": {"objective": "weighted"}, "packing": {"continuation_groups": 2}})
