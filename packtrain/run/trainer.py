@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,7 +207,7 @@ class Trainer:
             return value
         t0 = time.perf_counter()
         bar = tqdm(total=None, desc="reference", unit="unit", leave=False,
-                   disable=not (self.dist.is_main and cfg.logging.progress))
+                   disable=not (self.dist.is_main and cfg.logging.progress and sys.stderr.isatty()))
         table = reference.compute(self.lm, self.plan, self.train_examples, self.setup, self.dist,
                                   Beating(bar, lambda: self.ops.progress("a dpo reference unit")))
         bar.close()

@@ -180,3 +180,13 @@ def test_dpo_refuses_groups_and_single_continuation_packs():
     with pytest.raises(ConfigError, match="dpo_beta: must be positive"):
         config_from_dict({"train": {"objective": "dpo", "dpo_beta": 0}})
     config_from_dict({"train": {"objective": "weighted"}, "packing": {"continuation_groups": 2}})
+
+
+def test_a_tree_plans_shared_prefix_figures_plan_the_pairs_flat():
+    examples = _pairs(n=60)
+    tree = plan_tree_packs(examples, 90, 6, on_overflow="skip")
+    planned = [examples[i] for pack in tree.packs for i in pack.examples]
+    flat = plan_packs(planned, 90, 6, on_overflow="skip")
+    assert tree.figures["packs_shared_prefix"] == len(flat.packs)
+    assert tree.figures["positions_shared_prefix"] == sum(p.positions for p in flat.packs)
+    assert tree.figures["positions_shared_prefix"] > sum(p.positions for p in tree.packs)  # the item once per pair
