@@ -10,6 +10,7 @@ import pytest
 import torch
 from parity import max_rel, without_float32_casts
 
+from packtrain.packed.kernels import Backend
 from packtrain.run.objective import Objective, Terms
 
 
@@ -136,9 +137,9 @@ def _answer_log_probs(model, examples, pixels):
             ids = torch.tensor([list(ex.prefix_ids + ex.item_ids + ex.target_ids)])
             kw = {}
             if ex.images:
-                kw = dict(pixel_values=torch.cat([pixels[r.path] for r in ex.images]),
-                          image_grid_thw=torch.tensor([list(r.grid_thw) for r in ex.images]),
-                          mm_token_type_ids=(ids == IMAGE).int())
+                kw = {"pixel_values": torch.cat([pixels[r.path] for r in ex.images]),
+                      "image_grid_thw": torch.tensor([list(r.grid_thw) for r in ex.images]),
+                      "mm_token_type_ids": (ids == IMAGE).int()}
             logits = model(input_ids=ids, **kw).logits[0].to(torch.float64)
             start = len(ex.prefix_ids) + len(ex.item_ids)
             logp = torch.log_softmax(logits[start - 1:-1], dim=-1)
@@ -239,7 +240,7 @@ def _check(step_losses, change, loss, grad, what):
 
 
 # the dense MLPs in 7-row tiles and the norms in 5-row tiles (tests/packed/test_families.py)
-BACKEND_ROWS = dict(gdn="torch", attention="batched", mlp_rows=7, norm_rows=5)
+BACKEND = Backend(gdn="torch", attention="batched", mlp_rows=7, norm_rows=5)
 
 
 @pytest.fixture(scope="module")
@@ -248,21 +249,19 @@ def models():
     hybrid, the VLM (Qwen3_5ForConditionalGeneration), the MoE (qwen3_5_moe_text) and Qwen3-Next."""
     from tiny_models import patched_lora_model, tiny_family_model, tiny_vlm
 
-    from packtrain.packed.kernels import Backend
     from packtrain.packed.patch import patch_model
 
-    backend = Backend(**BACKEND_ROWS)
     built = {}
 
     def get(name):
         if name not in built:
             if name == "text":
-                built[name] = patched_lora_model([L, F, L], seed=0, backend=backend)
+                built[name] = patched_lora_model([L, F, L], seed=0, backend=BACKEND)
             elif name == "vlm":
                 built[name] = tiny_vlm(0)
             else:
                 layers = [L, F] if name == "qwen3_next" else [L, F, L]  # Qwen3-Next: a dense layer, an MoE one
-                built[name] = patch_model(tiny_family_model(name, layers), backend)
+                built[name] = patch_model(tiny_family_model(name, layers), BACKEND)
         return built[name]
 
     return get
@@ -378,3 +377,41 @@ def test_the_weighted_step_equals_the_examples_alone_per_family(models, referenc
         loss, grad = _reference(references, model, name, examples, objective, pixels)
         losses, change = _packed_step(model, mode, examples, _plan(mode, examples), objective, pixels)
     _check(losses, change, loss, grad, name)
+
+
+# one P, four pairs: one pack holds them all at the default budget; at 40 positions they take a pack each (but
+# one, in a tree)
+ONE_PROMPT = ((18, [(4, 5, 3, 0), (3, 6, 5, 2), (0, 4, 6, 0), (5, 3, 4, 1)]),)
+
+
+@pytest.mark.parametrize("mode", ["shared_prefix", "tree"])
+def test_the_mean_is_over_the_steps_pairs_on_any_split(models, references, mode, monkeypatch):
+    """The step over several packs (and so units) on two ranks == the step of the one pack == the pairs alone: a
+    unit's loss is its pairs' sum and the step divides by the pairs of the whole step, all ranks."""
+    examples, _ = _pair_examples(ONE_PROMPT, seed=2)
+    objective = Objective("dpo", BETA, "sigmoid", "per_step")
+    one, split = _plan(mode, examples), _plan(mode, examples, token_budget=40)
+    assert len(one.packs) == 1 and len(split.packs) >= 3
+    model = models("text")
+    with without_float32_casts(monkeypatch):
+        loss, grad = _reference(references, model, "text", examples, objective)
+        one_loss, one_change = _packed_step(model, mode, examples, one, objective)
+        split_loss, split_change = _packed_step(model, mode, examples, split, objective, world=2,
+                                                monkeypatch=monkeypatch)
+    _check(one_loss, one_change, loss, grad, "one pack")
+    _check(split_loss, split_change, loss, grad, "three packs on two ranks")
+    assert max_rel(split_change, one_change) < GRAD
+
+
+@pytest.mark.parametrize("mode", ["tree", "shared_prefix"])
+def test_weight_1_everywhere_is_exactly_sft(models, mode, monkeypatch):
+    """weighted with every weight 1 gives the sft step bit for bit (its loss and every gradient)."""
+    examples = _plain(_pair_examples(PROMPTS)[0])
+    assert {ex.weight for ex in examples} == {1.0}
+    plan, model = _plan(mode, examples), models("text")
+    sft_loss, sft = _packed_step(model, mode, examples, plan, Objective("sft"))
+    weighted_loss, weighted = _packed_step(model, mode, examples, plan, Objective("weighted"))
+    assert weighted_loss == sft_loss
+    assert sft.keys() == weighted.keys() and sft
+    for name in sft:
+        assert torch.equal(weighted[name], sft[name]), name
