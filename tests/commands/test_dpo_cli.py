@@ -38,8 +38,9 @@ def write_pairs(path):
     return path
 
 
-# 9 pairs, two per pack: 5 packs, 3 steps of 2 packs (the last of one); a checkpoint after every step
-DPO = {"objective": "dpo", "dpo_beta": 0.5, "dpo_reference": "precompute", "epochs": 1, "packs_per_step": 2,
+# 9 pairs in 6 tree packs (at most 4 answers each), 2 epochs of 2 steps of 3 packs: on 2 ranks, rank 1 runs a
+# dummy in every step; a checkpoint after every step
+DPO = {"objective": "dpo", "dpo_beta": 0.5, "dpo_reference": "precompute", "epochs": 2, "packs_per_step": 3,
        "save_every": 1}
 
 
@@ -64,7 +65,7 @@ def _steps(run_dir):
 def test_two_ranks_give_the_one_rank_dpo_adapter(straight, tmp_path):
     cfg, one = straight
     run_ranks(2, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
-    assert len(_steps(one)) == 3
+    assert [m["packs"] for m in _steps(one)] == [3, 3, 3, 3]
     for a, b in zip(_steps(one), _steps(tmp_path / "two"), strict=True):
         assert a["examples"] == b["examples"]
         # float64: the cross-rank sums' order alone differs (tests/test_distributed.py's bounds)
@@ -78,14 +79,14 @@ def test_two_ranks_give_the_one_rank_dpo_adapter(straight, tmp_path):
 
 
 def test_a_resumed_dpo_run_gives_the_uninterrupted_adapter(straight, tmp_path):
-    """Stopped after step 2 (its newest checkpoint: step 1), resumed: the table is read from OUTPUT/reference.json (not computed again), and the
+    """Stopped after step 3 (its newest checkpoint: step 2), resumed into the second epoch: the table is read from OUTPUT/reference.json (not computed again), and the
     adapter and every step's loss are the uninterrupted run's bit for bit."""
     cfg, one = straight
     out = tmp_path / "resumed"
-    run_in_process("train", cfg, "--set", f"output_dir={out}", "--set", "train.max_steps=2")
+    run_in_process("train", cfg, "--set", f"output_dir={out}", "--set", "train.max_steps=3")
     table = (out / "reference.json").read_text()
     resumed = run_in_process("train", cfg, "--set", f"output_dir={out}", "--resume")
-    assert "continuing from" in resumed.stdout and "step-1" in resumed.stdout, resumed.stdout  # the last step: no checkpoint
+    assert "continuing from" in resumed.stdout and "step-2" in resumed.stdout, resumed.stdout  # the last step: no checkpoint
     assert f"dpo reference: 18 log-probabilities read from {out / 'reference.json'}" in resumed.stdout
     assert (out / "reference.json").read_text() == table
     assert_equal_adapters(adapter_of(out), adapter_of(one))
