@@ -71,9 +71,12 @@ def test_a_unit_with_half_a_pair_is_refused_and_a_table_gives_its_reference():
 L, F = "linear_attention", "full_attention"
 BETA = 0.7  # not the default 0.1: a beta the step ignores shows
 LR = 0.5
-# the parity tests' bounds (tests/run/test_step.py, tests/packed/test_parity.py): the loss to 1e-12 relative, every
-# trainable gradient to 5e-7 (max |g - g_ref| / max |g_ref| per tensor; the GDN gate's in_proj_a through the chunked
-# delta rule is the worst). Measured here: see _check.
+# the parity tests' bounds (tests/run/test_step.py, tests/packed/test_parity.py): the step's loss to 1e-12 relative,
+# every trainable gradient to 5e-7 (max |g - g_ref| / max |g_ref| per tensor). Measured here (print the two in
+# _check): losses 2.0e-15 at most; gradients 1.2e-14 (standalone pairs), 7.5e-9 (shared_prefix), 4.0e-8 (tree),
+# 8.8e-8 (ipo), VLM 3.4e-9, Qwen3-Next 1.8e-8, MoE 9.2e-8 (the GDN gate's float32 `a` and the router's float32
+# softmax stay). Planted bugs are far above: the reference with the adapter on, beta ignored, the mean over examples,
+# the sides swapped, the weights ignored or their signs dropped, ipo's per-token means as sums: 1e-2 to 10.
 LOSS, GRAD = 1e-12, 5e-7
 
 
@@ -287,8 +290,9 @@ def _reference(references, model, name, examples, objective, pixels=None):
     return float(loss.detach()), {n: g for (n, _), g in zip(trainable, grads)}
 
 
+# precompute under shared_prefix: the VLM's and Qwen3-Next's cases below
 @pytest.mark.parametrize("mode,reference", [("tree", "per_step"), ("tree", "precompute"), ("shared_prefix", "per_step"),
-                                            ("shared_prefix", "precompute"), ("standalone", "per_step")])
+                                            ("standalone", "per_step")])
 def test_the_dpo_step_equals_the_pairs_alone(models, references, mode, reference, monkeypatch):
     """The packed dpo step (a pair's two answers in one pack, the pairs of a P sharing it) == the standalone DPO
     loss written from the formula, its gradient == autograd of it, on the text hybrid."""
@@ -324,10 +328,10 @@ def _plain(examples):
     return [dataclasses.replace(ex, pair="", side="") for ex in examples]
 
 
-@pytest.mark.parametrize("mode", ["tree", "shared_prefix"])
-def test_the_weighted_step_equals_the_examples_alone(models, references, mode, monkeypatch):
+def test_the_weighted_step_equals_the_examples_alone(models, references, monkeypatch):
     """weighted: the sum of weight * mean target cross-entropy over the step's examples / examples, negative weights
-    among them."""
+    among them (a tree here; shared_prefix: the MoE's case below)."""
+    mode = "tree"
     examples = _weighted(_plain(_pair_examples(PROMPTS)[0]), WEIGHTS)
     objective = Objective("weighted")
     model = models("text")
