@@ -75,8 +75,9 @@ LR = 0.5
 # every trainable gradient to 5e-7 (max |g - g_ref| / max |g_ref| per tensor). Measured here (print the two in
 # _check): losses 2.0e-15 at most; gradients 1.2e-14 (standalone pairs), 7.5e-9 (shared_prefix), 4.0e-8 (tree),
 # 8.8e-8 (ipo), VLM 3.4e-9, Qwen3-Next 1.8e-8, MoE 9.2e-8 (the GDN gate's float32 `a` and the router's float32
-# softmax stay). Planted bugs are far above: the reference with the adapter on, beta ignored, the mean over examples,
-# the sides swapped, the weights ignored or their signs dropped, ipo's per-token means as sums: 1e-2 to 10.
+# softmax stay). Each of these planted in the product fails every case it touches: the reference with the adapter on
+# (per_step or the table), beta ignored, the mean over examples, a pair's sides swapped, the weights ignored or their
+# signs dropped, ipo's per-token means as sums (ipo's loss 7.2 for 0.74).
 LOSS, GRAD = 1e-12, 5e-7
 
 
