@@ -115,7 +115,7 @@ def _pair_examples(prompts, seed=0, images=None):
 
 
 # two prompts, five pairs: answers that share their first tokens (the tree computes them once), a pair with no item
-# whose answers start apart (no token in common: the tree planner rejoins it), an item of 0 and one of 6 tokens
+# whose answers start apart (nothing in common past P), items of 0 to 5 tokens
 PROMPTS = ((20, [(4, 5, 3, 0), (3, 6, 5, 2), (0, 4, 6, 0)]), (12, [(5, 3, 4, 1), (2, 7, 2, 0)]))
 
 
