@@ -78,6 +78,9 @@ def test_two_ranks_give_the_one_rank_dpo_adapter(straight, tmp_path):
     assert all(tables[1][k] == pytest.approx(v, rel=1e-12) for k, v in tables[0].items())
 
 
+# on the process tests' worker (conftest): the 2-rank test's module fixture `straight` is then trained once, not once
+# on each worker
+@pytest.mark.xdist_group("process")
 def test_a_resumed_dpo_run_gives_the_uninterrupted_adapter(straight, tmp_path):
     """Stopped after step 3 (its newest checkpoint: step 2), resumed into the second epoch: the table is read from OUTPUT/reference.json (not computed again), and the
     adapter and every step's loss are the uninterrupted run's bit for bit."""
