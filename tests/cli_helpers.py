@@ -62,6 +62,21 @@ def write_text_data(path: Path, items_per_rulebook: int = 5, offset: int = 0) ->
     return path
 
 
+def write_pair_data(path: Path, items_per_rulebook: int = 3, offset: int = 0) -> Path:
+    """Text preference pairs over the rulebooks of :func:`write_text_data`: the rulebook's code chosen, another
+    rulebook's rejected."""
+    words = ["red", "blue", "green", "red blue", "green red", "blue green", "blue"]
+    lines = []
+    for r, system in enumerate(RULEBOOKS):
+        for i in range(items_per_rulebook):
+            w = words[(i + offset + r) % len(words)]
+            lines.append({"id": f"r{r}-{i + offset}", "system": system, "item": f"Colour: {w}",
+                          "chosen": f"code for {w} under rulebook {'ABC'[r]}",
+                          "rejected": f"code for {w} under rulebook {'ABC'[(r + 1) % 3]}"})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
 # 12 steps (6 with 2 packs per step); dropout and a cosine schedule make the RNG and scheduler state part of what a
 # resume must restore: the run the resume proofs (tests/commands/test_train.py, tests/run/test_preemption.py)
 # compare with

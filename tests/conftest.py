@@ -67,9 +67,11 @@ def pytest_collection_modifyitems(config, items):
     one worker runs them one at a time, as a single pytest process does: two of them at once would contend for the
     ports their ranks bind (``cli_helpers.free_port``) and double the processes on the cores. Under xdist the
     process tests come first, so that the longest unit (about 40% of the suite's time) starts at once; without
-    xdist the order is the files'."""
+    xdist the order is the files'. A test marked ``xdist_group("process")`` itself (one sharing a process test's
+    module fixture) runs in that unit too."""
     for item in items:
         process = item.get_closest_marker("process") is not None
-        item.add_marker(pytest.mark.xdist_group("process" if process else item.nodeid.split("::", 1)[0]))
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group("process" if process else item.nodeid.split("::", 1)[0]))
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.get_closest_marker("process") is None)
+        items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != "process")

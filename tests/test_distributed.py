@@ -33,17 +33,16 @@ def _assert_same(a, b, exact=False):
 # The MLPs in 7-row tiles and the norms in 5-row tiles, 2 of the 3 layers' inputs offloaded (the third kept on the
 # device): each recompute under FSDP2's gathered parameters.
 @pytest.mark.parametrize("mode,world", [("shared_prefix", 2), ("standalone", 2), ("shared_prefix", 3)])
-def test_two_ranks_equal_one_rank(tmp_path, mode, world):
-    cfg = write_config(tmp_path, train={"max_steps": 3, "packs_per_step": 2, "mlp_chunk_rows": 7,
-                                        "norm_chunk_rows": 5, "offload": 2},
-                       packing={"mode": mode}, data={"eval": None})
-    run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'one'}")
-    two = run_ranks(world, "train", str(cfg), "--set", f"output_dir={tmp_path / 'two'}")
+def test_two_ranks_equal_one_rank(tmp_path, trained, mode, world):
+    # the 1-rank run of a mode is trained once (conftest's `trained`): 2 and 3 ranks compare with the same one
+    one = trained(train={"max_steps": 3, "packs_per_step": 2, "mlp_chunk_rows": 7, "norm_chunk_rows": 5,
+                         "offload": 2}, packing={"mode": mode}, data={"eval": None})
+    two = run_ranks(world, "train", str(one.config), "--set", f"output_dir={tmp_path / 'two'}")
     line = next(x for x in two.stdout.splitlines() if f"FSDP2 over {world} ranks" in x)
     held, total = (int(v.replace(",", "")) for v in line.split("holds ")[1].split(" parameter")[0].split(" of "))
     assert held < 1.2 * total / world, line  # really sharded: each rank holds about its share
-    _assert_same_steps(_steps(tmp_path / "one"), _steps(tmp_path / "two"))
-    _assert_same(adapter_of(tmp_path / "one"), adapter_of(tmp_path / "two"))
+    _assert_same_steps(_steps(one.run), _steps(tmp_path / "two"))
+    _assert_same(adapter_of(one.run), adapter_of(tmp_path / "two"))
 
 
 def test_float32_adapters_on_two_ranks_give_the_one_rank_adapter(tmp_path):

@@ -33,3 +33,19 @@ def test_the_readme_snippet_generates_with_transformers_and_peft(trained, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("Encode: ") and " -> " in line and line.split(" -> ", 1)[1].strip(), proc.stdout
+
+
+def test_the_readme_preference_config_is_a_valid_dpo_config():
+    """The README's ten-line preference config loads as a packtrain config (every key known, every value allowed)
+    and asks for what its comments say."""
+    import yaml
+
+    from packtrain.config import config_from_dict
+
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "README.md").read_text(), flags=re.DOTALL)
+    found = [b for b in blocks if "objective: dpo" in b]
+    assert len(found) == 1 and len(found[0].strip().splitlines()) == 10
+    cfg = config_from_dict(yaml.safe_load(found[0]))
+    t = cfg.train
+    assert (t.objective, t.dpo_beta, t.dpo_loss_type, t.dpo_reference) == ("dpo", 0.1, "sigmoid", "precompute")
+    assert cfg.packing.mode == "tree"

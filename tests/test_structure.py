@@ -339,7 +339,7 @@ TESTED_MODULES = [
     "models/offload", "models/savings", "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/watchdog", "packed/attention",
     "packed/cut", "packed/equal", "packed/families", "packed/gdn", "packed/groups", "packed/kernels/torch_ref",
     "packed/layout", "packed/loss", "packed/recompute", "packed/rng", "packed/rowsparse", "packed/tree", "packed/walk",
-    "run/balance", "run/finite", "run/generate", "run/measure", "run/objective", "run/reference", "run/scoring", "run/signals", "run/trainer",
+    "run/balance", "run/eval_figures", "run/finite", "run/generate", "run/measure", "run/objective", "run/reference", "run/scoring", "run/signals", "run/trainer",
     "run/units", "rundir/checkpoint", "rundir/directory", "rundir/resume", "versions",
 ]
 

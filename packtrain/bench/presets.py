@@ -15,10 +15,17 @@ whose lengths are drawn uniformly from ``cont_tokens`` (inclusive); the target i
   conversations of 8-24 turns of 56-72 tokens, every turn an example whose item is the whole history before its
   answer; variants tree, shared_prefix and standalone, each one optimizer step per epoch (every pack in it), so
   that the three make the same update (docs/performance.md, "Prefix trees").
+- ``dpo``: the ``cpu`` model under ``train.objective: dpo`` (``dpo_reference: per_step``: each unit's no-grad
+  reference forward, the adapter disabled, is timed with it) on preference pairs: one P of 1,024 tokens, 8 pairs,
+  each an item and two answers (chosen, rejected) sharing P and the item; variants tree (P once, each pair's item
+  once), shared_prefix (P once, a pair two continuations) and standalone (a pair alone, two sequences), each one
+  optimizer step per epoch. Its goal: the tree's speedup over standalone pairs >= 0.9 of their position ratio.
 
 With ``turns``, each of a prompt's ``continuations`` is a conversation of that many turns (drawn uniformly), each
 turn ``cont_tokens`` long (its first half the user's, its second the answer): turn k is an example whose item is
-turns 0..k-1 and turn k's first half, and whose target is turn k's answer, as ``each`` makes them.
+turns 0..k-1 and turn k's first half, and whose target is turn k's answer, as ``each`` makes them. With ``pairs``,
+each continuation is a preference pair: an item of the first half of its ``cont_tokens`` and two answers (chosen,
+rejected) of the second half's length each, other random tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class Shape:
     # more continuations per prompt, (count, shortest, longest) each: e.g. one long one among short ones
     extra: tuple[tuple[int, int, int], ...] = ()
     turns: tuple[int, int] | None = None  # (fewest, most) turns per conversation; None: one turn each
+    pairs: bool = False  # each continuation a preference pair (an item and two answers)
 
     def describe(self) -> str:
         def lengths(lo, hi):
@@ -52,6 +60,9 @@ class Shape:
             return (f"{self.prompts} prompt(s) of {self.prefix_tokens:,} tokens x {self.continuations} conversations "
                     f"of {lengths(*self.turns)} turns of {lengths(*self.cont_tokens)} tokens{more}, every turn an "
                     "example")
+        if self.pairs:
+            return (f"{self.prompts} prompt(s) of {self.prefix_tokens:,} tokens x {self.continuations} preference "
+                    f"pairs of {lengths(*self.cont_tokens)} tokens (an item and two answers of half that each){more}")
         return (f"{self.prompts} prompt(s) of {self.prefix_tokens:,} tokens x {self.continuations} continuations "
                 f"of {lengths(*self.cont_tokens)} tokens{more}")
 
@@ -91,6 +102,12 @@ def _config(model: dict, dtype: str, kernels: str, budget: int, checkpointing: b
                   "device": device},
         "logging": {"progress": False},
     }
+
+
+def _dpo(config: dict) -> dict:
+    """``config`` under train.objective dpo, the reference a no-grad forward of each unit (timed with its step)."""
+    config["train"] |= {"objective": "dpo", "dpo_reference": "per_step"}
+    return config
 
 
 TINY_MODEL = {
@@ -139,6 +156,9 @@ PRESETS = {
     "tree": Preset("tree", _config(CPU_MODEL, "float32", "torch", 8192, packs_per_step=64),
                    Shape(1, 2048, 4, (56, 72), turns=(8, 24)), repeats=3, warmup=True,
                    variants=("tree", "shared_prefix", "standalone"), threads=1),
+    "dpo": Preset("dpo", _dpo(_config(CPU_MODEL, "float32", "torch", 8192, packs_per_step=64)),
+                  Shape(1, 1024, 8, (56, 72), pairs=True), repeats=3, warmup=True,
+                  variants=("tree", "shared_prefix", "standalone"), threads=1),
 }
 
 
@@ -168,6 +188,12 @@ def generate_examples(shape: Shape, vocab: int, seed: int = 0) -> list[Example]:
         prefix = tokens(shape.prefix_tokens)
         bounds = [(lo, hi) for count, lo, hi in ranges for _ in range(count)]
         for c, (lo, hi) in enumerate(bounds):
+            if shape.pairs:
+                n = rng.randint(lo, hi)
+                item = tokens(n - n // 2)
+                examples += [Example(f"p{p}-c{c}:{side}", prefix, item, tokens(n // 2), pair=f"p{p}-c{c}", side=side)
+                             for side in ("chosen", "rejected")]
+                continue
             if shape.turns is None:
                 n = rng.randint(lo, hi)
                 item = tokens(n - n // 2)

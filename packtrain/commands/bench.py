@@ -126,8 +126,14 @@ def write_run_config(out: Path, cfg, examples) -> Path:
 
     import yaml
 
-    lines = [json.dumps({"id": ex.id, "prefix_ids": list(ex.prefix_ids), "item_ids": list(ex.item_ids),
-                         "target_ids": list(ex.target_ids)}) for ex in examples]
+    from packtrain.data.preference import pair_examples
+
+    rows = [{"id": ex.id, "prefix_ids": list(ex.prefix_ids), "item_ids": list(ex.item_ids),
+             "target_ids": list(ex.target_ids)} for ex in examples if not ex.pair]
+    rows += [{"id": examples[c].pair, "prefix_ids": list(examples[c].prefix_ids),
+              "item_ids": list(examples[c].item_ids), "chosen_ids": list(examples[c].target_ids),
+              "rejected_ids": list(examples[r].target_ids)} for c, r in pair_examples(examples)]
+    lines = [json.dumps(row) for row in rows]
     (out / "train.jsonl").write_text("\n".join(lines) + "\n")
     tree = cfg.to_dict()
     tree["data"] = {**tree["data"], "train": "train.jsonl", "eval": None, "format": "pretokenized"}
@@ -143,7 +149,7 @@ def run_bench(args) -> int:
 
     from packtrain.bench.measure import interleave, summarize
     from packtrain.bench.presets import H100_BF16_DENSE_TFLOPS, H100_SOURCE, get_preset
-    from packtrain.bench.report import format_table, plot, speedups, write_json
+    from packtrain.bench.report import format_table, plot, speedups, versus, write_json
     from packtrain.bench.variants import DEFAULT_VARIANTS, VARIANTS, Models, Workload
     from packtrain.data.planner import plan_stats, target_count
     from packtrain.distributed import init_distributed
@@ -214,6 +220,9 @@ def run_bench(args) -> int:
     }
     result["speedup"], result["speedup_over_position_ratio"], result["final_loss_rel_diff"] = speedups(result)
     result["cpu_speedup"], result["cpu_speedup_over_position_ratio"], _ = speedups(result, "cpu_seconds")
+    if preset.name == "dpo" and args.config is None:
+        result["tree_vs_standalone"] = {clock: versus(result, "tree", "standalone", clock)
+                                        for clock in ("seconds", "cpu_seconds")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(format_table(result))

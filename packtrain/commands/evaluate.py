@@ -1,8 +1,13 @@
 """`packtrain eval CONFIG --adapter DIR --out FILE.jsonl`: one ``{"id", "loss", "target_tokens"}`` line per example,
-packed by default, standalone with ``--set packing.mode=standalone``. Uses data.eval, else data.train.
+packed by default, standalone with ``--set packing.mode=standalone``. Uses data.eval, else data.train. Under
+``train.objective weighted`` each line has the example's ``weight`` too, and the summary the weighted mean loss; under
+``dpo`` one line per preference pair (its policy and reference log-probabilities and margins, the implicit reward
+margin and the DPO loss; the reference a second no-grad pass with the adapter disabled), and the summary the DPO loss,
+the reward accuracy and the mean reward margin (:mod:`packtrain.run.eval_figures`).
 
 With ``--generate``: every example's answer generated (P prefilled once per prompt group, :mod:`packtrain.run.generate`)
-and scored with ``generate.metric`` (:mod:`packtrain.run.task`): one ``{"id", "prediction_ids", "prediction",
+and scored with ``generate.metric`` (:mod:`packtrain.run.task`; of a preference pair, the answer to its item
+generated once and scored against the chosen answer): one ``{"id", "prediction_ids", "prediction",
 "target", "stop", "score", "match"}`` line per example, the mismatches in ``FILE.errors.md``, and a summary line.
 ``--adapter none`` runs the base model."""
 
@@ -23,7 +28,9 @@ def run_eval(args) -> int:
     from packtrain.models.build import build_base_model
     from packtrain.models.loading import read_adapter
     from packtrain.models.wrap import assemble
-    from packtrain.run.evaluate import evaluate, mean_loss
+    from packtrain.run import eval_figures, reference
+    from packtrain.run.evaluate import evaluate
+    from packtrain.run.objective import Objective
     from packtrain.run.task import errors_path_for, task_start
     from packtrain.run.units import Kinds, image_loader, plan_for
 
@@ -42,6 +49,7 @@ def run_eval(args) -> int:
     examples = load_split(cfg, split)
     if examples is None:
         raise ValueError("data.eval and data.train are both unset: nothing to evaluate")
+    Objective.of(cfg).check(examples, f"data.{split}")
     scorer, tokenizer = task_start(cfg, split) if args.generate else (None, None)  # before the model loads
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     try:
@@ -52,18 +60,23 @@ def run_eval(args) -> int:
         if args.generate:
             _generate(cfg, model, lm, examples, scorer, tokenizer, setup, info, out, split, args.adapter)
             return 0
-        rows = evaluate(lm, plan_for(cfg, examples), examples, setup, info)
+        plan = plan_for(cfg, examples)
+        rows = evaluate(lm, plan, examples, setup, info)
+        ref = None
+        if setup.objective.paired:  # the reference: the base model; --adapter none evaluated it already
+            ref = reference.table_of(rows) if adapter is None else reference.compute(lm, plan, examples, setup, info)
         diverged = [r for r in rows if not math.isfinite(r["loss"])]
         if diverged:  # the same on every rank: the rows are gathered everywhere
             raise NonFiniteError(f"eval: {len(diverged)} of {len(rows)} examples of data.{split} have a non-finite "
                                  f"loss (the first: {diverged[0]['id']!r}, {diverged[0]['loss']!r}); the adapter "
                                  f"{args.adapter} has diverged; nothing written to {out}", quiet=not info.is_main)
+        written, summary = eval_figures.figures(setup.objective, rows, examples, ref)
         if info.is_main:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
+            out.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in written))
             print(f"packtrain eval: {len(rows)} examples of data.{split}, mode {cfg.packing.mode}, "
-                  f"context_grad {cfg.packing.context_grad}, kernels {backend.describe()}: "
-                  f"mean loss {mean_loss(rows):.4f} -> {out}")
+                  f"context_grad {cfg.packing.context_grad}, kernels {backend.describe()}, objective "
+                  f"{setup.objective.name}: {eval_figures.describe(summary)} -> {out}")
     finally:
         shutdown()
     return 0

@@ -46,6 +46,10 @@ def format_table(stats: dict, title: str) -> str:
         *([(f"  tokens     {s['whole_differs']:,} example{'s' * (s['whole_differs'] != 1)} tokenized as generated "
             "(the prompt, then the target apart) differ from the whole render tokenized at once")]
           if s["whole_differs"] else []),
+        *([f"  pairs      {s['preference_pairs']:,} preference pairs, each pair's two answers in one pack"]
+          if s.get("preference_pairs") else []),
+        *([f"  weights    {s['weighted']:,} example{'s' * (s['weighted'] != 1)} weighted other than 1"]
+          if s.get("weighted") else []),
         f"  prompts    {s['prompts']:,}",
         f"  packs      {s['packs']:,}  (continuations per pack: {per_pack})",
         f"  budget     {s['token_budget']:,} positions per pack, {s['budget_utilisation']:.1%} used",

@@ -287,8 +287,15 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
     if not packs:
         raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
     plan = Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed)
-    plan.figures = _against_flat(plan, lengths, sum(pack.positions for pack in packs),
-                                 sum(pack.pairs for pack in packs))
+    positions, pairs = sum(pack.positions for pack in packs), sum(pack.pairs for pack in packs)
+    if partner:  # a pair is one entry of two continuations flat: plan them flat (pair data is not millions; a pair
+        # whose tree fits but whose two answers flat do not is left out of shared_prefix's figures)
+        planned = [examples[i] for pack in packs for i in pack.examples]
+        flat = plan_packs(planned, token_budget, max_continuations, on_overflow="skip")
+        plan.figures = _flat_figures(len(flat.packs), sum(q.positions for q in flat.packs),
+                                     sum(q.pairs for q in flat.packs), positions, pairs)
+    else:
+        plan.figures = _against_flat(plan, lengths, positions, pairs)
     return plan
 
 
@@ -401,6 +408,9 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         "target_tokens": sum(target_count(ex) for ex in planned),
         # examples whose prompt and target, tokenized apart as at generation, are other tokens than the whole render
         "whole_differs": sum(bool(getattr(ex, "whole_differs", False)) for ex in planned),
+        # preference pairs (both answers of each in one pack) and examples whose weight is not 1
+        "preference_pairs": sum(getattr(ex, "side", "") == "chosen" for ex in planned),
+        "weighted": sum(getattr(ex, "weight", 1.0) != 1.0 for ex in planned),
         "skipped": len(plan.skipped),
         "walked": len(walks),
         "walk_chunks": sum(pack.walk.chunks for pack in walks),
@@ -435,6 +445,10 @@ def _against_flat(plan: Plan, lengths: dict[int, list[int]], positions: int, pai
         packs += n
         flat_positions += n * p + sum(cs)
         flat_pairs += n * causal_pairs(p) + p * sum(cs) + sum(map(causal_pairs, cs))
+    return _flat_figures(packs, flat_positions, flat_pairs, positions, pairs)
+
+
+def _flat_figures(packs: int, flat_positions: int, flat_pairs: int, positions: int, pairs: int) -> dict:
     return {"packs_shared_prefix": packs,
             "positions_shared_prefix": flat_positions,
             "attention_pairs_shared_prefix": flat_pairs,

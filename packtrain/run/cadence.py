@@ -6,8 +6,9 @@
 
 Each is a component that says when it is due (``due(step)``), what it owes after a resume, and writes its own records:
 
-- :class:`Evaluation`: data.eval's mean loss, after each epoch's last step and every ``train.eval_every`` steps; a
-  ``"split": "eval"`` line in metrics.jsonl.
+- :class:`Evaluation`: data.eval's mean loss (under dpo the DPO loss, reward accuracy and margin; under weighted the
+  weighted loss too), after each epoch's last step and every ``train.eval_every`` steps; a ``"split": "eval"`` line
+  in metrics.jsonl.
 - :class:`Generation` (``generate.every``): the task metric on data.eval's answers generated greedily, every
   ``generate.every`` steps; a ``"split": "generate"`` line, and OUTPUT/generations/step-N.jsonl and step-N.errors.md.
 - :class:`Checkpoints`: every ``train.save_every`` steps before the last (the final adapter follows the last step),
@@ -30,8 +31,8 @@ from tqdm.auto import tqdm
 
 from packtrain import faults
 from packtrain.exits import NonFiniteError
-from packtrain.run import finite
-from packtrain.run.evaluate import evaluate, mean_loss
+from packtrain.run import eval_figures, finite, reference
+from packtrain.run.evaluate import evaluate
 from packtrain.run.task import describe as describe_task
 from packtrain.run.task import run_task, write_task
 from packtrain.rundir import checkpoint as ckpt
@@ -115,28 +116,45 @@ class Periodic:
 
 
 class Evaluation(Periodic):
-    """data.eval's mean per-example loss: after each epoch's last step and every ``train.eval_every`` steps."""
+    """data.eval's figures (:mod:`packtrain.run.eval_figures`: the mean per-example loss; under dpo the DPO loss, the
+    reward accuracy and margin over its pairs; under weighted the weighted loss too): after each epoch's last step and
+    every ``train.eval_every`` steps. Its figure is the loss; ``first_record`` and ``record`` keep the step-0 and the
+    latest record for the footer. Under dpo the reference of data.eval (the base model, which training does not
+    change) is evaluated once, at the first evaluation, with the adapter disabled, and kept."""
     name = "eval"
 
     def __init__(self, lm, plan, examples, setup, records: Records, steps_per_epoch: int, every: int | None):
         super().__init__()
         self.lm, self.plan, self.examples, self.setup, self.records = lm, plan, examples, setup, records
         self.steps_per_epoch, self.every = steps_per_epoch, every
+        self.reference: dict[str, float] | None = None
+        self.first_record: dict | None = None
+        self.record: dict | None = None
 
     def falls_on(self, step):
         return step % self.steps_per_epoch == 0 or bool(self.every and step % self.every == 0)
 
     def measure(self, step):
         r, info = self.records, self.records.dist
+        objective = self.setup.objective
+        if objective.paired and self.reference is None:
+            bar = r.bar("eval reference", "unit", f"an eval reference unit at step {step} (the evaluation still "
+                                                  "running)")
+            self.reference = reference.compute(self.lm, self.plan, self.examples, self.setup, info, bar)
+            bar.close()
         bar = r.bar("eval", "unit", f"an eval unit at step {step} (the evaluation still running)")
         rows = evaluate(self.lm, self.plan, self.examples, self.setup, info, progress=bar)
         bar.close()
-        loss = mean_loss(rows)
+        _, summary = eval_figures.figures(objective, rows, self.examples, self.reference)
+        loss = summary["loss"]
         if not finite.is_finite(loss):  # the same on every rank: the rows are gathered everywhere
             raise NonFiniteError(f"eval at step {step}: loss {loss!r}; the model has diverged (see the "
                                  "train loss in metrics.jsonl); nothing was saved", quiet=not info.is_main)
-        r.write({"split": "eval", "step": step, "loss": loss, "examples": len(rows)})
-        r.say(f"eval  step {step}: loss {loss:.4f} over {len(rows)} examples")
+        self.record = {"split": "eval", "step": step, **summary}
+        if step == 0:
+            self.first_record = self.record
+        r.write(self.record)
+        r.say(f"eval  step {step}: {eval_figures.describe(summary)}")
         return loss
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.distributed as dist
 
 from packtrain.data.planner import Plan
@@ -14,7 +16,8 @@ def evaluate(lm, plan: Plan, examples, setup: Kinds, info: DistInfo, progress=No
     """``[{"id", "loss", "target_tokens"}]`` in example order (on every rank), skipped examples left out; every unit
     through the unit runner under no_grad (whole packs, whatever ``packing.continuation_groups``; walked examples
     chunk by chunk)."""
-    setup = setup.whole_packs()
+    # an evaluation reads no loss terms: a dpo run's reference table (of data.train) need not name data.eval's ids
+    setup = dataclasses.replace(setup.whole_packs(), objective=dataclasses.replace(setup.objective, table=None))
     was_training = lm.training
     lm.eval()
     results: dict[int, tuple[float, int]] = {}

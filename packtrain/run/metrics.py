@@ -54,8 +54,9 @@ def _parse(line: str) -> dict | None:
 
 
 def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
-    """Train loss per step and eval loss at each evaluation; with generation lines (``generate.every``) a second
-    panel, the task's mean score at each. One PNG."""
+    """Train loss per step and eval loss at each evaluation (under weighted also the eval's weighted loss); below it
+    a panel for each of: the reward accuracy on data.eval's pairs at each evaluation (train.objective dpo), the task's
+    mean score at each generation line (``generate.every``). One PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,7 +64,7 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
 
     if not metrics_path.exists():
         return None
-    train, evals, scores = [], [], []
+    train, evals, weighted, accuracy, scores = [], [], [], [], []
     for line in metrics_path.read_text(errors="replace").splitlines():
         rec = _parse(line) or {}
         if rec.get("split") == "generate":
@@ -71,22 +72,31 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
                 scores.append((rec["step"], rec["mean_score"]))
         elif rec.get("loss") is not None:  # a step whose every unit was skipped has no loss
             (evals if rec.get("split") == "eval" else train).append((rec["step"], rec["loss"]))
-    fig, axes = plt.subplots(2 if scores else 1, 1, figsize=(7, 6.5 if scores else 4), sharex=True, squeeze=False)
+            if rec.get("split") == "eval" and rec.get("weighted_loss") is not None:
+                weighted.append((rec["step"], rec["weighted_loss"]))
+            if rec.get("split") == "eval" and rec.get("reward_accuracy") is not None:
+                accuracy.append((rec["step"], rec["reward_accuracy"]))
+    panels = [p for p in (("reward accuracy", accuracy, "D-", "tab:purple",
+                           "eval: reward accuracy (share of pairs whose implicit reward prefers chosen)"),
+                          ("task score", scores, "s-", "tab:green", "task: mean score on data.eval")) if p[1]]
+    fig, axes = plt.subplots(1 + len(panels), 1, figsize=(7, 4 + 2.5 * len(panels)), sharex=True, squeeze=False)
     ax = axes[0, 0]
     if train:
-        ax.plot(*zip(*train), label="train (mean per-example loss)", lw=1)
+        ax.plot(*zip(*train), label="train (mean per-example loss)" if not accuracy else "train (mean DPO loss)",
+                lw=1)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="eval", lw=1.5)
+        ax.plot(*zip(*evals), "o-", label="eval" if not accuracy else "eval (mean DPO loss over pairs)", lw=1.5)
+    if weighted:
+        ax.plot(*zip(*weighted), "^--", label="eval, weighted", lw=1.5)
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    if scores:
-        task = axes[1, 0]
-        task.plot(*zip(*scores), "s-", color="tab:green", label="task: mean score on data.eval", lw=1.5)
-        task.set_ylabel("task score")
-        task.set_ylim(-0.02, 1.02)
-        task.grid(alpha=0.3)
-        task.legend()
+    for (ylabel, points, style, color, label), panel in zip(panels, axes[1:, 0]):
+        panel.plot(*zip(*points), style, color=color, label=label, lw=1.5)
+        panel.set_ylabel(ylabel)
+        panel.set_ylim(-0.02, 1.02)
+        panel.grid(alpha=0.3)
+        panel.legend()
     axes[-1, 0].set_xlabel("optimizer step")
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)

@@ -62,8 +62,10 @@ class Objective:
 
     @property
     def per_step(self) -> bool:
-        """Each unit runs its reference forward before its training forward."""
-        return self.paired and self.reference == "per_step"
+        """Each unit runs its reference forward before its training forward: under ``per_step``, and under
+        ``precompute`` until the table is given (the trainer gives it before step 0; ``smoke``, ``bench`` and ``plan
+        --measure`` run without one, so they time and size the step with its reference forward)."""
+        return self.paired and (self.reference == "per_step" or self.table is None)
 
     def with_table(self, table: Mapping[str, float]) -> Objective:
         return dataclasses.replace(self, table=table)

@@ -125,4 +125,9 @@ def compute(lm, plan, examples, kinds, info, progress=None) -> dict[str, float]:
 
     with adapters_disabled(lm):
         rows = evaluate(lm, plan, examples, kinds, info, progress)
+    return table_of(rows)
+
+
+def table_of(rows: list[dict]) -> dict[str, float]:
+    """Each evaluated example's summed answer log-probability by id, from its mean loss and target tokens."""
     return {row["id"]: -row["loss"] * row["target_tokens"] for row in rows}

@@ -97,12 +97,17 @@ def savings_lines(choice) -> list[str]:
 
 
 def footer(summary: dict, metrics_path) -> list[str]:
-    """The eval loss and task score from step 0 to the end (a resumed run's step 0 read back from metrics.jsonl:
+    """The eval loss (under dpo also the reward accuracy on data.eval's pairs) and task score from step 0 to the end (a resumed run's step 0 read back from metrics.jsonl:
     its lines were dropped from the footer before), then where the outputs are."""
     lines = []
     before = summary["eval_before"] if summary["eval_before"] is not None else _at_step_0(metrics_path, "eval", "loss")
     if before is not None and summary["eval_after"] is not None:
         lines.append(f"eval loss: {before:.4f} at step 0 -> {summary['eval_after']:.4f} "
+                     f"at step {summary['eval_after_step']}")
+    accuracy = summary.get("reward_accuracy_before")
+    accuracy = accuracy if accuracy is not None else _at_step_0(metrics_path, "eval", "reward_accuracy")
+    if accuracy is not None and summary.get("reward_accuracy_after") is not None:
+        lines.append(f"reward accuracy: {accuracy:.2f} at step 0 -> {summary['reward_accuracy_after']:.2f} "
                      f"at step {summary['eval_after_step']}")
     task = summary.get("task_before")
     task = task if task is not None else _at_step_0(metrics_path, "generate", "mean_score")

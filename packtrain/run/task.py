@@ -79,6 +79,7 @@ def task_start(cfg, split: str = "eval") -> tuple[Scorer, object | None]:
 
 
 def task_for(cfg, model, examples: list, scorer: Scorer, tokenizer, split: str = "eval") -> Task:
+    examples = [ex for ex in examples if getattr(ex, "side", "") != "rejected"]  # a pair: its item, scored on chosen
     chosen = examples[:cfg.generate.examples] if cfg.generate.examples else list(examples)
     check_text(scorer, tokenizer)
     spec = GenerateSpec.from_config(cfg.generate, stop_ids(model, tokenizer))

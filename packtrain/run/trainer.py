@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,7 +207,7 @@ class Trainer:
             return value
         t0 = time.perf_counter()
         bar = tqdm(total=None, desc="reference", unit="unit", leave=False,
-                   disable=not (self.dist.is_main and cfg.logging.progress))
+                   disable=not (self.dist.is_main and cfg.logging.progress and sys.stderr.isatty()))
         table = reference.compute(self.lm, self.plan, self.train_examples, self.setup, self.dist,
                                   Beating(bar, lambda: self.ops.progress("a dpo reference unit")))
         bar.close()
@@ -294,6 +295,11 @@ class Trainer:
         summary = {"steps": self.counters.step, "eval_before": eval_before, "eval_after": eval_after,
                    "eval_after_step": eval_step, "task_before": task_before, "task_after": task_after,
                    "task_after_step": task_step, "adapter": str(self.out / "adapter"), "plot": str(self.out / "loss.png")}
+        evaluation = self.cadence.get("eval")
+        if evaluation is not None and self.setup.objective.paired:  # dpo: the reward accuracy on data.eval's pairs
+            summary["reward_accuracy_before"], summary["reward_accuracy_after"] = (
+                None if record is None else record["reward_accuracy"]
+                for record in (evaluation.first_record, evaluation.record))
         if self.dist.is_main:
             self._log(report.footer(summary, self.out / "metrics.jsonl"))
         return summary

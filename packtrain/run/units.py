@@ -382,6 +382,16 @@ class StandalonePairKind(StandaloneKind):
     def calls(self, unit, training):
         return len(unit.examples)
 
+    def segments(self, unit, plan, examples):
+        """After the first answer's P: that answer, then the second answer's P and answer (both graphs are alive
+        until the pair's backward: the memory estimate counts both sequences)."""
+        p = len(plan.prompts[unit.prompt])
+        first, *rest = (examples[e].len_continuation for e in unit.examples)
+        return [first, *(p + n for n in rest)]
+
+    def positions(self, unit, plan, examples):
+        return len(plan.prompts[unit.prompt]) + sum(self.segments(unit, plan, examples))
+
     def pad(self, per_rank, rank):
         return pad_slots(per_rank, rank, lambda unit: dataclasses.replace(unit, dummy=True))
 

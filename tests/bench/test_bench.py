@@ -220,3 +220,25 @@ def test_tree_preset_shortened_counts_the_trees_positions_and_trains_the_same_up
         assert v[name]["error"] is None, name
         assert _rel(v[name]["final_loss"], v["shared_prefix"]["final_loss"]) < 1e-5, name
         assert v[name]["step_losses"][0] == pytest.approx(v["shared_prefix"]["step_losses"][0], rel=1e-5), name
+
+
+def test_dpo_preset_shortened_compares_tree_shared_prefix_and_standalone_pairs(tmp_path):
+    """`packtrain bench --preset dpo`, shortened: preference pairs sharing P and the item, the three variants on the
+    same update (equal final losses), the tree's positions below shared_prefix's below standalone's (P once, then each
+    pair's item once), and the tree-vs-standalone figure in bench.json and the table."""
+    out = tmp_path / "bench"
+    proc = run_in_process("bench", "--preset", "dpo", "--prefix-tokens", "48", "--continuations", "2",
+                          "--cont-tokens", "8:10", "--repeats", "1", "--no-warmup", "--out", out)
+    result = json.loads((out / "bench.json").read_text())
+    v = result["variants"]
+    assert list(v) == ["tree", "shared_prefix", "standalone"] and result["plan"]["examples"] == 4
+    items = [len(ex["item_ids"]) for ex in map(json.loads, (out / "train.jsonl").read_text().splitlines())]
+    assert v["standalone"]["positions"] == result["plan"]["positions_standalone"]
+    assert v["tree"]["positions"] == v["shared_prefix"]["positions"] - sum(items)  # each pair's item once
+    assert max(_rel(v[n]["final_loss"], v["shared_prefix"]["final_loss"]) for n in v) < 1e-5
+    pairs = result["tree_vs_standalone"]["seconds"]
+    assert pairs["speedup"] == pytest.approx(v["standalone"]["seconds"] / v["tree"]["seconds"])
+    assert pairs["position_ratio"] == v["standalone"]["positions"] / v["tree"]["positions"]
+    assert "tree vs standalone pairs:" in proc.stdout
+    assert {"prefix_ids", "item_ids", "chosen_ids", "rejected_ids"} <= set(json.loads(
+        (out / "train.jsonl").read_text().splitlines()[0]))  # `packtrain train DIR/config.yaml` trains the pairs

@@ -192,13 +192,13 @@ def test_a_key_given_twice_in_a_message_names_the_message(tmp_path):
 # a key packtrain does not read was dropped without a word: the template never saw it
 UNKNOWN = [
     (lambda r: {"enable_thinking": False, **r}, "enable_thinking",
-     "unknown key: a chat example has id, messages, tools; template switches go in data.template_kwargs"),
+     "unknown key: a chat example has id, messages, tools, weight; template switches go in data.template_kwargs"),
     (lambda r: {**r, "messages": [*r["messages"][:-1], {**r["messages"][-1], "thinking": "hm"}]},
      "messages[LAST].thinking", ("unknown key: an assistant message has role, content, reasoning_content, "
                                  "tool_calls; a turn's reasoning goes in reasoning_content")),
     (lambda r: {**r, "messages": [{**r["messages"][0], "name": "clerk"}, *r["messages"][1:]]}, "messages[0].name",
      "unknown key: a system message has role, content"),
-    (lambda r: {**r, "meta": {"source": "x"}}, "meta", "unknown key: a chat example has id, messages, tools"),
+    (lambda r: {**r, "meta": {"source": "x"}}, "meta", "unknown key: a chat example has id, messages, tools, weight"),
 ]
 
 
@@ -213,9 +213,9 @@ def test_an_unknown_key_on_an_example_or_a_message_is_refused(tmp_path, edit, fi
 
 @pytest.mark.parametrize("row, field, fmt", [
     ({"system": "s", "item": "i", "target": "t", "images_dir": "x"}, "images_dir",
-     "a text example has id, system, item, target, images"),
-    ({"prefix_ids": [1], "item_ids": [2], "target_ids": [3], "weight": 2}, "weight",
-     "a pretokenized example has id, prefix_ids, item_ids, target_ids")], ids=["text", "pretokenized"])
+     "a text example has id, system, item, target, images, weight"),
+    ({"prefix_ids": [1], "item_ids": [2], "target_ids": [3], "score": 2}, "score",
+     "a pretokenized example has id, prefix_ids, item_ids, target_ids, weight")], ids=["text", "pretokenized"])
 def test_an_unknown_key_in_the_other_formats_is_refused(tmp_path, row, field, fmt):
     code, err, path, _ = _plan(tmp_path, [row])
     assert code == 2

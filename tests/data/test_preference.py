@@ -180,3 +180,35 @@ def test_dpo_refuses_groups_and_single_continuation_packs():
     with pytest.raises(ConfigError, match="dpo_beta: must be positive"):
         config_from_dict({"train": {"objective": "dpo", "dpo_beta": 0}})
     config_from_dict({"train": {"objective": "weighted"}, "packing": {"continuation_groups": 2}})
+
+
+def test_a_tree_plans_shared_prefix_figures_plan_the_pairs_flat():
+    examples = _pairs(n=60)
+    tree = plan_tree_packs(examples, 90, 6, on_overflow="skip")
+    planned = [examples[i] for pack in tree.packs for i in pack.examples]
+    flat = plan_packs(planned, 90, 6, on_overflow="skip")
+    assert tree.figures["packs_shared_prefix"] == len(flat.packs)
+    assert tree.figures["positions_shared_prefix"] == sum(p.positions for p in flat.packs)
+    assert tree.figures["positions_shared_prefix"] > sum(p.positions for p in tree.packs)  # the item once per pair
+
+
+@pytest.mark.parametrize("version", ["qwen3.5", "qwen3.6"])
+def test_a_chat_pair_under_the_official_templates_is_its_two_chats(tmp_path, version):
+    """Qwen's official templates (../shared/templates) and Qwen's merges: each answer of a pair, reasoning
+    included, is the example its conversation gives as a plain chat (tests/data/test_chat_official.py checks those
+    against the templates' own renders)."""
+    from chat_data import QWEN_LIKE, official_template_path
+
+    prompt = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"},
+              {"role": "assistant", "content": "Ask."}, {"role": "user", "content": "2+2, in digits?"}]
+    chosen = {"role": "assistant", "content": "4", "reasoning_content": "two and two"}
+    rejected = {"role": "assistant", "content": "5"}
+    template = official_template_path(version)
+    pair = load_examples(write(tmp_path, [{"id": "q", "messages": prompt, "chosen": chosen, "rejected": rejected}]),
+                         tokenizer=QWEN_LIKE, chat_template=template)
+    chats = load_examples(write(tmp_path, [{"id": f"q:{side}", "messages": [*prompt, answer]} for side, answer in
+                                           (("chosen", chosen), ("rejected", rejected))], "chats.jsonl"),
+                          tokenizer=QWEN_LIKE, chat_template=template)
+    assert [(e.id, e.prefix_ids, e.item_ids, e.target_ids) for e in pair] == \
+        [(e.id, e.prefix_ids, e.item_ids, e.target_ids) for e in chats]
+    assert [e.side for e in pair] == ["chosen", "rejected"]

@@ -2,6 +2,7 @@
 checkpoint owes, and that a run stopped anywhere and resumed evaluates and saves at the steps the uninterrupted run
 does. Expected steps are written from the rules in docs/operations.md, not from the components."""
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,6 +11,7 @@ import pytest
 from packtrain.exits import NonFiniteError
 from packtrain.run import cadence
 from packtrain.run.cadence import Cadence, Checkpoints, Evaluation, Generation
+from packtrain.run.objective import Objective
 
 
 class CountedEval(Evaluation):
@@ -159,10 +161,33 @@ def test_an_evaluation_writes_its_metrics_line_and_refuses_a_diverged_model(monk
     records, metrics, done = _records()
     rows = [{"id": "a", "loss": 1.0, "target_tokens": 2}, {"id": "b", "loss": 2.0, "target_tokens": 3}]
     monkeypatch.setattr(cadence, "evaluate", lambda *a, **k: rows)
-    ev = Evaluation(None, None, None, None, records, 4, None)
+    ev = Evaluation(None, None, None, SimpleNamespace(objective=Objective()), records, 4, None)
     assert ev.run(8) == 1.5
     assert metrics.lines == done == [{"split": "eval", "step": 8, "loss": 1.5, "examples": 2}]
     rows[0] = {"id": "a", "loss": float("nan"), "target_tokens": 2}
     with pytest.raises(NonFiniteError, match="eval at step 12: loss nan"):
         ev.run(12)
     assert len(metrics.lines) == 1 and ev.last_step == 8
+
+
+def test_an_evaluation_on_pairs_writes_the_reward_figures_and_evaluates_the_reference_once(monkeypatch):
+    """Under dpo the metrics line has the DPO loss, pairs, reward accuracy and margin; the reference of data.eval (the
+    base model, unchanged by training) is computed at the first evaluation only."""
+    records, metrics, _ = _records()
+    examples = [SimpleNamespace(id=f"a:{s}", pair="a", side=s, weight=1.0) for s in ("chosen", "rejected")]
+    policy = {"a:chosen": -2.0, "a:rejected": -5.0}  # the policy prefers chosen by 3 nats, the reference by 1
+    monkeypatch.setattr(cadence, "evaluate", lambda *a, **k: [{"id": i, "loss": -v / 2, "target_tokens": 2}
+                                                              for i, v in policy.items()])
+    computed = []
+    monkeypatch.setattr(cadence.reference, "compute",
+                        lambda *a, **k: computed.append(1) or {"a:chosen": -3.0, "a:rejected": -4.0})
+    ev = Evaluation(None, None, examples, SimpleNamespace(objective=Objective("dpo", 0.5)), records, 4, None)
+    margin = 0.5 * ((-2.0 + 3.0) - (-5.0 + 4.0))
+    assert ev.run(0) == pytest.approx(math.log1p(math.exp(-margin)))
+    policy["a:chosen"] = -6.0  # now the policy prefers rejected: margin 0.5 * ((-6 + 3) - (-5 + 4)) = -1
+    ev.run(4)
+    assert computed == [1]
+    first, last = metrics.lines
+    assert (first["pairs"], first["reward_accuracy"], first["reward_margin"]) == (1, 1.0, pytest.approx(margin))
+    assert (last["step"], last["reward_accuracy"], last["reward_margin"]) == (4, 0.0, pytest.approx(-1.0))
+    assert ev.first_record == first and ev.record == last

@@ -65,3 +65,50 @@ def test_the_cache_round_trips_and_refuses_other_inputs(tmp_path):
     Path(tmp_path / reference.FILE).write_text("{not json")
     with pytest.raises(ValueError, match="unreadable DPO reference cache"):
         reference.read(tmp_path, digests)
+
+
+def test_a_run_computes_the_reference_once_and_refuses_it_for_another_base(tmp_path):
+    """dpo precompute in-process, the base a checkpoint directory (model.path): a run's setup writes
+    OUTPUT/reference.json with the base's log-probabilities (an entry checked against the model alone with its
+    adapter off), a resumed run reads it, and one whose base changed under the same model.path is refused naming
+    it."""
+    import torch
+    from cli_helpers import write_config, write_pair_data
+    from safetensors.torch import load_file, save_file
+
+    from packtrain.config import load_config
+    from packtrain.models.build import build_base_model
+    from packtrain.run.objective import adapters_disabled
+    from packtrain.run.trainer import Trainer
+
+    pairs = write_pair_data(tmp_path / "pairs.jsonl")
+    seeded = load_config(write_config(tmp_path, "seeded.yaml"))
+    build_base_model(seeded, save_to=tmp_path / "base")
+    path = write_config(tmp_path, data={"train": str(pairs), "eval": None, "tokenizer": str(BUNDLED_TOKENIZER)},
+                        model={"path": str(tmp_path / "base"), "config": None, "dtype": "float64", "kernels": "torch"},
+                        train={"objective": "dpo", "max_steps": 1})
+    logs = []
+    trainer = Trainer(load_config(path), log=logs.append)
+    table = json.loads((tmp_path / "run" / reference.FILE).read_text())["log_probs"]
+    assert len(table) == 2 * 9 and any("log-probabilities of the base model" in line for line in logs)
+    ex = next(e for e in trainer.train_examples if e.id == "r1-0:rejected")
+    ids = torch.tensor([list(ex.prefix_ids + ex.item_ids + ex.target_ids)])
+    with torch.no_grad(), adapters_disabled(trainer.lm):
+        logits = trainer.model(input_ids=ids).logits[0].to(torch.float64)
+    start = len(ex.prefix_ids) + len(ex.item_ids)
+    logp = torch.log_softmax(logits[start - 1:-1], -1).gather(1, ids[0, start:, None]).sum()
+    # float64 as shipped keeps transformers' float32 casts (norms, the GDN gate), which the packed and the alone
+    # forward round apart: measured 1.5e-10 here (tests/packed/test_families.py bounds such runs at 5e-6); the
+    # adapter left on moves it by 1e-2
+    assert table[ex.id] == pytest.approx(float(logp), rel=1e-8)
+    trainer._close()
+    logs.clear()
+    Trainer(load_config(path), resume=True, log=logs.append)._close()
+    assert any("read from" in line for line in logs)
+    weights = next((tmp_path / "base").glob("*.safetensors"))
+    state = load_file(weights)
+    name = next(n for n in state if "lm_head" in n)
+    state[name] = state[name] * 1.01
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="another base model"):
+        Trainer(load_config(path), resume=True, log=logs.append)
