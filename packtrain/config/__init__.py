@@ -139,6 +139,9 @@ class TrainConfig:
     # run directory (OUTPUT/reference.json, checked against the data, the base and the tokenizer); per_step, a
     # no-grad forward of each unit with the adapter disabled, before its training forward
     dpo_reference: Literal["precompute", "per_step"] = "precompute"
+    # dpo only: adds rpo_alpha times the chosen answer's mean target cross-entropy to each pair's loss (TRL's
+    # rpo_alpha, the NLL term of RPO, arXiv 2404.19733): the chosen answers are also learnt as targets. 0: DPO alone
+    rpo_alpha: float = 0.0
     epochs: int = 2
     max_steps: int | None = None
     packs_per_step: int = 1  # global: packs of one optimizer step across all ranks
@@ -270,6 +273,7 @@ _BOUNDS = [
     ("packing.walk.horizon", lambda v: v == "all" or v >= 0, "must be >= 0 tokens or all"),
     ("lora.r", lambda v: v >= 1, "must be at least 1"),
     ("train.dpo_beta", lambda v: v > 0, "must be positive"),
+    ("train.rpo_alpha", lambda v: v >= 0, "must be >= 0 (0: DPO alone)"),
     ("lora.dropout", lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
     ("optim.lr", lambda v: v > 0, "must be positive"),
     ("optim.max_grad_norm", lambda v: v > 0, "must be positive (or null: no clipping)"),
@@ -374,9 +378,12 @@ def _tree_problems(p: PackingConfig) -> list[str]:
 def _objective_problems(cfg: Config) -> list[str]:
     """The packings train.objective dpo and weighted are not built for, one line each."""
     objective, p = cfg.train.objective, cfg.packing
-    if objective == "sft":
-        return []
     problems = []
+    if objective != "dpo" and cfg.train.rpo_alpha:
+        problems.append(f"train.rpo_alpha: weighs the chosen answers' cross-entropy under train.objective dpo, not "
+                        f"{objective} (set 0)")
+    if objective == "sft":
+        return problems
     if p.on_overflow == "walk":
         problems.append(f"train.objective {objective}: packing.on_overflow walk is not built for it (error or skip)")
     if p.context_grad != "full":

@@ -16,10 +16,12 @@ Under dpo an answer's log-probability is its summed token log-probability, ``-lo
 the policy's (chosen, rejected) and ``rc``, ``rr`` the reference's (the base model: the adapter disabled). Per pair:
 ``policy_margin = lc - lr``, ``reference_margin = rc - rr``, and the implicit reward margin ``reward_margin = beta *
 (policy_margin - reference_margin)`` = ``beta * ((lc - rc) - (lr - rr))``; ``correct`` when it is above 0 (the
-implicit reward prefers the chosen answer). Over the data, ``reward_accuracy`` is the share of correct pairs and
-``reward_margin`` the mean of the pairs' reward margins (TRL's ``rewards/accuracies`` and ``rewards/margins``, from
-summed log-probabilities also under ``dpo_loss_type: ipo``). A pair's ``loss`` is the training loss
-(:meth:`packtrain.run.objective.Objective.pair_losses`, times the pair's weight).
+implicit reward prefers the chosen answer). Over the data, ``reward_accuracy`` is the share of correct pairs, a tie
+(margin exactly 0) counting one half, and ``reward_margin`` the mean of the pairs' reward margins (TRL's
+``rewards/accuracies`` and ``rewards/margins``, from summed log-probabilities also under ``dpo_loss_type: ipo``; TRL
+counts a tie 0, so at step 0, where the policy is the reference and every margin is 0, it reports 0 where packtrain
+reports chance, 0.5). A pair's ``loss`` is its DPO loss (:meth:`packtrain.run.objective.Objective.pair_losses`, times
+the pair's weight; ``rpo_alpha``'s cross-entropy term is not in it).
 """
 
 from __future__ import annotations
@@ -77,8 +79,14 @@ def pair_rows(objective: Objective, rows: list[dict], examples: Sequence, refere
 def pair_summary(pairs: list[dict]) -> dict:
     """The figures over the data of :func:`pair_rows`' rows."""
     return {"loss": _mean([p["loss"] for p in pairs]), "pairs": len(pairs),
-            "reward_accuracy": _mean([float(p["correct"]) for p in pairs]),
+            "reward_accuracy": _mean([_credit(p["reward_margin"]) for p in pairs]),
             "reward_margin": _mean([p["reward_margin"] for p in pairs]), "examples": 2 * len(pairs)}
+
+
+def _credit(margin: float) -> float:
+    """A pair's share of the reward accuracy: 1 when the implicit reward prefers the chosen answer, 0 when it prefers
+    the rejected one, 1/2 for a tie (chance: at step 0, where the policy is the reference, every margin is 0)."""
+    return 1.0 if margin > 0 else 0.5 if margin == 0 else 0.0
 
 
 def describe(summary: dict) -> str:

@@ -12,8 +12,10 @@ dpo          per preference pair, ``-log sigmoid(beta * ((lc - rc) - (lr - rr)))
 Under dpo, ``l`` is an answer's summed token log-probability under the policy (``lc`` chosen, ``lr`` rejected) and
 ``r`` under the reference, the base model: the same packed forward with the adapter disabled, without gradient.
 ``dpo_loss_type: ipo`` takes ``(m - 1 / (2 beta))^2`` with ``m`` the same margin of per-token mean
-log-probabilities (TRL's IPO). A pair's two answers are always in one unit (the planners keep them in one pack), so
-a unit's loss is a sum over its pairs and the step's mean over pairs holds on any split into packs, units or ranks.
+log-probabilities (TRL's IPO). ``rpo_alpha`` adds ``rpo_alpha`` times the chosen answer's mean target
+cross-entropy to each pair's loss (TRL's ``rpo_alpha``, RPO's NLL term, arXiv 2404.19733). A pair's two answers are
+always in one unit (the planners keep them in one pack), so a unit's loss is a sum over its pairs and the step's mean
+over pairs holds on any split into packs, units or ranks.
 
 The reference comes from a table computed before training (``dpo_reference: precompute``,
 :mod:`packtrain.run.reference`), or from a no-grad forward of each unit just before its training forward
@@ -47,13 +49,14 @@ class Objective:
     beta: float = 0.1
     loss_type: str = "sigmoid"
     reference: str = "precompute"
+    rpo_alpha: float = 0.0
     # precompute: the reference log-probability of every training example, by id (None until computed)
     table: Mapping[str, float] | None = None
 
     @classmethod
     def of(cls, cfg: Config) -> Objective:
         t = cfg.train
-        return cls(t.objective, t.dpo_beta, t.dpo_loss_type, t.dpo_reference)
+        return cls(t.objective, t.dpo_beta, t.dpo_loss_type, t.dpo_reference, t.rpo_alpha)
 
     @property
     def paired(self) -> bool:
@@ -83,8 +86,9 @@ class Objective:
                    "examples"
         ref = ("precomputed before step 0 (OUTPUT/reference.json)" if self.reference == "precompute"
                else "a no-grad forward of each unit before its training forward")
-        return f"dpo ({self.loss_type}, beta {self.beta:g}): averaged over the step's pairs; reference = the base " \
-               f"model (adapter disabled), {ref}"
+        nll = f" + {self.rpo_alpha:g} x the chosen answer's mean target cross-entropy" if self.rpo_alpha else ""
+        return f"dpo ({self.loss_type}, beta {self.beta:g}){nll}: averaged over the step's pairs; reference = the " \
+               f"base model (adapter disabled), {ref}"
 
     def check(self, examples: Sequence, split: str = "data.train") -> None:
         """Refuse data the objective cannot train on, naming the first example that shows it."""
@@ -138,7 +142,12 @@ class Objective:
                                    "precompute pass did not run)")
             reference = torch.tensor(terms.reference, dtype=torch.float64, device=live.device)
         policy = log_probs(live, out.target_tokens)
-        return self.pair_losses(policy, reference, out.target_tokens, terms).sum()
+        losses = self.pair_losses(policy, reference, out.target_tokens, terms)
+        if self.rpo_alpha:
+            chosen = torch.tensor([c for c, _ in terms.pairs], device=live.device)
+            weights = torch.tensor(terms.weights, dtype=torch.float64, device=live.device)
+            losses = losses + self.rpo_alpha * live[chosen].to(torch.float64) * weights
+        return losses.sum()
 
     def pair_losses(self, policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor,
                     terms: Terms) -> torch.Tensor:

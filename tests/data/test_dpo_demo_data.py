@@ -50,13 +50,13 @@ def _words(item: str) -> list[str]:
 
 
 def test_the_generator_is_deterministic_and_wrote_the_committed_files(generator, committed):
-    first, second = generator.build(0, 2, 2), generator.build(0, 2, 2)
+    first, second = generator.build(0, 120, 1, 2), generator.build(0, 120, 1, 2)
     assert first == second
     assert (first[0], first[1]) == (committed["train"], committed["eval"])  # written by another process
 
 
 def test_another_seed_gives_other_pairs(generator, committed):
-    train, _ = generator.build(1, 2, 2)
+    train, _ = generator.build(1, 120, 1, 2)
     assert train != committed["train"]
 
 
@@ -110,10 +110,17 @@ def test_chosen_and_rejected_have_the_same_token_count(committed, split):
 
 
 def test_the_pairs_ask_the_demos_requests_and_hold_out_its_eval_ones(committed):
-    """Train pairs ask data/demo's training requests under its rulebooks, held-out pairs its eval requests: no
-    held-out request is trained on."""
+    """Train pairs ask data/demo's training requests under its rulebooks and as many more of each rulebook, one pair
+    each; held-out pairs ask its eval requests, two pairs each: no held-out request is trained on under its
+    rulebook."""
     demo = {split: {(r["system"], r["item"]) for r in _read(REPO / "data" / "demo" / f"{split}.jsonl")}
             for split in ("train", "eval")}
-    asked = {split: {(r["system"], r["item"]) for r in committed[split]} for split in ("train", "eval")}
-    assert asked["train"] == demo["train"] and asked["eval"] == demo["eval"]
-    assert not asked["train"] & asked["eval"]
+    asked = {split: [(r["system"], r["item"]) for r in committed[split]] for split in ("train", "eval")}
+    train, held_out = set(asked["train"]), set(asked["eval"])
+    assert len(train) == len(asked["train"]) == 600  # one pair per request
+    assert demo["train"] < train and held_out == demo["eval"] and len(asked["eval"]) == 2 * len(held_out)
+    assert not train & held_out
+    per_rulebook = {}
+    for system, _ in train:
+        per_rulebook[system] = per_rulebook.get(system, 0) + 1
+    assert sorted(per_rulebook.values()) == [120] * 5

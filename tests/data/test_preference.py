@@ -182,6 +182,18 @@ def test_dpo_refuses_groups_and_single_continuation_packs():
     config_from_dict({"train": {"objective": "weighted"}, "packing": {"continuation_groups": 2}})
 
 
+@pytest.mark.parametrize("objective", ["sft", "weighted"])
+def test_rpo_alpha_is_refused_outside_dpo_and_below_0(objective):
+    with pytest.raises(ConfigError, match=f"train.rpo_alpha: weighs the chosen answers' cross-entropy under "
+                                          f"train.objective dpo, not {objective}"):
+        config_from_dict({"train": {"objective": objective, "rpo_alpha": 1.0}})
+    with pytest.raises(ConfigError, match=r"train.rpo_alpha: must be >= 0 \(0: DPO alone\), got -0.5"):
+        config_from_dict({"train": {"objective": "dpo", "rpo_alpha": -0.5}})
+    with pytest.raises(ConfigError, match="train.rpo_alpha"):
+        config_from_dict({"train": {"objective": "dpo", "rpo_alpha": float("nan")}})
+    assert config_from_dict({"train": {"objective": "dpo", "rpo_alpha": 1.0}}).train.rpo_alpha == 1.0
+
+
 def test_a_tree_plans_shared_prefix_figures_plan_the_pairs_flat():
     examples = _pairs(n=60)
     tree = plan_tree_packs(examples, 90, 6, on_overflow="skip")

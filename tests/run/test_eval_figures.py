@@ -109,3 +109,21 @@ def test_weighted_reports_the_weighted_mean_beside_the_plain_one():
     assert describe(summary) == f"loss {(1.5 + 0.25 + 3.0) / 3:.4f} (weighted {2.75 / 3:.4f}) over 3 examples"
     plain, summary = figures(Objective("sft"), rows, examples)
     assert plain == rows and summary == {"loss": (1.5 + 0.25 + 3.0) / 3, "examples": 3}
+
+
+def test_a_tie_counts_half_so_the_policy_equal_to_its_reference_scores_chance():
+    """A pair whose reward margin is exactly 0 counts one half of the reward accuracy (TRL counts it 0): at step 0,
+    where the policy is the reference, every pair ties and the accuracy is 0.5."""
+    examples = _pairs(3)
+    rows = [{"id": ex.id, "loss": 0.5 + k / 8, "target_tokens": len(ex.target_ids)} for k, ex in enumerate(examples)]
+    at_step_0 = {r["id"]: -r["loss"] * r["target_tokens"] for r in rows}  # the reference = the policy
+    pairs, summary = figures(Objective("dpo"), rows, examples, at_step_0)
+    assert [p["reward_margin"] for p in pairs] == [0.0, 0.0, 0.0] and not any(p["correct"] for p in pairs)
+    assert summary["reward_accuracy"] == 0.5
+    # one pair the chosen side wins (its reference lower), one it loses, one tie: (1 + 0 + 1/2) / 3
+    ref = dict(at_step_0)
+    ref[pairs[0]["chosen"]] -= 1.0
+    ref[pairs[1]["chosen"]] += 1.0
+    pairs, summary = figures(Objective("dpo"), rows, examples, ref)
+    assert [p["correct"] for p in pairs] == [True, False, False]
+    assert summary["reward_accuracy"] == pytest.approx(1.5 / 3, rel=1e-15)

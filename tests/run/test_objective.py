@@ -155,7 +155,8 @@ def _standalone_loss(forwards, objective, examples):
     """The step's loss written from the formulas on the examples alone, from ``forwards`` = (the policy's summed
     answer log-probabilities with the graph, the reference's: the adapter disabled). dpo: per pair, with l the
     policy's and r the reference's, -log sigmoid(beta * ((lc - rc) - (lr - rr))) (ipo: (m - 1 / (2 beta))^2, m the
-    same margin of per-token means), the mean over the pairs; weighted: the sum of weight * mean target
+    same margin of per-token means), plus rpo_alpha times the chosen answer's mean target cross-entropy, the mean
+    over the pairs; weighted: the sum of weight * mean target
     cross-entropy over the examples / the examples."""
     policy, reference = forwards
     counts = torch.tensor([len(ex.target_ids) for ex in examples], dtype=torch.float64)
@@ -175,6 +176,7 @@ def _standalone_loss(forwards, objective, examples):
         else:
             margin = ratio[c] - ratio[r]
             losses.append(-torch.log(torch.sigmoid(objective.beta * margin)))
+        losses[-1] = losses[-1] + objective.rpo_alpha * (-policy[c] / counts[c])
     return torch.stack(losses).sum() / len(losses)
 
 
@@ -314,6 +316,21 @@ def test_ipo_equals_its_formula_on_the_pairs_alone(models, references, monkeypat
         loss, grad = _reference(references, model, "text", examples, objective)
         losses, change = _packed_step(model, "tree", examples, _plan("tree", examples), objective)
     _check(losses, change, loss, grad, "ipo")
+
+
+@pytest.mark.parametrize("loss_type,reference", [("sigmoid", "precompute"), ("ipo", "per_step")])
+def test_rpo_alpha_adds_the_chosen_answers_cross_entropy(models, references, loss_type, reference, monkeypatch):
+    """rpo_alpha: each pair's loss plus rpo_alpha times its chosen answer's mean target cross-entropy (TRL's RPO),
+    the packed tree step == that written on the pairs alone; and it is not the DPO step (the term does something)."""
+    examples, _ = _pair_examples(PROMPTS)
+    objective = Objective("dpo", BETA, loss_type, reference, rpo_alpha=0.75)
+    model = models("text")
+    with without_float32_casts(monkeypatch):
+        loss, grad = _reference(references, model, "text", examples, objective)
+        dpo_loss, _ = _reference(references, model, "text", examples, dataclasses.replace(objective, rpo_alpha=0.0))
+        losses, change = _packed_step(model, "tree", examples, _plan("tree", examples), objective)
+    _check(losses, change, loss, grad, f"rpo {loss_type}")
+    assert loss - dpo_loss > 0.75 * 1.0  # the chosen answers' mean cross-entropy, of random tokens, is well above 1
 
 
 def _weighted(examples, weights):
