@@ -3,8 +3,8 @@
 
 The demo's five rulebooks and its requests (tools/data/make_demo_data.py, the same seed): the training pairs ask the
 demo's training requests and as many more of each rulebook (drawn from the requests data/demo never asks under it),
-the held-out pairs its eval requests, none of which a training pair asks under the same rulebook. ``chosen`` is the request's codes under its own
-rulebook; ``rejected`` is a wrong answer of one of three kinds, in turn:
+the held-out pairs its eval requests, none of which a training pair asks under the same rulebook. ``chosen`` is the
+request's codes under its own rulebook; ``rejected`` is a wrong answer of one of three kinds, in turn:
 
 - rulebook: the codes the same words have under another rulebook (only reading P tells them apart);
 - swap: a two-word request's codes in the wrong order;
