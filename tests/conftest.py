@@ -16,6 +16,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 
+# tests/models/test_serving_vllm.py drives vLLM in a venv of its own (`make test-serve`, which names it): collected
+# only then
+collect_ignore = [] if os.environ.get("PACKTRAIN_VLLM_PYTHON") else ["models/test_serving_vllm.py"]
+
 # fla's kernels run on CPU only under Triton's interpreter, and Triton reads this when fla is imported (with
 # transformers' Qwen3.5 module), so it is set before any test module imports either; with CUDA the GPU tests run
 # fla compiled. See packtrain/packed/kernels/interpreter.py and tests/packed/kernels/test_fla_interpreter.py.

@@ -336,11 +336,11 @@ def test_the_mirror_check_sees_a_stray_folder_and_a_name_twice(tmp_path):
 TESTED_MODULES = [
     "commands/export", "commands/plan", "commands/smoke", "commands/train", "config", "data/chat", "data/examples",
     "data/images", "data/planner", "data/preference", "distributed", "models/loading", "models/lora_compute", "models/memory",
-    "models/offload", "models/savings", "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/watchdog", "packed/attention",
+    "models/offload", "models/savings", "models/serving", "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/watchdog", "packed/attention",
     "packed/cut", "packed/equal", "packed/families", "packed/gdn", "packed/groups", "packed/kernels/torch_ref",
     "packed/layout", "packed/loss", "packed/recompute", "packed/rng", "packed/rowsparse", "packed/tree", "packed/walk",
     "run/balance", "run/eval_figures", "run/finite", "run/generate", "run/measure", "run/objective", "run/reference", "run/scoring", "run/signals", "run/trainer",
-    "run/units", "rundir/checkpoint", "rundir/directory", "rundir/resume", "versions",
+    "run/units", "rundir/checkpoint", "rundir/directory", "rundir/resume", "rundir/tokenizer", "versions",
 ]
 
 

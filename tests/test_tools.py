@@ -18,7 +18,7 @@ import pytest
 from cli_helpers import REPO
 
 TOOLS = REPO / "tools"
-PURPOSES = ("data", "gpu", "bench", "experiments")
+PURPOSES = ("data", "gpu", "bench", "experiments", "versions", "serve")
 ENTRY_POINTS = ("gpu_check.sh", "fetch_gpu_wheels.sh")  # named by the README, docs/operations.md and .ci/run
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from packtrain.config import ConfigError, built_context_grads, load_config
 from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_stats
-from packtrain.models import memory, memory_report, savings
+from packtrain.models import memory, memory_report, savings, serving
 from packtrain.models.budget import format_node_pool, node_pool, plan_budget
 from packtrain.run import balance
 from packtrain.run.units import plan_for, unit_shape
@@ -146,8 +146,10 @@ def run_plan(args) -> int:
             modes = {m: memory.estimate_for_unit(chosen, shape, args.world_size, m) for m in context_grads}
         if choice.chosen.savings.offload_layers:
             pool = node_pool(est.total("host"), limits.ranks_per_node, limits.host_per_node)
+    serve = serving.of_lora(cfg.lora)
     if args.json:
         stats.update(steps)
+        stats["serve"] = serving.as_json(serve)
         if est is not None:
             c = choice.chosen
             stats["memory"] = {"terms": [dataclasses.asdict(t) for t in est.terms],
@@ -170,6 +172,7 @@ def run_plan(args) -> int:
     print(format_table(stats, f"plan for {_shown(cfg.resolve_path(cfg.data.train))}"))
     print()
     print(format_steps(steps))
+    print(serving.describe(serve))
     if est is not None:
         print()
         print("\n".join(choice.lines()))

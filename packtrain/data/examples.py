@@ -62,6 +62,9 @@ from packtrain.data.preference import PAIR_KEYS, SIDE_FIELDS, SIDES, check_pairs
 
 FORMATS = ("text", "chat", "pretokenized")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
+# a tokenizer folder's files (transformers reads these, and additional_chat_templates/*.jinja beside them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
 ROLES = ("system", "user", "assistant", "tool")
 # The keys an example and a message may have; any other is refused, naming it: a key packtrain does not read was
 # dropped silently (``enable_thinking`` on an example, ``thinking`` on a message: neither reached the template)

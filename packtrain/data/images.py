@@ -25,6 +25,7 @@ IMAGE_PAD = "<|image_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 BUNDLED_PROCESSOR = Path(__file__).resolve().parents[1] / "assets" / "vlm"
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # an image processor folder's files
 
 
 @dataclass(frozen=True)

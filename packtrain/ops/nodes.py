@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from packtrain import versions as tested
-from packtrain.data.examples import processor_dir, tokenizer_dir
-from packtrain.data.images import BUNDLED_PROCESSOR
+from packtrain.data.examples import TOKENIZER_FILES, processor_dir, tokenizer_dir
+from packtrain.data.images import BUNDLED_PROCESSOR, PROCESSOR_FILES
 from packtrain.distributed import LAUNCHER_VARIABLES
 from packtrain.faults import OVERRIDE_RANK, node_override
 from packtrain.ops import fla_tune
@@ -178,9 +178,6 @@ DATA_FILES = ("train", "eval", "chat_template")  # data.* files whose contents e
 # The files of a directory a run reads, by its role (data.tokenizer or model.path or the bundled tokenizer; the
 # image processor; model.path's checkpoint): their contents change what a rank computes. A checkpoint's weights are
 # left out (tens of GB to hash); its config and index, which say what the weights are, are in.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 MODEL_FILES = ("config.json", "model.safetensors.index.json", "generation_config.json")
 CONTENTS = " contents"  # the suffix of a setting that is a file's digest (the table's ``data`` row)
 VERSION, ENVIRONMENT = "version ", "environment "  # the prefixes of the versions' and the launcher's settings

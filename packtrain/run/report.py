@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from packtrain.data.planner import plan_stats
-from packtrain.models import memory, savings
+from packtrain.models import memory, savings, serving
 from packtrain.models.lora_compute import describe as describe_lora
 from packtrain.packed.families import describe as describe_model
 from packtrain.run.balance import BALANCES, epoch_steps, utilisation
@@ -28,6 +28,7 @@ def header(trainer) -> list[str]:
     lora = describe_lora(t.model)
     if lora is not None:
         lines.append(f"  {lora}")
+        lines.append(f"  {serving.describe(serving.of_lora(cfg.lora))}")
     if t.setup.objective.paired:
         lines.append(f"  {s['examples'] // 2:,} preference pairs, each pair's two answers in one pack")
     if cfg.data.train_on != "last" or s["turns"] != s["examples"]:

@@ -47,6 +47,7 @@ from packtrain.run.units import Kinds, choose_savings, image_loader, plan_for, u
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
 from packtrain.rundir import resume as resuming
+from packtrain.rundir.tokenizer import save_run_tokenizer
 
 
 def check_node_pool(cfg, plan, examples, world_size: int) -> None:
@@ -185,6 +186,8 @@ class Trainer:
             self.cadence.resume(state.get("owed", []), latest)
         if self.dist.is_main:
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            # the tokenizer and chat template the run trains with, which its exports carry
+            save_run_tokenizer(cfg, self.out, getattr(self.model.config, "vision_config", None) is not None)
 
     def _reference_table(self, cfg: Config) -> dict[str, float]:
         """dpo, precompute: the reference log-probabilities of the training examples, read from OUTPUT/reference.json

@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from packtrain.distributed import DistInfo, barrier
+from packtrain.models.export import plain_modes
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE = "state.json"
@@ -81,6 +82,7 @@ def write_adapter(peft_model, directory: Path, trainable: dict) -> None:
         path = Path(directory) / "adapter_model.safetensors"
         tensors = load_file(str(path))
         save_file({k.replace(WRAPPER, ""): v for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    plain_modes(Path(directory))  # peft writes the weights 0600: a server run by another user could not read them
 
 
 ADAPTER_STEP = "packtrain_step.json"  # beside the final adapter's PEFT files: the step it was trained to

@@ -39,7 +39,7 @@ from packtrain.rundir.checkpoint import checkpoints
 LOCK = "packtrain.lock"
 NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # flock refused by the filesystem
 # What `--overwrite` removes: everything `train` writes into OUTPUT (nothing else there is touched).
-OUTPUTS = ("adapter", "checkpoints", "metrics.jsonl", "loss.png", "config.yaml", "base", "hang", "ops",
+OUTPUTS = ("adapter", "checkpoints", "metrics.jsonl", "loss.png", "config.yaml", "base", "tokenizer", "hang", "ops",
            "generations", "wandb-run-id", "reference.json")
 
 

@@ -93,6 +93,9 @@ def test_vision_language_moe_trains_on_images(tmp_path):
                        packing={"token_budget": 1200, "max_continuations": 4}, train={"max_steps": 1})
     proc = run_in_process("train", cfg)
     assert "model: qwen3_5_moe (Qwen3_5MoeForConditionalGeneration" in proc.stdout, proc.stdout
+    # the run header says which servers will apply this adapter, before the run
+    assert ("serve: vllm yes (--enable-mixed-moe-lora-format), sglang no (experts, in_proj_qkv), merged yes; merger "
+            "(modules_to_save) folded into the served model by packtrain export --for") in proc.stdout
     adapter = adapter_of(tmp_path / "run")
     assert any("experts" in k for k in adapter) and any("merger" in k for k in adapter)
 

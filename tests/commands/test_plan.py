@@ -80,6 +80,7 @@ def test_table_output(tmp_path):
         "steps at world size 1 (1 pack per step; train.balance cost): utilisation (mean / largest rank cost per "
         "step, epoch 0) cost 1.000, round_robin 1.000; distinct prompts per step 1.0 vs 1.0",
         "  cost model: 1 per position + 0 per attention pair (train.cost_per_position, train.cost_per_pair)",
+        "serve: vllm yes, sglang yes, merged yes",  # lora.target_modules' default: q, k, v, o, gate_proj
     ]
 
 

@@ -90,7 +90,7 @@ def test_a_busy_directory_then_a_previous_run_are_refused_and_overwrite_takes_ov
     assert both.returncode == 2 and "contradict" in both.stderr
 
     fresh = run_in_process("train", cfg, "--overwrite", "--set", "train.max_steps=1")
-    assert "--overwrite: removing checkpoints/, metrics.jsonl, config.yaml, base/, hang/" in fresh.stdout
+    assert "--overwrite: removing checkpoints/, metrics.jsonl, config.yaml, base/, tokenizer/, hang/" in fresh.stdout
     assert not (run / "checkpoints").exists()  # one step, no checkpoint: the old ones are gone
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
     assert (run / "adapter").exists() and not (run / LOCK).exists()

@@ -5,8 +5,9 @@ Why: transformers picks the Gated DeltaNet kernels when its modeling module is i
 ``fla`` / ``causal_conv1d`` packages, then its torch fallback; ``use_kernel_func_from_hub_with_fallback``). With
 fla installed on a CPU machine (the ``fla`` extra, for the interpreter tests) it calls fla's Triton kernels on CPU
 tensors and fails with "0 active drivers". So each of those module-level names is replaced, once, by a router:
-CPU tensors go to the torch function transformers wrapped (``__wrapped__``), everything else to transformers'
-own choice, unchanged. Packed forwards never reach these names (:mod:`packtrain.packed.gdn` runs the pack).
+CPU tensors go to the torch function transformers wrapped (:func:`torch_function`), everything else to transformers'
+own choice, unchanged. (transformers 5.25 sends CPU inputs to its torch functions itself; the routers change nothing
+there, and keep the refusal of packed sequences, which its fallback refuses too.) Packed forwards never reach these names (:mod:`packtrain.packed.gdn` runs the pack).
 
 On a machine without CUDA those modules are first imported with fla and causal_conv1d unimportable
 (:func:`kernel_packages_hidden`), so transformers binds its torch functions from the start and the process never
@@ -21,6 +22,7 @@ import functools
 import importlib
 import importlib.abc
 import importlib.machinery
+import inspect
 import sys
 
 import torch
@@ -73,10 +75,20 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
-def _router(name: str, chosen):
-    reference = chosen.__wrapped__
+def torch_function(chosen):
+    """The pure-torch function under transformers' binding of a kernel name (None: none found): the ``__wrapped__``
+    of its wrapper (5.24), or of the function inside the ``kernels`` package's ``Func`` module that 5.25 binds."""
+    reference = getattr(chosen, "__wrapped__", None)
+    if reference is None and isinstance(chosen, torch.nn.Module):
+        inner = inspect.getclosurevars(type(chosen).forward).nonlocals.get("func")
+        reference = getattr(inner, "__wrapped__", None)
+    return reference
 
-    @functools.wraps(chosen)
+
+def _router(name: str, chosen):
+    reference = torch_function(chosen)
+
+    @functools.wraps(reference)
     def route(*args, **kwargs):
         x = _first_tensor(args, kwargs)
         if x is None or x.device.type != "cpu":
@@ -103,6 +115,6 @@ def route_unpacked_kernels() -> None:
             continue
         for name in KERNEL_NAMES:
             chosen = getattr(module, name, None)
-            if chosen is None or getattr(chosen, "packtrain_routed", False) or not hasattr(chosen, "__wrapped__"):
+            if chosen is None or getattr(chosen, "packtrain_routed", False) or torch_function(chosen) is None:
                 continue
             setattr(module, name, _router(name, chosen))
