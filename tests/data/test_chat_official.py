@@ -55,6 +55,23 @@ def _assert_matches_reference(examples, tok, rows, train_on, version, text, thin
         tok, row, train_on, thinking, official_generated_text(version), text, **kwargs)])
 
 
+def test_the_templates_folder_is_named_by_its_variable_and_a_missing_one_skips_or_fails(tmp_path, monkeypatch):
+    """A clone of its own (no ../shared) skips the official templates' tests saying what to set; CI, which requires
+    them (.ci/run), fails instead."""
+    import chat_data
+
+    (tmp_path / "qwen3.5.jinja").write_text("{{ messages }}")
+    monkeypatch.setenv(chat_data.TEMPLATES_ENV, str(tmp_path))
+    assert official_template_path("qwen3.5") == tmp_path / "qwen3.5.jinja"
+    monkeypatch.setattr(chat_data, "REPO", tmp_path / "clone")  # nothing beside it
+    monkeypatch.delenv(chat_data.REQUIRE_TEMPLATES_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="set PACKTRAIN_QWEN_TEMPLATES to the folder"):
+        official_template_path("qwen3.6")
+    monkeypatch.setenv(chat_data.REQUIRE_TEMPLATES_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="qwen3.6.jinja not found"):
+        official_template_path("qwen3.6")
+
+
 # --- what the official templates do that packtrain must meet -------------------------------------------------------
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -2,6 +2,7 @@
 sources in their order, the CPU's memory shared by the node's ranks, and a node's offload pools."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -65,4 +66,9 @@ def test_a_nodes_pools_fit_or_say_how_much_is_short():
 def test_the_budget_says_what_it_holds():
     text = b.plan_budget(_cfg(), 64, 40, 8, 256).describe()
     assert "36.00 GiB per GPU" in text and "256.00 GiB of host memory per node" in text and "8 ranks per node" in text
-    assert dataclasses.asdict(b.plan_budget(_cfg(), 1, 40)) == b.plan_budget(_cfg(), 1, 40).as_json()
+    # plan --json's form of it: the figures the line above says, JSON-able as they are
+    as_json = b.plan_budget(_cfg(), 1, 40).as_json()
+    assert json.loads(json.dumps(as_json)) == as_json
+    assert as_json == {"device": "cuda", "device_bytes": 36 * GiB, "device_total": 40 * GiB, "reserve": 4 * GiB,
+                       "device_source": "--gpu-memory 40", "host_per_node": None,
+                       "host_source": "--host-memory-per-node GIB: not given", "ranks_per_node": 1}

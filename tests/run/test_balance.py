@@ -66,9 +66,29 @@ def test_cost_balance_beats_round_robin_and_keeps_the_steps_diverse(planned):
         rr = epoch_steps(plan, costs, epoch, 0, 8, 8, "round_robin")
         assert utilisation(cost, costs) > utilisation(rr, costs) + 0.05
         assert distinct_prompts(cost, plan) >= 0.8 * distinct_prompts(rr, plan)
-    # reshuffled every epoch, seeded
+    # reshuffled every epoch, seeded: another seed orders them otherwise
     assert epoch_steps(plan, costs, 0, 0, 8, 8) != epoch_steps(plan, costs, 1, 0, 8, 8)
-    assert epoch_steps(plan, costs, 0, 5, 8, 8) == epoch_steps(plan, costs, 0, 5, 8, 8)
+    assert epoch_steps(plan, costs, 0, 5, 8, 8) != epoch_steps(plan, costs, 0, 6, 8, 8)
+
+
+@pytest.mark.process
+def test_the_seeded_steps_are_the_same_in_every_process(planned):
+    """Every rank computes the steps alone: another interpreter (another string hash seed) must get the same ones,
+    or the ranks would train different packs in the same step."""
+    import json
+    import pickle
+    import subprocess
+    import sys
+
+    from cli_helpers import REPO
+
+    plan, _, costs = planned
+    code = ("import json, pickle, sys; from packtrain.run.balance import epoch_steps; "
+            "plan, costs = pickle.load(sys.stdin.buffer); print(json.dumps(epoch_steps(plan, costs, 0, 5, 8, 8)))")
+    outs = [subprocess.run([sys.executable, "-c", code], input=pickle.dumps((plan, costs)), capture_output=True,
+                           env={"PYTHONPATH": str(REPO), "PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"},
+                           check=True).stdout for seed in ("1", "2")]
+    assert json.loads(outs[0]) == json.loads(outs[1]) == json.loads(json.dumps(epoch_steps(plan, costs, 0, 5, 8, 8)))
 
 
 def test_utilisation_is_mean_over_largest_rank_cost():
