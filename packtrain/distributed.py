@@ -223,3 +223,10 @@ def shutdown() -> None:
         dist.barrier()
     gc.collect()
     dist.destroy_process_group()
+
+
+def agree(values, info: DistInfo) -> list[int]:
+    """Each value's maximum over the ranks (``values`` as is on one rank): one all-reduce, for every decision the ranks
+    make together (the equal-call rule, packtrain/packed/equal.py)."""
+    t = torch.tensor(list(values) or [0], dtype=torch.int64, device=info.device)
+    return all_reduce_max_tensor(t, info).tolist()[:len(values)]

@@ -1,6 +1,7 @@
 """The fault-injection hooks the tests use to make a run fail as real runs fail, in one place.
 
-Each is an environment variable read at one point of the run; unset, nothing changes.
+Each is an environment variable read at one point of the run (the step's, once, when the step is made); unset,
+nothing changes.
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ SIGTERM_IN_STEP = "PACKTRAIN_TEST_SIGTERM_IN_STEP"  # "STEP": SIGTERM to this pr
 OVERRIDE_RANK = "PACKTRAIN_TEST_OVERRIDE_RANK{rank}"
 
 
-def nan_scale(rank: int, step: int, scale: float) -> float:
-    """``scale``, or NaN when :data:`NAN_AT` names this rank and step."""
-    return float("nan") if os.environ.get(NAN_AT) == f"{rank}:{step}" else scale
+def in_steps(rank: int) -> tuple[int | None, int | None]:
+    """(the step whose loss is NaN on ``rank`` by :data:`NAN_AT`, the step :data:`SIGTERM_IN_STEP` sends SIGTERM in),
+    each None when unset: read once, when a run's step is made."""
+    rank_step = os.environ.get(NAN_AT, "").partition(":")
+    nan = int(rank_step[2]) if rank_step[1] and rank_step[0] == str(rank) else None
+    term = os.environ.get(SIGTERM_IN_STEP)
+    return nan, int(term) if term else None
 
 
 def node_override(rank: int) -> tuple[str, str | None]:
@@ -33,7 +38,6 @@ def after_checkpoint(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def sigterm_in_step(step: int) -> None:
-    """A scheduler's SIGTERM arriving while step ``step`` runs, when :data:`SIGTERM_IN_STEP` is ``step``."""
-    if os.environ.get(SIGTERM_IN_STEP) == str(step):
-        os.kill(os.getpid(), signal.SIGTERM)
+def sigterm() -> None:
+    """A scheduler's SIGTERM arriving while a step runs (:data:`SIGTERM_IN_STEP`)."""
+    os.kill(os.getpid(), signal.SIGTERM)

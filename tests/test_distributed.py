@@ -170,3 +170,11 @@ def test_launch_script_runs_the_interpreter_behind_packtrain(tmp_path):
     assert record.read_text().split() == ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                                           "127.0.0.1", "--master_port", "29777", "-m", "packtrain", "train",
                                           "cfg.yaml", "--set", "a=b"]
+
+
+@pytest.mark.parametrize("values", [[3, 0, 7], [], [0]])
+def test_agree_on_one_rank_is_the_values(values):
+    from packtrain.distributed import DistInfo, agree
+
+    assert agree(values, DistInfo(0, 1, 0, torch.device("cpu"))) == values
+

@@ -296,6 +296,52 @@ def test_the_type_check_sees_an_isinstance_on_a_call():
     assert _type_checks(ast.parse(source), _call_types()) == [2, 4]
 
 
+# One run setup (packtrain/run/session.py): the splits, the plan, the savings, the model, the kinds and the task are
+# made there for every command; a call of one of these anywhere else is a second setup. Each function's own module
+# may call it (a definition, its helpers).
+SETUP_CALLS = {"load_split": "packtrain.data.examples", "plan_for": "packtrain.run.units",
+               "choose_savings": "packtrain.run.units", "image_loader": "packtrain.run.units",
+               "build_base_model": "packtrain.models.build", "assemble": "packtrain.models.wrap",
+               "task_for": "packtrain.run.task", "task_start": "packtrain.run.task", "Kinds.of": "packtrain.run.units",
+               "Kinds.named": "packtrain.run.units"}
+SETUP_HOME = "packtrain.run.session"
+
+
+def setup_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every call of :data:`SETUP_CALLS` in ``tree`` (``f(...)``, ``module.f(...)``, ``Kinds.of(...)``)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f"{f.value.id}.{f.attr}" in SETUP_CALLS:
+            name = f"{f.value.id}.{f.attr}"
+        if name in SETUP_CALLS:
+            found.append((node.lineno, name))
+    return found
+
+
+def _setups_outside_the_session(modules: dict[str, Path]) -> list[str]:
+    return [f"{mod}:{line} calls {name}" for mod, path in sorted(modules.items()) if mod != SETUP_HOME
+            for line, name in setup_calls(ast.parse(path.read_text())) if SETUP_CALLS[name] != mod]
+
+
+def test_one_run_setup_for_every_command():
+    assert not _setups_outside_the_session(_modules())
+
+
+def test_the_setup_check_fails_on_a_planted_second_setup(tmp_path):
+    """A command that plans or assembles on its own is seen."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("from packtrain.run.units import Kinds, plan_for\nfrom packtrain.models import wrap\n"
+                       "def run(cfg, ex, base):\n    plan = plan_for(cfg, ex)\n"
+                       "    return wrap.assemble(base, cfg, 'cpu'), Kinds.of(cfg)\n")
+    assert _setups_outside_the_session({"packtrain.commands.planted": planted}) == [
+        "packtrain.commands.planted:4 calls plan_for", "packtrain.commands.planted:5 calls assemble",
+        "packtrain.commands.planted:5 calls Kinds.of"]
+
+
 def test_the_design_map_lists_every_module():
     design = (ROOT.parent / "docs" / "design.md").read_text()
     missing = [f"packtrain/{p.relative_to(ROOT)}" for p in sorted(ROOT.rglob("*.py"))

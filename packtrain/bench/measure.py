@@ -19,13 +19,13 @@ pass, which released the heap before each of its runs, and the heap is kept from
 heap from the last memory run's size to its own and reads slow. The figures: docs/performance.md, "How bench times
 now".
 
-Model FLOPs of an epoch, per variant, for the positions that variant computes (no recompute): every linear layer's
-forward and input gradient (frozen weights), LoRA forward, input and weight gradients, attention's QK^T and PV
-forward and backward over the causal query-key pairs it computes, and lm_head on the rows it computes (target
-positions for packtrain, every position for the plain loop). ``kv_only`` and ``frozen`` are counted as
-``shared_prefix`` (the full-gradient work of the same pack), so their MFU reads as full-equivalent throughput and
-their gain shows as time. Left out: the Gated DeltaNet chunk recurrence and
-conv (about 1.4% of a GDN layer at Qwen3.6-27B's shapes), norms and elementwise work.
+Model FLOPs of an epoch, per variant, for the positions that variant computes (no recompute): the cost model's
+(:mod:`packtrain.models.cost`, the one count the balance and the savings use: 6 per parameter a token meets, 12 per
+attention pair and width, 6 per head row and width x vocabulary) over the positions, the causal query-key pairs and
+the lm_head rows it computes (target positions for packtrain, every position for the plain loop). ``kv_only`` and
+``frozen`` are counted as ``shared_prefix`` (the full-gradient work of the same pack), so their MFU reads as
+full-equivalent throughput and their gain shows as time. Left out: the Gated DeltaNet chunk recurrence and conv
+(about 1.4% of a GDN layer at Qwen3.6-27B's shapes), norms and elementwise work.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ from pathlib import Path
 import torch
 
 from packtrain.bench.variants import Models, Workload, run_variant
-from packtrain.models.parameters import expert_shapes, linears
-from packtrain.models.text_config import FULL
+from packtrain.models.cost import CostModel
 from packtrain.run.harness import PeakMemory, is_out_of_memory
 
 
@@ -157,31 +156,21 @@ def interleave(models: Models, work: Workload, variants: list[str], repeats: int
     return results
 
 
-def model_flops(text: dict, positions: int, pairs: int, head_rows: int, lora_r: int, lora_targets) -> float:
-    """Forward + backward model FLOPs (see the module docstring) for a text config dict (models.text_config.text_config)."""
-    per_position = 0.0
-    for kind in text["kinds"]:
-        for name, (d_in, d_out, _) in linears(text, kind).items():
-            per_position += 4 * d_in * d_out  # forward + input gradient
-            if name in lora_targets:
-                per_position += 6 * lora_r * (d_in + d_out)  # forward + input and weight gradients
-        for _, d_in, d_out in expert_shapes(text, kind).values():  # each position visits k experts
-            per_position += 4 * text["num_experts_per_tok"] * d_in * d_out
-    full_layers = sum(t == FULL for t in text["layer_types"])
-    per_pair = 3 * 4 * text["num_attention_heads"] * text["head_dim"]  # QK^T and PV, forward + 2x backward
-    per_head_row = 4 * text["hidden_size"] * text["vocab_size"]
-    return positions * per_position + pairs * full_layers * per_pair + head_rows * per_head_row
+def model_flops(text: dict, positions: int, pairs: int, head_rows: int) -> float:
+    """Forward + backward model FLOPs of a variant's epoch: the cost model's (:mod:`packtrain.models.cost`, the one
+    count the balance and the savings use), for a text config dict (models.text_config.text_config)."""
+    return CostModel.of_text(text).flops(positions, pairs, head_rows)
 
 
 def summarize(results: dict[str, VariantRuns], work: dict[str, tuple[int, int, int]], stats: dict,
-              target_tokens: int, text: dict, lora_r: int, lora_targets, peak_tflops: float | None) -> dict:
+              target_tokens: int, text: dict, peak_tflops: float | None) -> dict:
     """Each variant's figures; ``work``: the (positions, attention pairs, lm_head rows) of its epoch
     (:meth:`packtrain.bench.variants.PackedVariant.figures`), ``stats`` the config's plan's."""
     out = {}
     for v, vr in results.items():
         positions, pairs, head_rows = work[v]
         entry = {"positions": positions, "attention_pairs": pairs, "lm_head_rows": head_rows,
-                 "model_flops": model_flops(text, positions, pairs, head_rows, lora_r, lora_targets),
+                 "model_flops": model_flops(text, positions, pairs, head_rows),
                  "error": vr.error}
         if vr.runs:
             seconds = statistics.median(r.seconds for r in vr.runs)

@@ -15,9 +15,9 @@
   examples (loss / examples in the step). Its model is a copy of the same base, never patched.
 
 Each packtrain variant is the config under overrides of its packing settings (:data:`VARIANTS`: its
-``packing.mode``, ``packing.context_grad``), run as ``packtrain train`` runs that config: its kinds
-(:meth:`packtrain.run.units.Kinds.of`), its plan, and a root over the one model :func:`packtrain.models.wrap.assemble`
-made (:func:`packtrain.models.wrap.root`, under the variant's context mode).
+``packing.mode``, ``packing.context_grad``), run as ``packtrain train`` runs that config: its session
+(:func:`packtrain.run.session.open_session`: its kinds and its plan), and a root over the one model the bench's
+session built (:func:`packtrain.models.wrap.root`, under the variant's context mode).
 
 Every variant trains the steps ``packtrain train`` trains on one rank (epoch 0 of
 :meth:`packtrain.run.steps.StepPlan.for_run`, under ``train.balance``); the packtrain variants run the trainer's own
@@ -29,7 +29,6 @@ transformers' forward with labels), so that equal final losses compare independe
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -39,14 +38,13 @@ from peft import get_peft_model
 
 from packtrain.config import Config
 from packtrain.data.planner import Plan
-from packtrain.distributed import DistInfo
-from packtrain.models.build import build_base_model, lora_config
-from packtrain.models.wrap import assemble, root
+from packtrain.models.build import lora_config
+from packtrain.models.wrap import root
 from packtrain.run.evaluate import evaluate, mean_loss
 from packtrain.run.optim import build_optimizer, build_scheduler
+from packtrain.run.session import Session, open_session
 from packtrain.run.step import Step
 from packtrain.run.steps import StepPlan
-from packtrain.run.units import Kinds, plan_for
 
 
 class PackedVariant:
@@ -64,7 +62,7 @@ class PackedVariant:
         work = work.for_variant(self)
         cfg, state = work.cfg, models.packtrain_state
         optimizer, scheduler = state.reset(len(work.steps))
-        step = Step(models.lms[self.name], Kinds.of(cfg), work.plan, work.examples, DistInfo(0, 1, 0, work.device),
+        step = Step(models.lms[self.name], work.session.kinds, work.plan, work.examples, work.session.dist,
                     list(state.params.values()), optimizer, scheduler, cfg.optim.max_grad_norm,
                     cfg.train.max_positions)
         return [step.run(pack_ids, k).loss for k, pack_ids in enumerate(work.steps[:max_steps])]
@@ -72,14 +70,13 @@ class PackedVariant:
     def evaluate(self, models: Models, work: Workload) -> float:
         """The adapter's mean per-example loss through the packed forward of the variant's kinds and context."""
         work = work.for_variant(self)
-        rows = evaluate(models.lms[self.name], work.plan, work.examples, Kinds.of(work.cfg),
-                        DistInfo(0, 1, 0, work.device))
+        rows = evaluate(models.lms[self.name], work.plan, work.examples, work.session.kinds, work.session.dist)
         return mean_loss(rows)
 
     def figures(self, work: Workload, stats: dict, target_tokens: int) -> tuple[int, int, int]:
         """(positions, attention pairs per layer and head, lm_head rows) of one epoch, from the variant's own plan's
         statistics (``stats``): a pack's P once (shared), or each example's whole sequence."""
-        column = "packed" if Kinds.of(work.for_variant(self).cfg).pack.shares_prefix else "standalone"
+        column = "packed" if work.for_variant(self).session.kinds.pack.shares_prefix else "standalone"
         return stats[f"positions_{column}"], stats[f"attention_pairs_{column}"], target_tokens
 
 
@@ -119,23 +116,38 @@ DEFAULT_VARIANTS = tuple(v.name for v in _ALL if v.default)  # not the tree: it 
 
 @dataclass
 class Workload:
-    cfg: Config
-    examples: list
-    plan: Plan
+    session: Session  # the bench's (or a variant's) setup: its config with the savings chosen, kinds and plan
     steps: list[list[int]]  # pack ids of each optimizer step of one epoch, as `packtrain train` takes them
-    device: torch.device
     _variants: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, cfg: Config, examples, plan: Plan, device: torch.device) -> Workload:
-        steps = StepPlan.for_run(cfg, plan, examples, 1)
-        return cls(cfg, examples, plan, [steps.pack_ids(0, i) for i in range(steps.steps_per_epoch)], device)
+    def of(cls, session: Session) -> Workload:
+        steps = StepPlan.for_run(session.cfg, session.plan, session.examples, 1)
+        return cls(session, [steps.pack_ids(0, i) for i in range(steps.steps_per_epoch)])
+
+    @property
+    def cfg(self) -> Config:
+        return self.session.run_cfg
+
+    @property
+    def examples(self) -> list:
+        return self.session.examples
+
+    @property
+    def plan(self) -> Plan:
+        return self.session.plan
+
+    @property
+    def device(self) -> torch.device:
+        return self.session.dist.device
 
     def for_variant(self, variant) -> Workload:
-        """The workload a variant trains: the config under its overrides, planned by that config's kinds (once)."""
+        """The workload a variant trains: the config under its overrides, set up as `packtrain train` sets it up
+        (its kinds, its plan; once)."""
         if variant.name not in self._variants:
-            cfg = variant.config(self.cfg)
-            self._variants[variant.name] = Workload.of(cfg, self.examples, plan_for(cfg, self.examples), self.device)
+            session = open_session(variant.config(self.cfg), self.session.dist, examples=self.examples,
+                                   savings=False)
+            self._variants[variant.name] = Workload.of(session)
         return self._variants[variant.name]
 
 
@@ -176,10 +188,9 @@ class Models:
     """The packtrain model (every packtrain variant) and the plain one, from one base and one initial adapter."""
 
     def __init__(self, work: Workload):
-        cfg = work.cfg
-        base = build_base_model(cfg)
-        plain_base = copy.deepcopy(base)  # before packtrain patches anything
-        model, self.lm, self.backend = assemble(base, cfg, work.device)
+        cfg, session = work.cfg, work.session
+        session.build_model(meta=False, copy_base=True)  # the copy: before packtrain patches anything
+        model, self.lm, self.backend, plain_base = session.model, session.lm, session.backend, session.base_copy
         self.lm.train()
         t = cfg.train
         # each packtrain variant's root over the same assembled model, under its config (its context mode)

@@ -64,16 +64,13 @@ def _generated(args) -> bool:
                                                       "extra_continuations", "turns"))
 
 
-def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
+def _model_summary(cfg, text: dict, backend, trainable: int, kinds) -> dict:
     from packtrain.models.text_config import FULL
 
     types = text["layer_types"]
     full = sum(t == FULL for t in types)
     ckpt = ", checkpointed layers" if cfg.train.activation_checkpointing or cfg.train.offload else ""
-    from packtrain.run.units import Kinds
-
-    setup = Kinds.of(cfg)
-    ckpt += "".join(f", {line}" for line in setup.pack.runs({}))
+    ckpt += "".join(f", {line}" for line in kinds.pack.runs({}))
     describe = (f"{len(types)} layers ({len(types) - full} GDN + {full} attention), hidden {text['hidden_size']:,}, "
                 f"vocab {text['vocab_size']:,}, {cfg.model.dtype}, LoRA r {cfg.lora.r} on "
                 f"{','.join(cfg.lora.target_modules)} ({trainable:,} parameters){ckpt}; kernels {backend.describe()}")
@@ -82,7 +79,7 @@ def _model_summary(cfg, text: dict, backend, trainable: int) -> dict:
             "activation_checkpointing": bool(cfg.train.activation_checkpointing or cfg.train.offload),
             "lora_r": cfg.lora.r,
             "lora_targets": list(cfg.lora.target_modules), "trainable_parameters": trainable,
-            "continuation_groups": setup.n_groups, "describe": describe}
+            "continuation_groups": kinds.n_groups, "describe": describe}
 
 
 def _machine(device, load_before: float) -> dict:
@@ -100,11 +97,11 @@ def _machine(device, load_before: float) -> dict:
 
 
 def _config_and_data(args, preset):
-    """(config, text config dict, examples, what the data is, the generated shape or None)."""
+    """(config, text config dict, the generated examples or None (the config's data.train), what the data is, the
+    generated shape or None)."""
     from packtrain.bench.presets import generate_examples
     from packtrain.config import config_from_dict, load_config
     from packtrain.config.typed import apply_overrides
-    from packtrain.data.examples import load_split
     from packtrain.models.text_config import config_dict_of, text_config
 
     if args.config is not None:
@@ -113,7 +110,7 @@ def _config_and_data(args, preset):
         cfg = config_from_dict(apply_overrides(preset.config, args.overrides), source=f"preset {preset.name}")
     text = text_config(config_dict_of(cfg))
     if args.config is not None and cfg.data.train is not None and not _generated(args):
-        return cfg, text, load_split(cfg, "train"), str(cfg.resolve_path(cfg.data.train)), None
+        return cfg, text, None, str(cfg.resolve_path(cfg.data.train)), None  # the session reads data.train
     shape = _shape(args, preset)
     examples = generate_examples(shape, text["vocab_size"], cfg.train.seed)
     return cfg, text, examples, f"generated: {shape.describe()}", shape
@@ -154,7 +151,7 @@ def run_bench(args) -> int:
     from packtrain.data.planner import plan_stats, target_count
     from packtrain.distributed import init_distributed
     from packtrain.run.report import savings_lines
-    from packtrain.run.units import choose_savings, plan_for
+    from packtrain.run.session import open_session
     from packtrain.rundir.disk import check_not_an_input, check_output_path, config_inputs
 
     check_output_path(args.out, "--out", directory=True)  # before the models are built and timed
@@ -167,14 +164,15 @@ def run_bench(args) -> int:
     cfg, text, examples, data, shape = _config_and_data(args, preset)
     run_files = ("config.yaml", "train.jsonl") if shape is not None else ()
     check_not_an_input(args.out, "--out", config_inputs(cfg, args.config), writes=("bench.json", "bench.png", *run_files))
-    plan = plan_for(cfg, examples)
-    stats = plan_stats(plan, examples)
-    info = init_distributed(cfg.train.device)
+    info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     device = info.device
     given_cfg = cfg
-    # the savings train would take for the largest pack on this device (packtrain/models/savings.py)
-    cfg, choice = choose_savings(cfg, plan, examples, info)
-    work = Workload.of(cfg, examples, plan, device)
+    # the run's setup (packtrain/run/session.py) on the bench's data: its plan and the savings train would take for
+    # the largest pack on this device
+    session = open_session(cfg, info, "train", examples=examples)
+    plan, choice, cfg, examples = session.plan, session.choice, session.run_cfg, session.examples
+    stats = plan_stats(plan, examples)
+    work = Workload.of(session)
     print(f"packtrain bench: {data}; {stats['examples']} examples -> {stats['packs']} pack(s), {len(work.steps)} step(s); "
           f"position ratio {stats['position_ratio']:.2f}x; building the models on {device}")
     print("\n".join(savings_lines(choice)))
@@ -200,7 +198,7 @@ def run_bench(args) -> int:
         "config": args.config,
         "data": data,
         "shape": None if shape is None else dataclasses.asdict(shape),
-        "model": _model_summary(cfg, text, models.backend, models.trainable_parameters()),
+        "model": _model_summary(cfg, text, models.backend, models.trainable_parameters(), session.kinds),
         "memory": {"savings": dataclasses.asdict(choice.chosen.savings),
                    "relative_step_cost": choice.chosen.relative_cost,
                    "total_device_bytes": choice.chosen.device_bytes, "device_budget_bytes": choice.budget.device_bytes,
@@ -215,7 +213,7 @@ def run_bench(args) -> int:
         "warmup": warmup,
         "peak_tflops": peak,
         "peak_source": None if peak is None else ("--peak-tflops" if args.peak_tflops else H100_SOURCE),
-        "variants": summarize(runs, figures, stats, target_tokens, text, cfg.lora.r, cfg.lora.target_modules, peak),
+        "variants": summarize(runs, figures, stats, target_tokens, text, peak),
         "notes": notes,
     }
     result["speedup"], result["speedup_over_position_ratio"], result["final_loss_rel_diff"] = speedups(result)

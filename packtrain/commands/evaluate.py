@@ -24,15 +24,11 @@ from packtrain.rundir.disk import check_not_an_input, check_output_path, config_
 
 
 def run_eval(args) -> int:
-    from packtrain.data.examples import load_split
-    from packtrain.models.build import build_base_model
     from packtrain.models.loading import read_adapter
-    from packtrain.models.wrap import assemble
     from packtrain.run import eval_figures, reference
     from packtrain.run.evaluate import evaluate
-    from packtrain.run.objective import Objective
-    from packtrain.run.task import errors_path_for, task_start
-    from packtrain.run.units import Kinds, image_loader, plan_for
+    from packtrain.run.session import open_session
+    from packtrain.run.task import errors_path_for
 
     cfg = load_config(args.config, args.overrides)
     check_output_path(args.out, "--out", directory=False)
@@ -45,22 +41,21 @@ def run_eval(args) -> int:
                          "`--adapter none` evaluates the base model)")
     if adapter is not None:
         read_adapter(adapter)  # a damaged or truncated file: one line naming it, before the model is built
-    split = "eval" if cfg.data.eval else "train"
-    examples = load_split(cfg, split)
-    if examples is None:
+    if not cfg.data.eval and not cfg.data.train:
         raise ValueError("data.eval and data.train are both unset: nothing to evaluate")
-    Objective.of(cfg).check(examples, f"data.{split}")
-    scorer, tokenizer = task_start(cfg, split) if args.generate else (None, None)  # before the model loads
+    split = "eval" if cfg.data.eval else "train"
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
     try:
-        model, lm, backend = assemble(build_base_model(cfg), cfg, info.device, shard=info.enabled, adapter=adapter,
-                                      training=False)
-        setup = Kinds.of(cfg, image_loader(cfg, model, examples), n_groups=1)
+        # the run's setup (packtrain/run/session.py) on the split evaluated, each pack one call; the task's scorer
+        # checked before the model loads
+        session = open_session(cfg, info, split, savings=False, task=args.generate, n_groups=1)
+        session.build_model(adapter=adapter, training=False)
+        lm, examples, setup = session.lm, session.examples, session.kinds
         out = Path(args.out)
         if args.generate:
-            _generate(cfg, model, lm, examples, scorer, tokenizer, setup, info, out, split, args.adapter)
+            _generate(cfg, session, out, split, args.adapter)
             return 0
-        plan = plan_for(cfg, examples)
+        plan = session.plan
         rows = evaluate(lm, plan, examples, setup, info)
         ref = None
         if setup.objective.paired:  # the reference: the base model; --adapter none evaluated it already
@@ -75,21 +70,22 @@ def run_eval(args) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in written))
             print(f"packtrain eval: {len(rows)} examples of data.{split}, mode {cfg.packing.mode}, "
-                  f"context_grad {cfg.packing.context_grad}, kernels {backend.describe()}, objective "
+                  f"context_grad {cfg.packing.context_grad}, kernels {session.backend.describe()}, objective "
                   f"{setup.objective.name}: {eval_figures.describe(summary)} -> {out}")
     finally:
         shutdown()
     return 0
 
 
-def _generate(cfg, model, lm, examples, scorer, tokenizer, setup, info, out: Path, split: str, adapter: str) -> None:
+def _generate(cfg, session, out: Path, split: str, adapter: str) -> None:
     from tqdm.auto import tqdm
 
-    from packtrain.run.task import describe, errors_path_for, run_task, task_for, write_task
+    from packtrain.run.task import describe, errors_path_for, run_task, write_task
 
-    task = task_for(cfg, model, examples, scorer, tokenizer, split)
+    info = session.dist
+    task = session.task(session.examples, split)
     bar = tqdm(total=None, desc="generate", unit="pack", disable=not (info.is_main and cfg.logging.progress))
-    result = run_task(lm, task, setup, info, progress=bar)
+    result = run_task(session.lm, task, session.kinds, info, progress=bar)
     bar.close()
     if info.is_main:
         errors = errors_path_for(out)

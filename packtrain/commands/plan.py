@@ -15,12 +15,13 @@ import json
 from pathlib import Path
 
 from packtrain.config import ConfigError, built_context_grads, load_config
-from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_stats
 from packtrain.models import memory, memory_report, savings, serving
 from packtrain.models.budget import format_node_pool, node_pool, plan_budget
+from packtrain.models.cost import CostModel
 from packtrain.run import balance
-from packtrain.run.units import plan_for, unit_shape
+from packtrain.run.session import open_session
+from packtrain.run.units import unit_shape
 
 
 def _shown(path: Path) -> Path:
@@ -85,7 +86,7 @@ def _mode_rows(s: dict) -> list[str]:
 def step_figures(cfg, plan, examples, world: int) -> dict:
     """Epoch 0's steps at ``world`` ranks under ``train.balance`` (``schedule``: steps -> ranks -> pack indices),
     each pack's positions, attention pairs and cost, and both balances' utilisation and distinct prompts per step."""
-    model = balance.CostModel.for_config(cfg)
+    model = CostModel.for_config(cfg)
     costs = balance.pack_costs(plan, examples, model)
     t = cfg.train
     figures = {}
@@ -121,12 +122,14 @@ def run_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if cfg.data.train is None:
         raise ConfigError(["data.train: not set (the training data to plan)"], args.config)
-    examples = load_split(cfg, "train")
-    plan = plan_for(cfg, examples)
+    args.memory = args.memory or args.measure or args.gpu_memory is not None
+    # the run's setup (packtrain/run/session.py) without a process group or a model: the checks train makes of the
+    # data, and its plan
+    session = open_session(cfg, None, "train", savings=False, model=args.memory)
+    examples, plan = session.examples, session.plan
     stats = plan_stats(plan, examples)
     steps = step_figures(cfg, plan, examples, args.world_size)
-    args.memory = args.memory or args.measure or args.gpu_memory is not None
-    shape = unit_shape(cfg, plan, examples) if args.memory else None
+    shape = unit_shape(cfg, plan, examples, session.kinds) if args.memory else None
     choice = est = measured = budget = pool = modes = None
     if args.memory:
         limits = plan_budget(cfg, args.world_size, args.gpu_memory, args.ranks_per_node,
@@ -137,7 +140,7 @@ def run_plan(args) -> int:
         if args.measure:
             from packtrain.run.measure import measure_whole
 
-            measured = measure_whole(chosen, plan, examples, args.world_size)
+            measured = measure_whole(chosen, plan, examples, args.world_size, session.kinds)
         if args.gpu_memory is not None:
             budget = savings.max_token_budget(cfg, shape, args.world_size, limits, args.gpu_memory)
         # the modes the packing mode builds (tree: full alone, the estimate above: no table)

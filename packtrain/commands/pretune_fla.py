@@ -49,27 +49,24 @@ def run_pretune_fla(args) -> int:
     import torch
     import triton
 
-    from packtrain.data.examples import load_split
-    from packtrain.run.harness import build_lm, one_pack, one_update, update_step
-    from packtrain.run.units import Kinds, choose_savings, image_loader, plan_for
+    from packtrain.run.harness import one_pack, one_update, update_step
+    from packtrain.run.session import open_session
 
     cfg = load_config(args.config, args.overrides)
-    examples = load_split(cfg, "train")
-    if examples is None:
-        raise ValueError("data.train: not set (pretune-fla runs its largest pack with a shortened prompt)")
-    info = init_distributed("cuda")
+    info = init_distributed("cuda", cfg.ops.collective_timeout)
     try:
         if info.enabled:
             raise ValueError("pretune-fla runs in one process on one GPU (run it without a launcher)")
-        plan = plan_for(cfg, examples)
-        cfg, _ = choose_savings(cfg, plan, examples, info)  # the run's savings, whose kernels it tunes
-        lm, model, backend = build_lm(cfg, info)
-        if backend.gdn != "fla":
-            raise ValueError(f"model.kernels={cfg.model.kernels} selected {backend.describe()}: pretune-fla tunes "
-                             "the fla kernels (model.kernels: fla or auto)")
-        setup = Kinds.of(cfg, image_loader(cfg, model, examples), n_groups=1)  # one call per pack: no groups
-        one, _ = one_pack(plan, examples, setup, cfg.train.max_positions, args.prompt_tokens)
-        one_update(update_step(cfg, lm, setup, one, examples, info, steps=1))
+        # the run's setup (packtrain/run/session.py), each pack one call (no groups); the run's savings, whose
+        # kernels it tunes
+        session = open_session(cfg, info, "train", n_groups=1)
+        session.build_model()
+        if session.backend.gdn != "fla":
+            raise ValueError(f"model.kernels={cfg.model.kernels} selected {session.backend.describe()}: pretune-fla "
+                             "tunes the fla kernels (model.kernels: fla or auto)")
+        cfg = session.run_cfg
+        one, _ = one_pack(session.plan, session.examples, session.kinds, cfg.train.max_positions, args.prompt_tokens)
+        one_update(update_step(cfg, session.lm, session.kinds, one, session.examples, info, steps=1))
         torch.cuda.synchronize()
     finally:
         shutdown()

@@ -46,37 +46,31 @@ def format_table(title: str, phases, cuda: bool, since_start: bool, ranks: list[
 
 
 def run_smoke(args) -> int:
-    from packtrain.data.examples import load_split
     from packtrain.data.planner import target_count
     from packtrain.run import harness
     from packtrain.run.report import savings_lines
-    from packtrain.run.units import Kinds, choose_savings, image_loader, plan_for
+    from packtrain.run.session import open_session
     from packtrain.rundir import checkpoint as ckpt
 
     cfg = load_config(args.config, args.overrides)
     apply_launcher_settings(cfg)  # accelerate's own config, where packtrain has an equivalent
-    examples = load_split(cfg, "train")
-    if examples is None:
-        raise ValueError("data.train: not set (smoke runs its largest pack)")
     info = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
-    plan = plan_for(cfg, examples)
-    # the savings train would take on this device (packtrain/models/savings.py), said before anything runs
-    cfg, choice = choose_savings(cfg, plan, examples, info)
+    # the run's setup (packtrain/run/session.py): the savings train would take on this device, said before anything
+    # runs; the largest unit as the trainer runs it (in continuation groups, walked)
+    session = open_session(cfg, info, "train")
+    plan, examples = session.plan, session.examples
     if info.is_main:
-        print("\n".join(savings_lines(choice)))
-    # as the trainer runs it: in continuation groups (packtrain/packed/groups.py), walked (packtrain/packed/walk.py)
-    setup = Kinds.of(cfg)
-    one, unit = harness.one_pack(plan, examples, setup, cfg.train.max_positions)
+        print("\n".join(savings_lines(session.choice)))
+    cfg = session.run_cfg
+    one, unit = harness.one_pack(plan, examples, session.kinds, cfg.train.max_positions)
     out = Path(cfg.output_dir) / "smoke"
     probe = harness.PeakMemory(info.device)
     phases = []
     state = {}
 
     def load():
-        state["lm"], state["model"], state["backend"] = harness.build_lm(cfg, info)
-        # the step's build loads the pack's images (a vision-language model's), as the trainer's does
-        pictured = Kinds.of(cfg, image_loader(cfg, state["model"], examples))
-        state["step"] = harness.update_step(cfg, state["lm"], pictured, one, examples, info)
+        session.build_model()  # the step's build loads the pack's images (a vision-language model's), as train's
+        state["step"] = harness.update_step(cfg, session.lm, session.kinds, one, examples, info)
         state["updates"] = 0
 
     def update():
@@ -85,7 +79,7 @@ def run_smoke(args) -> int:
 
     def save():
         step = state["step"]
-        ckpt.save_checkpoint(out, 2, state["lm"], state["model"], step.optimizer, step.scheduler, {"smoke": True},
+        ckpt.save_checkpoint(out, 2, session.lm, session.model, step.optimizer, step.scheduler, {"smoke": True},
                              info)
 
     targets = sum(target_count(examples[e]) for e in unit.examples)
@@ -108,7 +102,7 @@ def run_smoke(args) -> int:
         shutdown()
     if info.is_main:
         worst = worst_over_ranks(per_rank)
-        print(format_table(f"{title}, kernels {state['backend'].describe()}, world size {info.world_size}",
+        print(format_table(f"{title}, kernels {session.backend.describe()}, world size {info.world_size}",
                            [p for p, _ in worst], probe.cuda, probe.since_start,
                            [r for _, r in worst] if info.enabled else None))
         print(f"checkpoint: {out / 'checkpoints' / 'step-2'}")

@@ -115,7 +115,7 @@ def run_budget(cfg, dist) -> Budget:
     available memory shared by the node's ranks."""
     import torch
 
-    from packtrain.packed.equal import agree
+    from packtrain.distributed import agree
 
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     cuda = dist.device.type == "cuda"

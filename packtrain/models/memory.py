@@ -603,6 +603,7 @@ class UnitShape:
     group_positions: int | None = None
     shares_prefix: bool = True
     leaves: int | None = None  # a tree's leaves (None: not a tree)
+    attention_pairs: int | None = None  # its query-key pairs of causal attention per layer and head (None: a pack's)
 
     @property
     def continuations(self) -> int:

@@ -9,17 +9,16 @@ A rank pads its calls in one of these ways, and only through this module and the
   groups (:meth:`packtrain.run.units.GroupsKind.build`, run by :mod:`packtrain.packed.groups`);
 - :func:`anchored`: a loss with nothing to learn still runs a backward (zero gradients), so the backward's
   reduce-scatters run too;
-- :func:`agree`: one all-reduce MAX of small integers, for every decision ranks must make together (the step's skip
-  codes, the non-finite and stop flags at a step's boundary, a generation's "still decoding").
+- every decision the ranks make together (the step's skip codes, the non-finite and stop flags at a step's boundary, a
+  generation's "still decoding") is one all-reduce MAX of small integers, :func:`packtrain.distributed.agree`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-from packtrain.distributed import DistInfo, all_reduce_max_tensor
 
 
 def silenced(scale: float) -> float:
@@ -39,9 +38,3 @@ def anchored(loss: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and not loss.requires_grad:
         return loss + 0.0 * anchor.sum()
     return loss
-
-
-def agree(values: Sequence[int], info: DistInfo) -> list[int]:
-    """Each value's maximum over the ranks (``values`` as is on one rank): one all-reduce."""
-    t = torch.tensor(list(values) or [0], dtype=torch.int64, device=info.device)
-    return all_reduce_max_tensor(t, info).tolist()[:len(values)]

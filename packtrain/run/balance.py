@@ -3,13 +3,10 @@ share a step, and within a step every rank gets the same number of packs, the co
 rank. A step lasts as long as its costliest rank (the collectives wait for it), so the figure that matters is the
 **utilisation**: per step the mean rank cost over the largest, averaged over the epoch's steps.
 
-Cost of a pack, in FLOPs of one forward and backward (:class:`CostModel`): ``per_position`` times its positions plus
-``per_pair`` times its query-key pairs of causal attention (P's own, and each continuation's against P and itself;
-a tree pack's: each token's against P, its ancestors and its own node's earlier tokens).
-``per_position`` is 6 x the linear parameters one token meets (a MoE layer: its active experts), ``per_pair`` is
-12 x heads x head_dim per full-attention layer (QK and PV, forward and backward); both are read from the model config
-and can be replaced by measured figures (``train.cost_per_position``, ``train.cost_per_pair``: any unit, e.g.
-seconds on the GPU). The head, the GDN kernels and the norms are left out.
+Cost of a pack: the cost model's FLOPs of one forward and backward (:mod:`packtrain.models.cost`, the one count the
+savings and the bench use too) of its positions and its query-key pairs of causal attention (P's own, and each
+continuation's against P and itself; a tree pack's: each token's against P, its ancestors and its own node's earlier
+tokens), or measured figures in their place (``train.cost_per_position``, ``train.cost_per_pair``).
 
 The steps of epoch e, from the plan alone (every rank computes the same one):
 
@@ -33,10 +30,9 @@ import hashlib
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
 
-from packtrain.data.pairs import pack_pairs
 from packtrain.data.planner import Plan, epoch_order
+from packtrain.models.cost import CostModel
 
 BALANCES = ("cost", "round_robin")
 # The share of round robin's distinct prompts per step that a balanced step keeps (a step of similar packs would
@@ -47,52 +43,16 @@ DIVERSITY = 0.85
 LOOKAHEAD = 4
 
 
-@dataclass(frozen=True)
-class CostModel:
-    per_position: float
-    per_pair: float
-
-    @classmethod
-    def from_text_config(cls, text: dict) -> CostModel:
-        """From a text config as :func:`packtrain.models.text_config.text_config` gives it."""
-        from packtrain.models.step_time import attention_width, parameters_per_token
-
-        return cls(6.0 * parameters_per_token(text), 12.0 * attention_width(text))
-
-    @classmethod
-    def for_config(cls, cfg) -> CostModel:
-        """The model config's figures, each replaced by ``train.cost_per_position`` / ``train.cost_per_pair``."""
-        from packtrain.models.text_config import config_dict_of, text_config
-
-        t = cfg.train
-        if t.cost_per_position is not None and t.cost_per_pair is not None:
-            return cls(float(t.cost_per_position), float(t.cost_per_pair))
-        if cfg.model.config is None and cfg.model.path is None:  # `plan` of data alone: positions are the cost
-            return cls(1.0 if t.cost_per_position is None else float(t.cost_per_position),
-                       0.0 if t.cost_per_pair is None else float(t.cost_per_pair))
-        model = cls.from_text_config(text_config(config_dict_of(cfg)))
-        return cls(model.per_position if t.cost_per_position is None else float(t.cost_per_position),
-                   model.per_pair if t.cost_per_pair is None else float(t.cost_per_pair))
-
-    def cost(self, positions: int, pairs: int) -> float:
-        return self.per_position * positions + self.per_pair * pairs
-
-    def pack_cost(self, prefix_len: int, cont_lens) -> float:
-        return self.cost(prefix_len + sum(cont_lens), pack_pairs(prefix_len, cont_lens))
-
-    def describe(self) -> str:
-        return f"{self.per_position:.3g} per position + {self.per_pair:.3g} per attention pair"
-
-
 def pack_attention_pairs(plan: Plan, examples) -> list[int]:
     """Each pack's attention pairs, by pack index (the planner's :attr:`~packtrain.data.planner.Pack.pairs`)."""
     return [p.pairs for p in plan.packs]
 
 
 def pack_costs(plan: Plan, examples, model: CostModel) -> list[float]:
-    """Each pack's cost, by pack index: per_position x its positions + per_pair x its attention pairs (a walked
-    example: its whole sequence, as one continuation; a tree pack: its tree's positions and pairs)."""
-    return [model.cost(p.positions, p.pairs) for p in plan.packs]
+    """Each pack's cost, by pack index: the cost model's FLOPs of its positions and its attention pairs (a walked
+    example: its whole sequence, as one continuation; a tree pack: its tree's positions and pairs); its head rows
+    left out (:mod:`packtrain.models.cost`)."""
+    return [model.flops(p.positions, p.pairs) for p in plan.packs]
 
 
 def _seeded(seed: int, epoch: int, what: str) -> random.Random:

@@ -13,7 +13,7 @@ id, so a prediction depends on neither the batch it is in nor the rank.
 
 Across ranks: whole prompt groups go to ranks (largest first, to the least loaded), the equal-call rule
 (the ``items`` kind's padding, :mod:`packtrain.run.units`) pads every rank's units with dummies, and each decode
-step ends with an agreement over ranks on "still decoding" (:func:`packtrain.packed.equal.agree`): a rank whose rows
+step ends with an agreement over ranks on "still decoding" (:func:`packtrain.distributed.agree`): a rank whose rows
 have all stopped runs its last row again and drops the result, so every rank issues the same calls. Every rank
 returns every example's generation.
 """
@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 
 from packtrain.data.planner import Plan
-from packtrain.distributed import DistInfo
+from packtrain.distributed import DistInfo, agree
 from packtrain.packed.decode import DecodeCall, ItemsCall
-from packtrain.packed.equal import agree
 from packtrain.packed.layout import Continuation, build_pack_layout
 from packtrain.packed.patch import unwrap
 from packtrain.packed.prefix import PrefixCall

@@ -22,16 +22,6 @@ from packtrain.run.step import Step
 from packtrain.run.units import Kinds, Unit, largest_unit
 
 
-def build_lm(cfg, info):
-    """(PackedLM on the device, the peft model, the back end), assembled as the trainer assembles it (FSDP under a
-    launcher)."""
-    from packtrain.models.build import build_base_model
-    from packtrain.models.wrap import assemble
-
-    model, lm, backend = assemble(build_base_model(cfg, meta=True), cfg, info.device, shard=info.enabled)
-    return lm, model, backend
-
-
 def one_pack(plan: Plan, examples, setup: Kinds, max_positions: int | None = None,
              prompt_tokens: int | None = None) -> tuple[Plan, Unit]:
     """A plan of one pack: the plan's largest unit (:func:`packtrain.run.units.largest_unit`) as a pack of its own

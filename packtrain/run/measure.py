@@ -252,18 +252,17 @@ def _without_images(examples):
     return [dataclasses.replace(ex, images=()) if getattr(ex, "images", ()) else ex for ex in examples]
 
 
-def measure(cfg, plan, examples) -> Measured:
-    """One update of the plan's largest unit on the reduced model under fake tensors, counted per phase."""
+def measure(cfg, plan, examples, kinds=None) -> Measured:
+    """One update of the plan's largest unit on the reduced model under fake tensors, counted per phase (``kinds``:
+    the run's, else the config's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     from packtrain.distributed import DistInfo
     from packtrain.models import fla_shapes, flex_shapes
-    from packtrain.models.build import build_base_model
     from packtrain.models.offload import OffloadedCheckpoint
-    from packtrain.models.wrap import assemble
     from packtrain.packed.patch import text_parts
     from packtrain.run.harness import on_every_rank, one_pack, update_step
-    from packtrain.run.units import Kinds
+    from packtrain.run.session import open_session
 
     notes = []
     if any(getattr(ex, "images", ()) for ex in examples):
@@ -271,14 +270,17 @@ def measure(cfg, plan, examples) -> Measured:
         notes.append("the vision tower is left out (frozen, small): image tokens run as text tokens")
     small = _reduced_cfg(cfg, text_config(config_dict_of(cfg))["num_hidden_layers"])
     text = text_config(small.model.config)
-    setup = Kinds.of(cfg)
+    one_rank = DistInfo(0, 1, 0, torch.device("cpu"))
+    # the run's setup on the reduced model (one layer of each kind): the same kinds, the plan's largest unit
+    session = open_session(small, one_rank, examples=examples, plan=plan, savings=False)
+    setup = kinds or session.kinds
     one, _ = one_pack(plan, examples, setup, cfg.train.max_positions)
     with FakeTensorMode(allow_non_fake_inputs=True), fla_shapes.installed(), flex_shapes.installed(), _fake_build():
-        base = build_base_model(small)
-        model, lm, _ = assemble(base, small, "cpu", backend=measure_backend(cfg))
+        session.build_model(meta=False, backend=measure_backend(cfg), device="cpu")
+        model, lm = session.model, session.lm
         text_model, lm_head = text_parts(model)
         layers = list(text_model.layers)
-        step = update_step(cfg, lm, setup, one, examples, DistInfo(0, 1, 0, torch.device("cpu")))
+        step = update_step(cfg, lm, setup, one, examples, one_rank)
         with unset_fake_temporarily():
             ready = step.prepare(on_every_rank(step))  # real index tensors, built outside the fake mode
         params, optimizer = step.params, step.optimizer
@@ -493,9 +495,9 @@ GDN_NOTE = ("Gated DeltaNet: fla's kernels as on CUDA, counted by shape-only sta
             "functions save (not the CPU reference's per-chunk states)")
 
 
-def measure_whole(cfg, plan, examples, world: int) -> WholeModel:
-    """``cfg``: the savings chosen (nothing auto)."""
-    m = measure(cfg, plan, examples)
+def measure_whole(cfg, plan, examples, world: int, kinds=None) -> WholeModel:
+    """``cfg``: the savings chosen (nothing auto); ``kinds``: the run's."""
+    m = measure(cfg, plan, examples, kinds)
     text = text_config(config_dict_of(cfg))
     whole = extrapolate(m, text, world, _offloaded(cfg, text["num_hidden_layers"]),
                         bool(cfg.train.activation_checkpointing or cfg.train.offload))

@@ -20,8 +20,11 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignals:
+    """``requested``: a signal has come (the flag the step folds into its boundary's agreement)."""
+
     def __init__(self):
         self.received: int | None = None
+        self.requested = False
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
@@ -31,10 +34,7 @@ class StopSignals:
     def _handler(self, signum, frame) -> None:
         if self.received is None:
             self.received = signum
-
-    @property
-    def requested(self) -> bool:
-        return self.received is not None
+            self.requested = True
 
     def name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a signal on another rank"

@@ -6,7 +6,7 @@
 Each unit's ``loss_sum`` is scaled by 1 / (examples in the whole step, all ranks) and FSDP sums the ranks'
 gradients, so the update is the mean of per-example losses whatever the split into packs, units or ranks
 (:func:`packtrain.run.units.step_scale`). Skips (``train.max_positions``, ``train.skippable_errors``) are decided per
-unit and agreed before any collective of the step (:func:`packtrain.packed.equal.agree`), so every rank skips the
+unit and agreed before any collective of the step (:func:`packtrain.distributed.agree`), so every rank skips the
 same units; a skipped unit's examples leave the step's count.
 """
 
@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from packtrain import faults
-from packtrain.distributed import DistInfo, all_reduce_sum
-from packtrain.packed.equal import agree
+from packtrain.distributed import DistInfo, agree, all_reduce_sum
 from packtrain.packed.loss import CUT_OFF, ZeroGradientError
-from packtrain.run import finite
 from packtrain.run.steps import rank_units, step_examples
 from packtrain.run.units import Built, Kinds, Unit, build, over_cap, run_unit, step_scale
 
@@ -32,7 +29,10 @@ OK, SKIP, FATAL = 0, 1, 2  # per-unit codes, agreed across ranks (the largest wi
 
 @dataclass
 class StepResult:
-    loss: float | None  # the mean per-example loss (None: every example skipped, or a non-finite step)
+    """What a step did, agreed by every rank: updated, or no update for a non-finite loss or gradient norm
+    (``nonfinite``: ``loss`` and ``grad_norm`` hold what they were), and whether a rank was signalled (``stop``:
+    every rank stops after this step)."""
+    loss: float | None  # the mean per-example loss (None: every example skipped)
     grad_norm: float | None
     lr: float
     examples: int  # the step's examples, all ranks, without the skipped ones
@@ -40,7 +40,12 @@ class StepResult:
     skipped: int  # this rank's skipped units
     skipped_examples: int  # all ranks
     nonfinite: bool
+    stop: bool = False
     seconds: float = 0.0
+
+    @property
+    def updated(self) -> bool:
+        return self.examples > 0 and not self.nonfinite
 
 
 @dataclass
@@ -55,9 +60,9 @@ class Prepared:
 
 @dataclass
 class Step:
-    """What a step runs with. ``boundary(nonfinite) -> nonfinite agreed``: the step's agreement before the update
-    (the trainer's also agrees on stop signals); ``on_nonfinite(loss, grad_norm)``: called for a non-finite step,
-    which then makes no update (it may raise to stop the run)."""
+    """What a step runs with. ``signals``: the process's stop signals (:mod:`packtrain.run.signals`), read at the
+    step's boundary and agreed with the non-finite verdict in its one all-reduce before the update; the step returns
+    both verdicts (:class:`StepResult`), and the caller acts on them."""
     lm: torch.nn.Module
     setup: Kinds
     plan: object
@@ -69,8 +74,10 @@ class Step:
     max_grad_norm: float | None = None
     max_positions: int | None = None
     skippable: tuple[type[BaseException], ...] = ()
-    boundary: Callable[[bool], bool] | None = None
-    on_nonfinite: Callable[[float | None, float], None] | None = None
+    signals: object | None = None  # StopSignals: ``requested`` set by a handler
+
+    def __post_init__(self):
+        self._nan_at, self._sigterm_at = faults.in_steps(self.info.rank)  # the tests' injected faults, read once
 
     def run(self, pack_ids: list[int], number: int, check_gradients: bool = False) -> StepResult:
         """Step ``number`` (0-based: the optimizer steps done before it) on the packs ``pack_ids``."""
@@ -124,7 +131,9 @@ class Step:
         info = self.info
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         if n_examples > 0:
-            scale = faults.nan_scale(info.rank, number + 1, step_scale(self.setup.objective.items(n_examples)))
+            scale = step_scale(self.setup.objective.items(n_examples))
+            if self._nan_at == number + 1:
+                scale = math.nan
             for ready, skipped in zip(built, skip):
                 if not skipped:
                     r = run_unit(self.lm, ready, self.setup, info.device, scale)
@@ -141,18 +150,17 @@ class Step:
             max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        faults.sigterm_in_step(number + 1)
-        verdict = n_examples > 0 and not finite.is_finite(loss, grad_norm)
-        nonfinite = self.boundary(verdict) if self.boundary is not None else bool(agree([int(verdict)], self.info)[0])
-        if nonfinite:
-            if self.on_nonfinite is not None:
-                self.on_nonfinite(loss, grad_norm)
-            loss = grad_norm = None
-        elif n_examples > 0:
+        if self._sigterm_at == number + 1:
+            faults.sigterm()
+        verdict = n_examples > 0 and not (math.isfinite(loss) and math.isfinite(grad_norm))
+        signalled = self.signals is not None and self.signals.requested
+        # the step's one agreement: the non-finite verdict and the stop signals, every rank alike
+        nonfinite, stop = (bool(v) for v in agree([int(verdict), int(signalled)], self.info))
+        if not nonfinite and n_examples > 0:  # a non-finite step makes no update: the caller skips it or stops
             if check_gradients and grad_norm == 0.0:
                 raise ZeroGradientError(CUT_OFF + " (every trainable gradient is zero after the first step)")
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, grad_norm, lr, n_examples, int(totals[1]), skipped, skipped_examples, nonfinite,
-                          time.perf_counter() - t0)
+                          stop, time.perf_counter() - t0)

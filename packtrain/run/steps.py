@@ -15,7 +15,8 @@ import math
 
 from packtrain.config import Config
 from packtrain.data.planner import Plan
-from packtrain.run.balance import CostModel, epoch_steps, pack_costs, step_pack_ids
+from packtrain.models.cost import CostModel
+from packtrain.run.balance import epoch_steps, pack_costs, step_pack_ids
 from packtrain.run.units import Kinds, Unit, pad_units
 
 

@@ -22,7 +22,7 @@ from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.run.generate import Generated, GenerateSpec, generate, stop_ids
 from packtrain.run.scoring import Scorer, ScorerError, errors_markdown, load_scorer, strip_thinking, summarize
-from packtrain.run.units import Kinds, plan_for
+from packtrain.run.units import Kinds
 
 
 @dataclass
@@ -78,12 +78,14 @@ def task_start(cfg, split: str = "eval") -> tuple[Scorer, object | None]:
     return scorer, tokenizer
 
 
-def task_for(cfg, model, examples: list, scorer: Scorer, tokenizer, split: str = "eval") -> Task:
+def task_for(cfg, model, examples: list, scorer: Scorer, tokenizer, kinds, split: str = "eval") -> Task:
+    """The task of ``examples`` (their first ``generate.examples``; a pair's item once, scored against its chosen
+    answer), planned by the run's ``kinds``."""
     examples = [ex for ex in examples if getattr(ex, "side", "") != "rejected"]  # a pair: its item, scored on chosen
     chosen = examples[:cfg.generate.examples] if cfg.generate.examples else list(examples)
     check_text(scorer, tokenizer)
     spec = GenerateSpec.from_config(cfg.generate, stop_ids(model, tokenizer))
-    plan = plan_for(cfg, chosen)
+    plan = kinds.plan(cfg, chosen)
     check_positions(model, plan, chosen, cfg.generate.max_new_tokens)
     if not spec.stop_ids and os.environ.get("RANK", "0") == "0":
         print(f"packtrain: warning: no stop token (the model config has no eos_token_id and there is no tokenizer): "

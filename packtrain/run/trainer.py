@@ -24,33 +24,27 @@ import yaml
 from tqdm.auto import tqdm
 
 from packtrain.config import Config
-from packtrain.data.examples import load_split
 from packtrain.data.planner import plan_fingerprint
-from packtrain.distributed import DistInfo, barrier, init_distributed, lost_peer
+from packtrain.distributed import DistInfo, agree, barrier, init_distributed, lost_peer
 from packtrain.exits import NonFiniteError, PeerLost, Preempted
-from packtrain.models.build import build_base_model
-from packtrain.models.wrap import assemble
 from packtrain.ops.nodes import check_same_config, check_same_plan
 from packtrain.ops.runtime import RunOps
-from packtrain.packed.equal import agree
-from packtrain.packed.families import check_model
 from packtrain.run import finite, reference, report
 from packtrain.run.cadence import Beating, Cadence, Checkpoints, Evaluation, Generation, Records
 from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
-from packtrain.run.objective import Objective
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.signals import StopSignals
 from packtrain.run.step import Step
 from packtrain.run.steps import StepPlan
-from packtrain.run.task import task_for, task_start
-from packtrain.run.units import Kinds, choose_savings, image_loader, plan_for, unit_shape
+from packtrain.run.session import open_session
+from packtrain.run.units import unit_shape
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
 from packtrain.rundir import resume as resuming
 from packtrain.rundir.tokenizer import save_run_tokenizer
 
 
-def check_node_pool(cfg, plan, examples, world_size: int) -> None:
+def check_node_pool(cfg, plan, examples, world_size: int, kinds) -> None:
     """Refuse a run whose offload pools (this node's ranks: LOCAL_WORLD_SIZE) would not fit the node's host memory
     (``ops.host_memory_per_node_gib``, else MemAvailable now), before the model is built. ``cfg``: the savings
     chosen (an auto ``train.offload`` is chosen to fit; a given one may not)."""
@@ -64,7 +58,7 @@ def check_node_pool(cfg, plan, examples, world_size: int) -> None:
         if available is None:
             return
         have = available / memory.GiB
-    est = memory.estimate_for_unit(cfg, unit_shape(cfg, plan, examples), world_size)
+    est = memory.estimate_for_unit(cfg, unit_shape(cfg, plan, examples, kinds), world_size)
     pool = node_pool(est.total("host"), per_node, int(have * memory.GiB))
     if not pool["fits"]:
         raise ValueError(f"train.offload: {format_node_pool(pool)} (the largest pack's layer inputs on each "
@@ -121,26 +115,20 @@ class Trainer:
     # -- setup --------------------------------------------------------------------------------------------------
     def _plan(self, cfg: Config) -> None:
         """Everything the run's data and config decide before a model exists, on every rank: the examples, the plan
-        (the same on every rank), the steps. Nothing is written: a refusal here leaves ``output_dir`` untouched."""
-        check_model(cfg)  # an unsupported model family or layer type is refused before any data is read
+        (the same on every rank), the savings, the steps. Nothing is written: a refusal here leaves ``output_dir``
+        untouched."""
         self.skippable = tuple(_exception_class(name) for name in cfg.train.skippable_errors)
-        self.train_examples = load_split(cfg, "train")
-        if self.train_examples is None:
-            raise ValueError("data.train: not set")
-        self.eval_examples = load_split(cfg, "eval")
-        # generate.every: a bad generate.metric fails here, before the model is built
-        self.scorer, self.task_tokenizer = task_start(cfg) if cfg.generate.every is not None else (None, None)
-        Kinds.of(cfg).check(self.train_examples)
-        if self.eval_examples:
-            Objective.of(cfg).check(self.eval_examples, "data.eval")
-        self.plan = plan_for(cfg, self.train_examples)
+        # the run's setup (packtrain/run/session.py): splits, checks, plan, the savings for the largest unit on this
+        # device agreed by every rank; generate.every: a bad generate.metric fails here, before the model is built
+        s = self.session = open_session(cfg, self.dist, "train", with_eval=True,
+                                        task=cfg.generate.every is not None)
+        self.train_examples, self.eval_examples = s.examples, s.eval_examples
+        self.plan, self.eval_plan, self.savings = s.plan, s.eval_plan, s.choice
         self.fingerprint = plan_fingerprint(self.plan, self.train_examples)  # every token of the plan: once
         check_same_plan(self.fingerprint, self.dist)
-        self.eval_plan = plan_for(cfg, self.eval_examples) if self.eval_examples else None
-        # the memory savings for the largest unit on this device, agreed by every rank (packtrain/models/savings.py)
-        self.run_cfg, self.savings = choose_savings(cfg, self.plan, self.train_examples, self.dist)
+        self.run_cfg = s.run_cfg
         if self.run_cfg.train.offload:
-            check_node_pool(self.run_cfg, self.plan, self.train_examples, self.dist.world_size)
+            check_node_pool(self.run_cfg, self.plan, self.train_examples, self.dist.world_size, s.kinds)
         self.steps = StepPlan.for_run(cfg, self.plan, self.train_examples, self.dist.world_size)
         self.steps_per_epoch = self.steps.steps_per_epoch
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
@@ -152,16 +140,15 @@ class Trainer:
         found = self._resume_point() if resume else None
         self.out.mkdir(parents=True, exist_ok=True)
         base_dir = self.out / "base" if cfg.model.config is not None else None
-        model = build_base_model(cfg, save_to=base_dir if self.dist.is_main else None, meta=True)
-        self.model, self.lm, self.backend = assemble(model, self.run_cfg, self.dist.device, shard=self.dist.enabled)
-        images = image_loader(cfg, self.model, self.train_examples + (self.eval_examples or []))
-        self.setup = Kinds.of(cfg, images)
+        s = self.session
+        s.build_model(save_base_to=base_dir if self.dist.is_main else None)
+        self.model, self.lm, self.backend, self.setup = s.model, s.lm, s.backend, s.kinds
         if self.setup.objective.paired and cfg.train.dpo_reference == "precompute":
             table = self._reference_table(cfg)
             self.setup = dataclasses.replace(self.setup, objective=self.setup.objective.with_table(table))
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
-        if self.scorer is not None:
-            self.task = task_for(cfg, self.model, self.eval_examples, self.scorer, self.task_tokenizer)
+        if s.scorer is not None:
+            self.task = s.task()
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -169,7 +156,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + 1_000_003 * self.dist.rank)
         self.step = Step(self.lm, self.setup, self.plan, self.train_examples, self.dist, self.params, self.optimizer,
                          self.scheduler, cfg.optim.max_grad_norm, cfg.train.max_positions, self.skippable,
-                         boundary=self._agree_at_boundary, on_nonfinite=self._skip_nonfinite)
+                         signals=self.signals)
         self.counters = Counters()
         self.stop_agreed = False  # a rank was signalled (SIGTERM/SIGINT): every rank stops after this step
         self.ops.progress("model setup")
@@ -271,7 +258,8 @@ class Trainer:
         c, cadence = self.counters, self.cadence
         if self.dist.is_main:
             self._log(report.header(self))
-        self._agree_at_boundary(nonfinite=False)  # a signal during setup stops here, before any work
+        # a signal during setup stops here, before any work (the step's own agreement takes the flag from here on)
+        self.stop_agreed = bool(agree([int(self.signals.requested)], self.dist)[0])
         if self.stop_agreed:
             self._stop_preempted()
         cadence.start(c.step)
@@ -325,18 +313,15 @@ class Trainer:
         epoch, index = divmod(c.step, self.steps_per_epoch)
         pack_ids = self.steps.pack_ids(epoch, index)
         r = self.step.run(pack_ids, c.step, check_gradients)
+        if r.nonfinite:  # no update was made: skipped, or the run stops here
+            self._skip_nonfinite(r.loss, r.grad_norm)
+            r.loss = r.grad_norm = None
+        self.stop_agreed = self.stop_agreed or r.stop
         c.step += 1
         return {"step": c.step, "epoch": epoch, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                 "examples": r.examples, "packs": len(pack_ids), "positions": r.positions, "skipped": r.skipped,
                 "skipped_examples": r.skipped_examples, "nonfinite": r.nonfinite, "nonfinite_skips": c.nonfinite_skips,
                 "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.dist.device)}
-
-    def _agree_at_boundary(self, nonfinite: bool) -> bool:
-        """The step's one extra all-reduce: every rank learns whether the step is non-finite on any rank and whether
-        any rank was signalled, before the update. Returns the non-finite verdict; sets ``stop_agreed``."""
-        agreed = agree([int(nonfinite), int(self.signals.requested)], self.dist)
-        self.stop_agreed = self.stop_agreed or bool(agreed[1])
-        return bool(agreed[0])
 
     def _skip_nonfinite(self, loss: float | None, grad_norm: float) -> None:
         """No update for a NaN/inf step: skipped while train.max_nonfinite_skips allows, else the run stops."""

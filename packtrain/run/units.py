@@ -108,10 +108,10 @@ class Kinds:
         """The units of one pack: the one place a unit's kind is decided."""
         return self.kind_of(pack).units(pack)
 
-    def check(self, examples) -> None:
+    def check(self, examples, split: str = "data.train") -> None:
         """The pack kind and the objective refuse, before the model is built, data they cannot run."""
         self.pack.check(examples)
-        self.objective.check(examples)
+        self.objective.check(examples, split)
 
     def runs(self, stats: dict | None = None) -> list[str]:
         """How the run's packs and walks run, for a run's header and the bench's summary (``stats``: the plan's,
@@ -248,6 +248,13 @@ class Kind:
         """The equal-call rule for this kind: ``rank``'s units padded to the most any rank has."""
         return pad_slots(per_rank, rank, _dummy_of)
 
+    def pairs(self, unit: Unit, plan: Plan, examples) -> int:
+        """The unit's query-key pairs of causal attention per layer and head (:mod:`packtrain.data.pairs`): P's
+        own, and each continuation's against P and itself."""
+        from packtrain.data.pairs import pack_pairs
+
+        return pack_pairs(len(plan.prompts[unit.prompt]), self.segments(unit, plan, examples))
+
     def group_positions(self, lengths: list[int]) -> int | None:
         """The continuation positions of the largest of a unit's groups (None: one call holds them all)."""
         return None
@@ -351,6 +358,13 @@ class StandaloneKind(Kind):
     def build(self, unit, plan, examples, images):
         """One example alone: ``concat(P, C)``, the model's own forward's sequence."""
         return _alone(unit, plan, examples, images)
+
+    def pairs(self, unit, plan, examples):
+        """Each example's whole sequence, P included (a pair's two answers: both sequences)."""
+        from packtrain.data.pairs import causal_pairs
+
+        p = len(plan.prompts[unit.prompt])
+        return sum(causal_pairs(p + examples[e].len_continuation) for e in unit.examples)
 
     def call(self, work):
         from packtrain.packed.lm import StandaloneCall
@@ -487,6 +501,14 @@ class TreeKind(Kind):
 
         return [len(n.tokens) for n in example_tree([examples[e] for e in unit.examples]).nodes]
 
+    def pairs(self, unit, plan, examples):
+        """The tree's (:func:`packtrain.data.tree_packs.attention_pairs`): each token against P, its ancestors and
+        its own node's earlier tokens."""
+        from packtrain.data.tree import example_tree
+        from packtrain.data.tree_packs import attention_pairs
+
+        return attention_pairs(len(plan.prompts[unit.prompt]), example_tree([examples[e] for e in unit.examples]))
+
     def leaves(self, unit, plan, examples):
         from packtrain.data.tree import example_tree
 
@@ -584,22 +606,23 @@ def largest_unit(plan: Plan, examples, kinds: Kinds, max_positions: int | None =
     return max(sized, key=lambda s: s[0])[1]
 
 
-def unit_shape(cfg: Config, plan: Plan, examples) -> UnitShape:
-    """The shape of the plan's largest unit under the config, what the memory estimate sizes."""
-    unit = largest_unit(plan, examples, Kinds.of(cfg), cfg.train.max_positions)
+def unit_shape(cfg: Config, plan: Plan, examples, kinds: Kinds | None = None) -> UnitShape:
+    """The shape of the plan's largest unit under the config (``kinds``: the run's, else the config's), what the
+    memory estimate sizes."""
+    unit = largest_unit(plan, examples, kinds or Kinds.of(cfg), cfg.train.max_positions)
     lengths = unit.kind.segments(unit, plan, examples)
     return UnitShape(len(plan.prompts[unit.prompt]), lengths, [target_count(examples[e]) for e in unit.examples],
                      unit.kind.group_positions(lengths), unit.kind.shares_prefix,
-                     unit.kind.leaves(unit, plan, examples))
+                     unit.kind.leaves(unit, plan, examples), unit.kind.pairs(unit, plan, examples))
 
 
-def choose_savings(cfg: Config, plan: Plan, examples, dist):
+def choose_savings(cfg: Config, plan: Plan, examples, dist, kinds: Kinds | None = None):
     """The memory savings of a run (train, smoke, bench, pretune-fla) for its largest unit on ``dist``'s device, the
     same on every rank (:mod:`packtrain.models.savings`). Returns (the config with the chosen values, the choice)."""
     from packtrain.models import savings
     from packtrain.models.budget import run_budget
 
-    choice = savings.choose(cfg, unit_shape(cfg, plan, examples), dist.world_size, run_budget(cfg, dist))
+    choice = savings.choose(cfg, unit_shape(cfg, plan, examples, kinds), dist.world_size, run_budget(cfg, dist))
     return choice.apply(cfg), choice
 
 

@@ -7,11 +7,8 @@ import json
 import pytest
 import torch
 from cli_helpers import run_in_process, write_config
-from tiny_models import tiny_text_config
 
-from packtrain.bench.measure import model_flops
 from packtrain.bench.presets import Shape, generate_examples
-from packtrain.models.text_config import text_config
 from packtrain.packed.kernels import fla_available
 
 VARIANT_KEYS = {"seconds", "cpu_seconds", "positions_per_s", "target_tokens_per_s", "peak_memory_bytes", "final_loss"}
@@ -103,21 +100,6 @@ def test_config_file_and_its_data(tmp_path):
 def test_a_continuation_needs_an_item_and_a_target_token():
     with pytest.raises(ValueError, match="continuations of at least 2 tokens"):
         generate_examples(Shape(prompts=1, prefix_tokens=4, continuations=2, cont_tokens=(1, 3)), vocab=50)
-
-
-def test_model_flops_count_the_models_linear_layers():
-    layer_types = ["linear_attention", "full_attention"]
-    cfg = tiny_text_config(layer_types, vocab=97)
-    model = __import__("transformers").Qwen3_5ForCausalLM(cfg)
-    weights = sum(m.in_features * m.out_features for m in model.model.layers.modules()
-                  if isinstance(m, torch.nn.Linear))
-    text = text_config(cfg.to_dict())
-    assert model_flops(text, 10, 0, 0, 8, []) == 10 * 4 * weights
-    assert model_flops(text, 0, 0, 3, 8, []) == 3 * 4 * cfg.hidden_size * cfg.vocab_size
-    per_pair = 12 * cfg.num_attention_heads * cfg.head_dim  # one full-attention layer
-    assert model_flops(text, 0, 5, 0, 8, []) == 5 * per_pair
-    q = cfg.num_attention_heads * cfg.head_dim * 2  # q_proj carries the output gate
-    assert model_flops(text, 1, 0, 0, 4, ["q_proj"]) - model_flops(text, 1, 0, 0, 4, []) == 6 * 4 * (32 + q)
 
 
 def test_generated_examples_follow_the_shape():

@@ -1,5 +1,5 @@
 """The equal-call rule's helpers (packtrain/packed/equal.py) on one rank: a dummy's silenced loss scale, the filler
-calls that make a rank's count the due one, a loss anchored to a graph so its backward runs, and agree's values."""
+calls that make a rank's count the due one, a loss anchored to a graph so its backward runs."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from packtrain.distributed import DistInfo
-from packtrain.packed.equal import agree, anchored, filler_calls, silenced
+from packtrain.packed.equal import anchored, filler_calls, silenced
 
 
 @pytest.mark.parametrize("scale, expected", [(1.0, 0.0), (-3.5, 0.0), (0.0, 0.0)])
@@ -45,6 +45,3 @@ def test_anchored_leaves_a_loss_with_a_graph_and_no_grad_mode_alone():
         assert anchored(loss, anchor) is loss
 
 
-@pytest.mark.parametrize("values", [[3, 0, 7], [], [0]])
-def test_agree_on_one_rank_is_the_values(values):
-    assert agree(values, DistInfo(0, 1, 0, torch.device("cpu"))) == values

@@ -114,11 +114,12 @@ class Ranks:
             return list(pool.map(guarded, range(self.world)))
 
 
-def _two_ranks(monkeypatch, examples, plan, pack_ids, **kw):
-    """Step 0 on ``pack_ids`` at two ranks: (each rank's result, each rank's parameter change / LR, calls)."""
+def _two_ranks(monkeypatch, examples, plan, pack_ids, signals_of=(None, None), **kw):
+    """Step 0 on ``pack_ids`` at two ranks (``signals_of``: each rank's stop signals): (each rank's result, each
+    rank's parameter change / LR, calls)."""
     ranks = Ranks(2)
     ranks.install(monkeypatch)
-    made = [_step(examples, plan, DistInfo(r, 2, r, CPU), **kw) for r in range(2)]
+    made = [_step(examples, plan, DistInfo(r, 2, r, CPU), signals=signals_of[r], **kw) for r in range(2)]
     before = [_trainable(m) for m, _ in made]
 
     def one(rank):
@@ -220,34 +221,27 @@ def test_every_unit_skipped_makes_no_update(monkeypatch):
 
 def test_a_non_finite_gradient_on_one_rank_makes_no_update_on_any(monkeypatch):
     """rank 1's loss scaled by NaN (faults.NAN_AT): its gradient is NaN, its loss and rank 0's gradient finite; the
-    agreed verdict is non-finite on both, which report it and make no update; the schedule still steps."""
+    agreed verdict is non-finite on both, which return it with the figures they had, and make no update."""
     examples, plan = _data()
     monkeypatch.setenv(faults.NAN_AT, "1:1")
-    seen = []
-    results, update, _ = _two_ranks(monkeypatch, examples, plan, [0, 1, 2],
-                                    on_nonfinite=lambda loss, norm: seen.append((loss, norm)))
-    for r in results:
-        assert r.nonfinite and r.loss is None and r.grad_norm is None
-    assert len(seen) == 2 and sorted(torch.isfinite(torch.tensor(n)).item() for _, n in seen) == [False, True]
-    assert all(torch.isfinite(torch.tensor(loss)) for loss, _ in seen)  # the losses were finite: the gradient was not
+    results, update, _ = _two_ranks(monkeypatch, examples, plan, [0, 1, 2])
+    assert all(r.nonfinite and not r.updated and not r.stop for r in results)
+    assert sorted(torch.isfinite(torch.tensor(r.grad_norm)).item() for r in results) == [False, True]
+    assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)  # the losses were finite: the gradient was not
     assert all(float(g.abs().max()) == 0 for g in update.values())
 
 
-def test_the_boundary_decides_the_verdict(monkeypatch):
-    """The trainer's boundary (which also agrees on stop signals) returns the agreed verdict: a finite step it calls
-    non-finite makes no update, and the schedule steps."""
+class _Signalled:
+    requested = True
+
+
+def test_a_signal_on_one_rank_stops_every_rank_after_the_update(monkeypatch):
+    """Rank 0 was signalled (SIGTERM): the step's one agreement tells both ranks to stop after it, and both still
+    make this step's update (the checkpoint then holds it)."""
     examples, plan = _data()
-    verdicts = []
-
-    def boundary(nonfinite):
-        verdicts.append(nonfinite)
-        return True
-
-    model, step = _step(examples, plan, DistInfo(0, 1, 0, CPU), boundary=boundary)
-    before = _trainable(model)
-    r = step.run([0], 0)
-    assert verdicts == [False] and r.nonfinite and r.loss is None
-    assert step.scheduler.last_epoch == 1
-    after = _trainable(model)
-    assert all(torch.equal(before[n], after[n]) for n in before)
-    assert all(p.grad is None for p in step.params)
+    signals = [_Signalled(), None]
+    results, update, _ = _two_ranks(monkeypatch, examples, plan, [0, 1, 2], signals_of=signals)
+    assert all(r.stop and r.updated and not r.nonfinite for r in results)
+    assert any(float(g.abs().max()) > 0 for g in update.values())
+    quiet, _, _ = _two_ranks(monkeypatch, examples, plan, [0, 1, 2])
+    assert not any(r.stop for r in quiet)

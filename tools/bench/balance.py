@@ -33,7 +33,8 @@ from planner import generate as planner_bench_data  # noqa: E402
 from packtrain.config import load_config  # noqa: E402
 from packtrain.data.examples import Example  # noqa: E402
 from packtrain.data.planner import plan_packs  # noqa: E402
-from packtrain.run.balance import BALANCES, CostModel, distinct_prompts, epoch_steps, pack_costs, utilisation  # noqa: E402
+from packtrain.models.cost import CostModel  # noqa: E402
+from packtrain.run.balance import BALANCES, distinct_prompts, epoch_steps, pack_costs, utilisation  # noqa: E402
 
 
 def seed_like(seed: int) -> list[Example]:

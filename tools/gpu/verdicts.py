@@ -421,7 +421,7 @@ def speed(tiny: bool) -> bool:
     positions = layout.length
     pairs = pack_pairs(layout.prefix_len, layout.cont_lens)
     text = text_config(config_dict_of(cfg))
-    flops = model_flops(text, positions, pairs, int(layout.target_ids.numel()), cfg.lora.r, cfg.lora.target_modules)
+    flops = model_flops(text, positions, pairs, int(layout.target_ids.numel()))
     mfu = flops / seconds / (PEAK_TFLOPS * 1e12)
     passed = mfu >= MFU_FLOOR or tiny
     return record("speed", passed, f"{positions / seconds:,.0f} positions/s, MFU {mfu:.1%}",
