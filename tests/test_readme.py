@@ -1,7 +1,7 @@
 """The README's snippet that tries the adapter with transformers + peft alone, run as a user runs it: a fresh
 interpreter in this venv (fla installed, no GPU, no TRITON_INTERPRET), on a run packtrain trained. Before
 `packtrain.use_torch_kernels_on_cpu()`, transformers called fla's kernels on CPU tensors and the forward failed with
-"0 active drivers" (issue 28). Beside it, the preference config docs/objectives.md shows loads as a config."""
+"0 active drivers" (issue 28). Beside it, the configs the README and docs/objectives.md show load as configs."""
 
 import os
 import re
@@ -37,6 +37,18 @@ def test_the_readme_snippet_generates_with_transformers_and_peft(trained, tmp_pa
 
 def _yaml_blocks(path) -> list[str]:
     return re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.DOTALL)
+
+
+def test_the_readme_config_is_a_valid_config():
+    """The README's annotated config loads as a packtrain config (every key known, every value allowed), read as
+    packtrain reads a config file."""
+    from packtrain.config import config_from_dict
+    from packtrain.config.typed import load_yaml
+
+    found = _yaml_blocks(REPO / "README.md")
+    assert len(found) == 1, "the README has one config"
+    cfg = config_from_dict(load_yaml(found[0]))
+    assert (cfg.packing.mode, cfg.data.train_on) == ("shared_prefix", "last")
 
 
 def test_the_objectives_page_preference_config_is_a_valid_dpo_config():
