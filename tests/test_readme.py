@@ -1,7 +1,7 @@
 """The README's snippet that tries the adapter with transformers + peft alone, run as a user runs it: a fresh
 interpreter in this venv (fla installed, no GPU, no TRITON_INTERPRET), on a run packtrain trained. Before
 `packtrain.use_torch_kernels_on_cpu()`, transformers called fla's kernels on CPU tensors and the forward failed with
-"0 active drivers" (issue 28)."""
+"0 active drivers" (issue 28). Beside it, the configs the README and docs/objectives.md show load as configs."""
 
 import os
 import re
@@ -35,15 +35,30 @@ def test_the_readme_snippet_generates_with_transformers_and_peft(trained, tmp_pa
     assert line.startswith("Encode: ") and " -> " in line and line.split(" -> ", 1)[1].strip(), proc.stdout
 
 
-def test_the_readme_preference_config_is_a_valid_dpo_config():
-    """The README's ten-line preference config loads as a packtrain config (every key known, every value allowed)
-    and asks for what its comments say."""
+def _yaml_blocks(path) -> list[str]:
+    return re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.DOTALL)
+
+
+def test_the_readme_config_is_a_valid_config():
+    """The README's annotated config loads as a packtrain config (every key known, every value allowed), read as
+    packtrain reads a config file."""
+    from packtrain.config import config_from_dict
+    from packtrain.config.typed import load_yaml
+
+    found = _yaml_blocks(REPO / "README.md")
+    assert len(found) == 1, "the README has one config"
+    cfg = config_from_dict(load_yaml(found[0]))
+    assert (cfg.packing.mode, cfg.data.train_on) == ("shared_prefix", "last")
+
+
+def test_the_objectives_page_preference_config_is_a_valid_dpo_config():
+    """docs/objectives.md's ten-line preference config loads as a packtrain config (every key known, every value
+    allowed) and asks for what its comments say."""
     import yaml
 
     from packtrain.config import config_from_dict
 
-    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "README.md").read_text(), flags=re.DOTALL)
-    found = [b for b in blocks if "objective: dpo" in b]
+    found = [b for b in _yaml_blocks(REPO / "docs" / "objectives.md") if "objective: dpo" in b]
     assert len(found) == 1 and len(found[0].strip().splitlines()) == 10
     cfg = config_from_dict(yaml.safe_load(found[0]))
     t = cfg.train

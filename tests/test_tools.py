@@ -19,7 +19,7 @@ from cli_helpers import REPO
 
 TOOLS = REPO / "tools"
 PURPOSES = ("data", "gpu", "bench", "experiments", "versions", "serve")
-ENTRY_POINTS = ("gpu_check.sh", "fetch_gpu_wheels.sh")  # named by the README, docs/operations.md and .ci/run
+ENTRY_POINTS = ("gpu_check.sh", "fetch_gpu_wheels.sh")  # named by docs/development.md, docs/operations.md and .ci/run
 
 
 def _scripts() -> list[str]:
