@@ -79,7 +79,7 @@ $(SERVE)/.installed: packtrain/models/serving.py tools/serve/requirements.py
 serve-venv: $(SERVE)/.installed
 
 test-serve: $(STAMP) $(SERVE)/.installed
-	PACKTRAIN_VLLM_PYTHON=$(SERVE)/bin/python $(BIN)/python -m pytest -q tests/models/test_serving_vllm.py
+	PACKTRAIN_VLLM_PYTHON=$(abspath $(SERVE))/bin/python $(BIN)/python -m pytest -q tests/models/test_serving_vllm.py
 
 SEED ?= 47
 test-shuffled: $(STAMP)

@@ -97,10 +97,11 @@ def peft_lora_forward(model):
 def transformers_mlp(model):
     """For a reference computation: the dense MLPs as transformers wrote them, in one piece (the back end's tiles,
     packtrain/packed/recompute.py, set aside by patching again with ``mlp_rows`` off; then put back)."""
-    backend = getattr(text_parts(model)[0], "packtrain_backend", None)
-    if backend is None:
+    kernels = getattr(text_parts(model)[0], "packtrain_kernels", None)
+    if kernels is None:
         yield
         return
+    backend = kernels.backend
     patch_model(model, dataclasses.replace(backend, mlp_rows=None))
     try:
         yield

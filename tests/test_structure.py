@@ -342,6 +342,47 @@ def test_the_setup_check_fails_on_a_planted_second_setup(tmp_path):
         "packtrain.commands.planted:5 calls Kinds.of"]
 
 
+# The kernel back end is chosen once (packtrain/packed/kernels/__init__.py names it) and its functions picked once
+# (packtrain/packed/patch.py): nothing else reads a back end's names or compares them.
+BACKEND_HOMES = {"packtrain.packed.kernels", "packtrain.packed.patch"}
+BACKEND_NAMES = {"torch", "fla", "batched", "dense", "flex"}
+
+
+def backend_dispatch(tree: ast.AST) -> list[int]:
+    """Lines that read a back end's kernel names (``backend.gdn``, ``x.packtrain_backend.attention``) or compare a
+    back end's value (or a ``kind`` taken from it) with one of them."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("gdn", "attention", "gdn_kernel") \
+                and "backend" in ast.unparse(node.value):
+            found.add(node.lineno)
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            names = [c for c in sides if isinstance(c, ast.Constant) and c.value in BACKEND_NAMES]
+            others = [ast.unparse(c) for c in sides if not isinstance(c, ast.Constant)]
+            if names and any("backend" in o or o == "kind" for o in others):
+                found.add(node.lineno)
+    return sorted(found)
+
+
+def _dispatch_outside_the_homes(modules: dict[str, Path]) -> list[str]:
+    return [f"{mod}:{line}" for mod, path in sorted(modules.items()) if mod not in BACKEND_HOMES
+            for line in backend_dispatch(ast.parse(path.read_text()))]
+
+
+def test_the_back_end_is_picked_once_not_dispatched_by_name():
+    assert not _dispatch_outside_the_homes(_modules())
+
+
+def test_the_dispatch_check_fails_on_a_planted_string_dispatch(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("def conv(module, x, backend):\n    if backend.gdn == 'fla':\n        return 1\n"
+                       "    kind = module.packtrain_backend.attention\n    if kind == 'dense':\n        return 2\n"
+                       "    state = module.prefix.gdn\n    return 3\n")
+    assert _dispatch_outside_the_homes({"packtrain.packed.gdn": planted}) == [
+        "packtrain.packed.gdn:2", "packtrain.packed.gdn:4", "packtrain.packed.gdn:5"]
+
+
 def test_the_design_map_lists_every_module():
     design = (ROOT.parent / "docs" / "design.md").read_text()
     missing = [f"packtrain/{p.relative_to(ROOT)}" for p in sorted(ROOT.rglob("*.py"))

@@ -61,7 +61,7 @@ def run_pretune_fla(args) -> int:
         # kernels it tunes
         session = open_session(cfg, info, "train", n_groups=1)
         session.build_model()
-        if session.backend.gdn != "fla":
+        if not session.backend.fla:
             raise ValueError(f"model.kernels={cfg.model.kernels} selected {session.backend.describe()}: pretune-fla "
                              "tunes the fla kernels (model.kernels: fla or auto)")
         cfg = session.run_cfg

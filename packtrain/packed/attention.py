@@ -33,7 +33,7 @@ def _sdpa(q, k, v, mask, scaling, dropout, is_causal=False):
                                           is_causal=is_causal, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def attention_dense(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout):
+def attention_dense(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout, prefix_grad: bool = True):
     """The whole buffer against a dense [T, T] mask from the predicate: simple, O(T^2) memory; a reference."""
     return _sdpa(q_1HTD, k_1GTD, v_1GTD, dense_mask(layout).to(q_1HTD.device), scaling, dropout)
 
@@ -207,14 +207,12 @@ def attention_batched(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropo
     return torch.cat([out_P[0].transpose(0, 1), out_S])[None].transpose(1, 2)
 
 
-def attention_flex(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout):
+def attention_flex(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout, prefix_grad: bool = True):
     """CUDA: FlexAttention with one BlockMask per pack, built on first use and reused by every layer."""
     from packtrain.packed.kernels import flex
 
     return flex.flex_attention(q_1HTD, k_1GTD, v_1GTD, layout, scaling, dropout)
 
-
-_IMPLS = {"dense": attention_dense, "batched": attention_batched, "flex": attention_flex}
 
 
 # -- frozen context (packing.context_grad=frozen): the buffer holds only the continuations; P's keys and values are
@@ -242,8 +240,6 @@ def frozen_flex(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, scal
     return fla_frozen.flex_attention(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout, scaling, dropout)
 
 
-_FROZEN_IMPLS = {"dense": frozen_dense, "batched": frozen_batched, "flex": frozen_flex}
-
 
 def pack_attention(module, query, key, value, layout: PackLayout, scaling, dropout, prefix=None,
                    keep_from: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -251,15 +247,13 @@ def pack_attention(module, query, key, value, layout: PackLayout, scaling, dropo
     (:class:`~packtrain.packed.prefix.PrefixState`): P's keys and values from outside, the buffer holds only the
     continuations; ``keep_from`` (kv_only): P's own attention runs under no_grad in the layers where P's outputs
     get no gradient."""
-    kind = module.packtrain_backend.attention
+    kernels = module.packtrain_kernels  # the back end's, picked once (packtrain.packed.patch.pick_kernels)
     if prefix is not None:
         k_P, v_P = prefix.keys_values(module.layer_idx)
-        return _FROZEN_IMPLS[kind](query, key, value, k_P.to(key.dtype), v_P.to(value.dtype), layout, scaling,
-                                   dropout)
-    kwargs = {}
-    if kind == "batched" and keep_from is not None:
-        kwargs["prefix_grad"] = keep_from[module.layer_idx] < layout.prefix_len
-    return _IMPLS[kind](query, key, value, layout, scaling, dropout, **kwargs)
+        return kernels.frozen_attention(query, key, value, k_P.to(key.dtype), v_P.to(value.dtype), layout, scaling,
+                                        dropout)
+    prefix_grad = keep_from is None or keep_from[module.layer_idx] < layout.prefix_len
+    return kernels.attention(query, key, value, layout, scaling, dropout, prefix_grad)
 
 
 def packtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

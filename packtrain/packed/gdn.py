@@ -21,7 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from packtrain.packed.kernels import Backend, torch_ref
+from packtrain.packed.kernels import torch_ref
 from packtrain.packed.layout import PackLayout
 
 
@@ -117,15 +117,16 @@ def gdn_projections(module, hidden_states: torch.Tensor):
     return mixed_TC, z, b, a, module.conv1d.weight.squeeze(1)
 
 
-def buffer_conv(module, conv_in_TC: torch.Tensor, weight_CW: torch.Tensor, layout: PackLayout,
-                backend: Backend) -> torch.Tensor:
-    """The causal conv + SiLU of every segment of ``layout`` from its own history (``layout.conv_histories``), in
-    the back end's kernel."""
-    if backend.gdn == "fla":
-        from packtrain.packed.kernels import fla_backend
-
-        return fla_backend.packed_conv(conv_in_TC, weight_CW, module.conv1d.bias, layout)
+def conv_torch(module, conv_in_TC: torch.Tensor, weight_CW: torch.Tensor, layout: PackLayout) -> torch.Tensor:
+    """The causal conv + SiLU of every segment of ``layout`` from its own history (``layout.conv_histories``)."""
     return packed_conv_torch(conv_in_TC, weight_CW, module.conv1d.bias, layout)
+
+
+def conv_fla(module, conv_in_TC: torch.Tensor, weight_CW: torch.Tensor, layout: PackLayout) -> torch.Tensor:
+    """The same in fla's varlen conv."""
+    from packtrain.packed.kernels import fla_backend
+
+    return fla_backend.packed_conv(conv_in_TC, weight_CW, module.conv1d.bias, layout)
 
 
 def gdn_heads(module, conv_TC: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
@@ -148,26 +149,26 @@ def gdn_output(module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return module.out_proj(core.reshape(1, T, -1))
 
 
-def _delta_rule(module, conv_TC: torch.Tensor, b, a, layout: PackLayout, backend: Backend, state, states: bool,
-                warm_up: int):
-    """The delta rule over the conv's output (its first ``warm_up`` rows dropped: P's tail before the
-    continuations), from P's ``state`` when it is given (the buffer holds only continuations)."""
-    conv_TC = conv_TC[warm_up:]
-    if backend.gdn == "fla":  # fla's calls take their rows before the heads are split (fla_backend)
-        from packtrain.packed.kernels import fla_backend, fla_frozen
-
-        heads = functools.partial(gdn_heads, module)
-        if state is not None:
-            return fla_frozen.continuation_delta_rule(heads, conv_TC, b, a, layout, state, states)
-        return fla_backend.packed_delta_rule(heads, conv_TC, b, a, layout)
+def delta_rule_torch(module, conv_TC: torch.Tensor, b, a, layout: PackLayout, state, states: bool):
+    """The delta rule over the conv's output, from P's ``state`` when it is given (the buffer holds only
+    continuations)."""
     q, k, v, g, beta = gdn_heads(module, conv_TC, b, a)
     if state is not None:
         return continuation_delta_rule_torch(q, k, v, g, beta, layout, state, states)
     return packed_delta_rule_torch(q, k, v, g, beta, layout)
 
 
-def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, backend: Backend, prefix=None,
-                       states: bool = False):
+def delta_rule_fla(module, conv_TC: torch.Tensor, b, a, layout: PackLayout, state, states: bool):
+    """The same in fla's kernels, whose calls take their rows before the heads are split (fla_backend)."""
+    from packtrain.packed.kernels import fla_backend, fla_frozen
+
+    heads = functools.partial(gdn_heads, module)
+    if state is not None:
+        return fla_frozen.continuation_delta_rule(heads, conv_TC, b, a, layout, state, states)
+    return fla_backend.packed_delta_rule(heads, conv_TC, b, a, layout)
+
+
+def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, prefix=None, states: bool = False):
     """Same computation as ``Qwen3_5GatedDeltaNet.forward`` / ``Qwen3NextGatedDeltaNet.forward`` (no cache, no
     padding mask) on a pack: [1, T, D]. ``prefix`` (:class:`~packtrain.packed.prefix.PrefixState`): P's state from
     outside (frozen context, continuation groups, a generation's items): the buffer holds only the continuations,
@@ -182,9 +183,11 @@ def packed_gdn_forward(module, hidden_states: torch.Tensor, layout: PackLayout, 
     else:
         conv_in, conv_layout = mixed_TC, layout
     del mixed_TC
+    kernels = module.packtrain_kernels  # the back end's, picked once (packtrain.packed.patch.pick_kernels)
+    warm_up = W - 1 if prefix is not None else 0  # P's tail before the continuations: dropped after the conv
     # the conv's output is not bound here: it is let go once the delta rule has read it, before the gated norm runs
-    core = _delta_rule(module, buffer_conv(module, conv_in, weight_CW, conv_layout, backend), b, a, layout, backend,
-                       state, states, W - 1 if prefix is not None else 0)
+    core = kernels.delta_rule(module, kernels.conv(module, conv_in, weight_CW, conv_layout)[warm_up:], b, a, layout,
+                              state, states)
     if states:
         core, recurrent_states = core
 

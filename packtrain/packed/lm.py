@@ -40,6 +40,7 @@ from packtrain.packed.layout import PackLayout
 from packtrain.packed.loss import LossOutput, examples_loss
 from packtrain.packed.pack_pass import PackPass
 from packtrain.packed.patch import LAYOUT_KWARG, model_body, packed_positions, text_parts, unwrap
+from packtrain.packed.tree import TreeLayout, TreePass
 
 R_co = TypeVar("R_co", covariant=True)
 R = TypeVar("R")
@@ -74,6 +75,15 @@ class StandaloneCall(PackCall):
 
     def hidden_states(self, lm: PackedLM, layout: PackLayout):
         return lm.context.standalone_hidden_states(lm, layout)
+
+
+class TreeCall(PackCall):
+    """A tree pack through the root (``lm(TreeCall(layout))``, :mod:`packtrain.packed.tree`): a :class:`PackCall`
+    whose forward runs the tree's pass (:class:`~packtrain.packed.tree.TreePass`), under ``packing.context_grad:
+    full`` only (:meth:`~packtrain.packed.context.ContextGrad.tree_hidden_states`)."""
+
+    def hidden_states(self, lm, layout: TreeLayout):
+        return lm.context.tree_hidden_states(lm, layout, TreePass(layout))
 
 
 class PackedLM(nn.Module):

@@ -61,11 +61,9 @@ class PackPass:
 
     def gated_deltanet(self, module, hidden_states: torch.Tensor) -> torch.Tensor:
         """A Gated DeltaNet layer on the buffer: [1, T, D]."""
-        backend = module.packtrain_backend
         if self.record is None:
-            return packed_gdn_forward(module, hidden_states, self.layout, backend, self.prefix)
-        out, conv, state = packed_gdn_forward(module, hidden_states, self.layout, backend, self.prefix,
-                                              states=True)
+            return packed_gdn_forward(module, hidden_states, self.layout, self.prefix)
+        out, conv, state = packed_gdn_forward(module, hidden_states, self.layout, self.prefix, states=True)
         self.record.conv_states[module.layer_idx] = conv
         self.record.recurrent_states[module.layer_idx] = state
         return out

@@ -27,16 +27,29 @@ recompute receives the same object through the same kwargs).
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from packtrain.packed.attention import ATTN_NAME, packtrain_attention
+from packtrain.packed.attention import (
+    ATTN_NAME,
+    attention_batched,
+    attention_dense,
+    attention_flex,
+    frozen_batched,
+    frozen_dense,
+    frozen_flex,
+    packtrain_attention,
+)
 from packtrain.packed.families import FULL, LINEAR, UnsupportedModelError, check_layer_types, family_of, resolve
+from packtrain.packed.gdn import conv_fla, conv_torch, delta_rule_fla, delta_rule_torch
 from packtrain.packed.kernels import Backend
 from packtrain.packed.kernels.hf_route import route_unpacked_kernels
 from packtrain.packed.recompute import is_rmsnorm, tiled_mlp, tiled_norm
+from packtrain.packed.tree import attention_by_node, fla_rule, torch_rule, tree_attention_dense, tree_attention_flex
 
 # The keyword under which a packed forward passes what its patched layers read: a pack's
 # packtrain.packed.pack_pass.PackPass, or a generation's decoding packtrain.packed.rows.Rows. Each patched layer
@@ -96,15 +109,47 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     return pack.gated_deltanet(self, hidden_states)
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """A back end's kernels, picked once from its names (:func:`pick_kernels`) and given to every patched layer,
+    which calls them and never asks which back end it runs on."""
+    backend: Backend
+    attention: Callable  # a pack: (q, k, v, layout, scaling, dropout, prefix_grad) -> [1, H, T, D]
+    frozen_attention: Callable  # continuations against P's keys from outside: (q, k, v, k_P, v_P, layout, ...)
+    tree_attention: Callable  # a prefix tree: (q, k, v, tree layout, scaling, dropout)
+    conv: Callable  # Gated DeltaNet's causal conv over a buffer: (module, conv_in, weight, layout)
+    delta_rule: Callable  # its delta rule: (module, conv out, b, a, layout, P's state or None, states)
+    tree_rule: Callable  # a tree level's varlen chunk rule (packtrain.packed.tree.tree_delta_rule)
+
+    @property
+    def mlp_rows(self) -> int | None:
+        return self.backend.mlp_rows
+
+    @property
+    def norm_rows(self) -> int | None:
+        return self.backend.norm_rows
+
+
+# the back end's names -> its kernels: the one place they are read
+ATTENTION_KERNELS = {"batched": (attention_batched, frozen_batched, attention_by_node),
+                     "dense": (attention_dense, frozen_dense, tree_attention_dense),
+                     "flex": (attention_flex, frozen_flex, tree_attention_flex)}
+GDN_KERNELS = {"torch": (conv_torch, delta_rule_torch, torch_rule), "fla": (conv_fla, delta_rule_fla, fla_rule)}
+
+
+def pick_kernels(backend: Backend) -> Kernels:
+    return Kernels(backend, *ATTENTION_KERNELS[backend.attention], *GDN_KERNELS[backend.gdn])
+
+
 def _mlp_forward(self, x):
-    rows = self.packtrain_backend.mlp_rows
+    rows = self.packtrain_kernels.mlp_rows
     if not rows:
         return self._packtrain_original_forward(x)
     return tiled_mlp(self, self._packtrain_original_forward, x, rows)
 
 
 def _norm_forward(self, *args):
-    rows = self.packtrain_backend.norm_rows
+    rows = self.packtrain_kernels.norm_rows
     if not rows:
         return type(self).forward(self, *args)  # looked up per call: a replacement on the class applies
     return tiled_norm(self, rows, self.packtrain_width, *args)
@@ -128,23 +173,24 @@ def patch_model(model: nn.Module, backend: Backend) -> nn.Module:
     check_layer_types(family, layer_types, f"{family.model_type} layer_types")
     _register()
     text_model.config._attn_implementation = ATTN_NAME
+    kernels = pick_kernels(backend)
     for layer, kind in zip(text_model.layers, layer_types):
         if _is_dense_mlp(getattr(layer, "mlp", None)):
             _patch_forward(layer.mlp, _mlp_forward)
-            layer.mlp.packtrain_backend = backend
+            layer.mlp.packtrain_kernels = kernels
         if kind == LINEAR:
             gdn = layer.linear_attn
             _patch_forward(gdn, _gdn_forward)
             gdn.packtrain_split = family.gdn.split
-            gdn.packtrain_backend = backend
+            gdn.packtrain_kernels = kernels
         elif kind == FULL:
-            layer.self_attn.packtrain_backend = backend
+            layer.self_attn.packtrain_kernels = kernels
     for module in text_model.modules():
         if is_rmsnorm(module):
             _patch_forward(module, _norm_forward)
-            module.packtrain_backend = backend
+            module.packtrain_kernels = kernels
             module.packtrain_width = text_model.config.hidden_size
-    text_model.packtrain_backend = backend
+    text_model.packtrain_kernels = kernels
     return model
 
 

@@ -33,15 +33,13 @@ from packtrain.data.tree import Tree, build_tree
 from packtrain.packed.attention import _padded, _sdpa, cheapest_runs
 from packtrain.packed.gdn import (
     PREFIX_CHUNK,
-    buffer_conv,
     continuation_chunk,
     gdn_heads,
     gdn_output,
     gdn_projections,
 )
-from packtrain.packed.kernels import Backend, torch_ref
+from packtrain.packed.kernels import torch_ref
 from packtrain.packed.layout import Continuation, PackLayout, _finish, _targets, check_pack, tree_allowed
-from packtrain.packed.lm import PackCall
 
 
 @dataclass
@@ -267,18 +265,22 @@ def attention_by_node(q_1HTD, k_1GTD, v_1GTD, layout: TreeLayout, scaling, dropo
     return torch.cat([out_P[0].transpose(0, 1), out_S])[None].transpose(1, 2)
 
 
-def tree_attention(module, q_1HTD, k_1GTD, v_1GTD, layout: TreeLayout, scaling, dropout) -> torch.Tensor:
-    """A full-attention layer on a tree's buffer in the back end's kind (``module.packtrain_backend.attention``):
-    ``batched`` :func:`attention_by_node`, ``dense`` the [T, T] mask of the predicate (the reference), ``flex``
-    FlexAttention with the predicate as a BlockMask (CUDA). [1, H, T, D]."""
-    kind = module.packtrain_backend.attention
-    if kind == "dense":
-        return _sdpa(q_1HTD, k_1GTD, v_1GTD, tree_dense_mask(layout).to(q_1HTD.device), scaling, dropout)
-    if kind == "flex":
-        from packtrain.packed.kernels import flex
+def tree_attention_dense(q_1HTD, k_1GTD, v_1GTD, layout: TreeLayout, scaling, dropout) -> torch.Tensor:
+    """The [T, T] mask of the tree's predicate (the reference)."""
+    return _sdpa(q_1HTD, k_1GTD, v_1GTD, tree_dense_mask(layout).to(q_1HTD.device), scaling, dropout)
 
-        return flex.tree_flex_attention(q_1HTD, k_1GTD, v_1GTD, layout, scaling, dropout)
-    return attention_by_node(q_1HTD, k_1GTD, v_1GTD, layout, scaling, dropout)
+
+def tree_attention_flex(q_1HTD, k_1GTD, v_1GTD, layout: TreeLayout, scaling, dropout) -> torch.Tensor:
+    """FlexAttention with the predicate as a BlockMask (CUDA)."""
+    from packtrain.packed.kernels import flex
+
+    return flex.tree_flex_attention(q_1HTD, k_1GTD, v_1GTD, layout, scaling, dropout)
+
+
+def tree_attention(module, q_1HTD, k_1GTD, v_1GTD, layout: TreeLayout, scaling, dropout) -> torch.Tensor:
+    """A full-attention layer on a tree's buffer in the back end's kernel (``module.packtrain_kernels``, picked once:
+    :func:`attention_by_node`, :func:`tree_attention_dense` or :func:`tree_attention_flex`). [1, H, T, D]."""
+    return module.packtrain_kernels.tree_attention(q_1HTD, k_1GTD, v_1GTD, layout, scaling, dropout)
 
 
 # -- Gated DeltaNet -----------------------------------------------------------------------------------------------
@@ -310,7 +312,7 @@ def tree_levels(layout: TreeLayout) -> tuple[list[tuple[torch.Tensor, list[int],
     return layout._cache["tree_levels"]
 
 
-def _torch_rule(q, k, v, g, beta, initial_state, lengths, cache=None, key=None):
+def torch_rule(q, k, v, g, beta, initial_state, lengths, cache=None, key=None):
     """torch_ref's chunk rule on [1, S, ...]: from the zero state (P), or varlen from per-sequence initial states;
     (output, final states). ``cache`` and ``key`` are fla's (:func:`fla_backend.delta_rule`): the torch rule takes
     its bounds as a host list."""
@@ -323,16 +325,17 @@ def _torch_rule(q, k, v, g, beta, initial_state, lengths, cache=None, key=None):
                                             cu_seqlens=cu, chunk_size=continuation_chunk(lengths))
 
 
-def tree_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: TreeLayout, backend: Backend) -> torch.Tensor:
+def fla_rule(q, k, v, g, beta, initial_state, lengths, cache=None, key=None):
+    """fla's chunk rule (:func:`packtrain.packed.kernels.fla_backend.delta_rule`), as :func:`torch_rule`."""
+    from packtrain.packed.kernels import fla_backend
+
+    return fla_backend.delta_rule(q, k, v, g, beta, initial_state, lengths, cache, key)
+
+
+def tree_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: TreeLayout, rule) -> torch.Tensor:
     """P from the zero state, then the tree level by level (:func:`tree_levels`): one varlen call per depth of
     runs, every run from its parent run's final state (gathered, so the gradients of all its children sum into
-    it). [T, HV, V]."""
-    if backend.gdn == "fla":
-        from packtrain.packed.kernels import fla_backend
-
-        rule = fla_backend.delta_rule
-    else:
-        rule = _torch_rule
+    it); ``rule``: the back end's (:func:`torch_rule`, :func:`fla_rule`). [T, HV, V]."""
     p = layout.prefix_len
     parts = [x[None, :p] for x in (q_THK, k_THK, v_THV, g_TH, beta_TH)]
     out_P, states = rule(*parts, None, None)
@@ -345,14 +348,15 @@ def tree_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: TreeLayout, back
     return torch.cat([out_P[0], torch.cat(outs).index_select(0, unpad)]).to(q_THK.dtype)
 
 
-def tree_gdn_forward(module, hidden_states: torch.Tensor, layout: TreeLayout, backend: Backend) -> torch.Tensor:
+def tree_gdn_forward(module, hidden_states: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
     """``Qwen3_5GatedDeltaNet.forward`` / ``Qwen3NextGatedDeltaNet.forward`` (no cache, no padding mask) on a tree's
     buffer: every node's conv from its path's last W-1 inputs (``TreeLayout.conv_histories``), its delta rule from
     its parent's final state (:func:`tree_delta_rule`). [1, T, D]."""
     mixed_TC, z, b, a, weight_CW = gdn_projections(module, hidden_states)
-    conv_TC = buffer_conv(module, mixed_TC, weight_CW, layout, backend)
+    kernels = module.packtrain_kernels  # the back end's, picked once (packtrain.packed.patch.pick_kernels)
+    conv_TC = kernels.conv(module, mixed_TC, weight_CW, layout)
     q, k, v, g, beta = gdn_heads(module, conv_TC, b, a)
-    return gdn_output(module, tree_delta_rule(q, k, v, g, beta, layout, backend), z)
+    return gdn_output(module, tree_delta_rule(q, k, v, g, beta, layout, kernels.tree_rule), z)
 
 
 # -- the pass and the call ----------------------------------------------------------------------------------------
@@ -367,16 +371,7 @@ class TreePass:
         return tree_attention(module, query, key, value, self.layout, scaling, dropout)
 
     def gated_deltanet(self, module, hidden_states: torch.Tensor) -> torch.Tensor:
-        return tree_gdn_forward(module, hidden_states, self.layout, module.packtrain_backend)
+        return tree_gdn_forward(module, hidden_states, self.layout)
 
     def grad_rows_from(self, layer_idx: int) -> int | None:
         return None  # every row may get gradient (context_grad full)
-
-
-class TreeCall(PackCall):
-    """A tree pack through the root (``lm(TreeCall(layout))``): a :class:`~packtrain.packed.lm.PackCall` whose
-    forward runs the tree's pass (:class:`TreePass`), under ``packing.context_grad: full`` only
-    (:meth:`~packtrain.packed.context.ContextGrad.tree_hidden_states`)."""
-
-    def hidden_states(self, lm, layout: TreeLayout):
-        return lm.context.tree_hidden_states(lm, layout, TreePass(layout))

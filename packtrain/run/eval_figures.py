@@ -43,7 +43,7 @@ def figures(objective: Objective, rows: list[dict], examples: Sequence,
         pairs = pair_rows(objective, rows, examples, reference)
         return pairs, pair_summary(pairs)
     summary = {"loss": mean_loss(rows) if rows else float("nan"), "examples": len(rows)}
-    if objective.name != "weighted":
+    if not objective.weighs_examples:
         return rows, summary
     weight = {ex.id: float(ex.weight) for ex in examples}
     rows = [{**r, "weight": weight[r["id"]]} for r in rows]

@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from packtrain.data.preference import pair_examples
 
@@ -40,12 +40,95 @@ if TYPE_CHECKING:
     from packtrain.config import Config
     from packtrain.packed.loss import LossOutput
 
-OBJECTIVES = ("sft", "dpo", "weighted")
+@dataclass(frozen=True)
+class Objective:
+    """``train.objective``: one class per objective, built once from the config (:meth:`of`); a new objective is a
+    new class in :data:`OBJECTIVES`. This base holds what they share: refusing preference pairs, a loss per example."""
+    name: ClassVar[str]
+    paired: ClassVar[bool] = False  # the loss is per preference pair (the step's mean is over pairs)
+    weighs_examples: ClassVar[bool] = False  # each example's loss times its weight (an evaluation reports both)
+
+    @classmethod
+    def of(cls, cfg: Config) -> Objective:
+        return OBJECTIVES[cfg.train.objective].from_config(cfg)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Objective:
+        return cls()
+
+    @property
+    def per_step(self) -> bool:
+        """Each unit runs a reference forward before its training forward (dpo's)."""
+        return False
+
+    def with_table(self, table: Mapping[str, float]) -> Objective:
+        return self
+
+    def items(self, n_examples: int) -> int:
+        """What the step's mean is over, of ``n_examples`` examples."""
+        return n_examples
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def check(self, examples: Sequence, split: str = "data.train") -> None:
+        """Refuse data the objective cannot train on, naming the first example that shows it."""
+        pair = next((ex for ex in examples if getattr(ex, "pair", "")), None)
+        if pair is not None:
+            raise ValueError(f"{_at(pair)}: {split} holds preference pairs (chosen and rejected): set "
+                             "train.objective: dpo")
+
+    def terms(self, examples: Sequence) -> Terms:
+        """What a unit's loss needs of its examples (in the unit's order)."""
+        return Terms(())
+
+    def loss(self, out: LossOutput, terms: Terms, reference: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit's loss (a scalar with gradient) from its forward's output ``out``."""
+        return out.loss_sum
+
+    def reference_log_probs(self, lm, forward) -> torch.Tensor | None:
+        """The unit's reference log-probabilities before its training forward (None: no reference)."""
+        return None
 
 
 @dataclass(frozen=True)
-class Objective:
-    name: str = "sft"
+class Sft(Objective):
+    name: ClassVar[str] = "sft"
+
+    def describe(self) -> str:
+        return "sft: each example's mean target cross-entropy, averaged over the step's examples"
+
+    def check(self, examples: Sequence, split: str = "data.train") -> None:
+        super().check(examples, split)
+        weighted = next((ex for ex in examples if getattr(ex, "weight", 1.0) != 1.0), None)
+        if weighted is not None:
+            raise ValueError(f"{_at(weighted)}: {split} examples carry weights (weight {weighted.weight:g}), which "
+                             "train.objective sft would ignore: set train.objective: weighted (or drop the weights)")
+
+
+@dataclass(frozen=True)
+class Weighted(Objective):
+    name: ClassVar[str] = "weighted"
+    weighs_examples: ClassVar[bool] = True
+
+    def describe(self) -> str:
+        return "weighted: each example's mean target cross-entropy times its weight, averaged over the step's " \
+               "examples"
+
+    def terms(self, examples: Sequence) -> Terms:
+        return Terms(tuple(float(ex.weight) for ex in examples))
+
+    def loss(self, out: LossOutput, terms: Terms, reference: torch.Tensor | None = None) -> torch.Tensor:
+        import torch
+
+        live = out.live
+        return (live * torch.tensor(terms.weights, dtype=live.dtype, device=live.device)).sum()
+
+
+@dataclass(frozen=True)
+class Dpo(Objective):
+    name: ClassVar[str] = "dpo"
+    paired: ClassVar[bool] = True
     beta: float = 0.1
     loss_type: str = "sigmoid"
     reference: str = "precompute"
@@ -54,36 +137,24 @@ class Objective:
     table: Mapping[str, float] | None = None
 
     @classmethod
-    def of(cls, cfg: Config) -> Objective:
+    def from_config(cls, cfg: Config) -> Dpo:
         t = cfg.train
-        return cls(t.objective, t.dpo_beta, t.dpo_loss_type, t.dpo_reference, t.rpo_alpha)
-
-    @property
-    def paired(self) -> bool:
-        """The loss is per preference pair."""
-        return self.name == "dpo"
+        return cls(t.dpo_beta, t.dpo_loss_type, t.dpo_reference, t.rpo_alpha)
 
     @property
     def per_step(self) -> bool:
-        """Each unit runs its reference forward before its training forward: under ``per_step``, and under
-        ``precompute`` until the table is given (the trainer gives it before step 0; ``smoke``, ``bench`` and ``plan
-        --measure`` run without one, so they time and size the step with its reference forward)."""
-        return self.paired and (self.reference == "per_step" or self.table is None)
+        """Under ``per_step``, and under ``precompute`` until the table is given (the trainer gives it before step 0;
+        ``smoke``, ``bench`` and ``plan --measure`` run without one, so they time and size the step with its
+        reference forward)."""
+        return self.reference == "per_step" or self.table is None
 
-    def with_table(self, table: Mapping[str, float]) -> Objective:
+    def with_table(self, table: Mapping[str, float]) -> Dpo:
         return dataclasses.replace(self, table=table)
 
     def items(self, n_examples: int) -> int:
-        """What the step's mean is over, of ``n_examples`` examples: the examples, or under dpo their pairs."""
-        return n_examples // 2 if self.paired else n_examples
+        return n_examples // 2
 
     def describe(self) -> str:
-        """The run header's line."""
-        if self.name == "sft":
-            return "sft: each example's mean target cross-entropy, averaged over the step's examples"
-        if self.name == "weighted":
-            return "weighted: each example's mean target cross-entropy times its weight, averaged over the step's " \
-                   "examples"
         ref = ("precomputed before step 0 (OUTPUT/reference.json)" if self.reference == "precompute"
                else "a no-grad forward of each unit before its training forward")
         nll = f" + {self.rpo_alpha:g} x the chosen answer's mean target cross-entropy" if self.rpo_alpha else ""
@@ -91,28 +162,12 @@ class Objective:
                f"base model (adapter disabled), {ref}"
 
     def check(self, examples: Sequence, split: str = "data.train") -> None:
-        """Refuse data the objective cannot train on, naming the first example that shows it."""
-        pair = next((ex for ex in examples if getattr(ex, "pair", "")), None)
-        if self.paired:
-            single = next((ex for ex in examples if not getattr(ex, "pair", "")), None)
-            if single is not None:
-                raise ValueError(f"{_at(single)}: train.objective dpo trains on preference pairs (chosen and "
-                                 f"rejected), and this {split} example has one target")
-            return
-        if pair is not None:
-            raise ValueError(f"{_at(pair)}: {split} holds preference pairs (chosen and rejected): set "
-                             "train.objective: dpo")
-        weighted = next((ex for ex in examples if getattr(ex, "weight", 1.0) != 1.0), None)
-        if weighted is not None and self.name == "sft":
-            raise ValueError(f"{_at(weighted)}: {split} examples carry weights (weight {weighted.weight:g}), which "
-                             "train.objective sft would ignore: set train.objective: weighted (or drop the weights)")
+        single = next((ex for ex in examples if not getattr(ex, "pair", "")), None)
+        if single is not None:
+            raise ValueError(f"{_at(single)}: train.objective dpo trains on preference pairs (chosen and "
+                             f"rejected), and this {split} example has one target")
 
     def terms(self, examples: Sequence) -> Terms:
-        """What a unit's loss needs of its examples (in the unit's order)."""
-        if self.name == "sft":
-            return Terms(())
-        if self.name == "weighted":
-            return Terms(tuple(float(ex.weight) for ex in examples))
         pairs = tuple(pair_examples(examples))
         if 2 * len(pairs) != len(examples):
             raise RuntimeError("a unit holds one answer of a preference pair without the other (the planner keeps "
@@ -127,15 +182,11 @@ class Objective:
         return Terms(weights, pairs, reference)
 
     def loss(self, out: LossOutput, terms: Terms, reference: torch.Tensor | None = None) -> torch.Tensor:
-        """The unit's loss (a scalar with gradient) from its forward's output ``out``; ``reference``: its examples'
-        reference log-probabilities from a per_step forward (else the table's, in ``terms``)."""
+        """``reference``: the unit's examples' reference log-probabilities from a per_step forward (else the
+        table's, in ``terms``)."""
         import torch
 
-        if self.name == "sft":
-            return out.loss_sum
         live = out.live
-        if self.name == "weighted":
-            return (live * torch.tensor(terms.weights, dtype=live.dtype, device=live.device)).sum()
         if reference is None:
             if terms.reference is None:
                 raise RuntimeError("train.objective dpo: no reference log-probabilities for this unit (the "
@@ -170,7 +221,7 @@ class Objective:
 
     def reference_log_probs(self, lm, forward) -> torch.Tensor | None:
         """per_step: the unit's reference log-probabilities, ``forward()`` run without gradient and with the
-        adapter disabled (None under any other objective)."""
+        adapter disabled."""
         if not self.per_step:
             return None
         import torch
@@ -178,6 +229,9 @@ class Objective:
         with torch.no_grad(), adapters_disabled(lm):
             out = forward()
         return log_probs(out.live, out.target_tokens).to(torch.float64)
+
+
+OBJECTIVES: dict[str, type[Objective]] = {o.name: o for o in (Sft, Weighted, Dpo)}  # train.objective's values
 
 
 @dataclass(frozen=True)

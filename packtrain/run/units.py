@@ -47,7 +47,7 @@ from packtrain.data.images import ImageLoader, load_image_processor
 from packtrain.data.planner import Pack, Plan, plan_packs, plan_tree_packs, target_count
 from packtrain.data.walk_calls import WalkCalls
 from packtrain.models.memory import UnitShape
-from packtrain.run.objective import Objective, Terms
+from packtrain.run.objective import Objective, Sft, Terms
 
 if TYPE_CHECKING:
     from packtrain.packed.groups import Groups
@@ -65,7 +65,7 @@ class Kinds:
     pack: Kind  # the kind of the packs that are not walked
     walk: WalkKind | None = None  # packing.on_overflow: walk (None: no example is walked)
     images: ImageLoader | None = None
-    objective: Objective = Objective()  # train.objective: what a unit's loss is (packtrain.run.objective)
+    objective: Objective = Sft()  # train.objective: what a unit's loss is (packtrain.run.objective)
 
     @classmethod
     def of(cls, cfg: Config, images: ImageLoader | None = None, n_groups: int | None = None) -> Kinds:
@@ -79,7 +79,7 @@ class Kinds:
               images: ImageLoader | None = None, objective: Objective | None = None) -> Kinds:
         """The kinds of ``packing.mode`` ``mode`` with these settings (tests and tools without a config). Under
         dpo one example alone is a pair's two answers alone (one unit: its loss needs both)."""
-        objective = objective or Objective()
+        objective = objective or Sft()
         if n_groups > 1:
             pack = GroupsKind(n_groups)
         elif mode == "standalone" and objective.paired:
@@ -527,7 +527,7 @@ class TreeKind(Kind):
         return _with_images(layout, [(per_example[j][k],) for j, k in layout.image_sources], images)
 
     def call(self, work):
-        from packtrain.packed.tree import TreeCall
+        from packtrain.packed.lm import TreeCall
 
         return TreeCall(work)
 

@@ -12,7 +12,7 @@ from packtrain.data.example import DataError
 from packtrain.data.examples import load_examples
 from packtrain.data.planner import plan_packs, plan_tree_packs
 from packtrain.data.preference import pair_examples
-from packtrain.run.objective import Objective
+from packtrain.run.objective import Dpo, Sft, Weighted
 
 SYSTEM = "You are a careful clerk. Answer with the code only."
 CHAT_PROMPT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "code of falcon?"}]
@@ -28,7 +28,7 @@ def test_a_text_pair_is_two_examples_sharing_p_and_the_item(tmp_path):
     path = write(tmp_path, [{"id": "a", "system": SYSTEM, "item": "falcon?", "chosen": "toma", "rejected": "kelu"},
                             {"system": SYSTEM, "item": "river?", "target": "mi", "weight": 2.5}])
     with pytest.raises(ValueError):  # a pair beside a plain example: loaded, but refused by either objective
-        Objective("dpo").check(load_examples(path))
+        Dpo().check(load_examples(path))
     chosen, rejected, plain = load_examples(path)
     assert (chosen.id, chosen.pair, chosen.side) == ("a:chosen", "a", "chosen")
     assert (rejected.id, rejected.pair, rejected.side) == ("a:rejected", "a", "rejected")
@@ -150,14 +150,14 @@ def test_the_objective_refuses_data_it_does_not_train_on(tmp_path):
     weighted = load_examples(write(tmp_path, [{"system": SYSTEM, "item": "x", "target": "a", "weight": 0.5}], "w.jsonl"))
     plain = load_examples(write(tmp_path, [{"system": SYSTEM, "item": "x", "target": "a"}], "p.jsonl"))
     with pytest.raises(ValueError, match="set train.objective: dpo"):
-        Objective("sft").check(pairs)
+        Sft().check(pairs)
     with pytest.raises(ValueError, match="set train.objective: dpo"):
-        Objective("weighted").check(pairs)
+        Weighted().check(pairs)
     with pytest.raises(ValueError, match="sft would ignore"):
-        Objective("sft").check(weighted)
+        Sft().check(weighted)
     with pytest.raises(ValueError, match="trains on preference pairs"):
-        Objective("dpo").check(plain)
-    Objective("dpo").check(pairs), Objective("weighted").check(weighted), Objective("sft").check(plain)
+        Dpo().check(plain)
+    Dpo().check(pairs), Weighted().check(weighted), Sft().check(plain)
 
 
 @pytest.mark.parametrize("objective", ["dpo", "weighted"])

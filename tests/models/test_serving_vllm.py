@@ -20,7 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from packtrain.models import serving
 
-VLLM_PYTHON = os.environ["PACKTRAIN_VLLM_PYTHON"]
+# the serve venv's interpreter, absolute (the client runs in a temporary folder); not resolved: a venv's python is a
+# link to the base interpreter, and only the link's path runs it in the venv
+VLLM_PYTHON = str(Path(os.environ["PACKTRAIN_VLLM_PYTHON"]).absolute())
 CLIENT = REPO / "tools" / "serve" / "vllm_generate.py"
 REQUESTS, NEW_TOKENS, AGREE = 10, 8, 8
 LOGPROB_GAP = 0.1

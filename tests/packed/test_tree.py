@@ -42,7 +42,8 @@ from packtrain.packed.kernels import Backend
 from packtrain.packed.layout import Continuation
 from packtrain.packed.lm import PackedLM
 from packtrain.packed.patch import patch_model, vision_spec
-from packtrain.packed.tree import TreeCall, build_tree_layout
+from packtrain.packed.lm import TreeCall
+from packtrain.packed.tree import build_tree_layout
 
 L, F = "linear_attention", "full_attention"
 BACKEND = Backend(gdn="torch", attention="batched", mlp_rows=7, norm_rows=5)
@@ -241,9 +242,12 @@ def test_without_the_gradient_through_parent_states_the_update_differs(monkeypat
     """The control: each level's initial states detached from their parents' final states leave every loss as it
     was and the gradients wrong, which only the gradient check sees."""
     prefix, conts = branches(seed=5)
-    rule = tree_module._torch_rule
-    monkeypatch.setattr(tree_module, "_torch_rule", lambda q, k, v, g, beta, state, lengths, *cache: rule(
-        q, k, v, g, beta, None if state is None else state.detach(), lengths))
+    from packtrain.packed import patch as patch_module
+
+    conv, delta_rule, rule = patch_module.GDN_KERNELS["torch"]  # the kernels the patch picks for the torch back end
+    monkeypatch.setitem(patch_module.GDN_KERNELS, "torch", (conv, delta_rule, lambda q, k, v, g, beta, state, lengths,
+                                                            *cache: rule(q, k, v, g, beta, None if state is None
+                                                                         else state.detach(), lengths)))
     model = patched_lora_model([L, F, L], seed=5, backend=BACKEND)
     loss, grad, _ = check(model, prefix, conts)
     assert loss < 1e-6 and grad > 1e-3, (loss, grad)

@@ -11,7 +11,7 @@ import pytest
 from packtrain.exits import NonFiniteError
 from packtrain.run import cadence
 from packtrain.run.cadence import Cadence, Checkpoints, Evaluation, Generation
-from packtrain.run.objective import Objective
+from packtrain.run.objective import Dpo, Sft
 
 
 class CountedEval(Evaluation):
@@ -161,7 +161,7 @@ def test_an_evaluation_writes_its_metrics_line_and_refuses_a_diverged_model(monk
     records, metrics, done = _records()
     rows = [{"id": "a", "loss": 1.0, "target_tokens": 2}, {"id": "b", "loss": 2.0, "target_tokens": 3}]
     monkeypatch.setattr(cadence, "evaluate", lambda *a, **k: rows)
-    ev = Evaluation(None, None, None, SimpleNamespace(objective=Objective()), records, 4, None)
+    ev = Evaluation(None, None, None, SimpleNamespace(objective=Sft()), records, 4, None)
     assert ev.run(8) == 1.5
     assert metrics.lines == done == [{"split": "eval", "step": 8, "loss": 1.5, "examples": 2}]
     rows[0] = {"id": "a", "loss": float("nan"), "target_tokens": 2}
@@ -181,7 +181,7 @@ def test_an_evaluation_on_pairs_writes_the_reward_figures_and_evaluates_the_refe
     computed = []
     monkeypatch.setattr(cadence.reference, "compute",
                         lambda *a, **k: computed.append(1) or {"a:chosen": -3.0, "a:rejected": -4.0})
-    ev = Evaluation(None, None, examples, SimpleNamespace(objective=Objective("dpo", 0.5)), records, 4, None)
+    ev = Evaluation(None, None, examples, SimpleNamespace(objective=Dpo(0.5)), records, 4, None)
     margin = 0.5 * ((-2.0 + 3.0) - (-5.0 + 4.0))
     assert ev.run(0) == pytest.approx(math.log1p(math.exp(-margin)))
     policy["a:chosen"] = -6.0  # now the policy prefers rejected: margin 0.5 * ((-6 + 3) - (-5 + 4)) = -1

@@ -21,7 +21,7 @@ from packtrain.packed.lm import PackedLM
 from packtrain.run import reference
 from packtrain.run.eval_figures import describe, figures
 from packtrain.run.evaluate import evaluate
-from packtrain.run.objective import Objective
+from packtrain.run.objective import Dpo, Objective, Sft, Weighted
 from packtrain.run.units import Kinds, plan_for
 
 L, F = "linear_attention", "full_attention"
@@ -93,9 +93,9 @@ def test_an_evaluation_on_pairs_refuses_half_a_pair_and_a_missing_reference():
     examples = _pairs(2)
     rows = [{"id": ex.id, "loss": 1.0, "target_tokens": len(ex.target_ids)} for ex in examples]
     with pytest.raises(RuntimeError, match="needs the reference"):
-        figures(Objective("dpo"), rows, examples)
+        figures(Dpo(), rows, examples)
     with pytest.raises(RuntimeError, match="without its pair's other answer"):
-        figures(Objective("dpo"), rows[:3], examples, {r["id"]: -1.0 for r in rows})
+        figures(Dpo(), rows[:3], examples, {r["id"]: -1.0 for r in rows})
 
 
 def test_weighted_reports_the_weighted_mean_beside_the_plain_one():
@@ -103,11 +103,11 @@ def test_weighted_reports_the_weighted_mean_beside_the_plain_one():
                 Example("c", (1,), (2,), (5,))]
     rows = [{"id": "a", "loss": 1.5, "target_tokens": 1}, {"id": "b", "loss": 0.25, "target_tokens": 1},
             {"id": "c", "loss": 3.0, "target_tokens": 1}]
-    written, summary = figures(Objective("weighted"), rows, examples)
+    written, summary = figures(Weighted(), rows, examples)
     assert [r["weight"] for r in written] == [-0.5, 2.0, 1.0]
     assert summary == {"loss": (1.5 + 0.25 + 3.0) / 3, "examples": 3, "weighted_loss": (-0.75 + 0.5 + 3.0) / 3}
     assert describe(summary) == f"loss {(1.5 + 0.25 + 3.0) / 3:.4f} (weighted {2.75 / 3:.4f}) over 3 examples"
-    plain, summary = figures(Objective("sft"), rows, examples)
+    plain, summary = figures(Sft(), rows, examples)
     assert plain == rows and summary == {"loss": (1.5 + 0.25 + 3.0) / 3, "examples": 3}
 
 
@@ -117,13 +117,13 @@ def test_a_tie_counts_half_so_the_policy_equal_to_its_reference_scores_chance():
     examples = _pairs(3)
     rows = [{"id": ex.id, "loss": 0.5 + k / 8, "target_tokens": len(ex.target_ids)} for k, ex in enumerate(examples)]
     at_step_0 = {r["id"]: -r["loss"] * r["target_tokens"] for r in rows}  # the reference = the policy
-    pairs, summary = figures(Objective("dpo"), rows, examples, at_step_0)
+    pairs, summary = figures(Dpo(), rows, examples, at_step_0)
     assert [p["reward_margin"] for p in pairs] == [0.0, 0.0, 0.0] and not any(p["correct"] for p in pairs)
     assert summary["reward_accuracy"] == 0.5
     # one pair the chosen side wins (its reference lower), one it loses, one tie: (1 + 0 + 1/2) / 3
     ref = dict(at_step_0)
     ref[pairs[0]["chosen"]] -= 1.0
     ref[pairs[1]["chosen"]] += 1.0
-    pairs, summary = figures(Objective("dpo"), rows, examples, ref)
+    pairs, summary = figures(Dpo(), rows, examples, ref)
     assert [p["correct"] for p in pairs] == [True, False, False]
     assert summary["reward_accuracy"] == pytest.approx(1.5 / 3, rel=1e-15)

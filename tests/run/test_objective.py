@@ -11,7 +11,7 @@ import torch
 from parity import max_rel, without_float32_casts
 
 from packtrain.packed.kernels import Backend
-from packtrain.run.objective import Objective, Terms
+from packtrain.run.objective import Dpo, Sft, Terms, Weighted
 
 
 def _ex(id_, pair="", side="", weight=1.0):
@@ -25,16 +25,16 @@ def test_the_pair_losses_are_the_formulas():
     policy = torch.tensor([-3.0, -1.5, -7.25, -2.0], dtype=torch.float64)
     reference = torch.tensor([-2.5, -2.0, -6.0, -4.5], dtype=torch.float64)
     counts = torch.tensor([3, 2, 5, 4])
-    terms = Objective("dpo").terms(examples)
+    terms = Dpo().terms(examples)
     assert terms.pairs == ((1, 0), (2, 3)) and terms.weights == (2.0, 1.0)
     for beta in (0.1, 0.5):
-        got = Objective("dpo", beta).pair_losses(policy, reference, counts, terms).tolist()
+        got = Dpo(beta).pair_losses(policy, reference, counts, terms).tolist()
         want = []
         for (c, r), w in zip(terms.pairs, (2.0, 1.0)):
             margin = (policy[c] - reference[c]) - (policy[r] - reference[r])
             want.append(w * math.log1p(math.exp(-beta * float(margin))))  # -log sigmoid(x) = log(1 + e^-x)
         assert got == pytest.approx(want, rel=1e-14)
-        ipo = Objective("dpo", beta, "ipo").pair_losses(policy, reference, counts, terms).tolist()
+        ipo = Dpo(beta, "ipo").pair_losses(policy, reference, counts, terms).tolist()
         want = []
         for (c, r), w in zip(terms.pairs, (2.0, 1.0)):
             margin = (policy[c] - reference[c]) / counts[c] - (policy[r] - reference[r]) / counts[r]
@@ -43,21 +43,21 @@ def test_the_pair_losses_are_the_formulas():
 
 
 def test_the_step_mean_is_over_pairs_under_dpo_and_examples_else():
-    assert Objective("dpo").items(10) == 5
-    assert Objective("sft").items(10) == Objective("weighted").items(10) == 10
+    assert Dpo().items(10) == 5
+    assert Sft().items(10) == Weighted().items(10) == 10
 
 
 def test_a_unit_with_half_a_pair_is_refused_and_a_table_gives_its_reference():
     with pytest.raises(RuntimeError, match="one answer of a preference pair"):
-        Objective("dpo").terms([_ex("a:c", "a", "chosen"), _ex("b:r", "b", "rejected")])
+        Dpo().terms([_ex("a:c", "a", "chosen"), _ex("b:r", "b", "rejected")])
     pair = [_ex("a:c", "a", "chosen"), _ex("a:r", "a", "rejected")]
     table = {"a:c": -1.25, "a:r": -3.5}
-    assert Objective("dpo").with_table(table).terms(pair).reference == (-1.25, -3.5)
+    assert Dpo().with_table(table).terms(pair).reference == (-1.25, -3.5)
     with pytest.raises(RuntimeError, match="no entry for example 'a:r'"):
-        Objective("dpo").with_table({"a:c": -1.0}).terms(pair)
-    assert Objective("weighted").terms([_ex("x", weight=-0.5), _ex("y")]) == Terms((-0.5, 1.0))
+        Dpo().with_table({"a:c": -1.0}).terms(pair)
+    assert Weighted().terms([_ex("x", weight=-0.5), _ex("y")]) == Terms((-0.5, 1.0))
     with pytest.raises(RuntimeError, match="both its answers in one graph"):
-        Objective("dpo").terms(pair).subset([0])
+        Dpo().terms(pair).subset([0])
 
 
 # -- exactness: the packed step against a standalone DPO / weighted loss written here ---------------------------
@@ -300,7 +300,7 @@ def test_the_dpo_step_equals_the_pairs_alone(models, references, mode, reference
     """The packed dpo step (a pair's two answers in one pack, the pairs of a P sharing it) == the standalone DPO
     loss written from the formula, its gradient == autograd of it, on the text hybrid."""
     examples, _ = _pair_examples(PROMPTS)
-    objective = Objective("dpo", BETA, "sigmoid", reference)
+    objective = Dpo(BETA, "sigmoid", reference)
     model = models("text")
     with without_float32_casts(monkeypatch):
         loss, grad = _reference(references, model, "text", examples, objective)
@@ -310,7 +310,7 @@ def test_the_dpo_step_equals_the_pairs_alone(models, references, mode, reference
 
 def test_ipo_equals_its_formula_on_the_pairs_alone(models, references, monkeypatch):
     examples, _ = _pair_examples(PROMPTS)
-    objective = Objective("dpo", BETA, "ipo", "per_step")
+    objective = Dpo(BETA, "ipo", "per_step")
     model = models("text")
     with without_float32_casts(monkeypatch):
         loss, grad = _reference(references, model, "text", examples, objective)
@@ -323,7 +323,7 @@ def test_rpo_alpha_adds_the_chosen_answers_cross_entropy(models, references, los
     """rpo_alpha: each pair's loss plus rpo_alpha times its chosen answer's mean target cross-entropy (TRL's RPO),
     the packed tree step == that written on the pairs alone; and it is not the DPO step (the term does something)."""
     examples, _ = _pair_examples(PROMPTS)
-    objective = Objective("dpo", BETA, loss_type, reference, rpo_alpha=0.75)
+    objective = Dpo(BETA, loss_type, reference, rpo_alpha=0.75)
     model = models("text")
     with without_float32_casts(monkeypatch):
         loss, grad = _reference(references, model, "text", examples, objective)
@@ -351,7 +351,7 @@ def test_the_weighted_step_equals_the_examples_alone(models, references, monkeyp
     among them (a tree here; shared_prefix: the MoE's case below)."""
     mode = "tree"
     examples = _weighted(_plain(_pair_examples(PROMPTS)[0]), WEIGHTS)
-    objective = Objective("weighted")
+    objective = Weighted()
     model = models("text")
     with without_float32_casts(monkeypatch):
         loss, grad = _reference(references, model, "text", examples, objective)
@@ -380,7 +380,7 @@ def test_the_dpo_step_equals_the_pairs_alone_per_family(models, references, name
     """The VLM (images in the items: the tree computes a pair's item and its images once), the MoE (routed experts
     with LoRA) and Qwen3-Next (fused GDN projections, a dense and an MoE layer)."""
     examples, pixels = _vlm_examples() if name == "vlm" else _pair_examples(PROMPTS, seed=1)
-    objective = Objective("dpo", BETA, "sigmoid", reference)
+    objective = Dpo(BETA, "sigmoid", reference)
     model = models(name)
     with without_float32_casts(monkeypatch):
         loss, grad = _reference(references, model, name, examples, objective, pixels)
@@ -393,7 +393,7 @@ def test_the_dpo_step_equals_the_pairs_alone_per_family(models, references, name
 def test_the_weighted_step_equals_the_examples_alone_per_family(models, references, name, mode, monkeypatch):
     examples, pixels = _vlm_examples() if name == "vlm" else _pair_examples(PROMPTS, seed=1)
     examples = _weighted(_plain(examples), WEIGHTS)
-    objective = Objective("weighted")
+    objective = Weighted()
     model = models(name)
     with without_float32_casts(monkeypatch):
         loss, grad = _reference(references, model, name, examples, objective, pixels)
@@ -411,7 +411,7 @@ def test_the_mean_is_over_the_steps_pairs_on_any_split(models, references, mode,
     """The step over several packs (and so units) on two ranks == the step of the one pack == the pairs alone: a
     unit's loss is its pairs' sum and the step divides by the pairs of the whole step, all ranks."""
     examples, _ = _pair_examples(ONE_PROMPT, seed=2)
-    objective = Objective("dpo", BETA, "sigmoid", "per_step")
+    objective = Dpo(BETA, "sigmoid", "per_step")
     one, split = _plan(mode, examples), _plan(mode, examples, token_budget=40)
     assert len(one.packs) == 1 and len(split.packs) >= 3
     model = models("text")
@@ -431,8 +431,8 @@ def test_weight_1_everywhere_is_exactly_sft(models, mode, monkeypatch):
     examples = _plain(_pair_examples(PROMPTS)[0])
     assert {ex.weight for ex in examples} == {1.0}
     plan, model = _plan(mode, examples), models("text")
-    sft_loss, sft = _packed_step(model, mode, examples, plan, Objective("sft"))
-    weighted_loss, weighted = _packed_step(model, mode, examples, plan, Objective("weighted"))
+    sft_loss, sft = _packed_step(model, mode, examples, plan, Sft())
+    weighted_loss, weighted = _packed_step(model, mode, examples, plan, Weighted())
     assert weighted_loss == sft_loss
     assert sft.keys() == weighted.keys() and sft
     for name in sft:

@@ -29,11 +29,18 @@ import torch
 
 @dataclass(frozen=True)
 class Backend:
+    """The kernels a run takes, by name, chosen once (:func:`select_backend`) and reported; the patched layers run
+    the functions these names pick (:func:`packtrain.packed.patch.pick_kernels`), never the names themselves."""
     gdn: str  # "torch" | "fla"
     attention: str  # "batched" | "dense" | "flex"
     mlp_rows: int | None = None  # the dense MLPs in recomputed tiles of this many rows (None: whole)
     norm_rows: int | None = None  # the RMSNorms in recomputed tiles of this many rows (None: whole)
     gdn_kernel: str = "triton"  # with gdn "fla": "triton" (fla's own) | "flash_qla" (model.gdn_kernel)
+
+    @property
+    def fla(self) -> bool:
+        """Gated DeltaNet runs on fla's kernels (what ``pretune-fla`` tunes)."""
+        return self.gdn == "fla"
 
     def describe(self) -> str:
         mlp = f"recomputed tiles of {self.mlp_rows} rows" if self.mlp_rows else "whole"

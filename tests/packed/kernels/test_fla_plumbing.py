@@ -53,7 +53,8 @@ def test_varlen_calls_get_int64_bounds_with_their_host_copy_built_once_per_layou
     if tree:  # P, then s -> {s a, s b -> {s b c, s b d}}: two levels of varlen runs
         from packtrain.packed.layout import Continuation
         from packtrain.packed.lm import PackedLM
-        from packtrain.packed.tree import TreeCall, build_tree_layout
+        from packtrain.packed.lm import TreeCall
+        from packtrain.packed.tree import build_tree_layout
 
         s = [11, 12, 13, 14, 15]
         conts = [Continuation(s + [20, 21], [22]), Continuation(s + [30, 31, 32], [33, 34]),
