@@ -421,7 +421,7 @@ def test_the_mirror_check_sees_a_stray_folder_and_a_name_twice(tmp_path):
 # module's at tests/test_<module>.py). A module joins the list with its file; the list grows until every module that
 # holds logic is on it.
 TESTED_MODULES = [
-    "commands/export", "commands/plan", "commands/smoke", "commands/train", "config", "data/chat", "data/examples",
+    "commands/export", "commands/plan", "commands/smoke", "commands/train", "config", "config/support", "data/chat", "data/examples",
     "data/images", "data/planner", "data/preference", "distributed", "models/loading", "models/lora_compute", "models/memory",
     "models/offload", "models/savings", "models/serving", "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/watchdog", "packed/attention",
     "packed/cut", "packed/equal", "packed/families", "packed/gdn", "packed/groups", "packed/kernels/torch_ref",

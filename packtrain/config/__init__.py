@@ -17,6 +17,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from packtrain.config import support
 from packtrain.config.templates import template_kwargs_problems
 from packtrain.config.typed import ConfigError, apply_overrides, build, get_dotted, load_yaml, yaml_problem
 
@@ -358,44 +359,9 @@ _BOUND_MESSAGES = {path: msg for path, _, msg in _BOUNDS}
 
 
 def built_context_grads(p: PackingConfig) -> tuple[str, ...]:
-    """The packing.context_grad values built under the config's packing.mode (tree: full only)."""
-    if p.mode == "tree":
-        return ("full",)
-    return typing.get_args(typing.get_type_hints(PackingConfig)["context_grad"])
-
-
-def _tree_problems(p: PackingConfig) -> list[str]:
-    """What packing.mode tree does not build (continuation_groups > 1 is refused for every mode but
-    shared_prefix, below)."""
-    problems = []
-    if p.context_grad not in built_context_grads(p):
-        problems.append(f"packing.mode tree: packing.context_grad {p.context_grad} is not built (full only)")
-    if p.on_overflow == "walk":
-        problems.append("packing.mode tree: packing.on_overflow walk is not built (error or skip)")
-    return problems
-
-
-def _objective_problems(cfg: Config) -> list[str]:
-    """The packings train.objective dpo and weighted are not built for, one line each."""
-    objective, p = cfg.train.objective, cfg.packing
-    problems = []
-    if objective != "dpo" and cfg.train.rpo_alpha:
-        problems.append(f"train.rpo_alpha: weighs the chosen answers' cross-entropy under train.objective dpo, not "
-                        f"{objective} (set 0)")
-    if objective == "sft":
-        return problems
-    if p.on_overflow == "walk":
-        problems.append(f"train.objective {objective}: packing.on_overflow walk is not built for it (error or skip)")
-    if p.context_grad != "full":
-        problems.append(f"train.objective {objective}: packing.context_grad {p.context_grad} is not built for it "
-                        "(full only)")
-    if objective == "dpo" and p.continuation_groups > 1:
-        problems.append(f"train.objective dpo: packing.continuation_groups {p.continuation_groups} is not built for "
-                        "it (a pair's loss needs both answers in one graph; set 1)")
-    if objective == "dpo" and p.max_continuations < 2:
-        problems.append("train.objective dpo: packing.max_continuations must be at least 2 (a pair's two answers "
-                        f"are in one pack), got {p.max_continuations}")
-    return problems
+    """The packing.context_grad values built under the config's packing.mode (the support table's: tree, full
+    only)."""
+    return support.built_context_grads(p.mode)
 
 
 def _validate(cfg: Config) -> list[str]:
@@ -405,14 +371,11 @@ def _validate(cfg: Config) -> list[str]:
         value = get_dotted(cfg, path)
         if value is not None and path not in numbers and not ok(value):
             problems.append(f"{path}: {msg}, got {value!r}")
-    if cfg.packing.on_overflow == "walk" and cfg.packing.context_grad == "kv_only":
-        problems.append("packing.on_overflow: walk needs packing.context_grad full or frozen, not kv_only")
-    if cfg.packing.mode == "tree":
-        problems += _tree_problems(cfg.packing)
-    if cfg.packing.continuation_groups > 1 and cfg.packing.mode != "shared_prefix":
-        problems.append(f"packing.continuation_groups: groups a pack's continuations, so it needs packing.mode "
-                        f"shared_prefix, got mode {cfg.packing.mode!r} with {cfg.packing.continuation_groups} groups")
-    problems += _objective_problems(cfg)
+    # what packtrain builds: one table (packtrain/config/support.py); the data's images are ruled on once read
+    problems += support.refusals(support.Combination.of(cfg))
+    if cfg.train.objective != "dpo" and cfg.train.rpo_alpha:
+        problems.append(f"train.rpo_alpha: weighs the chosen answers' cross-entropy under train.objective dpo, not "
+                        f"{cfg.train.objective} (set 0)")
     if cfg.model.path is not None and cfg.model.config is not None:
         problems.append("model: give either model.path or model.config, not both")
     if cfg.lora.target_parameters and cfg.lora.dropout > 0:

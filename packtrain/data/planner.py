@@ -223,8 +223,7 @@ def plan_tree_packs(
     only; examples with the same tokens keep the order of their ids."""
     if not examples:
         raise PlanError("no examples to plan")
-    if on_overflow not in ("error", "skip"):
-        raise ValueError(f"packing.mode tree: packing.on_overflow {on_overflow} is not built (error or skip)")
+    assert on_overflow in ("error", "skip"), "the walk under packing.mode tree: the support table refuses it"
     with _collector_paused():
         return _plan_tree_groups(examples, token_budget, max_continuations, on_overflow, seed)
 

@@ -166,9 +166,10 @@ class ContextGrad:
         raise NotImplementedError
 
     def tree_hidden_states(self, lm, layout: PackLayout, tree_pass):
-        """A prefix tree's pack (:class:`packtrain.packed.tree.TreeCall`): full only."""
-        raise ValueError(f"packing.mode tree: packing.context_grad {self.name} is not built for prefix trees "
-                         "(full only)")
+        """A prefix tree's pack (:class:`packtrain.packed.tree.TreeCall`): full only (packtrain/config/support.py
+        refuses the rest before a run starts)."""
+        raise AssertionError(f"packing.mode tree: packing.context_grad {self.name} is not built for prefix trees "
+                             "(full only; the support table, packtrain/config/support.py, refuses it)")
 
     def prefix_pass(self, layers, p: int):
         """The context P alone runs in (:class:`packtrain.packed.prefix.PrefixCall`): with its graph, cut, or under
@@ -176,10 +177,9 @@ class ContextGrad:
         return contextlib.nullcontext()
 
     def check_walk(self) -> None:
-        """Refuse a walk (``packing.on_overflow: walk``) the mode does not run."""
-        if not self.walks:
-            raise ValueError(f"packing.on_overflow=walk: packing.context_grad {self.name} is not supported (full or "
-                             "frozen)")
+        """A walk (``packing.on_overflow: walk``) under a mode that does not run it: the support table
+        (packtrain/config/support.py) refuses it before a run starts."""
+        assert self.walks, f"packing.on_overflow=walk under packing.context_grad {self.name}: the support table refuses it"
 
     # -- what the memory and time estimates count (packtrain/models/memory.py, step_time.py, savings.py) --------
     def graph_rows(self, positions: int, prefix: int, group_positions: int | None) -> tuple[int, int]:

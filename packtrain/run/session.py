@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from packtrain.config import Config
+from packtrain.config import Config, support
 from packtrain.data.examples import load_split
 from packtrain.data.planner import Plan
 from packtrain.run.units import Kinds, choose_savings, image_loader
@@ -110,6 +110,7 @@ def open_session(cfg: Config, dist: DistInfo | None, split: str = "train", with_
     eval_examples = load_split(cfg, "eval") if with_eval else None
     scorer, tokenizer = task_start(cfg, "eval" if with_eval else split) if task else (None, None)
     kinds = Kinds.of(cfg, n_groups=n_groups)
+    _check_images(cfg, kinds, examples + (eval_examples or []))
     kinds.check(examples, f"data.{split}")
     if eval_examples:
         kinds.objective.check(eval_examples, "data.eval")
@@ -120,3 +121,14 @@ def open_session(cfg: Config, dist: DistInfo | None, split: str = "train", with_
     if savings:
         _, session.choice = choose_savings(cfg, plan, examples, dist, kinds)
     return session
+
+
+def _check_images(cfg: Config, kinds: Kinds, examples: list) -> None:
+    """The support table on the data: what the run's kinds build with images (continuation groups take text only),
+    naming the first example that has one."""
+    pictured = next((ex for ex in examples if getattr(ex, "images", ())), None)
+    if pictured is None:
+        return
+    refused = support.refusals(dataclasses.replace(support.Combination.of(cfg, images=True), groups=kinds.n_groups))
+    if refused:
+        raise ValueError(f"{pictured.source}: {refused[0]}")

@@ -109,8 +109,8 @@ class Kinds:
         return self.kind_of(pack).units(pack)
 
     def check(self, examples, split: str = "data.train") -> None:
-        """The pack kind and the objective refuse, before the model is built, data they cannot run."""
-        self.pack.check(examples)
+        """The objective refuses, before the model is built, data it cannot train on (what the kinds build with the
+        data's images is the support table's: packtrain/config/support.py)."""
         self.objective.check(examples, split)
 
     def runs(self, stats: dict | None = None) -> list[str]:
@@ -275,9 +275,6 @@ class Kind:
         """How it runs, after its continuations' count in a line of output ("" or " in 3 groups", ...)."""
         return ""
 
-    def check(self, examples) -> None:
-        """Refuse data this kind cannot run, before the model is built."""
-
     def runs(self, stats: dict) -> str:
         """How a run's units of this kind run, for a run's header and the bench's summary ("": nothing to say)."""
         return ""
@@ -341,11 +338,6 @@ class GroupsKind(Kind):
         return f"continuation_groups {self.n_groups}: each pack's continuations in {self.n_groups} groups against " \
                "one P graph"
 
-    def check(self, examples):
-        pictured = next((ex for ex in examples if getattr(ex, "images", ())), None)
-        if pictured is not None:
-            raise ValueError(f"{pictured.source}: has images, and packing.continuation_groups > 1 takes text-only "
-                             f"data (set packing.continuation_groups: 1)")
 
 
 class StandaloneKind(Kind):

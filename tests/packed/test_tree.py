@@ -255,9 +255,14 @@ def test_without_the_gradient_through_parent_states_the_update_differs(monkeypat
 
 @pytest.mark.parametrize("mode", ["kv_only", "frozen"])
 def test_context_grad_modes_other_than_full_are_refused(mode):
+    """The support table refuses them before a run starts; the tree's forward asserts what the table says."""
+    from packtrain.config import support
+
+    assert support.refusals(support.Combination("tree", mode, False, 1, "sft")) == [
+        f"packing.mode tree: packing.context_grad {mode} is not built (full only)"]
     prefix, conts = branches()
     model = patched_lora_model([L, F], seed=0, backend=BACKEND)
-    with pytest.raises(ValueError, match=f"packing.context_grad {mode} is not built for prefix trees"):
+    with pytest.raises(AssertionError, match=f"packing.context_grad {mode} is not built for prefix trees"):
         PackedLM(model, mode)(TreeCall(build_tree_layout(prefix, conts)))
 
 
