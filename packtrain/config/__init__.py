@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
