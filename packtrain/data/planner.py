@@ -363,12 +363,17 @@ def _by_id(examples: Sequence[Any], indices: list[int]):
     return lambda j: (str(getattr(examples[indices[j]], "id", "")), indices[j])
 
 
+def seeded(seed: int, epoch: int, what: str) -> random.Random:
+    """The run's one seeded-RNG recipe: a generator from (``what`` it orders, seed, epoch) alone, the same on every
+    rank and in every process (the epoch's pack order; the balance's order of steps)."""
+    digest = hashlib.sha256(f"packtrain-{what}:{seed}:{epoch}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "little"))
+
+
 def epoch_order(plan: Plan, epoch: int, seed: int | None = None) -> list[int]:
     """Pack indices in the order epoch ``epoch`` visits them: a shuffle seeded from (seed, epoch) alone."""
-    seed = plan.seed if seed is None else seed
-    digest = hashlib.sha256(f"packtrain-epoch:{seed}:{epoch}".encode()).digest()
     order = list(range(len(plan.packs)))
-    random.Random(int.from_bytes(digest[:8], "little")).shuffle(order)
+    seeded(plan.seed if seed is None else seed, epoch, "epoch").shuffle(order)
     return order
 
 

@@ -42,6 +42,7 @@ from packtrain.data.images import BUNDLED_PROCESSOR, PROCESSOR_FILES
 from packtrain.distributed import LAUNCHER_VARIABLES
 from packtrain.faults import OVERRIDE_RANK, node_override
 from packtrain.ops import fla_tune
+from packtrain.rundir.checkpoint import file_digest
 
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "fla", "causal_conv1d", "triton", "packtrain")
 GPU_ONLY = ("fla", "causal_conv1d", "triton")  # described without importing on a machine without CUDA
@@ -183,16 +184,6 @@ CONTENTS = " contents"  # the suffix of a setting that is a file's digest (the t
 VERSION, ENVIRONMENT = "version ", "environment "  # the prefixes of the versions' and the launcher's settings
 
 
-def _file_digest(path: Path) -> str:
-    if not path.is_file():
-        return "missing"
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()[:12]
-
-
 def _directory_files(folder: Path, names: tuple[str, ...]) -> list[tuple[str, Path]]:
     """(name, path) of each of ``names`` that ``folder`` holds, and of its ``additional_chat_templates/*.jinja``
     (transformers reads those beside a tokenizer)."""
@@ -247,7 +238,7 @@ def config_settings(cfg) -> dict[str, str]:
 
     walk("", cfg.to_dict())
     for setting, path in input_files(cfg):
-        flat[setting] = _file_digest(path)
+        flat[setting] = file_digest(path)[:12] if path.is_file() else "missing"
     for name in LAUNCHER_VARIABLES:
         flat[f"{ENVIRONMENT}{name}"] = os.environ.get(name, "(unset)")
     for name, version in versions().items():

@@ -26,12 +26,10 @@ same steps. ``round_robin`` is the order of ``epoch_order`` cut into steps, rank
 
 from __future__ import annotations
 
-import hashlib
 import math
-import random
 from collections import deque
 
-from packtrain.data.planner import Plan, epoch_order
+from packtrain.data.planner import Plan, epoch_order, seeded
 from packtrain.models.cost import CostModel
 
 BALANCES = ("cost", "round_robin")
@@ -53,11 +51,6 @@ def pack_costs(plan: Plan, examples, model: CostModel) -> list[float]:
     example: its whole sequence, as one continuation; a tree pack: its tree's positions and pairs); its head rows
     left out (:mod:`packtrain.models.cost`)."""
     return [model.flops(p.positions, p.pairs) for p in plan.packs]
-
-
-def _seeded(seed: int, epoch: int, what: str) -> random.Random:
-    digest = hashlib.sha256(f"packtrain-{what}:{seed}:{epoch}".encode()).digest()
-    return random.Random(int.from_bytes(digest[:8], "little"))
 
 
 def _similar_cost_steps(plan: Plan, order: list[int], costs: list[float], per_step: int,
@@ -111,7 +104,7 @@ def epoch_steps(plan: Plan, costs: list[float], epoch: int, seed: int, per_step:
     # keep DIVERSITY of round robin's distinct prompts per step (its mean over this epoch's steps)
     mean_distinct = sum(len({plan.packs[i].prompt for i in step}) for step in rounds) / len(rounds)
     steps = _similar_cost_steps(plan, order, costs, per_step, min(per_step, math.ceil(DIVERSITY * mean_distinct)))
-    _seeded(seed, epoch, "steps").shuffle(steps)
+    seeded(seed, epoch, "steps").shuffle(steps)
     return [_to_ranks(step, costs, world) for step in steps]
 
 

@@ -227,6 +227,8 @@ def _files(ckpt: Path) -> list[str]:
 
 
 def file_digest(path: Path) -> str:
+    """A file's SHA-256 (hex): the one file digest of a run (checkpoints, and what check-nodes compares across
+    ranks)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
