@@ -17,7 +17,7 @@ def evaluate(lm, plan: Plan, examples, setup: Kinds, info: DistInfo, progress=No
     through the unit runner under no_grad (whole packs, whatever ``packing.continuation_groups``; walked examples
     chunk by chunk)."""
     # an evaluation reads no loss terms: a dpo run's reference table (of data.train) need not name data.eval's ids
-    setup = dataclasses.replace(setup.whole_packs(), objective=dataclasses.replace(setup.objective, table=None))
+    setup = dataclasses.replace(setup.whole_packs(), objective=setup.objective.with_table(None))
     was_training = lm.training
     lm.eval()
     results: dict[int, tuple[float, int]] = {}

@@ -61,7 +61,8 @@ class Objective:
         """Each unit runs a reference forward before its training forward (dpo's)."""
         return False
 
-    def with_table(self, table: Mapping[str, float]) -> Objective:
+    def with_table(self, table: Mapping[str, float] | None) -> Objective:
+        """The objective reading its reference log-probabilities from ``table`` (None: from no table)."""
         return self
 
     def items(self, n_examples: int) -> int:
@@ -148,7 +149,7 @@ class Dpo(Objective):
         reference forward)."""
         return self.reference == "per_step" or self.table is None
 
-    def with_table(self, table: Mapping[str, float]) -> Dpo:
+    def with_table(self, table: Mapping[str, float] | None) -> Dpo:
         return dataclasses.replace(self, table=table)
 
     def items(self, n_examples: int) -> int:
