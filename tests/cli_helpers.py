@@ -383,7 +383,7 @@ def write_model_dir(path: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoConfig, Qwen3_5ForCausalLM
 
-    from packtrain.data.examples import load_tokenizer
+    from packtrain.data.jsonl import load_tokenizer
 
     raw = dict(TINY_MODEL)
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
@@ -476,7 +476,7 @@ def assert_tree_trains_as_standalone(cfg: Path, tmp: Path, examples: int, *stand
 def seed_unit_shape():
     """The seed-like pack of tools/data/make_seed_data.py as the memory estimate sizes it: P 64,000 + 80 continuations of
     400-700 + 200-400 tokens."""
-    from packtrain.models.memory import UnitShape
+    from packtrain.memory.estimate import UnitShape
 
     sys.path.insert(0, str(REPO / "tools" / "data"))
     from make_seed_data import seed_records

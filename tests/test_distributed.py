@@ -103,8 +103,8 @@ def test_model_path_runs_give_one_adapter_on_one_and_two_ranks(tmp_path):
 
 def test_over_budget_pack_on_one_rank_is_skipped_by_both(tmp_path):
     from packtrain.config import load_config
-    from packtrain.data.examples import load_split
-    from packtrain.run.steps import step_packs
+    from packtrain.data.jsonl import load_split
+    from packtrain.run.balance import step_packs
     from packtrain.run.units import plan_for
 
     # round robin: the test picks a seed that puts the big pack on rank 1 (balanced steps give it to rank 0)

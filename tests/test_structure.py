@@ -14,7 +14,7 @@ import packtrain
 ROOT = Path(packtrain.__file__).parent
 # A package (or top-level module) imports only those before it: the packed computation never imports the run.
 # The package itself (packtrain/__init__.py: the public helpers, lazily) comes last, as the CLI does.
-ORDER = ["versions", "exits", "faults", "config", "distributed", "data", "packed", "models", "rundir", "ops", "run", "bench", "commands",
+ORDER = ["versions", "exits", "faults", "config", "distributed", "data", "packed", "models", "memory", "rundir", "ops", "run", "bench", "commands",
          "cli", "__main__", "__init__"]
 
 
@@ -230,7 +230,7 @@ same = lm.context.name == other
 
 def test_the_branch_counter_fails_on_a_planted_branch(tmp_path, monkeypatch):
     """The count above can fail: the package's own modules with one more branch planted in a copy of
-    packtrain/run/steps.py (outside the homes) beyond the budget, and each planted kind of branch is one more."""
+    packtrain/run/step.py (outside the homes) beyond the budget, and each planted kind of branch is one more."""
     found = _branches_outside_the_homes()
     planted = ["if plan.tree: pass", "if pack.pairs is None: pass", "ok = setup.mode != 'standalone'",
                "x = lm.context.name == 'kv_only'", "if layout.packed: pass", "y = build(u, p, e, packed=False)"]
@@ -238,7 +238,7 @@ def test_the_branch_counter_fails_on_a_planted_branch(tmp_path, monkeypatch):
     for path in ROOT.rglob("*.py"):
         (pkg / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
         (pkg / path.relative_to(ROOT)).write_text(path.read_text())
-    steps = pkg / "run" / "steps.py"
+    steps = pkg / "run" / "step.py"
     n = max(MAX_BRANCHES + 1 - len(found), len(planted))  # past the budget, every kind of branch at least once
     steps.write_text(steps.read_text() + "\n" + "\n".join((planted * n)[:n]) + "\n")
     monkeypatch.setattr(packtrain, "__file__", str(pkg / "__init__.py"))
@@ -299,7 +299,7 @@ def test_the_type_check_sees_an_isinstance_on_a_call():
 # One run setup (packtrain/run/session.py): the splits, the plan, the savings, the model, the kinds and the task are
 # made there for every command; a call of one of these anywhere else is a second setup. Each function's own module
 # may call it (a definition, its helpers).
-SETUP_CALLS = {"load_split": "packtrain.data.examples", "plan_for": "packtrain.run.units",
+SETUP_CALLS = {"load_split": "packtrain.data.jsonl", "plan_for": "packtrain.run.units",
                "choose_savings": "packtrain.run.units", "image_loader": "packtrain.run.units",
                "build_base_model": "packtrain.models.build", "assemble": "packtrain.models.wrap",
                "task_for": "packtrain.run.task", "task_start": "packtrain.run.task", "Kinds.of": "packtrain.run.units",
@@ -421,13 +421,16 @@ def test_the_mirror_check_sees_a_stray_folder_and_a_name_twice(tmp_path):
 # module's at tests/test_<module>.py). A module joins the list with its file; the list grows until every module that
 # holds logic is on it.
 TESTED_MODULES = [
-    "commands/export", "commands/plan", "commands/smoke", "commands/train", "config", "config/support", "data/chat", "data/examples",
-    "data/images", "data/planner", "data/preference", "distributed", "models/loading", "models/lora_compute", "models/memory",
-    "models/offload", "models/savings", "models/serving", "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/watchdog", "packed/attention",
-    "packed/cut", "packed/equal", "packed/families", "packed/gdn", "packed/groups", "packed/kernels/torch_ref",
-    "packed/layout", "packed/loss", "packed/recompute", "packed/rng", "packed/rowsparse", "packed/tree", "packed/walk",
-    "run/balance", "run/eval_figures", "run/finite", "run/generate", "run/measure", "run/objective", "run/reference", "run/scoring", "run/signals", "run/trainer",
-    "run/units", "rundir/checkpoint", "rundir/directory", "rundir/resume", "rundir/tokenizer", "versions",
+    "commands/export", "commands/plan", "commands/smoke", "commands/train", "config", "config/support",
+    "config/tiles", "data/chat", "data/jsonl", "data/images", "data/pairs", "data/planner", "data/preference",
+    "distributed", "memory/budget", "memory/estimate", "memory/measure", "memory/savings", "memory/step_time",
+    "models/cost", "models/loading", "models/lora_compute", "models/offload", "models/serving", "models/wrap",
+    "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/watchdog", "packed/attention", "packed/context", "packed/cut",
+    "packed/equal", "packed/families", "packed/gdn", "packed/groups", "packed/kernels/torch_ref", "packed/layout",
+    "packed/lm", "packed/loss", "packed/patch", "packed/recompute", "packed/rng", "packed/rowsparse", "packed/tree",
+    "packed/walk", "run/balance", "run/cadence", "run/eval_figures", "run/finite", "run/generate", "run/objective",
+    "run/reference", "run/scoring", "run/signals", "run/step", "run/trainer", "run/units", "rundir/checkpoint",
+    "rundir/directory", "rundir/disk", "rundir/resume", "rundir/tokenizer", "versions",
 ]
 
 

@@ -7,8 +7,8 @@ A Python script's ``--help`` runs in this process (``runpy``, as ``python tools/
 script's runs in bash."""
 
 import ast
-import importlib.util
 import contextlib
+import importlib.util
 import io
 import runpy
 import subprocess
@@ -86,8 +86,8 @@ def test_no_tool_imports_a_private_name_of_packtrain():
 
 
 def test_the_private_import_check_sees_one():
-    source = "from packtrain.run.measure import phase_hooks, _hidden\nimport packtrain._secret\n"
-    assert _private_imports(source) == ["packtrain.run.measure._hidden", "packtrain._secret"]
+    source = "from packtrain.memory.measure import phase_hooks, _hidden\nimport packtrain._secret\n"
+    assert _private_imports(source) == ["packtrain.memory.measure._hidden", "packtrain._secret"]
 
 
 def test_the_readme_lists_every_script():

@@ -8,7 +8,7 @@ whose lengths are drawn uniformly from ``cont_tokens`` (inclusive); the target i
 - ``cpu``: a 4-layer hybrid of hidden 256 (3 Gated DeltaNet + 1 attention), float32, one P of 2,048 tokens with
   16 continuations of 56-72 tokens: one pack, one optimizer step, position ratio 11.0 (its run time and results:
   docs/performance.md, "Shared-prefix vs standalone vs a plain transformers + peft loop"). Its memory savings are
-  left auto, as a user's config leaves them: chosen for this machine's memory (packtrain/models/savings.py).
+  left auto, as a user's config leaves them: chosen for this machine's memory (packtrain/memory/savings.py).
 - ``gpu``: Qwen3.6-27B's layer shapes with 4 layers (3 GDN + 1 attention), random init, bf16, fla kernels,
   checkpointed layers, one P of 32,768 tokens with 16 continuations of 768-1,280 tokens (ratio ~11).
 - ``tree``: the ``cpu`` model on multi-turn data trained under ``data.train_on: each``: one P of 2,048 tokens, 4
@@ -34,7 +34,7 @@ import copy
 import random
 from dataclasses import dataclass, replace
 
-from packtrain.data.examples import Example
+from packtrain.data.jsonl import Example
 
 L, F = "linear_attention", "full_attention"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "in_proj_qkv", "in_proj_z", "out_proj"]

@@ -20,7 +20,7 @@ Each packtrain variant is the config under overrides of its packing settings (:d
 session built (:func:`packtrain.models.wrap.root`, under the variant's context mode).
 
 Every variant trains the steps ``packtrain train`` trains on one rank (epoch 0 of
-:meth:`packtrain.run.steps.StepPlan.for_run`, under ``train.balance``); the packtrain variants run the trainer's own
+:meth:`packtrain.run.balance.StepPlan.for_run`, under ``train.balance``); the packtrain variants run the trainer's own
 step (:class:`packtrain.run.step.Step`), and the plain loop scales each loss by 1 / (examples in the step), clips
 to ``optim.max_grad_norm`` and steps the same optimizer and schedule. Each run starts from the same initial adapter
 and a fresh optimizer, and ends with an evaluation of the adapter it trained, each variant through its own forward (packed, standalone, or
@@ -40,11 +40,11 @@ from packtrain.config import Config
 from packtrain.data.planner import Plan
 from packtrain.models.build import lora_config
 from packtrain.models.wrap import root
+from packtrain.run.balance import StepPlan
 from packtrain.run.evaluate import evaluate, mean_loss
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.session import Session, open_session
 from packtrain.run.step import Step
-from packtrain.run.steps import StepPlan
 
 
 class PackedVariant:

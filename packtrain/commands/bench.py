@@ -144,13 +144,13 @@ def write_run_config(out: Path, cfg, examples) -> Path:
 def run_bench(args) -> int:
     import torch
 
-    from packtrain.bench.measure import interleave, summarize
     from packtrain.bench.presets import H100_BF16_DENSE_TFLOPS, H100_SOURCE, get_preset
     from packtrain.bench.report import format_table, plot, speedups, versus, write_json
+    from packtrain.bench.timing import interleave, summarize
     from packtrain.bench.variants import DEFAULT_VARIANTS, VARIANTS, Models, Workload
     from packtrain.data.planner import plan_stats, target_count
     from packtrain.distributed import init_distributed
-    from packtrain.run.report import savings_lines
+    from packtrain.run.header import savings_lines
     from packtrain.run.session import open_session
     from packtrain.rundir.disk import check_not_an_input, check_output_path, config_inputs
 

@@ -39,8 +39,8 @@ def _run_files(output: Path, run: dict, base: Path):
     packtrain kept it there, the config's data.tokenizer / data.chat_template / data.processor (else the base's own
     files, else the bundled ones the run read)."""
     from packtrain.data.chat import read_template
-    from packtrain.data.examples import BUNDLED_TOKENIZER
     from packtrain.data.images import BUNDLED_PROCESSOR
+    from packtrain.data.jsonl import BUNDLED_TOKENIZER
     from packtrain.models.export import RunFiles
     from packtrain.rundir.tokenizer import run_files
 

@@ -1,11 +1,11 @@
 """`packtrain plan CONFIG [--set ...] [--json] [--world-size N] [--memory]`: plan the training data's packs and
 print the statistics, the steps' utilisation at N ranks under both ``train.balance`` settings
 (:mod:`packtrain.run.balance`); with ``--memory``, the memory savings chosen for the largest pack (the candidates
-considered, :mod:`packtrain.models.savings`) and its per-GPU memory estimate (:mod:`packtrain.models.memory`), and
+considered, :mod:`packtrain.memory.savings`) and its per-GPU memory estimate (:mod:`packtrain.memory.estimate`), and
 with ``--gpu-memory GIB`` the choice for that GPU and the largest budget that fits it.
 
 Nothing touches torch or a model: this is how to size ``packing.token_budget`` before a run. ``--measure`` is the
-exception: it runs the training step under fake tensors (:mod:`packtrain.run.measure`), seconds and no memory.
+exception: it runs the training step under fake tensors (:mod:`packtrain.memory.measure`), seconds and no memory.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from pathlib import Path
 
 from packtrain.config import ConfigError, built_context_grads, load_config
 from packtrain.data.planner import plan_stats
-from packtrain.models import memory, memory_report, savings, serving
-from packtrain.models.budget import format_node_pool, node_pool, plan_budget
+from packtrain.memory import describe as memory_report
+from packtrain.memory import estimate as memory
+from packtrain.memory import savings
+from packtrain.memory.budget import format_node_pool, node_pool, plan_budget
+from packtrain.models import serving
 from packtrain.models.cost import CostModel
 from packtrain.run import balance
 from packtrain.run.session import open_session
@@ -138,9 +141,10 @@ def run_plan(args) -> int:
         chosen = choice.apply(cfg)
         est = choice.estimate
         if args.measure:
-            from packtrain.run.measure import measure_whole
+            from packtrain.memory.measure import measure_whole
+            from packtrain.run.harness import measure_step
 
-            measured = measure_whole(chosen, plan, examples, args.world_size, session.kinds)
+            measured = measure_whole(chosen, measure_step(chosen, plan, examples, session.kinds), args.world_size)
         if args.gpu_memory is not None:
             budget = savings.max_token_budget(cfg, shape, args.world_size, limits, args.gpu_memory)
         # the modes the packing mode builds (tree: full alone, the estimate above: no table)

@@ -48,7 +48,7 @@ def format_table(title: str, phases, cuda: bool, since_start: bool, ranks: list[
 def run_smoke(args) -> int:
     from packtrain.data.planner import target_count
     from packtrain.run import harness
-    from packtrain.run.report import savings_lines
+    from packtrain.run.header import savings_lines
     from packtrain.run.session import open_session
     from packtrain.rundir import checkpoint as ckpt
 

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
@@ -46,7 +46,7 @@ class DataConfig:
     # bundled one (packtrain/assets/vlm)
     processor: str | None = None
     # which assistant turns of a chat carry loss: last (the final one), all (every one, one example per
-    # conversation) or each (one example per turn); packtrain/data/examples.py
+    # conversation) or each (one example per turn); packtrain/data/jsonl.py
     train_on: Literal["last", "all", "each"] = "last"
     # passed to every render of the chat template, e.g. {enable_thinking: false}
     template_kwargs: dict | None = None
@@ -107,7 +107,7 @@ class LoraConfig:
     # Parameters adapted directly (peft's parameter targeting), for the routed experts of MoE families, e.g.
     # [mlp.experts.gate_up_proj, mlp.experts.down_proj]; needs dropout 0. The router (mlp.gate) stays frozen.
     target_parameters: list[str] = field(default_factory=list)
-    init_lora_weights: Union[bool, str] = True
+    init_lora_weights: bool | str = True
     modules_to_save: list[str] | None = None
     bias: Literal["none", "all", "lora_only"] = "none"
     use_rslora: bool = False
@@ -148,7 +148,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 100
     eval_every: int | None = None
-    # The memory savings (packtrain/models/savings.py): `auto` takes, at the start of train, smoke and bench (and in
+    # The memory savings (packtrain/memory/savings.py): `auto` takes, at the start of train, smoke and bench (and in
     # `plan --memory`), the combination whose estimate for the largest unit fits the device's memory (less a
     # reserve) and the host's, with the least estimated step time; a value given is kept.
     # Each decoder layer recomputed in backward from its checkpointed input.

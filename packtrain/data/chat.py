@@ -1,6 +1,6 @@
 """Text and chat examples through the chat template: P (the system block), the prompt and the text of each trained
 assistant turn per ``data.train_on``, tokenized as the model reads and generates them (see
-:mod:`packtrain.data.examples` for the formats and the rules; docs/design.md, "Chat data")."""
+:mod:`packtrain.data.jsonl` for the formats and the rules; docs/design.md, "Chat data")."""
 
 from __future__ import annotations
 

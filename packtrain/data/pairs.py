@@ -1,7 +1,7 @@
 """The query-key pairs of causal attention, per layer and head, of every buffer packtrain runs: one sequence alone, a
 pack (P and each continuation against P and itself) and a prefix tree (each node's tokens against P, their
 ancestors and their own node's earlier tokens). The cost model (:mod:`packtrain.run.balance`), ``plan``'s figures
-and the step-time estimate (:mod:`packtrain.models.savings`) count with these."""
+and the step-time estimate (:mod:`packtrain.memory.savings`) count with these."""
 
 from __future__ import annotations
 

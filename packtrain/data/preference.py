@@ -49,7 +49,7 @@ def pair_fields(record: dict, fmt: str, source: Path, line: int) -> tuple[str, s
 
 def weight_of(record: dict, source: Path, line: int) -> float:
     """The record's ``weight``: a finite number (1 when absent). NaN, infinity and a float past the double range
-    are refused by the strict JSON parser already (packtrain.data.examples), naming the field."""
+    are refused by the strict JSON parser already (packtrain.data.jsonl), naming the field."""
     if "weight" not in record:
         return 1.0
     value = record["weight"]

@@ -1,2 +1,2 @@
-"""Building, loading, wrapping and exporting models, and the per-GPU memory estimate of a model's step
-(:mod:`~packtrain.models.memory`, ``plan --memory``)."""
+"""Building, loading, wrapping and exporting models, and what a unit of them costs in FLOPs (:mod:`~packtrain.models.cost`);
+what a step holds in memory is :mod:`packtrain.memory`'s."""

@@ -1,6 +1,6 @@
 """The cost model: what one forward and backward of a unit costs, in FLOPs, counted once for every user. The balanced
 steps order packs by it (:mod:`packtrain.run.balance`), the savings' step time prices the work each saving adds with
-it (:mod:`packtrain.models.step_time`), and the bench's model FLOPs and MFU are it (:mod:`packtrain.bench.measure`).
+it (:mod:`packtrain.memory.step_time`), and the bench's model FLOPs and MFU are it (:mod:`packtrain.bench.timing`).
 
 - **per position**: 6 x the linear parameters a token meets in the decoder stack (a MoE layer: its router, shared
   expert and the ``num_experts_per_tok`` routed experts it visits): forward 2, backward 4 (the input's gradient and
@@ -94,7 +94,7 @@ class CostModel:
 
 def layer_forward_flops(text: dict, positions: int) -> list[float]:
     """Each decoder layer's forward over ``positions`` (its linears; attention pairs left out): what hides an
-    offloaded layer input's copy (:mod:`packtrain.models.step_time`)."""
+    offloaded layer input's copy (:mod:`packtrain.memory.step_time`)."""
     return [2.0 * (mixer + mlp) * positions for mixer, mlp in
             (layer_parameters_per_token(text, k) for k in text["kinds"])]
 

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from packtrain.config.typed import read_json_object
-from packtrain.data.examples import TOKENIZER_FILES
 from packtrain.data.images import PROCESSOR_FILES
+from packtrain.data.jsonl import TOKENIZER_FILES
 from packtrain.models import serving
 from packtrain.models.loading import INDEX_FILE, SafetensorsCheckpoint, WeightMap, module_names, read_adapter
 

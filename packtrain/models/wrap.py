@@ -25,6 +25,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from packtrain.config import Config
+from packtrain.config.tiles import AUTO, KEYS, inference_rows, offload_layers
 from packtrain.models.build import apply_lora
 from packtrain.models.loading import (
     SafetensorsCheckpoint,
@@ -37,7 +38,6 @@ from packtrain.models.loading import (
     real_tensors,
 )
 from packtrain.models.offload import DEFAULT_CHUNK_BYTES, ChunkPool, OffloadChain, OffloadedCheckpoint
-from packtrain.models.savings import AUTO, KEYS, inference_rows
 from packtrain.packed.kernels import Backend, select_backend
 from packtrain.packed.lm import PackedLM
 from packtrain.packed.patch import patch_model, text_parts
@@ -172,7 +172,7 @@ def assemble(base_model: nn.Module, cfg: Config, device, shard: bool = False, ba
                                         gdn_kernel=cfg.model.gdn_kernel)
     offload = 0
     if training:
-        offload = len(decoder_layers(model)) if t.offload is True else int(t.offload)
+        offload = offload_layers(t.offload, len(decoder_layers(model)))
     lm = wrap(model, backend, checkpointing=training and bool(t.activation_checkpointing), offload=offload,
               shard=shard, device=device, context_grad=cfg.packing.context_grad, loss_chunk_rows=loss_rows,
               fill=fill)

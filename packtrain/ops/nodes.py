@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from packtrain import versions as tested
-from packtrain.data.examples import TOKENIZER_FILES, processor_dir, tokenizer_dir
 from packtrain.data.images import BUNDLED_PROCESSOR, PROCESSOR_FILES
+from packtrain.data.jsonl import TOKENIZER_FILES, processor_dir, tokenizer_dir
 from packtrain.distributed import LAUNCHER_VARIABLES
 from packtrain.faults import OVERRIDE_RANK, node_override
 from packtrain.ops import fla_tune

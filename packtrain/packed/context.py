@@ -181,7 +181,7 @@ class ContextGrad:
         (packtrain/config/support.py) refuses it before a run starts."""
         assert self.walks, f"packing.on_overflow=walk under packing.context_grad {self.name}: the support table refuses it"
 
-    # -- what the memory and time estimates count (packtrain/models/memory.py, step_time.py, savings.py) --------
+    # -- what the memory and time estimates count (packtrain/memory/estimate.py, step_time.py, savings.py) --------
     def graph_rows(self, positions: int, prefix: int, group_positions: int | None) -> tuple[int, int]:
         """(the rows whose activations a unit's graph keeps, the rows one layer's recompute holds) for a unit of
         ``positions`` whose first ``prefix`` are P: every row; in continuation groups (``group_positions``: the
@@ -225,18 +225,16 @@ class KvOnly(ContextGrad):
     def hidden_states(self, lm, layout):
         from packtrain.packed.cut import cut_at_layer_inputs
         from packtrain.packed.pack_pass import PackPass
-        from packtrain.packed.patch import text_parts
 
-        layers = text_parts(lm.model)[0].layers
+        layers = lm.parts.text_model.layers
         with cut_at_layer_inputs(layers, layout.prefix_len):
             pack = PackPass(layout, keep_from=keep_from(layout, len(layers)))
             return lm.hidden_states(layout, pack), layout.target_positions, None
 
     def standalone_hidden_states(self, lm, layout):
         from packtrain.packed.cut import cut_at_layer_inputs
-        from packtrain.packed.patch import text_parts
 
-        with cut_at_layer_inputs(text_parts(lm.model)[0].layers, layout.prefix_len):
+        with cut_at_layer_inputs(lm.parts.text_model.layers, layout.prefix_len):
             return lm.hidden_states(layout), layout.target_positions, None
 
     def prefix_pass(self, layers, p):
@@ -260,7 +258,6 @@ class Frozen(ContextGrad):
         """The mode's reference semantics: transformers' own cache path on concat(P, C)."""
         import torch
 
-        from packtrain.packed.patch import packed_positions
 
         p = layout.prefix_len
         prefix = dataclasses.replace(layout, input_ids=layout.input_ids[:, :p], image_grid_thw=None,
@@ -270,7 +267,7 @@ class Frozen(ContextGrad):
         cache, last = first.cache, first.last_hidden_state[:, -1:]
         rest = _continuation_view(layout)
         _differentiable(cache)
-        second = lm.run_body(rest, cache=cache, use_cache=True, position_ids=packed_positions(lm.model, rest))
+        second = lm.run_body(rest, cache=cache, use_cache=True, position_ids=lm.parts.positions(rest))
         hidden = torch.cat([last, second.last_hidden_state], dim=1)
         return hidden, layout.target_positions - (p - 1), layout.target_positions < p
 

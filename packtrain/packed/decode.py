@@ -26,13 +26,13 @@ from packtrain.packed.context import continuations_on
 from packtrain.packed.families import family_of
 from packtrain.packed.layout import PackLayout
 from packtrain.packed.pack_pass import ItemRecord
-from packtrain.packed.patch import LAYOUT_KWARG, model_body, text_parts
+from packtrain.packed.patch import LAYOUT_KWARG
 from packtrain.packed.prefix import PrefixState
 from packtrain.packed.rows import Rows
 
 
 def _head(lm, hidden_ND: torch.Tensor) -> torch.Tensor:
-    return text_parts(lm.model)[1](hidden_ND)
+    return lm.parts.lm_head(hidden_ND)
 
 
 def _own_buffers(record: ItemRecord, layout: PackLayout | None, prefix: PrefixState, prefix_len: int, empty: int,
@@ -109,7 +109,7 @@ class DecodeCall:
     def run(self, lm) -> torch.Tensor:
         """One token per row through the model's body, every layer against the rows' state: [B, V] logits."""
         rows = self.rows
-        body, _ = model_body(lm.model)
+        body = lm.parts.body
         out = body(input_ids=self.tokens[:, None],
                    position_ids=rows.position_ids(family_of(lm.model).positions == "mrope"),
                    attention_mask={"full_attention": None, "linear_attention": None}, use_cache=False,

@@ -22,7 +22,7 @@ Under ``packing.context_grad`` kv_only, step 1 cuts the gradient at P's rows of 
 its rows), as the mode's standalone reference does; under frozen, step 1 runs under no_grad and step 3 is skipped.
 
 Every pack runs exactly G groups, whatever its continuation count, so every rank issues the same calls (the equal-call
-rule of :mod:`packtrain.run.steps`): a pack with fewer continuations than G fills its last groups with a dummy group
+rule of :func:`packtrain.run.step.rank_units`): a pack with fewer continuations than G fills its last groups with a dummy group
 (its first continuation, its loss scaled by zero).
 """
 

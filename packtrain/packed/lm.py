@@ -39,7 +39,7 @@ from packtrain.packed.context import context_grad as context_mode
 from packtrain.packed.layout import PackLayout
 from packtrain.packed.loss import LossOutput, examples_loss
 from packtrain.packed.pack_pass import PackPass
-from packtrain.packed.patch import LAYOUT_KWARG, model_body, packed_positions, text_parts, unwrap
+from packtrain.packed.patch import LAYOUT_KWARG, model_parts, unwrap
 from packtrain.packed.tree import TreeLayout, TreePass
 
 R_co = TypeVar("R_co", covariant=True)
@@ -60,7 +60,7 @@ class PackCall:
 
     def run(self, lm: PackedLM) -> LossOutput:
         layout = self.layout
-        device = text_parts(lm.model)[0].embed_tokens.weight.device
+        device = lm.parts.text_model.embed_tokens.weight.device
         if layout.input_ids.device != device:
             layout = layout.to(device)
         return examples_loss(lm, layout, *self.hidden_states(lm, layout))
@@ -100,12 +100,13 @@ class PackedLM(nn.Module):
                  loss_chunk_rows: int = 0):
         super().__init__()
         self.model = model
+        self.parts = model_parts(model)  # the decoder stack, head, body and positions, found once
         self.context = context_mode(context_grad)
         self.context.install(model)
         self.loss_chunk_rows = loss_chunk_rows
         # (hidden [M, D], target ids [M], constant rows [M] or None) -> per-token losses [M]; under FSDP2 run as the
         # head unit's forward (packtrain.models.wrap.wrap)
-        self.target_losses = functools.partial(loss.target_losses, text_parts(model)[1], chunk_rows=loss_chunk_rows)
+        self.target_losses = functools.partial(loss.target_losses, self.parts.lm_head, chunk_rows=loss_chunk_rows)
         self.calls = 0  # forward calls of this root: each runs FSDP's collectives (packtrain.run.units counts them)
 
     def describe_loss(self) -> str:
@@ -120,16 +121,15 @@ class PackedLM(nn.Module):
         """Embedding (+ vision) + decoder stack on the layout's buffer; ``extra`` goes to the body call. ``pack``:
         what the patched layers read of a pack (:mod:`packtrain.packed.pack_pass`); without it, the model's own
         forward on the layout's one sequence."""
-        body, is_vlm = model_body(self.model)
         kwargs = {"use_cache": False}
         if pack is not None:
             # A dict mask skips transformers' mask builder, which would infer (wrong) sequence boundaries
             # from the shared-prefix position ids; the layout carries the real ones.
-            kwargs.update({"position_ids": packed_positions(self.model, layout),
+            kwargs.update({"position_ids": self.parts.positions(layout),
                            LAYOUT_KWARG: pack,
                            "attention_mask": {"full_attention": None, "linear_attention": None}})
         if layout.image_grid_thw is not None:
-            if not is_vlm:
+            if not self.parts.vision:
                 raise ValueError("examples with images need a vision-language model (model_type qwen3_5 or "
                                  "qwen3_5_moe)")
             if layout.pixel_values is None:
@@ -141,7 +141,7 @@ class PackedLM(nn.Module):
             kwargs.update(pixel_values=layout.pixel_values, image_grid_thw=layout.image_grid_thw,
                           mm_token_type_ids=(layout.input_ids == image_token).int())
         kwargs.update(extra)
-        return body(input_ids=layout.input_ids, **kwargs)
+        return self.parts.body(input_ids=layout.input_ids, **kwargs)
 
     def forward(self, call: Call[R]) -> R:
         self.calls += 1

@@ -90,6 +90,26 @@ def packed_positions(model: nn.Module, layout):
     return layout.position_ids if family_of(model).positions == "mrope" else layout.position_ids[0]
 
 
+@dataclass(frozen=True)
+class ModelParts:
+    """Where a model's parts are, read once from its family's row (:class:`packtrain.packed.lm.PackedLM` keeps one)."""
+    text_model: nn.Module  # the text decoder stack (embed_tokens, layers, norm)
+    lm_head: nn.Module
+    body: nn.Module  # what runs embedding + (vision) + decoder stack
+    vision: bool  # a vision-language model
+    mrope: bool  # M-RoPE positions [4, 1, T] (else 1-D, row 0)
+
+    def positions(self, layout):
+        """The position ids a pack passes to the model: M-RoPE ``[4, 1, T]`` or row 0 (``[1, T]``) for 1-D RoPE."""
+        return layout.position_ids if self.mrope else layout.position_ids[0]
+
+
+def model_parts(model: nn.Module) -> ModelParts:
+    family = family_of(model)
+    (text_model, lm_head), (body, vision) = text_parts(model), model_body(model)
+    return ModelParts(text_model, lm_head, body, vision, family.positions == "mrope")
+
+
 def vision_spec(model: nn.Module):
     """The image token id and spatial merge size of a vision-language model, None for a text model."""
     from packtrain.data.images import VisionSpec
@@ -194,5 +214,5 @@ def patch_model(model: nn.Module, backend: Backend) -> nn.Module:
     return model
 
 
-__all__ = ["LAYOUT_KWARG", "UnsupportedModelError", "model_body", "packed_positions", "patch_model", "text_parts",
-           "unwrap", "vision_spec"]
+__all__ = ["LAYOUT_KWARG", "ModelParts", "UnsupportedModelError", "model_body", "model_parts", "packed_positions",
+           "patch_model", "text_parts", "unwrap", "vision_spec"]

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from packtrain.packed.layout import PackLayout
-from packtrain.packed.patch import packed_positions, text_parts
 
 Pairs = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer index -> two tensors
 
@@ -150,7 +149,7 @@ def run_span(lm, layout: PackLayout, start: int, end: int, before: PrefixState) 
     """Positions ``[start, end)`` of ``layout``'s sequence (P followed by one continuation, as a standalone layout
     holds it; or P of a pack) through the model's own forward, from the state ``before`` (the state of
     ``[0, start)``). Returns (the span's final hidden states [1, end - start, D], the span's own state)."""
-    text_model, _ = text_parts(lm.model)
+    text_model = lm.parts.text_model
     cache = StateCache(text_model.config, before)
     if start == 0:
         mask = None  # causal from position 0: SDPA's own causal path
@@ -159,7 +158,7 @@ def run_span(lm, layout: PackLayout, start: int, end: int, before: PrefixState) 
         mask = torch.cat([own.new_ones(end - start, start), own], dim=1)[None, None]
     body = dataclasses.replace(layout, input_ids=layout.input_ids[:, start:end], image_grid_thw=None,
                                pixel_values=None, _cache={})
-    positions = packed_positions(lm.model, layout)[..., start:end]  # M-RoPE [4, 1, T] or 1-D [1, T] by family
+    positions = lm.parts.positions(layout)[..., start:end]  # M-RoPE [4, 1, T] or 1-D [1, T] by family
     hidden = lm.run_body(body, cache=cache, use_cache=True, position_ids=positions,
                          attention_mask={"full_attention": mask, "linear_attention": None}).last_hidden_state
     return hidden, cache.recorded(hidden[:, -1:])
@@ -175,6 +174,6 @@ class PrefixCall:
         gradient cut at P's rows of every decoder-layer input (kv_only,
         :func:`packtrain.packed.cut.cut_at_layer_inputs`)."""
         p = self.layout.prefix_len
-        with lm.context.prefix_pass(text_parts(lm.model)[0].layers, p):
+        with lm.context.prefix_pass(lm.parts.text_model.layers, p):
             _, state = run_span(lm, self.layout, 0, p, PrefixState())
         return state

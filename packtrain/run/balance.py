@@ -1,4 +1,7 @@
-"""Balanced steps (``train.balance: cost``): an epoch's packs go into optimizer steps so that packs of similar cost
+"""The packs of every optimizer step (:class:`StepPlan`, the one source of a run's steps: the trainer, the bench and
+the harness all take theirs from it), from the plan alone, so every rank computes the same ones.
+
+Balanced steps (``train.balance: cost``, the default): an epoch's packs go into optimizer steps so that packs of similar cost
 share a step, and within a step every rank gets the same number of packs, the costliest first to the least loaded
 rank. A step lasts as long as its costliest rank (the collectives wait for it), so the figure that matters is the
 **utilisation**: per step the mean rank cost over the largest, averaged over the epoch's steps.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from packtrain.config import Config
 from packtrain.data.planner import Plan, epoch_order, seeded
 from packtrain.models.cost import CostModel
 
@@ -131,3 +135,41 @@ def distinct_prompts(steps: list[list[list[int]]], plan: Plan) -> float:
     """Mean distinct prompts per step."""
     counts = [len({plan.packs[i].prompt for packs in ranks for i in packs}) for ranks in steps]
     return sum(counts) / len(counts) if counts else 0.0
+
+
+def steps_per_epoch(plan: Plan, packs_per_step: int) -> int:
+    return math.ceil(len(plan.packs) / packs_per_step)
+
+
+def step_packs(plan: Plan, epoch: int, index: int, packs_per_step: int, seed: int) -> list[int]:
+    """Round robin: step ``index`` of epoch ``epoch`` as the next packs of the epoch's seeded order."""
+    return epoch_steps(plan, [], epoch, seed, packs_per_step, 1, "round_robin")[index][0]
+
+
+class StepPlan:
+    """The packs of every step of a run under ``train.balance``; each epoch's steps are computed once."""
+
+    def __init__(self, plan: Plan, costs: list[float], packs_per_step: int, seed: int, world: int,
+                 balance: str = "cost"):
+        self.plan, self.costs, self.per_step, self.seed, self.world, self.balance = (
+            plan, costs, packs_per_step, seed, world, balance)
+        self.steps_per_epoch = steps_per_epoch(plan, packs_per_step)
+        self._epoch: tuple[int, list] | None = None
+
+    @classmethod
+    def for_run(cls, cfg: Config, plan: Plan, examples, world: int) -> StepPlan:
+        """The steps ``packtrain train`` runs on ``plan`` at ``world`` ranks (``train.*``, the config's cost model)."""
+        t = cfg.train
+        return cls(plan, pack_costs(plan, examples, CostModel.for_config(cfg)), t.packs_per_step, t.seed, world,
+                   t.balance)
+
+    def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
+        """Epoch ``epoch``'s steps, each a list over ranks of pack indices."""
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, epoch_steps(self.plan, self.costs, epoch, self.seed, self.per_step, self.world,
+                                                 self.balance))
+        return self._epoch[1]
+
+    def pack_ids(self, epoch: int, index: int) -> list[int]:
+        """Step ``index`` of epoch ``epoch``, in the order :func:`rank_units` slices (rank r: r, r+world, ...)."""
+        return step_pack_ids(self.epoch_steps(epoch)[index])

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
-from packtrain.run.steps import rank_units
+from packtrain.run.step import rank_units
 from packtrain.run.units import Kinds, build, run_unit
 
 

@@ -127,3 +127,27 @@ def run_phase(phases: list[Phase], probe: PeakMemory, name: str, fn):
     finally:
         phase.seconds = time.perf_counter() - t0
         phase.allocated, phase.reserved = probe.read()
+
+
+def measure_step(cfg, plan, examples, kinds=None):
+    """``plan --memory --measure``: one update of the plan's largest unit through the trainer's step (a one-pack plan,
+    :func:`one_pack`) on the reduced model under fake tensors, its live bytes counted per phase
+    (:func:`packtrain.memory.measure.count_update`; ``kinds``: the run's, else the config's). Returns the count
+    (:class:`~packtrain.memory.measure.Measured`)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from packtrain.memory import measure
+    from packtrain.run.session import open_session
+
+    examples, notes = measure.text_only(examples)
+    one_rank = DistInfo(0, 1, 0, torch.device("cpu"))
+    # the run's setup on the reduced model (one layer of each kind): the same kinds, the plan's largest unit
+    session = open_session(measure.reduced_cfg(cfg), one_rank, examples=examples, plan=plan, savings=False)
+    setup = kinds or session.kinds
+    one, _ = one_pack(plan, examples, setup, cfg.train.max_positions)
+    with measure.fake_tensors():
+        session.build_model(meta=False, backend=measure.measure_backend(cfg), device="cpu")
+        step = update_step(cfg, session.lm, setup, one, examples, one_rank)
+        with unset_fake_temporarily():
+            ready = step.prepare(on_every_rank(step))  # real index tensors, built outside the fake mode
+        return measure.count_update(cfg, session.model, session.lm, step, ready, notes)

@@ -67,7 +67,7 @@ def _sampled(file: Path) -> bytes:
 def tokenizer_digest(cfg: Config) -> str:
     """The tokenizer's files (its directory's JSON, Jinja and text files), ``data.chat_template`` and
     ``data.template_kwargs``."""
-    from packtrain.data.examples import chat_template_of, tokenizer_dir
+    from packtrain.data.jsonl import chat_template_of, tokenizer_dir
 
     h = hashlib.sha256(json.dumps(cfg.data.template_kwargs or {}, sort_keys=True).encode())
     folder = tokenizer_dir(cfg)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from packtrain.config import Config, support
-from packtrain.data.examples import load_split
+from packtrain.data.jsonl import load_split
 from packtrain.data.planner import Plan
 from packtrain.run.units import Kinds, choose_savings, image_loader
 
@@ -37,7 +37,7 @@ class Session:
     kinds: Kinds  # built once from the config; its image loader set by build_model
     eval_examples: list | None = None  # data.eval beside data.train (train)
     eval_plan: Plan | None = None
-    choice: object | None = None  # the savings chosen (packtrain.models.savings.Choice), None: not chosen
+    choice: object | None = None  # the savings chosen (packtrain.memory.savings.Choice), None: not chosen
     scorer: object | None = None  # the task metric's scorer and tokenizer (generate.every, eval --generate)
     task_tokenizer: object | None = None
     model: object | None = None  # the peft model, its root (PackedLM) and the kernel back end, once built

@@ -1,7 +1,11 @@
 """One optimizer step, the same for ``packtrain train``, ``packtrain bench`` and the harness (smoke, pretune-fla).
 
-    the step's packs (StepPlan) -> this rank's units (packtrain.run.steps) -> build, agree on skips ->
-    run each unit (packtrain.run.units) -> sum over ranks -> clip -> agree on finiteness -> update
+    the step's packs (packtrain.run.balance.StepPlan) -> this rank's units (:func:`rank_units`) -> build, agree
+    on skips -> run each unit (packtrain.run.units) -> sum over ranks -> clip -> agree on finiteness -> update
+
+Rank r takes packs r, r+world, ... of the step's list and makes their units (:meth:`packtrain.run.units.Kinds.units`,
+which stamps each unit's kind), padded by the equal-call rule (:func:`packtrain.run.units.pad_units`): every rank
+issues the same sequence of calls. Each rank runs its packs first, then its walks.
 
 Each unit's ``loss_sum`` is scaled by 1 / (examples in the whole step, all ranks) and FSDP sums the ranks'
 gradients, so the update is the mean of per-example losses whatever the split into packs, units or ranks
@@ -19,10 +23,22 @@ from dataclasses import dataclass
 import torch
 
 from packtrain import faults
+from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo, agree, all_reduce_sum
 from packtrain.packed.loss import CUT_OFF, ZeroGradientError
-from packtrain.run.steps import rank_units, step_examples
-from packtrain.run.units import Built, Kinds, Unit, build, over_cap, run_unit, step_scale
+from packtrain.run.units import Built, Kinds, Unit, build, over_cap, pad_units, run_unit, step_scale
+
+
+def step_examples(plan: Plan, pack_ids: list[int]) -> int:
+    """The examples of the step made of ``pack_ids``, all ranks."""
+    return sum(len(plan.packs[i].examples) for i in pack_ids)
+
+
+def rank_units(plan: Plan, pack_ids: list[int], kinds: Kinds, rank: int, world: int) -> list[Unit]:
+    """``rank``'s units of the step made of ``pack_ids``: its packs, then its walks, under the equal-call rule."""
+    per_rank = [[u for i in pack_ids[r::world] for u in kinds.units(plan.packs[i])] for r in range(world)]
+    return pad_units(per_rank, rank, kinds)
+
 
 OK, SKIP, FATAL = 0, 1, 2  # per-unit codes, agreed across ranks (the largest wins)
 

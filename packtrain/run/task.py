@@ -51,7 +51,7 @@ def load_task_scorer(cfg) -> Scorer:
 def task_tokenizer(cfg, fmt: str | None):
     """The tokenizer that turns ids into text: the data's (``data.tokenizer``, else the model directory's, else, for
     text and chat, the bundled one); None for pretokenized data with no tokenizer directory."""
-    from packtrain.data.examples import load_tokenizer
+    from packtrain.data.jsonl import load_tokenizer
 
     path = cfg.resolve_path(cfg.data.tokenizer or cfg.model.path)
     if path is not None and (path / "tokenizer.json").is_file():
@@ -70,7 +70,7 @@ def check_text(scorer: Scorer, tokenizer) -> None:
 
 def task_start(cfg, split: str = "eval") -> tuple[Scorer, object | None]:
     """What the task metric needs before the model loads, checked at start: (the scorer, the tokenizer or None)."""
-    from packtrain.data.examples import detect_format
+    from packtrain.data.jsonl import detect_format
 
     fmt = cfg.data.format or detect_format(cfg.resolve_path(getattr(cfg.data, split)))
     scorer, tokenizer = load_task_scorer(cfg), task_tokenizer(cfg, fmt)

@@ -29,14 +29,15 @@ from packtrain.distributed import DistInfo, agree, barrier, init_distributed, lo
 from packtrain.exits import NonFiniteError, PeerLost, Preempted
 from packtrain.ops.nodes import check_same_config, check_same_plan
 from packtrain.ops.runtime import RunOps
-from packtrain.run import finite, reference, report
+from packtrain.run import finite, reference
+from packtrain.run.balance import StepPlan
 from packtrain.run.cadence import Beating, Cadence, Checkpoints, Evaluation, Generation, Records
+from packtrain.run.header import footer, header
 from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.run.optim import build_optimizer, build_scheduler
+from packtrain.run.session import open_session
 from packtrain.run.signals import StopSignals
 from packtrain.run.step import Step
-from packtrain.run.steps import StepPlan
-from packtrain.run.session import open_session
 from packtrain.run.units import unit_shape
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
@@ -48,8 +49,8 @@ def check_node_pool(cfg, plan, examples, world_size: int, kinds) -> None:
     """Refuse a run whose offload pools (this node's ranks: LOCAL_WORLD_SIZE) would not fit the node's host memory
     (``ops.host_memory_per_node_gib``, else MemAvailable now), before the model is built. ``cfg``: the savings
     chosen (an auto ``train.offload`` is chosen to fit; a given one may not)."""
-    from packtrain.models import memory
-    from packtrain.models.budget import available_host_memory, format_node_pool, node_pool
+    from packtrain.memory import estimate as memory
+    from packtrain.memory.budget import available_host_memory, format_node_pool, node_pool
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     have = cfg.ops.host_memory_per_node_gib
@@ -69,10 +70,9 @@ def check_node_pool(cfg, plan, examples, world_size: int, kinds) -> None:
 def _exception_class(name: str) -> type:
     import builtins
 
-    from packtrain.data import examples as data
-    from packtrain.data import planner
+    from packtrain.data import jsonl, planner
 
-    for where in (data, planner, builtins, torch.cuda):
+    for where in (jsonl, planner, builtins, torch.cuda):
         cls = getattr(where, name, None)
         if isinstance(cls, type) and issubclass(cls, BaseException):
             return cls
@@ -172,9 +172,20 @@ class Trainer:
             latest, state = found
             self.cadence.resume(state.get("owed", []), latest)
         if self.dist.is_main:
-            (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False) + self._chosen_note())
             # the tokenizer and chat template the run trains with, which its exports carry
             save_run_tokenizer(cfg, self.out, getattr(self.model.config, "vision_config", None) is not None)
+
+    def _chosen(self) -> dict:
+        """The memory savings this run trains with (the config's ``auto`` resolved), {} when none were chosen."""
+        return self.savings.values() if self.savings is not None else {}
+
+    def _chosen_note(self) -> str:
+        """config.yaml keeps the user's values (``auto`` stays ``auto``); what the run chose is written beside them,
+        as comments, and in every checkpoint's state.json (``"savings"``)."""
+        lines = [f"#   train.{key}: {value}" for key, value in self._chosen().items()]
+        return "\n".join(["", "# the savings this run chose (packtrain/memory/savings.py), on this device:", *lines, ""]
+                         ) if lines else ""
 
     def _reference_table(self, cfg: Config) -> dict[str, float]:
         """dpo, precompute: the reference log-probabilities of the training examples, read from OUTPUT/reference.json
@@ -257,7 +268,7 @@ class Trainer:
     def _train(self) -> dict:
         c, cadence = self.counters, self.cadence
         if self.dist.is_main:
-            self._log(report.header(self))
+            self._log(header(self))
         # a signal during setup stops here, before any work (the step's own agreement takes the flag from here on)
         self.stop_agreed = bool(agree([int(self.signals.requested)], self.dist)[0])
         if self.stop_agreed:
@@ -267,7 +278,8 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=c.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (self.dist.is_main and self.cfg.logging.progress))
         while c.step < self.total_steps:
-            self._log_step(self._train_step(check_gradients=c.step == first), bar)
+            epoch, index = divmod(c.step, self.steps_per_epoch)
+            self._log_step(self._train_step(epoch, self.steps.pack_ids(epoch, index), c.step == first), bar)
             if self.stop_agreed and c.step < self.total_steps:
                 bar.close()
                 self._stop_preempted()
@@ -292,7 +304,7 @@ class Trainer:
                 None if record is None else record["reward_accuracy"]
                 for record in (evaluation.first_record, evaluation.record))
         if self.dist.is_main:
-            self._log(report.footer(summary, self.out / "metrics.jsonl"))
+            self._log(footer(summary, self.out / "metrics.jsonl"))
         return summary
 
     def _log(self, lines: list[str]) -> None:
@@ -308,10 +320,10 @@ class Trainer:
         bar.update(1)
 
     # -- one step -----------------------------------------------------------------------------------------------
-    def _train_step(self, check_gradients: bool) -> dict:
+    def _train_step(self, epoch: int, pack_ids: list[int], check_gradients: bool) -> dict:
+        """One optimizer step on the packs ``pack_ids`` (the schedule's, :class:`~packtrain.run.balance.StepPlan`):
+        the step's verdicts acted on, and its record."""
         c = self.counters
-        epoch, index = divmod(c.step, self.steps_per_epoch)
-        pack_ids = self.steps.pack_ids(epoch, index)
         r = self.step.run(pack_ids, c.step, check_gradients)
         if r.nonfinite:  # no update was made: skipped, or the run stops here
             self._skip_nonfinite(r.loss, r.grad_norm)
@@ -354,7 +366,8 @@ class Trainer:
         c = self.counters
         return {"epoch": c.step // self.steps_per_epoch, "plan": self.fingerprint,
                 "world_size": self.dist.world_size, "mode": self.setup.mode, "total_steps": self.total_steps,
-                "nonfinite_skips": c.nonfinite_skips, "owed": self.cadence.owed(c.step), "config": self.cfg.to_dict()}
+                "nonfinite_skips": c.nonfinite_skips, "owed": self.cadence.owed(c.step), "config": self.cfg.to_dict(),
+                "savings": self._chosen()}
 
     def _save_final(self) -> None:
         finite.check_parameters(self.params, self.dist, self.counters.step)

@@ -3,7 +3,7 @@
 A *unit* is one forward/backward of an optimizer step (or one evaluation, or one generation). A run's kinds are
 built once from its config (:meth:`Kinds.of`: the kind of its packs, configured -- a pack's groups with their
 count, the walk with its spec), and the planner (:meth:`Kinds.plan`) and the units (:meth:`Kinds.units`, called by
-:mod:`packtrain.run.steps`) read that one object; nothing else decides a unit's kind. Each kind is one class below,
+:func:`packtrain.run.step.rank_units`) read that one object; nothing else decides a unit's kind. Each kind is one class below,
 with how its packs are planned, what it builds, how it trains and evaluates, the calls it issues and its padding
 (the equal-call rule, :mod:`packtrain.packed.equal`). Adding a kind is adding a class and its ``packing.mode`` (or
 setting) in :meth:`Kinds.named`.
@@ -42,11 +42,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from packtrain.config import Config, WalkSpec
-from packtrain.data.examples import processor_dir
 from packtrain.data.images import ImageLoader, load_image_processor
+from packtrain.data.jsonl import processor_dir
 from packtrain.data.planner import Pack, Plan, plan_packs, plan_tree_packs, target_count
 from packtrain.data.walk_calls import WalkCalls
-from packtrain.models.memory import UnitShape
+from packtrain.memory.estimate import UnitShape
 from packtrain.run.objective import Objective, Sft, Terms
 
 if TYPE_CHECKING:
@@ -610,9 +610,9 @@ def unit_shape(cfg: Config, plan: Plan, examples, kinds: Kinds | None = None) ->
 
 def choose_savings(cfg: Config, plan: Plan, examples, dist, kinds: Kinds | None = None):
     """The memory savings of a run (train, smoke, bench, pretune-fla) for its largest unit on ``dist``'s device, the
-    same on every rank (:mod:`packtrain.models.savings`). Returns (the config with the chosen values, the choice)."""
-    from packtrain.models import savings
-    from packtrain.models.budget import run_budget
+    same on every rank (:mod:`packtrain.memory.savings`). Returns (the config with the chosen values, the choice)."""
+    from packtrain.memory import savings
+    from packtrain.memory.budget import run_budget
 
     choice = savings.choose(cfg, unit_shape(cfg, plan, examples, kinds), dist.world_size, run_budget(cfg, dist))
     return choice.apply(cfg), choice

@@ -82,7 +82,18 @@ def write_adapter(peft_model, directory: Path, trainable: dict) -> None:
         path = Path(directory) / "adapter_model.safetensors"
         tensors = load_file(str(path))
         save_file({k.replace(WRAPPER, ""): v for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    _sorted_target_modules(Path(directory) / "adapter_config.json")
     plain_modes(Path(directory))  # peft writes the weights 0600: a server run by another user could not read them
+
+
+def _sorted_target_modules(path: Path) -> None:
+    """peft writes ``target_modules`` from a set, in an order that changes with the interpreter's string hashing: two
+    runs of one config wrote adapter_config.json files that differ. Sorted, equal runs write equal bytes (peft's own
+    format otherwise: ``indent=2, sort_keys=True``)."""
+    config = json.loads(path.read_text())
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+        path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 ADAPTER_STEP = "packtrain_step.json"  # beside the final adapter's PEFT files: the step it was trained to

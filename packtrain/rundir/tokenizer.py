@@ -14,8 +14,8 @@ from pathlib import Path
 
 from packtrain.config import Config
 from packtrain.data.chat import read_template
-from packtrain.data.examples import TOKENIZER_FILES, chat_template_of, processor_dir, tokenizer_dir
 from packtrain.data.images import BUNDLED_PROCESSOR, PROCESSOR_FILES
+from packtrain.data.jsonl import TOKENIZER_FILES, chat_template_of, processor_dir, tokenizer_dir
 from packtrain.models.export import RunFiles, use_template
 
 FOLDER = "tokenizer"

@@ -25,7 +25,7 @@ from chat_data import (
 )
 from cli_helpers import REPO, SGD, TINY_MODEL, TINY_MOE, adapter_of, adapter_rel, run_in_process, write_config
 
-from packtrain.data.examples import load_tokenizer
+from packtrain.data.jsonl import load_tokenizer
 
 PACKING = {"token_budget": 2400, "max_continuations": 4}
 

@@ -6,7 +6,7 @@ import pytest
 from chat_data import CALC, CHATML, TOOLS, WEATHER, call, single, tool_loop, tutoring, write_jsonl
 from cli_helpers import run_in_process, write_config
 
-from packtrain.data.examples import load_examples, load_tokenizer
+from packtrain.data.jsonl import load_examples, load_tokenizer
 
 PACKING = {"token_budget": 2400, "max_continuations": 4}
 # ChatML with the example's tools as one line of names before the system text: tools that differ only in their
@@ -97,7 +97,7 @@ def test_a_chat_template_file_that_is_not_utf8_is_named(tmp_path):
 def test_a_tokenizers_own_template_that_is_not_utf8_is_named(tmp_path):
     import shutil
 
-    from packtrain.data.examples import BUNDLED_TOKENIZER
+    from packtrain.data.jsonl import BUNDLED_TOKENIZER
 
     tok = tmp_path / "tok"
     shutil.copytree(BUNDLED_TOKENIZER, tok)

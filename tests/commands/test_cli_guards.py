@@ -253,7 +253,7 @@ def test_a_truncated_base_checkpoint_or_config_is_named_by_train_and_eval(tmp_pa
     message naming no file."""
     from checkpoints import save_checkpoint, text_config
 
-    from packtrain.data.examples import BUNDLED_TOKENIZER
+    from packtrain.data.jsonl import BUNDLED_TOKENIZER
 
     base = tmp_path / "base"
     save_checkpoint(base, text_config())

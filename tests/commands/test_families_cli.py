@@ -55,7 +55,7 @@ def _trains_and_loads(model_type, tmp_path, **sections):
 
 
 def _peft_mean_loss(model, path):
-    from packtrain.data.examples import load_examples
+    from packtrain.data.jsonl import load_examples
 
     losses = []
     with torch.no_grad():

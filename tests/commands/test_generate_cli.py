@@ -10,7 +10,7 @@ from cli_helpers import run_in_process, run_ranks, write_config
 from peft import PeftModel
 
 from packtrain.config import load_config
-from packtrain.data.examples import load_split, load_tokenizer
+from packtrain.data.jsonl import load_split, load_tokenizer
 from packtrain.models.build import build_base_model
 from packtrain.run.scoring import strip_thinking
 

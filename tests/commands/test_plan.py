@@ -127,7 +127,7 @@ def test_demo_config(tmp_path):
     stats = json.loads(result.stdout)
     assert (stats["examples"], stats["prompts"], stats["skipped"]) == (300, 5, 0)
     # positions standalone, counted independently: each example rendered whole and tokenized alone
-    from packtrain.data.examples import load_tokenizer
+    from packtrain.data.jsonl import load_tokenizer
 
     tok = load_tokenizer()
     records = [json.loads(line) for line in (REPO / "data/demo/train.jsonl").read_text().splitlines()]
@@ -185,7 +185,7 @@ def test_chat_without_a_system_message(tmp_path):
 
 
 def test_p_that_is_not_a_token_prefix(tmp_path):
-    from packtrain.data.examples import load_tokenizer
+    from packtrain.data.jsonl import load_tokenizer
 
     tok = load_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # no separators: BPE merges across

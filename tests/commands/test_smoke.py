@@ -8,7 +8,7 @@ from cli_helpers import REPO, run_in_process, write_config
 
 from packtrain.commands import smoke
 from packtrain.config import load_config
-from packtrain.data.examples import load_split
+from packtrain.data.jsonl import load_split
 from packtrain.run import harness
 from packtrain.run.units import Kinds, build, largest_unit, plan_for
 

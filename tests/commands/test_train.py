@@ -59,7 +59,7 @@ def test_outputs_load_with_peft_and_transformers_reproduces_eval(tmp_path, train
     from peft import PeftModel
     from transformers import Qwen3_5ForCausalLM
 
-    from packtrain.data.examples import load_examples
+    from packtrain.data.jsonl import load_examples
 
     finished = trained(train={"max_steps": 3, "save_every": 2})
     cfg, run = finished.config, finished.run

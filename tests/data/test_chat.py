@@ -24,7 +24,8 @@ from chat_data import (
 )
 from cli_helpers import REPO, run_in_process, write_config
 
-from packtrain.data.examples import DataError, load_examples, load_tokenizer
+from packtrain.data.jsonl import DataError, load_examples, load_tokenizer
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -210,7 +211,7 @@ def test_template_kwargs_may_not_set_what_packtrain_sets(tmp_path):
 
 def test_data_chat_template_replaces_the_tokenizers(tmp_path):
     from packtrain.config import config_from_dict
-    from packtrain.data.examples import load_split
+    from packtrain.data.jsonl import load_split
 
     (tmp_path / "chatml.jinja").write_text(CHATML)
     data = write_jsonl(tmp_path / "c.jsonl", [tutoring(0, turns=2, reasoning=False)])

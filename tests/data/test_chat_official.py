@@ -28,7 +28,7 @@ from chat_data import (
 )
 from cli_helpers import run_in_process, write_config
 
-from packtrain.data.examples import DataError, load_examples, load_tokenizer
+from packtrain.data.jsonl import DataError, load_examples, load_tokenizer
 
 VERSIONS = ["qwen3.5", "qwen3.6"]
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 from cli_helpers import REPO
 
-from packtrain.data.examples import load_tokenizer
+from packtrain.data.jsonl import load_tokenizer
 
 DATA = REPO / "data" / "dpo_demo"
 TABLE_ROW = re.compile(r"^- (\w+) is written (\w+)$", re.MULTILINE)

@@ -7,8 +7,8 @@ import pytest
 from cli_helpers import REPO, run_in_process
 from PIL import Image
 
-from packtrain.data.examples import DataError, load_examples
 from packtrain.data.images import BUNDLED_PROCESSOR, load_image_processor
+from packtrain.data.jsonl import DataError, load_examples
 from packtrain.data.planner import plan_packs
 
 VLM = str(BUNDLED_PROCESSOR)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from packtrain.data.examples import Example
+from packtrain.data.jsonl import Example
 from packtrain.data.planner import Pack, PlanError, epoch_order, plan_packs, plan_stats
 
 P4 = (11, 12, 13, 14)
@@ -103,7 +103,7 @@ def test_input_order_does_not_change_the_plan():
 
 _PLAN_IN_A_SUBPROCESS = """
 import json, random
-from packtrain.data.examples import Example
+from packtrain.data.jsonl import Example
 from packtrain.data.planner import epoch_order, plan_packs
 rng = random.Random(3)
 prefixes = [tuple(rng.randrange(50) for _ in range(rng.randint(1, 6))) for _ in range(7)]
@@ -128,7 +128,7 @@ def test_the_plan_is_the_same_in_every_process():
 
 @pytest.mark.process  # a fresh interpreter: this one has imported both
 def test_planning_imports_neither_torch_nor_transformers():
-    code = ("import sys, packtrain.data.planner, packtrain.data.examples, packtrain.commands.plan; "
+    code = ("import sys, packtrain.data.planner, packtrain.data.jsonl, packtrain.commands.plan; "
             "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -9,7 +9,7 @@ import pytest
 
 from packtrain.config import ConfigError, config_from_dict
 from packtrain.data.example import DataError
-from packtrain.data.examples import load_examples
+from packtrain.data.jsonl import load_examples
 from packtrain.data.planner import plan_packs, plan_tree_packs
 from packtrain.data.preference import pair_examples
 from packtrain.run.objective import Dpo, Sft, Weighted

@@ -31,7 +31,7 @@ from chat_data import (
 )
 from cli_helpers import SGD, assert_tree_trains_as_standalone, run_in_process, write_config
 
-from packtrain.data.examples import load_examples, load_tokenizer
+from packtrain.data.jsonl import load_examples, load_tokenizer
 from packtrain.data.planner import plan_tree_packs
 from packtrain.data.tree import example_tree
 

@@ -6,8 +6,8 @@ from collections import defaultdict
 
 import pytest
 
-from packtrain.data.examples import Example
 from packtrain.data.images import ImageRef
+from packtrain.data.jsonl import Example
 from packtrain.data.planner import plan_packs, plan_stats, plan_tree_packs
 from packtrain.data.tree import build_tree, example_tree
 from packtrain.data.tree_packs import attention_pairs

@@ -58,10 +58,10 @@ def test_measured_figures_replace_the_config_s(tmp_path):
 def test_the_three_users_count_the_same_flops_for_the_same_unit(config):
     """The balance's pack cost, the savings' step FLOPs (no saving) and the bench's model FLOPs of one pack: the same
     number (the balance's without the head rows, which it leaves out of a pack's cost: packtrain/models/cost.py)."""
-    from packtrain.bench.measure import model_flops
+    from packtrain.bench.timing import model_flops
     from packtrain.data.planner import Pack, Plan
-    from packtrain.models.memory import StepSavings, UnitShape
-    from packtrain.models.step_time import step_flops
+    from packtrain.memory.estimate import StepSavings, UnitShape
+    from packtrain.memory.step_time import step_flops
     from packtrain.models.text_config import config_dict_of
     from packtrain.run.balance import pack_costs
 

@@ -90,7 +90,7 @@ def test_not_safetensors_is_refused(tmp_path):
 
 
 def test_pretokenized_data_with_a_model_directory_without_tokenizer(tmp_path):
-    from packtrain.data.examples import DataError, load_examples
+    from packtrain.data.jsonl import DataError, load_examples
 
     path = save_checkpoint(tmp_path / "ckpt", text_config(vocab_size=1024), tokenizer=False, mtp=False)
     assert not (path / "tokenizer.json").exists()

@@ -238,7 +238,7 @@ def test_the_bundled_tokenizer_and_the_versions_are_in_the_digest(tmp_path):
     from cli_helpers import write_config
 
     from packtrain.config import load_config
-    from packtrain.data.examples import BUNDLED_TOKENIZER
+    from packtrain.data.jsonl import BUNDLED_TOKENIZER
 
     settings = nodes.config_settings(load_config(write_config(tmp_path)))
     import hashlib

@@ -105,7 +105,7 @@ def test_machines_whose_tokenizer_differs_refuse_before_writing_anything(tmp_pat
     # exited 0, or waited until ops.collective_timeout (an hour) for a gloo traceback when their plans differed
     import shutil
 
-    from packtrain.data.examples import BUNDLED_TOKENIZER
+    from packtrain.data.jsonl import BUNDLED_TOKENIZER
 
     homes = [tmp_path / "home0", tmp_path / "home1"]
     for home in homes:

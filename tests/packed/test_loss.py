@@ -182,7 +182,7 @@ def _one_step(tmp, targets_each: int, name: str, *sets: str) -> list[str]:
 @pytest.mark.process
 def test_4096_targets_take_at_most_1_5_gib_above_one_target_per_continuation(tmp_path):
     """The issue's CPU goal, with the chunk the loss takes when memory needs it (train.loss_chunk_rows 256, what
-    `auto` takes on; packtrain/models/savings.py); peak RSS read from outside each run's process (the three run at
+    `auto` takes on; packtrain/memory/savings.py); peak RSS read from outside each run's process (the three run at
     once). The control, the loss in one chunk (1,024 targets, a quarter of the goal's, to keep the suite's memory
     small): three float32 [M, V] tensors, far above."""
     chunked = ("--set", "train.loss_chunk_rows=256")

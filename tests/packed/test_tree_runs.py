@@ -73,7 +73,7 @@ def test_eval_generate_under_tree_decodes_the_tree_packs_as_transformers_generat
     shared_prefix's on the training data: (5, 9, 7), (6, 8), ... against (9, 8), (7, 5, 6), ...), and each row's
     greedy tokens are its own, whatever pack it is in: transformers' own ``generate`` on ``concat(P, item)``."""
     from packtrain.config import load_config
-    from packtrain.data.examples import load_split, load_tokenizer
+    from packtrain.data.jsonl import load_split, load_tokenizer
     from packtrain.models.build import build_base_model
     from packtrain.run import task
     from packtrain.run.units import plan_for

@@ -18,7 +18,7 @@ import torch.nn.functional as F_
 from parity import max_rel, rel, standalone_run, trainable_grads, transformers_mlp, without_float32_casts
 from tiny_models import patched_lora_model, random_pack, with_lora_dropout
 
-from packtrain.data.examples import Example
+from packtrain.data.jsonl import Example
 from packtrain.data.planner import plan_packs, plan_stats
 from packtrain.data.walk_calls import WalkCalls, WalkSpec, chunk_bounds, walk_calls
 from packtrain.packed import context as context_module
@@ -27,7 +27,7 @@ from packtrain.packed.layout import build_standalone_layout
 from packtrain.packed.lm import PackedLM
 from packtrain.packed.patch import text_parts
 from packtrain.packed.walk import train_walk
-from packtrain.run.steps import rank_units
+from packtrain.run.step import rank_units
 from packtrain.run.units import Kinds, Unit, WalkKind
 
 L, F = "linear_attention", "full_attention"

@@ -10,7 +10,7 @@ import sys
 import pytest
 from cli_helpers import REPO, run_in_process, write_config
 
-from packtrain.data.examples import Example
+from packtrain.data.jsonl import Example
 from packtrain.data.planner import plan_packs
 from packtrain.models.cost import CostModel
 from packtrain.run.balance import distinct_prompts, epoch_steps, pack_costs, step_pack_ids, utilisation
@@ -102,7 +102,7 @@ def test_plan_json_schedule_recomputes_to_the_reported_utilisation(tmp_path):
     out = json.loads(run_in_process("plan", cfg, "--json", "--world-size", "2").stdout)
     assert out["packs"] == len(out["pack_positions"]) == len(out["pack_cost"])
     model = out["cost_model"]
-    from packtrain.data.examples import load_examples
+    from packtrain.data.jsonl import load_examples
 
     examples = load_examples(tmp_path / "train.jsonl")
     plan = plan_packs(examples, 208, 3)  # write_config's packing
@@ -139,7 +139,7 @@ def test_a_tree_pack_costs_its_trees_positions_and_pairs():
 
 
 def test_plan_json_tree_costs_are_the_trees(tmp_path):
-    from packtrain.data.examples import load_examples
+    from packtrain.data.jsonl import load_examples
     from packtrain.data.planner import plan_tree_packs
     from packtrain.data.tree import example_tree
     from packtrain.data.tree_packs import attention_pairs

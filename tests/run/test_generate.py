@@ -121,7 +121,7 @@ def test_greedy_equals_transformers_vlm(moe):
     the generated tokens continue after each item's largest coordinate, as transformers' rope deltas do."""
     model = tiny_vlm(1, moe)
     gen = torch.Generator().manual_seed(4)
-    rnd = lambda n: torch.randint(0, 89, (n,), generator=gen).tolist()  # noqa: E731 - text tokens only
+    rnd = lambda n: torch.randint(0, 89, (n,), generator=gen).tolist()
     prefix = rnd(37)
     images, items = [], []
     for grids, before, after in [([(1, 4, 6)], 3, 5), ([], 6, 0), ([(1, 4, 4), (1, 6, 2)], 2, 4), ([], 0, 0),
@@ -179,7 +179,7 @@ def test_top_p_is_transformers_top_p_warper(top_p):
 def test_stop_ids_hold_im_end_when_the_models_eos_is_another_token():
     from transformers import AutoTokenizer
 
-    from packtrain.data.examples import BUNDLED_TOKENIZER
+    from packtrain.data.jsonl import BUNDLED_TOKENIZER
 
     tokenizer = AutoTokenizer.from_pretrained(BUNDLED_TOKENIZER)
     tokenizer.eos_token = "<|endoftext|>"  # a base model's tokenizer: its eos is not the end of a chat turn

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from packtrain.config import config_from_dict
-from packtrain.data.examples import BUNDLED_TOKENIZER, load_examples
+from packtrain.data.jsonl import BUNDLED_TOKENIZER, load_examples
 from packtrain.run import reference
 
 SYSTEM = "You are terse."

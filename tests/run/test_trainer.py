@@ -47,3 +47,27 @@ def test_update_does_not_depend_on_how_a_step_is_split_into_packs(tmp_path):
     for other in adapters[1:]:
         for name, value in adapters[0].items():
             torch.testing.assert_close(other[name], value, rtol=1e-9, atol=1e-12)
+
+
+def test_the_run_keeps_the_users_config_and_records_the_savings_it_chose(tmp_path):
+    """config.yaml holds the user's values (auto stays auto) and, beside them as comments, the savings the run
+    chose; each checkpoint's state.json holds the same choice, and the model was assembled with it."""
+    import json
+
+    import yaml
+
+    trainer = _trainer(tmp_path, "data.eval=null", "train.max_steps=2", "train.save_every=1",
+                       "train.loss_chunk_rows=3")
+    trainer.train()
+    written = (tmp_path / "run" / "config.yaml").read_text()
+    train = yaml.safe_load(written)["train"]
+    assert train["activation_checkpointing"] == "auto" and train["offload"] == "auto", train  # as the user wrote
+    assert train["loss_chunk_rows"] == 3
+    chosen = trainer.savings.values()
+    assert chosen["loss_chunk_rows"] == 3  # a value given is kept
+    assert chosen["activation_checkpointing"] in (True, False) and chosen["offload"] != "auto", chosen
+    comments = [line for line in written.splitlines() if line.startswith("#   train.")]
+    assert comments == [f"#   train.{key}: {value}" for key, value in chosen.items()], written
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-1" / "state.json").read_text())
+    assert state["savings"] == chosen and state["config"]["train"]["offload"] == "auto"
+    assert trainer.lm.loss_chunk_rows == 3

@@ -1,4 +1,4 @@
-"""The unit runner (packtrain/run/units.py) with the equal-call rule (packtrain/run/steps.py), in-process: a step on
+"""The unit runner (packtrain/run/units.py) with the equal-call rule (packtrain/run/step.py), in-process: a step on
 several ranks, each rank's units run here one after the other, gives the one-rank gradient once summed over the
 ranks as FSDP sums it (packtrain/models/wrap.py); dummy units learn nothing and every rank issues the same calls; a pack in more groups than it
 has continuations trains what the whole pack trains. The reference is one rank in the same mode, whole packs (no
@@ -16,7 +16,7 @@ from packtrain.data.pairs import pack_pairs
 from packtrain.data.planner import Pack, Plan
 from packtrain.packed.kernels import Backend
 from packtrain.packed.lm import PackedLM
-from packtrain.run.steps import rank_units, step_examples
+from packtrain.run.step import rank_units, step_examples
 from packtrain.run.units import Kinds, build, run_unit, step_scale
 
 L, F = "linear_attention", "full_attention"
@@ -93,7 +93,7 @@ def test_a_tree_unit_is_sized_as_the_tree_it_builds(tmp_path):
     from cli_helpers import binary_tree_config
 
     from packtrain.config import load_config
-    from packtrain.data.examples import load_split
+    from packtrain.data.jsonl import load_split
     from packtrain.run.units import plan_for, unit_shape
 
     cfg = load_config(binary_tree_config(tmp_path))  # P 30 and a full binary tree of depth 6: 126 one-token nodes

@@ -179,3 +179,35 @@ def test_every_checkpoint_damaged_refuses_and_moves_nothing(finished, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "every checkpoint is damaged" in proc.stderr and proc.stderr.count("state.json: unreadable") == 3
     assert [p.name for p in checkpoints(run)] == ["step-5", "step-4", "step-3"]
+
+
+
+def test_an_adapter_config_is_the_same_bytes_whatever_order_peft_wrote_target_modules_in(tmp_path):
+    """peft writes target_modules from a set, in the order of the interpreter's string hashing: two runs of the demo
+    (8c6d197) wrote adapter_config.json files that differ only there. peft's own file written with the modules in two
+    orders (what two interpreters write), then sorted: the same bytes."""
+    from peft import LoraConfig
+
+    from packtrain.rundir.checkpoint import _sorted_target_modules
+
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "in_proj_qkv", "in_proj_z", "out_proj"]
+    LoraConfig(r=4, target_modules=modules).save_pretrained(tmp_path / "peft")
+    written = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    files = []
+    for order in (modules, modules[::-1]):
+        path = tmp_path / f"{len(files)}.json"
+        path.write_text(json.dumps({**written, "target_modules": order}, indent=2, sort_keys=True))
+        files.append(path)
+    assert files[0].read_bytes() != files[1].read_bytes()  # the order alone changes peft's bytes
+    for path in files:
+        _sorted_target_modules(path)
+    assert files[0].read_bytes() == files[1].read_bytes()
+    config = json.loads(files[0].read_text())
+    assert config["target_modules"] == sorted(modules) and config["r"] == 4
+
+
+def test_a_runs_adapter_config_lists_its_target_modules_sorted(finished):
+    _, run = finished
+    for config in [run / "adapter" / "adapter_config.json", *run.glob("checkpoints/step-*/adapter/adapter_config.json")]:
+        modules = json.loads(config.read_text())["target_modules"]
+        assert len(modules) > 1 and modules == sorted(modules), (config, modules)

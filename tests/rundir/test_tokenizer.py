@@ -7,7 +7,7 @@ import json
 from cli_helpers import REPO, write_config
 
 from packtrain.config import load_config
-from packtrain.data.examples import BUNDLED_TOKENIZER
+from packtrain.data.jsonl import BUNDLED_TOKENIZER
 from packtrain.rundir.tokenizer import run_files, save_run_tokenizer
 
 CHATML = REPO / "data" / "demo" / "chatml.jinja"

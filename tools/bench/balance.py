@@ -28,13 +28,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools" / "bench"))
 
-from planner import generate as planner_bench_data  # noqa: E402
+from planner import generate as planner_bench_data
 
-from packtrain.config import load_config  # noqa: E402
-from packtrain.data.examples import Example  # noqa: E402
-from packtrain.data.planner import plan_packs  # noqa: E402
-from packtrain.models.cost import CostModel  # noqa: E402
-from packtrain.run.balance import BALANCES, distinct_prompts, epoch_steps, pack_costs, utilisation  # noqa: E402
+from packtrain.config import load_config
+from packtrain.data.jsonl import Example
+from packtrain.data.planner import plan_packs
+from packtrain.models.cost import CostModel
+from packtrain.run.balance import BALANCES, distinct_prompts, epoch_steps, pack_costs, utilisation
 
 
 def seed_like(seed: int) -> list[Example]:

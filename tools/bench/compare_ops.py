@@ -30,7 +30,7 @@ from packtrain.distributed import DistInfo
 from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.packed import attention
 from packtrain.packed.lm import PackCall
-from packtrain.run.steps import rank_units
+from packtrain.run.step import rank_units
 from packtrain.run.units import Kinds, build, choose_savings, plan_for
 
 

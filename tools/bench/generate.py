@@ -30,16 +30,16 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from packtrain.config import load_config  # noqa: E402
-from packtrain.data.examples import Example, load_split  # noqa: E402
-from packtrain.data.planner import plan_packs  # noqa: E402
-from packtrain.distributed import DistInfo  # noqa: E402
-from packtrain.models.build import apply_lora, build_base_model  # noqa: E402
-from packtrain.packed.kernels import select_backend  # noqa: E402
-from packtrain.packed.lm import PackedLM  # noqa: E402
-from packtrain.packed.patch import patch_model  # noqa: E402
-from packtrain.run.generate import GenerateSpec, generate  # noqa: E402
-from packtrain.run.units import Kinds  # noqa: E402
+from packtrain.config import load_config
+from packtrain.data.jsonl import Example, load_split
+from packtrain.data.planner import plan_packs
+from packtrain.distributed import DistInfo
+from packtrain.models.build import apply_lora, build_base_model
+from packtrain.packed.kernels import select_backend
+from packtrain.packed.lm import PackedLM
+from packtrain.packed.patch import patch_model
+from packtrain.run.generate import GenerateSpec, generate
+from packtrain.run.units import Kinds
 
 ONE = DistInfo(0, 1, 0, torch.device("cpu"))
 

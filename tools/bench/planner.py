@@ -16,7 +16,7 @@ import platform
 import random
 import time
 
-from packtrain.data.examples import Example
+from packtrain.data.jsonl import Example
 from packtrain.data.planner import epoch_order, plan_packs, plan_stats
 
 

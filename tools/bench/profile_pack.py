@@ -22,15 +22,15 @@ from collections import defaultdict
 import torch
 from torch.profiler import profile
 
-from packtrain.bench.measure import memory_in_use, release_memory
 from packtrain.bench.presets import Shape, generate_examples, get_preset
+from packtrain.bench.timing import memory_in_use, release_memory
 from packtrain.bench.variants import Models, Workload
 from packtrain.config import config_from_dict
 from packtrain.distributed import DistInfo
 from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.packed.lm import PackCall
 from packtrain.run.harness import PeakMemory
-from packtrain.run.steps import rank_units
+from packtrain.run.step import rank_units
 from packtrain.run.units import Kinds, build, choose_savings, plan_for
 
 KINDS = [  # (label, op names); the first match wins, the rest is "elementwise, copies, indexing"

@@ -21,7 +21,7 @@ import platform
 import random
 import time
 
-from packtrain.data.examples import Example
+from packtrain.data.jsonl import Example
 from packtrain.data.planner import plan_stats, plan_tree_packs
 
 VOCAB = list(range(50_000))

@@ -27,10 +27,20 @@ import argparse
 import random
 from pathlib import Path
 
-from make_demo_data import (EVAL_PER_RULEBOOK, TRAIN_PER_RULEBOOK, WORDS, Rulebook, all_requests, answer_text,
-                            request_text, rulebooks, slug, write_splits)
+from make_demo_data import (
+    EVAL_PER_RULEBOOK,
+    TRAIN_PER_RULEBOOK,
+    WORDS,
+    Rulebook,
+    all_requests,
+    answer_text,
+    request_text,
+    rulebooks,
+    slug,
+    write_splits,
+)
 
-from packtrain.data.examples import load_tokenizer
+from packtrain.data.jsonl import load_tokenizer
 
 KINDS = ("rulebook", "swap", "word")
 

@@ -181,8 +181,8 @@ def main() -> int:
         print(text[-3000:])
         return proc.returncode
 
-    from packtrain.models.memory import StepSavings, estimate
-    from packtrain.models.memory_report import format_table
+    from packtrain.memory.describe import format_table
+    from packtrain.memory.estimate import StepSavings, estimate
     from packtrain.models.text_config import text_config
 
     est = estimate(text_config(TEXT), 2048, 4 * 32, dtype="bfloat16", lora_r=8,

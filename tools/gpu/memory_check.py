@@ -4,7 +4,7 @@ Qwen3.6-27B's widths with 2 decoder layers (one GDN, one attention) and its voca
 0.05 on q, k, v, o and gate_proj, checkpointing + offload, one rank; the pack is P 64,000 + 80 continuations of
 400-700 item and 200-400 target tokens (tools/data/make_seed_data.py). The step runs for real on CUDA
 (packtrain's kernels: fla, FlexAttention) through the harness's update, and torch.cuda.max_memory_allocated is read
-at each phase's end (the phases of packtrain.run.measure: forward, loss, each layer kind's recompute, optimizer). The
+at each phase's end (the phases of packtrain.memory.measure: forward, loss, each layer kind's recompute, optimizer). The
 memory verdict of tools/gpu_check.sh 2 is :func:`cuda_phases` against --measure (tools/gpu/verdicts.py); by hand
 this prints the three side by side and writes $OUT/gpu_memory.json.
 
@@ -25,19 +25,19 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 
-from make_seed_data import seed_records  # noqa: E402
+from make_seed_data import seed_records
 
-from packtrain.config import load_config  # noqa: E402
-from packtrain.data.examples import load_split  # noqa: E402
-from packtrain.models import memory  # noqa: E402
+from packtrain.config import load_config
+from packtrain.data.jsonl import load_split
+from packtrain.memory import estimate as memory
 from packtrain.models.text_config import config_dict_of, text_config
-from packtrain.run.units import plan_for, unit_shape  # noqa: E402
+from packtrain.run.units import plan_for, unit_shape
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 class CudaPhases:
-    """The interface packtrain.run.measure's phase hooks drive, over the CUDA allocator's peak: each phase's peak is
+    """The interface packtrain.memory.measure's phase hooks drive, over the CUDA allocator's peak: each phase's peak is
     max_memory_allocated from its start to the next phase's start."""
 
     def __init__(self, device):
@@ -89,11 +89,11 @@ def write_config(tmp: Path, prefix: int, continuations: int) -> Path:
 
 def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     from packtrain.distributed import DistInfo
+    from packtrain.memory.measure import phase_hooks
     from packtrain.models.build import build_base_model
     from packtrain.models.wrap import assemble
     from packtrain.packed.patch import text_parts
     from packtrain.run.harness import on_every_rank, one_pack, update_step
-    from packtrain.run.measure import phase_hooks
     from packtrain.run.units import Kinds
 
     device = torch.device("cuda")
@@ -108,7 +108,7 @@ def cuda_phases(cfg, plan, examples) -> dict[str, int]:
     step = update_step(cfg, lm, setup, one, examples, DistInfo(0, 1, 0, device))
     optimizer = step.optimizer
     ready = step.prepare(on_every_rank(step))  # built before the phases, as --measure builds it
-    from packtrain.run.measure import LayerRecord
+    from packtrain.memory.measure import LayerRecord
 
     counter = CudaPhases(device)
     records = [LayerRecord(tuple(k)) for k in text["kinds"]]
@@ -127,14 +127,15 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=64_000)
     ap.add_argument("--continuations", type=int, default=80)
     args = ap.parse_args()
-    from packtrain.run.measure import measure_whole
+    from packtrain.memory.measure import measure_whole
+    from packtrain.run.harness import measure_step
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(write_config(Path(tmp), args.prefix, args.continuations))
         examples = load_split(cfg, "train")
         plan = plan_for(cfg, examples)
         est = memory.estimate_for_unit(cfg, unit_shape(cfg, plan, examples), 1)
-        measured = measure_whole(cfg, plan, examples, 1)
+        measured = measure_whole(cfg, measure_step(cfg, plan, examples), 1)
         cuda = cuda_phases(cfg, plan, examples)
     rows = {p: {"estimate": est.phases.get(p), "measured": measured.phases.get(p), "cuda": cuda.get(p)}
             for p in dict.fromkeys([*est.phases, *measured.phases, *cuda])}

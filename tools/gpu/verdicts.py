@@ -312,7 +312,7 @@ def _seed_setup(tmp: Path, tiny: bool, **train):
     from make_seed_data import seed_records
 
     from packtrain.config import load_config
-    from packtrain.data.examples import load_split
+    from packtrain.data.jsonl import load_split
     from packtrain.distributed import DistInfo
     from packtrain.run.units import choose_savings, plan_for
 
@@ -366,7 +366,8 @@ def memory(tiny: bool) -> bool:
 
     import torch
 
-    from packtrain.run.measure import measure_whole
+    from packtrain.memory.measure import measure_whole
+    from packtrain.run.harness import measure_step
 
     if not torch.cuda.is_available():
         return record("memory", True, "skipped: no CUDA allocator", f"within {MEMORY_TOLERANCE:.0%}", "CPU")
@@ -375,9 +376,9 @@ def memory(tiny: bool) -> bool:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg, examples, plan = _seed_setup(Path(tmp), tiny)
-        measured = measure_whole(cfg, plan, examples, 1).phases
+        measured = measure_whole(cfg, measure_step(cfg, plan, examples), 1).phases
         cuda = cuda_phases(cfg, plan, examples)
-    shared = [p for p in measured if p in cuda and cuda[p]]
+    shared = [p for p in measured if cuda.get(p)]
     dev = {p: abs(measured[p] - cuda[p]) / cuda[p] for p in shared}
     worst = max(dev, key=dev.get) if dev else None
     passed = bool(dev) and all(d <= MEMORY_TOLERANCE for d in dev.values())
@@ -409,9 +410,9 @@ def _timed_updates(step, ready, n: int, warmup: bool = True) -> tuple[float, flo
 def speed(tiny: bool) -> bool:
     import tempfile
 
-    from packtrain.bench.measure import model_flops
-    from packtrain.models.text_config import config_dict_of, text_config
+    from packtrain.bench.timing import model_flops
     from packtrain.data.pairs import pack_pairs
+    from packtrain.models.text_config import config_dict_of, text_config
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg, examples, plan = _seed_setup(Path(tmp), tiny)

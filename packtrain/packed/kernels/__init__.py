@@ -15,7 +15,7 @@ the RMSNorms in tiles of ``norm_rows`` (``train.norm_chunk_rows``; :mod:`packtra
 set: a tile's [rows, intermediate] activations, or a norm's float32 pieces, exist only while it runs. The device's
 default tile: on CPU one that stays in a core's cache, where a whole pack's activations outgrow it
 (docs/performance.md, "MLP blocks"); on CUDA tiles of thousands of rows, whose matmuls are large. Whether a run tiles
-at all is the memory choice's (:mod:`packtrain.models.savings`).
+at all is the memory choice's (:mod:`packtrain.memory.savings`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from packtrain.config.tiles import TILE_ROWS
 
 
 @dataclass(frozen=True)
@@ -70,16 +72,9 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-# The MLP tile's rows by device. CPU: one [rows, intermediate] activation stays in a core's cache (the bench model's
-# [512, 768] float32 is 1.5 MiB, under a 2 MiB L2); other sizes: docs/performance.md, "MLP blocks". CUDA: the tile
-# the memory measurement of the seed pack took (a 27B tile's [8192, 17408] bf16 is 272 MiB against 4.3 GiB for the
-# whole pack's); docs/performance.md, "Memory", "Tiled MLP and norms".
-CPU_MLP_ROWS = 512
-CUDA_MLP_ROWS = 8192
-# The norm tile's rows by device: on CUDA the tile whose six float32 pieces at the 27B's width are 1 GiB
-# (docs/performance.md, "Memory"); on CPU the MLP's.
-CPU_NORM_ROWS = 512
-CUDA_NORM_ROWS = 8192
+# The tiles by device: packtrain.config.tiles, their one home
+CPU_MLP_ROWS, CUDA_MLP_ROWS = TILE_ROWS["cpu"]["mlp"], TILE_ROWS["cuda"]["mlp"]
+CPU_NORM_ROWS, CUDA_NORM_ROWS = TILE_ROWS["cpu"]["norm"], TILE_ROWS["cuda"]["norm"]
 
 
 def select_backend(kernels: str, device: torch.device | str, attention: str | None = None,

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from packtrain.config import config_from_dict
-from packtrain.data.examples import DataError, Example, detect_format, load_examples, load_split, load_tokenizer
+from packtrain.data.jsonl import DataError, Example, detect_format, load_examples, load_split, load_tokenizer
 
 RULEBOOK = "You are the clerk. Rule 1. Answer with the codes only.\n- falcon is written juru"
 

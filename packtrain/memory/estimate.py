@@ -4,7 +4,7 @@ Pure arithmetic from the model's text config (a dict) and the pack's size; no to
 pack, M target tokens, H hidden, I intermediate, V vocabulary, b bytes of the model dtype, a bytes of the LoRA
 weights (peft's autocast keeps adapters of a bf16 model in float32: packtrain's ``apply_lora`` does).
 
-Exact terms (Qwen3.6-27B's figures at a 70K-token pack, tested in tests/models/test_memory.py): a checkpointed layer
+Exact terms (Qwen3.6-27B's figures at a 70K-token pack, tested in tests/memory/test_estimate.py): a checkpointed layer
 input is [T, H] in b bytes (70K x 5120 bf16 = 0.67 GiB; 64 layers = 43 GiB); an MLP intermediate is [T, I] (70K x
 17408 = 2.3 GiB) and SwiGLU saves three of them (gate, SiLU(gate), up), one tile's rows of them when the MLP runs in
 tiles; a LoRA adapter computing in the model's dtype saves the input its base layer reads (once per input, shared by
@@ -20,7 +20,7 @@ each GDN layer's float32 state and conv tail), and P's no_grad pass peaks before
 
 Approximate terms (marked ~): what the attention / Gated DeltaNet kernels (fla's) and the RMSNorms save, the backward
 workspace, an adapter's output while its linear runs, and FSDP's gathered weights. They depend on kernels:
-``plan --memory --measure`` counts the step itself (:mod:`packtrain.run.measure`; tests/run/test_measure.py holds the
+``plan --memory --measure`` counts the step itself (:mod:`packtrain.memory.measure`; tests/memory/test_measure.py holds the
 estimate within 10% of it), ``packtrain smoke`` measures it on the device.
 
 The peak is the largest phase (:attr:`MemoryEstimate.phases`): the forward, the loss, one layer's recompute (the
@@ -35,6 +35,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from packtrain.config.tiles import TILE_ROWS, offload_layers
 from packtrain.models.parameters import (
     expert_shapes,
     layer_parameters,
@@ -52,8 +53,6 @@ GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 OFFLOAD_CHUNK_BYTES = 64 * 2**20  # packtrain.models.offload.DEFAULT_CHUNK_BYTES (tested equal)
 GDN_CALL_ROWS = 65_536  # packtrain.packed.kernels.fla_backend.CALL_ROWS: continuation rows per delta-rule call
-# train.mlp_chunk_rows null: the MLP tile packtrain.packed.kernels takes by device (tested equal)
-MLP_TILE_ROWS = {"cpu": 512, "cuda": 8192}
 
 @dataclass
 class Term:
@@ -283,7 +282,7 @@ def forward_transient(text: dict, layer_type, T: int, b: int, terms: list[Term],
 def norm_terms(text: dict, layer_type, T: int, b: int, rows: int) -> list[Term]:
     """Norms in recomputed row tiles (packtrain/packed/recompute.py, ``train.norm_chunk_rows`` > 0) save only their
     inputs in the model's dtype; a norm's backward recomputes one tile at a time in float32 (:func:`norm_backward_term`)
-    beside its saved input and its input's gradient (tests/run/test_measure.py counts it).
+    beside its saved input and its input's gradient (tests/memory/test_measure.py counts it).
     The layer's input norm reads the layer's input (kept anyway); the post-attention norm saves [T, H]; a GDN's
     gated norm saves its input and gate ([T, value] each). The q/k norms' inputs are the projections' outputs
     (:func:`mixer_term`)."""
@@ -344,7 +343,7 @@ _AFTER_GATE = {"mlp", "mlp_first", "experts_adapted", "lora:up_proj", "lora:down
 
 @dataclass(frozen=True)
 class StepSavings:
-    """What the training step keeps, as the estimate counts it (the choice of :mod:`packtrain.models.savings`):
+    """What the training step keeps, as the estimate counts it (the choice of :mod:`packtrain.memory.savings`):
     checkpointed decoder layers (``activation_checkpointing``), the first ``offload_layers`` layers' checkpointed
     inputs in host memory (implies checkpointing), the chunked loss (``loss_rows`` target rows per chunk of lm_head +
     cross-entropy, recomputed in backward; 0: all rows at once), the tiled dense MLP (``mlp_rows`` buffer rows per
@@ -380,15 +379,15 @@ class StepSavings:
 
 
 def savings_for(cfg, device: str = "cuda") -> StepSavings:
-    """The savings of a config whose ``train`` values are chosen (:meth:`packtrain.models.savings.Choice.apply`, or
+    """The savings of a config whose ``train`` values are chosen (:meth:`packtrain.memory.savings.Choice.apply`, or
     given): ``train.mlp_chunk_rows`` null is the device's default tile."""
     t = cfg.train
     given = (t.activation_checkpointing, t.offload, t.loss_chunk_rows, t.mlp_chunk_rows, t.norm_chunk_rows)
     if "auto" in [v for v in given if isinstance(v, str)]:
         raise ValueError("memory.savings_for: the train.* savings are still auto (choose them first: "
-                         "packtrain.models.savings.choose)")
-    mlp = t.mlp_chunk_rows if t.mlp_chunk_rows is not None else MLP_TILE_ROWS[device]
-    offload = layer_count(cfg) if t.offload is True else int(t.offload)
+                         "packtrain.memory.savings.choose)")
+    mlp = t.mlp_chunk_rows if t.mlp_chunk_rows is not None else TILE_ROWS[device]["mlp"]
+    offload = offload_layers(t.offload, layer_count(cfg))
     return StepSavings(activation_checkpointing=bool(t.activation_checkpointing), offload_layers=offload,
                        loss_rows=t.loss_chunk_rows, mlp_rows=mlp, norm_rows=t.norm_chunk_rows,
                        lora_in_model_dtype=True, masks_regenerated=True)

@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 from packtrain.data.planner import plan_stats
-from packtrain.models import memory, savings, serving
+from packtrain.memory import estimate as memory
+from packtrain.memory import savings
+from packtrain.models import serving
 from packtrain.models.lora_compute import describe as describe_lora
 from packtrain.packed.families import describe as describe_model
 from packtrain.run.balance import BALANCES, epoch_steps, utilisation
@@ -79,7 +81,7 @@ def _at_step_0(metrics_path, split: str, key: str) -> float | None:
 
 def memory_lines(t) -> list[str]:
     """The memory savings chosen for the largest unit (every candidate considered, the chosen one marked), the
-    estimate's peak, and a warning when the choice does not fit (packtrain/models/savings.py)."""
+    estimate's peak, and a warning when the choice does not fit (packtrain/memory/savings.py)."""
     return savings_lines(t.savings)
 
 

@@ -1,5 +1,5 @@
 """The estimated time of a training step under a combination of memory savings, from the model config: what the
-choice of savings (:mod:`packtrain.models.savings`) compares. The cost model's FLOPs (:mod:`packtrain.models.cost`:
+choice of savings (:mod:`packtrain.memory.savings`) compares. The cost model's FLOPs (:mod:`packtrain.models.cost`:
 6 per parameter a token meets, 12 per attention pair and width, 6 per head row and width x vocabulary), each
 recompute one more forward of what it recomputes, at :data:`RATES`' FLOP rate; norms as elementwise work
 (:data:`NORM_BYTES_PER_ELEMENT` at the memory rate); an offloaded input's copy to the host and back at the host rate,
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from packtrain.memory.estimate import StepSavings, UnitShape
 from packtrain.models.cost import CostModel, dense_mlp_forward_flops, layer_forward_flops
-from packtrain.models.memory import StepSavings, UnitShape
 from packtrain.models.text_config import FULL
 from packtrain.packed.context import context_grad as context_mode
 

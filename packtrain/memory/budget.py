@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from packtrain.models.memory import GiB
+from packtrain.memory.estimate import GiB
 
 # The device memory the choice leaves free on CUDA: the CUDA context (~0.5 GiB) and NCCL's buffers (0.5-2 GiB) lie
 # outside PyTorch's allocator, and its caching reserves 2-5% above what is allocated with expandable segments, 5-20%

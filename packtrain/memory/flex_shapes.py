@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from packtrain.models.fla_shapes import replaced
+from packtrain.memory.fla_shapes import replaced
 
 
 class _Flex(torch.autograd.Function):

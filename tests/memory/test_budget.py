@@ -1,14 +1,13 @@
-"""What the savings must fit (packtrain/models/budget.py): plan's budget from its flags, the reserve, the host's
+"""What the savings must fit (packtrain/memory/budget.py): plan's budget from its flags, the reserve, the host's
 sources in their order, the CPU's memory shared by the node's ranks, and a node's offload pools."""
 
-import dataclasses
 import json
 
 import pytest
 
 from packtrain.config import config_from_dict
-from packtrain.models import budget as b
-from packtrain.models.memory import GiB
+from packtrain.memory import budget as b
+from packtrain.memory.estimate import GiB
 
 
 def _cfg(device="cuda", host_gib=None):

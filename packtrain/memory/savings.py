@@ -10,15 +10,15 @@ The five savings (``train.*``; ``auto`` is the default of each, a value given is
 | ``mlp_chunk_rows`` | the dense MLP in row tiles, recomputed | one more forward of every dense MLP |
 | ``norm_chunk_rows`` | every RMSNorm in row tiles, recomputed | one more pass of every norm (elementwise) |
 
-:func:`choose` takes the budget (:class:`~packtrain.models.budget.Budget`: at the start of ``train``, ``smoke`` and ``bench`` the device's
-memory less :func:`~packtrain.models.budget.device_reserve`, on the CPU the host's available memory; ``plan --memory --gpu-memory GIB``),
-estimates each combination of the ``auto`` savings for the run's largest unit (:mod:`packtrain.models.memory`), with
+:func:`choose` takes the budget (:class:`~packtrain.memory.budget.Budget`: at the start of ``train``, ``smoke`` and ``bench`` the device's
+memory less :func:`~packtrain.memory.budget.device_reserve`, on the CPU the host's available memory; ``plan --memory --gpu-memory GIB``),
+estimates each combination of the ``auto`` savings for the run's largest unit (:mod:`packtrain.memory.estimate`), with
 as few layer inputs offloaded as make it fit (never more than the node's host memory holds: ``--ranks-per-node``
 pools of pinned chunks within ``--host-memory-per-node`` / ``ops.host_memory_per_node_gib``, or the machine's
 available memory at run time), and takes the one that fits with the least estimated step time, ties to the fewer
 savings. On the CPU the host is the device: offload saves nothing there and is not a candidate.
 
-The step time is :mod:`packtrain.models.step_time`'s estimate from the model config, an assumption about a typical
+The step time is :mod:`packtrain.memory.step_time`'s estimate from the model config, an assumption about a typical
 device, not a measurement of this one; ``relative_step_cost`` is the ratio to the step without any saving, which is
 what the choice compares. Candidates within :data:`AS_FAST` of the fastest count as as fast, and of those the one
 with the fewest layer inputs in host memory (then the fewest savings) is taken.
@@ -30,24 +30,18 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from packtrain.models import memory
-from packtrain.models.budget import Budget
-from packtrain.models.memory import OFFLOAD_CHUNK_BYTES, GiB, StepSavings, UnitShape
-from packtrain.models.step_time import step_seconds
+from packtrain.config.tiles import AUTO, KEYS, TILE_ROWS, offload_layers
+from packtrain.memory import estimate as memory
+from packtrain.memory.budget import Budget
+from packtrain.memory.estimate import OFFLOAD_CHUNK_BYTES, GiB, StepSavings, UnitShape
+from packtrain.memory.step_time import step_seconds
 from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.packed.context import context_grad as context_mode
-
-AUTO = "auto"
-KEYS = ("activation_checkpointing", "offload", "loss_chunk_rows", "mlp_chunk_rows", "norm_chunk_rows")
 
 # Candidates whose estimated step cost is within this of the least count as as fast: the estimate leaves out
 # what offloading costs beside its copies' time (pinned host memory, the host link shared with the collectives),
 # so of those the one with the fewest layer inputs in host memory is taken, then the one with the fewest savings
 AS_FAST = 0.01
-# The tile each saving takes when it is on, by device (train.mlp_chunk_rows null: the MLP's; the CPU MLP tile: one
-# [rows, intermediate] activation in a core's cache; the loss chunk: 3 float32 [rows, V] at V 248,320 under 1 GiB)
-TILE_ROWS = {"cuda": {"loss": 256, "mlp": memory.MLP_TILE_ROWS["cuda"], "norm": 8192},
-             "cpu": {"loss": 256, "mlp": memory.MLP_TILE_ROWS["cpu"], "norm": 512}}
 
 
 # -- the choice ----------------------------------------------------------------------------------------------------------
@@ -75,12 +69,15 @@ class Choice:
     estimate: object  # the chosen candidate's memory.MemoryEstimate
     layers: int
 
+    def values(self) -> dict:
+        """The chosen value of each ``train`` key of :data:`KEYS`, as :meth:`apply` puts them into the config."""
+        s = self.chosen.savings
+        return {"activation_checkpointing": s.activation_checkpointing, "offload": s.offload_layers,
+                "loss_chunk_rows": s.loss_rows, "mlp_chunk_rows": s.mlp_rows, "norm_chunk_rows": s.norm_rows}
+
     def apply(self, cfg):
         """``cfg`` with the chosen values in ``train`` (nothing left ``auto``)."""
-        s = self.chosen.savings
-        train = dataclasses.replace(cfg.train, activation_checkpointing=s.activation_checkpointing,
-                                    offload=s.offload_layers, loss_chunk_rows=s.loss_rows, mlp_chunk_rows=s.mlp_rows,
-                                    norm_chunk_rows=s.norm_rows)
+        train = dataclasses.replace(cfg.train, **self.values())
         return dataclasses.replace(cfg, train=train)
 
     def warning(self) -> str | None:
@@ -149,11 +146,7 @@ def _options(cfg, device: str, layers: int) -> dict:
             return [0, tile]
         return [tile if value is None else value]  # mlp_chunk_rows null: the device's default tile
 
-    offload = t.offload
-    if offload is True:
-        offload = layers
-    elif offload is False:
-        offload = 0
+    offload = offload_layers(t.offload, layers)
     if offload != AUTO and offload > layers:
         raise ValueError(f"train.offload: {offload} layers, but the model has {layers} decoder layers")
     if t.activation_checkpointing == AUTO:
@@ -345,16 +338,3 @@ def format_budget(b: dict, layers: int) -> str:
     if b["continuations"] > b["max_continuations"]:
         line += f"; needs packing.max_continuations >= {b['continuations']} (now {b['max_continuations']})"
     return line
-
-
-def inference_rows(cfg, device: str) -> tuple[int, int | None, int]:
-    """(loss, MLP, norm) rows of a model that only runs forwards without grad (``eval``, generation) where the config
-    leaves them auto: the device's tiles, which recompute nothing without a backward and hold no [rows, vocabulary]
-    or [rows, intermediate] larger than one tile."""
-    t, tiles = cfg.train, TILE_ROWS["cpu" if device == "cpu" else "cuda"]
-
-    def pick(value, tile):
-        return tile if value == AUTO else value
-
-    return pick(t.loss_chunk_rows, tiles["loss"]), pick(t.mlp_chunk_rows, tiles["mlp"]), pick(t.norm_chunk_rows,
-                                                                                             tiles["norm"])

@@ -23,9 +23,9 @@ and optimizer states for every layer, divided over ``--world-size`` FSDP ranks, 
 estimate.
 
 What runs as on a GPU, on this CPU: the GDN kernels are fla's, counted by shape-only stand-ins that allocate fla's
-outputs and save what fla's autograd functions save (:mod:`packtrain.models.fla_shapes`), not the CPU reference's
+outputs and save what fla's autograd functions save (:mod:`packtrain.memory.fla_shapes`), not the CPU reference's
 per-chunk states; attention is FlexAttention's, a stand-in saving its padded q, k, v, output and log-sum-exp
-(:mod:`packtrain.models.flex_shapes`); LoRA's dropout masks are what packtrain draws on CUDA too (``empty_like(x)``,
+(:mod:`packtrain.memory.flex_shapes`); LoRA's dropout masks are what packtrain draws on CUDA too (``empty_like(x)``,
 the input's dtype). The layout's index tensors are real: an op whose tensor inputs are all real runs for real, so the
 index builders work as in training; a scalar read off a fake tensor (the loss's ``.item()``) reads 0.
 """
@@ -41,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from packtrain.config.tiles import offload_layers
 from packtrain.models.text_config import FULL, config_dict_of, distinct_kinds, kind_name, reduced_config, text_config
 
 _SCALAR_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
@@ -232,8 +233,7 @@ def _fake_build():
 
 
 def _offloaded(cfg, layers: int) -> int:
-    t = cfg.train
-    return layers if t.offload is True else int(t.offload)
+    return offload_layers(cfg.train.offload, layers)
 
 
 def _reduced_cfg(cfg, layers: int):
@@ -252,76 +252,79 @@ def _without_images(examples):
     return [dataclasses.replace(ex, images=()) if getattr(ex, "images", ()) else ex for ex in examples]
 
 
-def measure(cfg, plan, examples, kinds=None) -> Measured:
-    """One update of the plan's largest unit on the reduced model under fake tensors, counted per phase (``kinds``:
-    the run's, else the config's)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+def text_only(examples) -> tuple[list, list[str]]:
+    """The examples with their images dropped, and the note saying so (the vision tower is not counted)."""
+    if not any(getattr(ex, "images", ()) for ex in examples):
+        return examples, []
+    return _without_images(examples), ["the vision tower is left out (frozen, small): image tokens run as text tokens"]
 
-    from packtrain.distributed import DistInfo
-    from packtrain.models import fla_shapes, flex_shapes
+
+def reduced_cfg(cfg):
+    """The config of the model :func:`count_update` counts: one decoder layer of each kind (see :func:`_reduced_cfg`)."""
+    return _reduced_cfg(cfg, text_config(config_dict_of(cfg))["num_hidden_layers"])
+
+
+@contextlib.contextmanager
+def fake_tensors():
+    """Fake tensors, fla's and FlexAttention's shape-only stand-ins, and the build's steering (:func:`_fake_build`):
+    what the model is built and its update run under."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from packtrain.memory import fla_shapes, flex_shapes
+
+    with FakeTensorMode(allow_non_fake_inputs=True), fla_shapes.installed(), flex_shapes.installed(), _fake_build():
+        yield
+
+
+def count_update(cfg, model, lm, step, ready, notes: list[str]) -> Measured:
+    """The update ``step.update(ready, 0)`` of the model built under :func:`fake_tensors` (the reduced model of
+    :func:`reduced_cfg`), its live bytes counted per phase. The caller runs it (:func:`packtrain.run.harness.measure_step`:
+    the trainer's step on a one-pack plan)."""
     from packtrain.models.offload import OffloadedCheckpoint
     from packtrain.packed.patch import text_parts
-    from packtrain.run.harness import on_every_rank, one_pack, update_step
-    from packtrain.run.session import open_session
 
-    notes = []
-    if any(getattr(ex, "images", ()) for ex in examples):
-        examples = _without_images(examples)
-        notes.append("the vision tower is left out (frozen, small): image tokens run as text tokens")
-    small = _reduced_cfg(cfg, text_config(config_dict_of(cfg))["num_hidden_layers"])
-    text = text_config(small.model.config)
-    one_rank = DistInfo(0, 1, 0, torch.device("cpu"))
-    # the run's setup on the reduced model (one layer of each kind): the same kinds, the plan's largest unit
-    session = open_session(small, one_rank, examples=examples, plan=plan, savings=False)
-    setup = kinds or session.kinds
-    one, _ = one_pack(plan, examples, setup, cfg.train.max_positions)
-    with FakeTensorMode(allow_non_fake_inputs=True), fla_shapes.installed(), flex_shapes.installed(), _fake_build():
-        session.build_model(meta=False, backend=measure_backend(cfg), device="cpu")
-        model, lm = session.model, session.lm
-        text_model, lm_head = text_parts(model)
-        layers = list(text_model.layers)
-        step = update_step(cfg, lm, setup, one, examples, one_rank)
-        with unset_fake_temporarily():
-            ready = step.prepare(on_every_rank(step))  # real index tensors, built outside the fake mode
-        params, optimizer = step.params, step.optimizer
-        offloaded = [isinstance(l, OffloadedCheckpoint) and l.offload for l in layers]
-        pools = {id(l.pool): l.pool for l in layers if isinstance(l, OffloadedCheckpoint)}.values()
-        counter = LiveBytes(host=lambda: sum(p.allocated_bytes for p in pools))
-        records = [LayerRecord(tuple(k), off) for k, off in zip(text["kinds"], offloaded)]
-        for i, layer in enumerate(layers):
-            rec = records[i]
-            rec.weights = _storage_bytes(p for p in layer.parameters() if not p.requires_grad)
-            rec.adapters = _storage_bytes(p for p in layer.parameters() if p.requires_grad)
-        weights = _storage_bytes(p for p in lm.parameters() if not p.requires_grad)
-        adapters = _storage_bytes(params)
-        head = max(_storage_bytes(text_model.embed_tokens.parameters()), _storage_bytes(lm_head.parameters()))
-        hooks = phase_hooks(counter, layers, records, text, bool(cfg.train.activation_checkpointing or
-                                                                  cfg.train.offload), text_model.norm)
-        with counter:
-            for p in lm.parameters():
-                counter.tag(p, WEIGHTS)
-            for b in lm.buffers():
-                counter.tag(b, WEIGHTS)
-            for p in params:
-                hooks.append(p.register_post_accumulate_grad_hook(lambda p: counter.tag(p.grad, GRADS)))
+    text = text_config(reduced_cfg(cfg).model.config)
+    text_model, lm_head = text_parts(model)
+    layers = list(text_model.layers)
+    params, optimizer = step.params, step.optimizer
+    offloaded = [isinstance(l, OffloadedCheckpoint) and l.offload for l in layers]
+    pools = {id(l.pool): l.pool for l in layers if isinstance(l, OffloadedCheckpoint)}.values()
+    counter = LiveBytes(host=lambda: sum(p.allocated_bytes for p in pools))
+    records = [LayerRecord(tuple(k), off) for k, off in zip(text["kinds"], offloaded)]
+    for i, layer in enumerate(layers):
+        rec = records[i]
+        rec.weights = _storage_bytes(p for p in layer.parameters() if not p.requires_grad)
+        rec.adapters = _storage_bytes(p for p in layer.parameters() if p.requires_grad)
+    weights = _storage_bytes(p for p in lm.parameters() if not p.requires_grad)
+    adapters = _storage_bytes(params)
+    head = max(_storage_bytes(text_model.embed_tokens.parameters()), _storage_bytes(lm_head.parameters()))
+    hooks = phase_hooks(counter, layers, records, text, bool(cfg.train.activation_checkpointing or
+                                                              cfg.train.offload), text_model.norm)
+    with counter:
+        for p in lm.parameters():
+            counter.tag(p, WEIGHTS)
+        for b in lm.buffers():
+            counter.tag(b, WEIGHTS)
+        for p in params:
+            hooks.append(p.register_post_accumulate_grad_hook(lambda p: counter.tag(p.grad, GRADS)))
 
-            def before_step(opt, *_):
-                counter.set_phase("optimizer")
+        def before_step(opt, *_):
+            counter.set_phase("optimizer")
 
-            def after_step(opt, *_):
-                for state in opt.state.values():
-                    for v in state.values():
-                        if isinstance(v, torch.Tensor):
-                            counter.tag(v, STATES)
+        def after_step(opt, *_):
+            for state in opt.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        counter.tag(v, STATES)
 
-            hooks += [optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_step)]
-            counter.set_phase("forward")
-            step.update(ready, 0)
-            states = sum(_storage_bytes([v]) for s in optimizer.state.values() for v in s.values()
-                         if isinstance(v, torch.Tensor))
-        for h in hooks:
-            h.remove()
-    return Measured(dict(counter.peaks), records, weights, adapters, states, head, counter.index_peak, notes)
+        hooks += [optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_step)]
+        counter.set_phase("forward")
+        step.update(ready, 0)
+        states = sum(_storage_bytes([v]) for s in optimizer.state.values() for v in s.values()
+                     if isinstance(v, torch.Tensor))
+    for h in hooks:
+        h.remove()
+    return Measured(dict(counter.peaks), records, weights, adapters, states, head, counter.index_peak, list(notes))
 
 
 def _cached_tensors(layouts) -> list[torch.Tensor]:
@@ -495,9 +498,9 @@ GDN_NOTE = ("Gated DeltaNet: fla's kernels as on CUDA, counted by shape-only sta
             "functions save (not the CPU reference's per-chunk states)")
 
 
-def measure_whole(cfg, plan, examples, world: int, kinds=None) -> WholeModel:
-    """``cfg``: the savings chosen (nothing auto); ``kinds``: the run's."""
-    m = measure(cfg, plan, examples, kinds)
+def measure_whole(cfg, m: Measured, world: int) -> WholeModel:
+    """The whole model's memory per rank at ``world`` ranks from the reduced model's count ``m``
+    (:func:`packtrain.run.harness.measure_step`); ``cfg``: the savings chosen (nothing auto)."""
     text = text_config(config_dict_of(cfg))
     whole = extrapolate(m, text, world, _offloaded(cfg, text["num_hidden_layers"]),
                         bool(cfg.train.activation_checkpointing or cfg.train.offload))

@@ -10,9 +10,10 @@ from cli_helpers import REPO, run_in_process
 from tiny_models import FAMILY_CONFIGS
 
 from packtrain.config import load_config
-from packtrain.models import memory
+from packtrain.config.tiles import TILE_ROWS
+from packtrain.memory import estimate as memory
+from packtrain.memory.measure import GDN_NOTE, LiveBytes
 from packtrain.models.text_config import config_dict_of, text_config
-from packtrain.run.measure import GDN_NOTE, LiveBytes
 from packtrain.run.units import unit_shape
 
 SEED_LORA = {"r": 8, "dropout": 0.05, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]}
@@ -173,15 +174,15 @@ def test_a_freed_storage_leaves_the_count_and_the_peak_stays():
 def test_gpu_memory_gives_the_largest_budget_that_fits(tmp_path):
     """--gpu-memory GIB: the largest budget whose estimate, every saving left auto on, fits GIB less the reserve; a
     little more GPU memory holds a larger one."""
-    from packtrain.models import savings
-    from packtrain.models.budget import device_reserve, plan_budget
+    from packtrain.memory import savings
+    from packtrain.memory.budget import device_reserve, plan_budget
 
     model, prefix, conts, train = SHAPES["checkpointed"]
     path = write_config(tmp_path, model, train, data=pretokenized(tmp_path / "train.jsonl", prefix, conts, 97))
     out = json.loads(run_in_process("plan", path, "--memory", "--gpu-memory", "3", "--json").stdout)["memory"]
     budget = out["max_token_budget"]
     cfg = load_config(path)
-    from packtrain.data.examples import load_split
+    from packtrain.data.jsonl import load_split
     from packtrain.run.units import plan_for
 
     examples = load_split(cfg, "train")
@@ -201,10 +202,10 @@ def test_the_run_header_shows_the_choice(tmp_path):
     chosen one marked."""
     from types import SimpleNamespace
 
-    from packtrain.data.examples import load_split
-    from packtrain.models import savings
-    from packtrain.models.budget import plan_budget
-    from packtrain.run import report
+    from packtrain.data.jsonl import load_split
+    from packtrain.memory import savings
+    from packtrain.memory.budget import plan_budget
+    from packtrain.run.header import memory_lines
     from packtrain.run.units import plan_for
 
     model = SHAPES["checkpointed"][0]
@@ -212,7 +213,7 @@ def test_the_run_header_shows_the_choice(tmp_path):
     examples = load_split(cfg, "train")
     shape = unit_shape(cfg, plan_for(cfg, examples), examples)
     choice = savings.choose(cfg, shape, 1, plan_budget(cfg, 1, 80.0))
-    lines = report.memory_lines(SimpleNamespace(savings=choice))
+    lines = memory_lines(SimpleNamespace(savings=choice))
     assert lines[0].startswith("  memory: checkpointing, 2 of 8 layer inputs in host memory, ")
     assert "GiB per GPU at the largest unit" in lines[0]
     rows = [line for line in lines if line[4:6] in ("->", "  ") and line[6:8] in ("on", "of")]
@@ -224,7 +225,7 @@ def test_the_run_header_shows_the_choice(tmp_path):
 
 @pytest.mark.parametrize("loss_rows, mlp_rows", [(1024, None), (0, 0), (5, 7)])
 def test_the_estimate_follows_the_configs_chunks(tmp_path, loss_rows, mlp_rows):
-    from packtrain.data.examples import load_split
+    from packtrain.data.jsonl import load_split
     from packtrain.run.units import plan_for
 
     model = hybrid(128, 384, vocab=1000)
@@ -238,15 +239,20 @@ def test_the_estimate_follows_the_configs_chunks(tmp_path, loss_rows, mlp_rows):
     M = sum(shape.targets)
     rows = min(loss_rows, M) if loss_rows else M
     assert estimate.get("logits").bytes == rows * 1000 * 3 * 4
-    tile = memory.MLP_TILE_ROWS["cuda"] if mlp_rows is None else mlp_rows
+    tile = TILE_ROWS["cuda"]["mlp"] if mlp_rows is None else mlp_rows
     assert ("tiled MLP" in estimate.get("mlp").label) == bool(tile)
     assert estimate.savings.loss_rows == loss_rows and estimate.savings.mlp_rows == tile
 
 
-def test_the_estimates_tile_defaults_are_the_back_ends():
+def test_the_estimates_tile_defaults_are_the_back_ends(tmp_path):
+    """train.mlp_chunk_rows null: the estimate's MLP tile on each device is the one the back end takes there."""
     from packtrain.packed.kernels import select_backend
 
-    assert memory.MLP_TILE_ROWS == {d: select_backend("torch", d).mlp_rows for d in ("cpu", "cuda")}
+    train = {"activation_checkpointing": True, "offload": False, "loss_chunk_rows": 0, "mlp_chunk_rows": None,
+             "norm_chunk_rows": 0}
+    cfg = load_config(write_config(tmp_path, hybrid(128, 384, vocab=1000), train))
+    for device in ("cpu", "cuda"):
+        assert memory.savings_for(cfg, device).mlp_rows == select_backend("torch", device).mlp_rows
 
 
 def test_the_seed_data_is_seeded_and_seed_shaped():
@@ -327,7 +333,7 @@ def _hf_config(model: dict):
 def test_the_loss_phase_is_extrapolated_to_every_layer():
     # the loss phase runs with every layer's checkpointed input alive: measured on one layer of each kind, it must
     # take the model's other layers' too (left as measured, no test saw it: the peak was elsewhere)
-    from packtrain.run.measure import LayerRecord, Measured, extrapolate
+    from packtrain.memory.measure import LayerRecord, Measured, extrapolate
 
     text = text_config(hybrid(64, 128, layers=8))
     assert [k[0] for k in text["kinds"]] == ["linear_attention"] * 3 + ["full_attention"] + \

@@ -1,4 +1,4 @@
-"""The memory savings chosen by need (packtrain/models/savings.py): tables of which savings the choice takes for given shapes and budgets (device, host, CPU), each checked
+"""The memory savings chosen by need (packtrain/memory/savings.py): tables of which savings the choice takes for given shapes and budgets (device, host, CPU), each checked
 against the memory estimate itself: the choice fits, takes the fewest layer inputs to the host that fit, and no
 faster combination fits."""
 
@@ -10,9 +10,10 @@ import pytest
 from cli_helpers import REPO, run_in_process, seed_unit_shape, write_config
 
 from packtrain.config import load_config
-from packtrain.models import memory, savings
-from packtrain.models.budget import Budget, device_reserve, plan_budget
-from packtrain.models.memory import GiB, StepSavings, UnitShape
+from packtrain.memory import estimate as memory
+from packtrain.memory import savings
+from packtrain.memory.budget import Budget, device_reserve, plan_budget
+from packtrain.memory.estimate import GiB, StepSavings, UnitShape
 
 SEED_CONFIG = REPO / "configs" / "qwen3.6-27b.yaml"
 AUTO = {k: "auto" for k in savings.KEYS}

@@ -8,7 +8,7 @@ import torch
 from cli_helpers import REPO, TINY_MODEL, run_in_process, write_config
 
 from packtrain.config import config_from_dict, load_config
-from packtrain.models import memory
+from packtrain.memory import estimate as memory
 from packtrain.models.parameters import lora_parameters, model_parameters
 from packtrain.models.text_config import FAMILY_DEFAULTS, TEXT_DEFAULTS, config_dict_of, text_config
 
@@ -84,7 +84,7 @@ def test_shipped_27b_config_is_the_seed_setup():
     assert cfg.model.config == QWEN36_27B
     assert (cfg.model.dtype, cfg.packing.token_budget, cfg.packing.max_continuations) == ("bfloat16", 150000, 90)
     assert (cfg.lora.r, cfg.lora.dropout, cfg.lora.target_modules) == (8, 0.05, SEED_LORA)
-    # every memory saving left to the choice by need (tests/models/test_savings.py: what it takes at 80 GiB)
+    # every memory saving left to the choice by need (tests/memory/test_savings.py: what it takes at 80 GiB)
     assert all(getattr(cfg.train, key) == "auto" for key in ("activation_checkpointing", "offload",
                                                             "loss_chunk_rows", "mlp_chunk_rows", "norm_chunk_rows"))
 

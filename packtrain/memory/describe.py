@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from packtrain.models.memory import GiB, MemoryEstimate
+from packtrain.memory.estimate import GiB, MemoryEstimate
 
 
 def format_phases(est: MemoryEstimate, measured=None) -> str:

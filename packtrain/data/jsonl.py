@@ -57,8 +57,16 @@ if TYPE_CHECKING:
 
 from packtrain.data.chat import tokenize
 from packtrain.data.example import Conversation, DataError, Example
-from packtrain.data.preference import PAIR_KEYS, SIDE_FIELDS, SIDES, check_pairs, chat_answer, is_pair, pair_fields, \
-    weight_of
+from packtrain.data.preference import (
+    PAIR_KEYS,
+    SIDE_FIELDS,
+    SIDES,
+    chat_answer,
+    check_pairs,
+    is_pair,
+    pair_fields,
+    weight_of,
+)
 
 FORMATS = ("text", "chat", "pretokenized")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"

@@ -1,4 +1,4 @@
-"""The estimated step time (packtrain/models/step_time.py) against FLOPs counted by hand on a toy model."""
+"""The estimated step time (packtrain/memory/step_time.py) against FLOPs counted by hand on a toy model."""
 
 import dataclasses
 
@@ -6,8 +6,8 @@ import pytest
 from cli_helpers import REPO, seed_unit_shape
 
 from packtrain.config import load_config
-from packtrain.models.memory import StepSavings, UnitShape
-from packtrain.models.step_time import NORM_BYTES_PER_ELEMENT, RATES, step_seconds
+from packtrain.memory.estimate import StepSavings, UnitShape
+from packtrain.memory.step_time import NORM_BYTES_PER_ELEMENT, RATES, step_seconds
 from packtrain.models.text_config import text_config
 
 SEED_CONFIG = REPO / "configs" / "qwen3.6-27b.yaml"

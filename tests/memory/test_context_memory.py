@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 from cli_helpers import write_config
-from test_memory import QWEN36_27B, SEED_LORA
+from test_estimate import QWEN36_27B, SEED_LORA
 from tiny_models import tiny_lora_model, tiny_text_config
 
 import packtrain.packed.patch  # noqa: F401 - routes transformers' CPU kernels, as every packtrain process does
 from packtrain.commands.plan import run_plan
-from packtrain.models import memory
+from packtrain.memory import estimate as memory
 from packtrain.models.text_config import text_config
 
 GiB = 2**30
