@@ -211,7 +211,7 @@ def test_the_kind_check_sees_every_kind_of_site():
     source = """
 if unit.schedule is None: pass
 grouped = cfg.packing.continuation_groups > 1
-packed = setup.mode == "shared_prefix"
+packed = kinds.mode == "shared_prefix"
 kept = [u for u in units if not u.dummy]
 layout = unit_layout(unit, plan, examples, items_only=True)
 if isinstance(work, Groups): pass
@@ -232,7 +232,7 @@ def test_the_branch_counter_fails_on_a_planted_branch(tmp_path, monkeypatch):
     """The count above can fail: the package's own modules with one more branch planted in a copy of
     packtrain/run/step.py (outside the homes) beyond the budget, and each planted kind of branch is one more."""
     found = _branches_outside_the_homes()
-    planted = ["if plan.tree: pass", "if pack.pairs is None: pass", "ok = setup.mode != 'standalone'",
+    planted = ["if plan.tree: pass", "if pack.pairs is None: pass", "ok = kinds.mode != 'standalone'",
                "x = lm.context.name == 'kv_only'", "if layout.packed: pass", "y = build(u, p, e, packed=False)"]
     pkg = tmp_path / "packtrain"
     for path in ROOT.rglob("*.py"):
@@ -422,7 +422,7 @@ def test_the_mirror_check_sees_a_stray_folder_and_a_name_twice(tmp_path):
 # holds logic is on it.
 TESTED_MODULES = [
     "commands/export", "commands/plan", "commands/smoke", "commands/train", "config", "config/support",
-    "config/tiles", "data/chat", "data/jsonl", "data/images", "data/pairs", "data/planner", "data/preference",
+    "config/tiles", "data/chat", "data/jsonl", "data/images", "data/attention_pairs", "data/planner", "data/preference",
     "distributed", "memory/budget", "memory/estimate", "memory/measure", "memory/savings", "memory/step_time",
     "models/cost", "models/loading", "models/lora_compute", "models/offload", "models/serving", "models/wrap",
     "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/watchdog", "packed/attention", "packed/context", "packed/cut",

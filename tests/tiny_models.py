@@ -93,7 +93,7 @@ def examples_of(prefix, conts, first: int = 0) -> list:
 def plan_of(prompts, packs, examples):
     """A plan (packtrain.data.planner.Plan) of ``packs``, each (prompt index, example indices), over ``prompts``;
     a pack's positions and pairs as the planner counts them."""
-    from packtrain.data.pairs import pack_pairs
+    from packtrain.data.attention_pairs import pack_pairs
     from packtrain.data.planner import Pack, Plan
 
     def pack(p, e):

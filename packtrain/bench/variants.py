@@ -62,7 +62,7 @@ class PackedVariant:
         work = work.for_variant(self)
         cfg, state = work.cfg, models.packtrain_state
         optimizer, scheduler = state.reset(len(work.steps))
-        step = Step(models.lms[self.name], work.session.kinds, work.plan, work.examples, work.session.dist,
+        step = Step(models.lms[self.name], work.session.kinds, work.plan, work.examples, work.session.info,
                     list(state.params.values()), optimizer, scheduler, cfg.optim.max_grad_norm,
                     cfg.train.max_positions)
         return [step.run(pack_ids, k).loss for k, pack_ids in enumerate(work.steps[:max_steps])]
@@ -70,7 +70,7 @@ class PackedVariant:
     def evaluate(self, models: Models, work: Workload) -> float:
         """The adapter's mean per-example loss through the packed forward of the variant's kinds and context."""
         work = work.for_variant(self)
-        rows = evaluate(models.lms[self.name], work.plan, work.examples, work.session.kinds, work.session.dist)
+        rows = evaluate(models.lms[self.name], work.plan, work.examples, work.session.kinds, work.session.info)
         return mean_loss(rows)
 
     def figures(self, work: Workload, stats: dict, target_tokens: int) -> tuple[int, int, int]:
@@ -139,13 +139,13 @@ class Workload:
 
     @property
     def device(self) -> torch.device:
-        return self.session.dist.device
+        return self.session.info.device
 
     def for_variant(self, variant) -> Workload:
         """The workload a variant trains: the config under its overrides, set up as `packtrain train` sets it up
         (its kinds, its plan; once)."""
         if variant.name not in self._variants:
-            session = open_session(variant.config(self.cfg), self.session.dist, examples=self.examples,
+            session = open_session(variant.config(self.cfg), self.session.info, examples=self.examples,
                                    savings=False)
             self._variants[variant.name] = Workload.of(session)
         return self._variants[variant.name]

@@ -82,7 +82,7 @@ def _generate(cfg, session, out: Path, split: str, adapter: str) -> None:
 
     from packtrain.run.task import describe, errors_path_for, run_task, write_task
 
-    info = session.dist
+    info = session.info
     task = session.task(session.examples, split)
     bar = tqdm(total=None, desc="generate", unit="pack", disable=not (info.is_main and cfg.logging.progress))
     result = run_task(session.lm, task, session.kinds, info, progress=bar)

@@ -176,17 +176,18 @@ def _strict_json(text: str | bytes, source: Path, line: int, where: str):
 class _Duplicated(dict):
     """An object that gave ``key`` twice (json keeps the last): found and refused, naming its field."""
 
-    def __init__(self, pairs, key: str):
-        super().__init__(pairs)
+    def __init__(self, items, key: str):
+        super().__init__(items)
         self.key = key
 
 
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """json's object hook: a dict, or a :class:`_Duplicated` naming a key given twice."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
+def _unique_keys(items: list[tuple[str, object]]) -> dict:
+    """json's object hook (an object's (key, value) items in order): a dict, or a :class:`_Duplicated` naming a key
+    given twice."""
+    out = dict(items)
+    if len(out) != len(items):
         seen = set()
-        for key, _ in pairs:
+        for key, _ in items:
             if key in seen:
                 return _Duplicated(out, key)
             seen.add(key)

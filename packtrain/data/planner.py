@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packtrain.config import WalkSpec
-from packtrain.data.pairs import causal_pairs, node_pairs, pack_pairs, tree_pairs
+from packtrain.data.attention_pairs import causal_pairs, node_pairs, pack_pairs, tree_pairs
 from packtrain.data.preference import pair_examples
 from packtrain.data.tree import continuations, example_keys, example_tree, key_tokens, tree_of_keys
 from packtrain.data.tree_packs import pack_tree
@@ -46,8 +46,9 @@ class Pack:
     prompt: int  # index into Plan.prompts
     examples: tuple[int, ...]  # indices into the examples, in the order they are laid out after P
     positions: int  # len(P) + sum of the continuation lengths (a tree pack: len(P) + its tree's tokens)
-    # its query-key pairs of causal attention, per layer and head: a flat pack's (data/pairs.py) (a walked example's,
-    # of its whole sequence), a tree pack's its tree's (every token reads P, its ancestors and its node's earlier ones)
+    # its query-key pairs of causal attention, per layer and head (data/attention_pairs.py): a flat pack's (a walked
+    # example's, of its whole sequence), a tree pack's its tree's (every token reads P, its ancestors and its node's
+    # earlier ones)
     pairs: int
     walk: WalkCalls | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
 

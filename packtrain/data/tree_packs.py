@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from itertools import accumulate, compress
 from operator import eq, sub
 
-from packtrain.data.pairs import node_pairs, tree_pairs
+from packtrain.data.attention_pairs import node_pairs, tree_pairs
 from packtrain.data.tree import Tree
 
 
 def attention_pairs(prefix_len: int, tree: Tree) -> int:
-    """A tree pack's query-key pairs of causal attention (:func:`packtrain.data.pairs.tree_pairs`)."""
+    """A tree pack's query-key pairs of causal attention (:func:`packtrain.data.attention_pairs.tree_pairs`)."""
     return tree_pairs(prefix_len, tree.positions, sum(map(node_pairs, tree.start, tree.end)))
 
 

@@ -108,8 +108,8 @@ def plan_budget(cfg, world_size: int, gpu_memory_gib: float | None = None, ranks
                   "gives the GPU's", host, host_source, ranks)
 
 
-def run_budget(cfg, dist) -> Budget:
-    """The budget of a run on ``dist``'s device, the same on every rank (the smallest GPU and the smallest node's
+def run_budget(cfg, info) -> Budget:
+    """The budget of a run on ``info``'s device, the same on every rank (the smallest GPU and the smallest node's
     memory of all ranks, one all-reduce): CUDA, the device's memory less :func:`device_reserve` and the node's
     available host memory (or ``ops.host_memory_per_node_gib``) for the offload pools of its ranks; the CPU, the
     available memory shared by the node's ranks."""
@@ -118,18 +118,18 @@ def run_budget(cfg, dist) -> Budget:
     from packtrain.distributed import agree
 
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    cuda = dist.device.type == "cuda"
-    total = torch.cuda.get_device_properties(dist.device).total_memory if cuda else None
+    cuda = info.device.type == "cuda"
+    total = torch.cuda.get_device_properties(info.device).total_memory if cuda else None
     available = available_host_memory()
     unknown = -1  # agreed as a maximum of negatives: the smallest figure; any rank's unknown stays unknown
     known = [-(total if total is not None else unknown), -(available if available is not None else unknown)]
-    total_min, available_min = (-v for v in agree(known, dist))
+    total_min, available_min = (-v for v in agree(known, info))
     total = None if total_min < 0 or total is None else total_min
     available = None if available_min < 0 or available is None else available_min
     if cuda:
         host, source = _host_limit(None, cfg, available, "the node's available memory")
         reserve = device_reserve(total)
-        return Budget("cuda", total - reserve, total, reserve, torch.cuda.get_device_name(dist.device), host,
+        return Budget("cuda", total - reserve, total, reserve, torch.cuda.get_device_name(info.device), host,
                       source, ranks)
     return _cpu_budget(available, ranks, "the host's available memory", None, "the host is the device")
 

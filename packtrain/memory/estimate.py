@@ -450,7 +450,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
                           f"parameters x (copy, grad, {states} optimizer states) x {b} bytes{sharded}",
                           math.ceil(n_saved * b * (2 + states) / W)))
         static.append("saved_modules")
-    if not context.prefix_grad:  # frozen: P's state kept as constants
+    if not context.prefix_in_graph:  # frozen: P's state kept as constants
         terms += frozen_prefix_terms(text, prefix, b)
         static.append("prefix_cache")
     elif group_positions is not None:
@@ -461,7 +461,7 @@ def estimate(text: dict, positions: int, targets: int, *, dtype: str = "bfloat16
 
     layer_input = T * H * b
     kinds = sorted(set(text["kinds"]))
-    share = (T_layer - prefix) / T_layer if prefix and context.prefix_grad else 1.0
+    share = (T_layer - prefix) / T_layer if prefix and context.prefix_in_graph else 1.0
     per_kind = {k: layer_recompute(text, k, T_layer, b, a, lora_r, targets_list, lora_dropout,
                                    target_parameters=lora_parameters_targets, savings=savings, continuations=share)
                 for k in kinds}

@@ -49,7 +49,7 @@ def _norm_elements_per_token(text: dict) -> int:
 def _pairs(shape: UnitShape) -> tuple[int, int]:
     """(the unit's attention pairs, P's own): the unit's own count (:func:`packtrain.run.units.unit_shape`), else a
     pack's (P, and every continuation against P and itself) or one sequence's."""
-    from packtrain.data.pairs import causal_pairs, pack_pairs
+    from packtrain.data.attention_pairs import causal_pairs, pack_pairs
 
     p = shape.prefix
     if shape.attention_pairs is not None:
@@ -66,7 +66,7 @@ def step_flops(text: dict, shape: UnitShape, savings: StepSavings, context_grad:
     cost = CostModel.of_text(text)
     T, M = shape.prefix + sum(shape.lengths), sum(shape.targets)
     pairs, prefix_pairs = _pairs(shape)
-    frozen = not context_mode(context_grad).prefix_grad and shape.shares_prefix  # P once, without its graph
+    frozen = not context_mode(context_grad).prefix_in_graph and shape.shares_prefix  # P once, without its graph
     T_grad = T - shape.prefix if frozen else T
     pairs_grad = pairs - prefix_pairs if frozen else pairs
     flops = cost.flops(T_grad, pairs_grad, M)
@@ -87,7 +87,7 @@ def step_seconds(text: dict, shape: UnitShape, savings: StepSavings, dtype_bytes
     what :func:`choose` compares."""
     rates = RATES[device]
     T = shape.prefix + sum(shape.lengths)
-    frozen = not context_mode(context_grad).prefix_grad and shape.shares_prefix
+    frozen = not context_mode(context_grad).prefix_in_graph and shape.shares_prefix
     T_grad = T - shape.prefix if frozen else T
     seconds = step_flops(text, shape, savings, context_grad) / rates.flops
     if savings.norm_rows:

@@ -7,8 +7,8 @@ it (:mod:`packtrain.memory.step_time`), and the bench's model FLOPs and MFU are 
   the weight's). This is the conventional count of "model FLOPs" (an MFU's numerator): under LoRA the frozen
   weights get no weight gradient, so the work a LoRA step does is nearer 4 x, and the adapters' own is small beside
   it; counting 6 x keeps the figures comparable with other trainers' and does not move the balance's order.
-- **per attention pair** (a query-key pair of causal attention, :mod:`packtrain.data.pairs`, per full-attention
-  layer): 12 x heads x head_dim (QK^T and PV: forward 4, backward 8).
+- **per attention pair** (a query-key pair of causal attention, :mod:`packtrain.data.attention_pairs`, per
+  full-attention layer): 12 x heads x head_dim (QK^T and PV: forward 4, backward 8).
 - **per head row** (a target token's logit row): 6 x hidden x vocab.
 
 The Gated DeltaNet kernels and the norms are left out (linear in the positions with small constants). Measured

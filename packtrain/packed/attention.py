@@ -33,7 +33,7 @@ def _sdpa(q, k, v, mask, scaling, dropout, is_causal=False):
                                           is_causal=is_causal, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def attention_dense(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout, prefix_grad: bool = True):
+def attention_dense(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout, prefix_outputs_grad: bool = True):
     """The whole buffer against a dense [T, T] mask from the predicate: simple, O(T^2) memory; a reference."""
     return _sdpa(q_1HTD, k_1GTD, v_1GTD, dense_mask(layout).to(q_1HTD.device), scaling, dropout)
 
@@ -196,18 +196,18 @@ def _continuations(q_1HSD, k_1GSD, v_1GSD, k_1GPD, v_1GPD, layout: PackLayout, s
     return torch.cat(outs).index_select(0, unpad)  # [S, H, D]
 
 
-def attention_batched(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout, prefix_grad: bool = True):
+def attention_batched(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout, prefix_outputs_grad: bool = True):
     """P causally once; the continuations in length buckets against [P's keys ; their own keys].
-    ``prefix_grad=False`` (kv_only, where P's outputs get no gradient) runs P's own attention under no_grad."""
+    ``prefix_outputs_grad=False`` (kv_only, where P's outputs get no gradient) runs P's own attention under no_grad."""
     p = layout.prefix_len
-    with contextlib.nullcontext() if prefix_grad else torch.no_grad():
+    with contextlib.nullcontext() if prefix_outputs_grad else torch.no_grad():
         out_P = _sdpa(q_1HTD[:, :, :p], k_1GTD[:, :, :p], v_1GTD[:, :, :p], None, scaling, dropout, is_causal=True)
     out_S = _continuations(q_1HTD[:, :, p:], k_1GTD[:, :, p:], v_1GTD[:, :, p:], k_1GTD[:, :, :p], v_1GTD[:, :, :p],
                            layout, scaling, dropout)
     return torch.cat([out_P[0].transpose(0, 1), out_S])[None].transpose(1, 2)
 
 
-def attention_flex(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout, prefix_grad: bool = True):
+def attention_flex(q_1HTD, k_1GTD, v_1GTD, layout: PackLayout, scaling, dropout, prefix_outputs_grad: bool = True):
     """CUDA: FlexAttention with one BlockMask per pack, built on first use and reused by every layer."""
     from packtrain.packed.kernels import flex
 
@@ -252,8 +252,8 @@ def pack_attention(module, query, key, value, layout: PackLayout, scaling, dropo
         k_P, v_P = prefix.keys_values(module.layer_idx)
         return kernels.frozen_attention(query, key, value, k_P.to(key.dtype), v_P.to(value.dtype), layout, scaling,
                                         dropout)
-    prefix_grad = keep_from is None or keep_from[module.layer_idx] < layout.prefix_len
-    return kernels.attention(query, key, value, layout, scaling, dropout, prefix_grad)
+    prefix_outputs_grad = keep_from is None or keep_from[module.layer_idx] < layout.prefix_len
+    return kernels.attention(query, key, value, layout, scaling, dropout, prefix_outputs_grad)
 
 
 def packtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

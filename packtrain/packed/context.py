@@ -150,7 +150,7 @@ class ContextGrad:
     None)."""
     name: ClassVar[str]
     description: ClassVar[str]
-    prefix_grad: ClassVar[bool] = True  # P's own computation gets gradient (frozen: P is a constant)
+    prefix_in_graph: ClassVar[bool] = True  # P's own computation gets gradient (frozen: P is a constant)
     walks: ClassVar[bool] = True  # packing.on_overflow: walk runs under it
 
     def describe(self) -> str:
@@ -247,7 +247,7 @@ class Frozen(ContextGrad):
     name = "frozen"
     description = ("frozen (P under no_grad once per pack; continuations read its K/V, GDN state and conv tail as "
                    "constants)")
-    prefix_grad = False
+    prefix_in_graph = False
 
     def hidden_states(self, lm, layout):
         from packtrain.packed.prefix import PrefixCall

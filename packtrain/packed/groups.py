@@ -81,7 +81,7 @@ class GroupCall:
     def run(self, lm) -> LossOutput:
         """The group's loss, as a whole pack's (:class:`packtrain.packed.lm.PackCall`) with P's rows read from
         ``prefix``; under frozen the targets read off P's last row are constants."""
-        constant = not lm.context.prefix_grad
+        constant = not lm.context.prefix_in_graph
         return examples_loss(lm, self.layout, *continuations_on(lm, self.layout, self.prefix, constant=constant))
 
 
@@ -101,7 +101,7 @@ def _run_groups(lm, groups: Groups, scale: float | None, loss_of=None) -> tuple[
     if any(lay.image_grid_thw is not None for lay in groups.layouts):
         raise ValueError("packing.continuation_groups > 1 takes text-only packs; this pack has images "
                          "(set packing.continuation_groups: 1)")
-    grad = scale is not None and lm.context.prefix_grad
+    grad = scale is not None and lm.context.prefix_in_graph
     prefix = lm(PrefixCall(groups.layouts[0]))
     leaves = prefix.leaves(grad) if scale is not None else prefix
     total, losses = 0.0, []

@@ -134,7 +134,7 @@ class Kernels:
     """A back end's kernels, picked once from its names (:func:`pick_kernels`) and given to every patched layer,
     which calls them and never asks which back end it runs on."""
     backend: Backend
-    attention: Callable  # a pack: (q, k, v, layout, scaling, dropout, prefix_grad) -> [1, H, T, D]
+    attention: Callable  # a pack: (q, k, v, layout, scaling, dropout, prefix_outputs_grad) -> [1, H, T, D]
     frozen_attention: Callable  # continuations against P's keys from outside: (q, k, v, k_P, v_P, layout, ...)
     tree_attention: Callable  # a prefix tree: (q, k, v, tree layout, scaling, dropout)
     conv: Callable  # Gated DeltaNet's causal conv over a buffer: (module, conv_in, weight, layout)

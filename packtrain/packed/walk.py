@@ -179,7 +179,7 @@ def train_walk(lm, layout: PackLayout, spec: WalkSpec, scale: float, slot: WalkC
     ``scale``); ``slot`` is the walk calls every rank issues in this slot
     (:func:`packtrain.data.walk_calls.walk_calls`)."""
     lm.context.check_walk()
-    walk = _Walk(lm, layout, spec, not lm.context.prefix_grad, scale, dummy)
+    walk = _Walk(lm, layout, spec, not lm.context.prefix_in_graph, scale, dummy)
     if spec.horizon is None:
         walk.exact(slot)
     else:

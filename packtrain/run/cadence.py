@@ -43,22 +43,22 @@ class Records:
     """Where a component's records go: metrics.jsonl (rank 0 writes it), the run's ops (the hang watchdog's beat,
     wandb), a line on the terminal (rank 0), and a progress bar on a terminal."""
 
-    def __init__(self, metrics, ops, dist, progress: bool):
-        self.metrics, self.ops, self.dist, self.progress = metrics, ops, dist, progress
+    def __init__(self, metrics, ops, info, progress: bool):
+        self.metrics, self.ops, self.info, self.progress = metrics, ops, info, progress
 
     def write(self, record: dict) -> None:
         self.metrics.write(record)
         self.ops.eval_done(record)
 
     def say(self, line: str) -> None:
-        if self.dist.is_main:
+        if self.info.is_main:
             tqdm.write(line)
 
     def bar(self, desc: str, unit: str, beat: str) -> Beating:
         """A progress bar (a terminal only: it would litter logs) whose every update also tells the watchdog that
         ``beat`` is still running (a long evaluation is progress)."""
         bar = tqdm(total=None, desc=desc, unit=unit, leave=False,
-                   disable=not (self.dist.is_main and self.progress and sys.stderr.isatty()))
+                   disable=not (self.info.is_main and self.progress and sys.stderr.isatty()))
         return Beating(bar, lambda: self.ops.progress(beat))
 
 
@@ -123,9 +123,9 @@ class Evaluation(Periodic):
     change) is evaluated once, at the first evaluation, with the adapter disabled, and kept."""
     name = "eval"
 
-    def __init__(self, lm, plan, examples, setup, records: Records, steps_per_epoch: int, every: int | None):
+    def __init__(self, lm, plan, examples, kinds, records: Records, steps_per_epoch: int, every: int | None):
         super().__init__()
-        self.lm, self.plan, self.examples, self.setup, self.records = lm, plan, examples, setup, records
+        self.lm, self.plan, self.examples, self.kinds, self.records = lm, plan, examples, kinds, records
         self.steps_per_epoch, self.every = steps_per_epoch, every
         self.reference: dict[str, float] | None = None
         self.first_record: dict | None = None
@@ -135,15 +135,15 @@ class Evaluation(Periodic):
         return step % self.steps_per_epoch == 0 or bool(self.every and step % self.every == 0)
 
     def measure(self, step):
-        r, info = self.records, self.records.dist
-        objective = self.setup.objective
+        r, info = self.records, self.records.info
+        objective = self.kinds.objective
         if objective.paired and self.reference is None:
             bar = r.bar("eval reference", "unit", f"an eval reference unit at step {step} (the evaluation still "
                                                   "running)")
-            self.reference = reference.compute(self.lm, self.plan, self.examples, self.setup, info, bar)
+            self.reference = reference.compute(self.lm, self.plan, self.examples, self.kinds, info, bar)
             bar.close()
         bar = r.bar("eval", "unit", f"an eval unit at step {step} (the evaluation still running)")
-        rows = evaluate(self.lm, self.plan, self.examples, self.setup, info, progress=bar)
+        rows = evaluate(self.lm, self.plan, self.examples, self.kinds, info, progress=bar)
         bar.close()
         _, summary = eval_figures.figures(objective, rows, self.examples, self.reference)
         loss = summary["loss"]
@@ -164,17 +164,17 @@ class Generation(Periodic):
     score."""
     name = "generate"
 
-    def __init__(self, lm, task, setup, records: Records, out: Path, every: int):
+    def __init__(self, lm, task, kinds, records: Records, out: Path, every: int):
         super().__init__()
-        self.lm, self.task, self.setup, self.records, self.out, self.every = lm, task, setup, records, out, every
+        self.lm, self.task, self.kinds, self.records, self.out, self.every = lm, task, kinds, records, out, every
 
     def falls_on(self, step):
         return step % self.every == 0
 
     def measure(self, step):
-        r, info = self.records, self.records.dist
+        r, info = self.records, self.records.info
         bar = r.bar("generate", "pack", f"a generation pack at step {step} (the generation still running)")
-        result = run_task(self.lm, self.task, self.setup, info, progress=bar)
+        result = run_task(self.lm, self.task, self.kinds, info, progress=bar)
         bar.close()
         s = result.summary
         lines = self.out / "generations" / f"step-{step}.jsonl"
@@ -194,10 +194,10 @@ class Checkpoints:
     or resumed from."""
 
     def __init__(self, out: Path, every: int, total_steps: int, keep: int | None, parts, state: Callable[[], dict],
-                 dist, ops, log, last: Path | None = None):
+                 info, ops, log, last: Path | None = None):
         self.out, self.every, self.total_steps, self.keep = out, every, total_steps, keep
         self.lm, self.model, self.optimizer, self.scheduler, self.params = parts
-        self.state, self.dist, self.ops, self.log, self.last = state, dist, ops, log, last
+        self.state, self.info, self.ops, self.log, self.last = state, info, ops, log, last
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 and step < self.total_steps
@@ -209,10 +209,10 @@ class Checkpoints:
         return self.last
 
     def save(self, step: int) -> Path:
-        finite.check_parameters(self.params, self.dist, step)
+        finite.check_parameters(self.params, self.info, step)
         self.last = ckpt.save_checkpoint(self.out, step, self.lm, self.model, self.optimizer, self.scheduler,
-                                         self.state(), self.dist)
-        if self.dist.is_main:
+                                         self.state(), self.info)
+        if self.info.is_main:
             rundir.prune_checkpoints(self.out, self.keep, self.log)
         self.ops.progress(f"checkpoint at step {step}")
         faults.after_checkpoint(step)

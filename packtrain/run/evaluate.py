@@ -12,18 +12,18 @@ from packtrain.run.step import rank_units
 from packtrain.run.units import Kinds, build, run_unit
 
 
-def evaluate(lm, plan: Plan, examples, setup: Kinds, info: DistInfo, progress=None) -> list[dict]:
+def evaluate(lm, plan: Plan, examples, kinds: Kinds, info: DistInfo, progress=None) -> list[dict]:
     """``[{"id", "loss", "target_tokens"}]`` in example order (on every rank), skipped examples left out; every unit
     through the unit runner under no_grad (whole packs, whatever ``packing.continuation_groups``; walked examples
     chunk by chunk)."""
     # an evaluation reads no loss terms: a dpo run's reference table (of data.train) need not name data.eval's ids
-    setup = dataclasses.replace(setup.whole_packs(), objective=setup.objective.with_table(None))
+    kinds = dataclasses.replace(kinds.whole_packs(), objective=kinds.objective.with_table(None))
     was_training = lm.training
     lm.eval()
     results: dict[int, tuple[float, int]] = {}
-    units = rank_units(plan, list(range(len(plan.packs))), setup, info.rank, info.world_size)
+    units = rank_units(plan, list(range(len(plan.packs))), kinds, info.rank, info.world_size)
     for unit in units:
-        r = run_unit(lm, build(unit, plan, examples, setup), setup, info.device)
+        r = run_unit(lm, build(unit, plan, examples, kinds), kinds, info.device)
         for e, loss, n in zip(unit.examples, r.per_example, r.target_tokens):
             results[e] = (loss, n)
         if progress is not None:

@@ -118,7 +118,7 @@ def _p_only(prefix) -> object:
     return build_pack_layout(prefix, [Continuation(prefix[-1:], ())], targets=False)
 
 
-def generate(lm, plan: Plan, examples, setup: Kinds, spec: GenerateSpec, info: DistInfo,
+def generate(lm, plan: Plan, examples, kinds: Kinds, spec: GenerateSpec, info: DistInfo,
              progress=None) -> dict[int, Generated]:
     """Every example of ``plan``'s packs generated, by example index (on every rank)."""
     shards = prompt_shards(plan, list(range(len(plan.packs))), info.world_size)
@@ -131,7 +131,7 @@ def generate(lm, plan: Plan, examples, setup: Kinds, spec: GenerateSpec, info: D
     with torch.no_grad():
         for k, unit in enumerate(slots[info.rank]):
             new_prompt = k == 0 or any(s[k].prompt != s[k - 1].prompt for s in slots)
-            layout = ITEMS.build(unit, plan, examples, setup.images)
+            layout = ITEMS.build(unit, plan, examples, kinds.images)
             if layout is not None:
                 layout = layout.to(info.device)
             if new_prompt:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from packtrain.data.pairs import causal_pairs, tree_pairs
+from packtrain.data.attention_pairs import causal_pairs, tree_pairs
 from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.run.optim import build_optimizer, build_scheduler
@@ -22,12 +22,12 @@ from packtrain.run.step import Step
 from packtrain.run.units import Kinds, Unit, largest_unit
 
 
-def one_pack(plan: Plan, examples, setup: Kinds, max_positions: int | None = None,
+def one_pack(plan: Plan, examples, kinds: Kinds, max_positions: int | None = None,
              prompt_tokens: int | None = None) -> tuple[Plan, Unit]:
     """A plan of one pack: the plan's largest unit (:func:`packtrain.run.units.largest_unit`) as a pack of its own
     (a pack's one unit is the pack; an example alone, the pack of that example), with P cut to its first
     ``prompt_tokens`` tokens (None: as planned). Returns (the plan, its one unit)."""
-    unit = largest_unit(plan, examples, setup, max_positions)
+    unit = largest_unit(plan, examples, kinds, max_positions)
     pack = next(p for p in plan.packs if p.prompt == unit.prompt and set(unit.examples) <= set(p.examples))
     p = len(plan.prompts[unit.prompt])
     prompt = plan.prompts[unit.prompt][:prompt_tokens]  # [:None]: all of it
@@ -39,16 +39,16 @@ def one_pack(plan: Plan, examples, setup: Kinds, max_positions: int | None = Non
     pack = dataclasses.replace(pack, prompt=0, examples=unit.examples, positions=len(prompt) + after,
                                pairs=tree_pairs(len(prompt), after, own))
     one = dataclasses.replace(plan, packs=[pack], prompts=[prompt], skipped=[])
-    (unit,) = setup.units(pack)
+    (unit,) = kinds.units(pack)
     return one, unit
 
 
-def update_step(cfg, lm, setup: Kinds, plan: Plan, examples, info: DistInfo, steps: int = 2) -> Step:
+def update_step(cfg, lm, kinds: Kinds, plan: Plan, examples, info: DistInfo, steps: int = 2) -> Step:
     """The trainer's step on ``plan`` (a one-pack plan, :func:`one_pack`) over ``lm``'s trainable parameters, with
     a fresh optimizer and an LR schedule of ``steps``."""
     params = [p for p in lm.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optim)
-    return Step(lm, setup, plan, examples, info, params, optimizer, build_scheduler(optimizer, cfg.optim, steps),
+    return Step(lm, kinds, plan, examples, info, params, optimizer, build_scheduler(optimizer, cfg.optim, steps),
                 cfg.optim.max_grad_norm, cfg.train.max_positions)
 
 
@@ -143,11 +143,11 @@ def measure_step(cfg, plan, examples, kinds=None):
     one_rank = DistInfo(0, 1, 0, torch.device("cpu"))
     # the run's setup on the reduced model (one layer of each kind): the same kinds, the plan's largest unit
     session = open_session(measure.reduced_cfg(cfg), one_rank, examples=examples, plan=plan, savings=False)
-    setup = kinds or session.kinds
-    one, _ = one_pack(plan, examples, setup, cfg.train.max_positions)
+    kinds = kinds or session.kinds
+    one, _ = one_pack(plan, examples, kinds, cfg.train.max_positions)
     with measure.fake_tensors():
         session.build_model(meta=False, backend=measure.measure_backend(cfg), device="cpu")
-        step = update_step(cfg, session.lm, setup, one, examples, one_rank)
+        step = update_step(cfg, session.lm, kinds, one, examples, one_rank)
         with unset_fake_temporarily():
             ready = step.prepare(on_every_rank(step))  # real index tensors, built outside the fake mode
         return measure.count_update(cfg, session.model, session.lm, step, ready, notes)

@@ -21,17 +21,17 @@ def header(trainer) -> list[str]:
     lines = [f"packtrain train: {s['examples']} examples, {s['prompts']} prompts -> {s['packs']} packs "
              f"(positions {s['positions_standalone']:,} standalone vs {s['positions_packed']:,} packed, "
              f"{s['position_ratio']:.1f}x)",
-             f"  mode {t.setup.mode}, kernels: {t.backend.describe()}, device {t.dist.device}, "
-             f"world size {t.dist.world_size}, dtype {cfg.model.dtype}",
+             f"  mode {t.kinds.mode}, kernels: {t.backend.describe()}, device {t.info.device}, "
+             f"world size {t.info.world_size}, dtype {cfg.model.dtype}",
              f"  {describe_model(t.model)}",
              f"  context_grad {t.lm.context.describe()}",
              f"  loss: {t.lm.describe_loss()}",
-             f"  objective {t.setup.objective.describe()}"]
+             f"  objective {t.kinds.objective.describe()}"]
     lora = describe_lora(t.model)
     if lora is not None:
         lines.append(f"  {lora}")
         lines.append(f"  {serving.describe(serving.of_lora(cfg.lora))}")
-    if t.setup.objective.paired:
+    if t.kinds.objective.paired:
         lines.append(f"  {s['examples'] // 2:,} preference pairs, each pair's two answers in one pack")
     if cfg.data.train_on != "last" or s["turns"] != s["examples"]:
         lines.append(f"  data.train_on {cfg.data.train_on}: {s['conversations']:,} conversations, {s['turns']:,} "
@@ -42,11 +42,11 @@ def header(trainer) -> list[str]:
     other = next(b for b in BALANCES if b != steps.balance)
     lines.append(f"  train.balance {steps.balance}: utilisation {figures[steps.balance]:.3f} over epoch 0's steps "
                  f"({other} {figures[other]:.3f}; mean / largest rank cost per step)")
-    lines += [f"  {line}" for line in t.setup.runs(s)]
-    if t.dist.enabled:
+    lines += [f"  {line}" for line in t.kinds.runs(s)]
+    if t.info.enabled:
         local = sum(getattr(p, "_local_tensor", p).numel() for p in t.lm.parameters())
         total = sum(p.numel() for p in t.lm.parameters())
-        lines.append(f"  FSDP2 over {t.dist.world_size} ranks: rank 0 holds {local:,} of {total:,} parameter "
+        lines.append(f"  FSDP2 over {t.info.world_size} ranks: rank 0 holds {local:,} of {total:,} parameter "
                      "elements")
     report = getattr(t.lm, "load_report", None)
     if report is not None:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # `plan` opens a session without torch: no process group, no 
 class Session:
     """What a command runs on (:func:`open_session`, then :meth:`build_model`)."""
     cfg: Config  # the user's config (the savings as written: auto stays auto)
-    dist: DistInfo | None  # None: no process group (``plan``)
+    info: DistInfo | None  # None: no process group (``plan``)
     split: str  # the split the command trains on or evaluates
     examples: list
     plan: Plan
@@ -72,8 +72,8 @@ class Session:
         base = build_base_model(self.cfg, save_to=save_base_to, meta=meta)
         if copy_base:
             self.base_copy = copy.deepcopy(base)
-        device = device if device is not None else self.dist.device
-        shard = self.dist is not None and self.dist.enabled
+        device = device if device is not None else self.info.device
+        shard = self.info is not None and self.info.enabled
         self.model, self.lm, self.backend = assemble(base, self.run_cfg, device, shard=shard, backend=backend,
                                                      adapter=adapter, training=training)
         images = image_loader(self.cfg, self.model, self.all_examples)
@@ -89,12 +89,12 @@ class Session:
                         split or ("eval" if examples is self.eval_examples else self.split))
 
 
-def open_session(cfg: Config, dist: DistInfo | None, split: str = "train", with_eval: bool = False,
+def open_session(cfg: Config, info: DistInfo | None, split: str = "train", with_eval: bool = False,
                  savings: bool = True, task: bool = False, n_groups: int | None = None,
                  examples: list | None = None, model: bool = True, plan: Plan | None = None) -> Session:
     """A command's setup before the model: its ``split`` (and data.eval with ``with_eval``) loaded and checked (the
     model family, the kinds' and the objective's refusals), planned; with ``task`` the task metric's scorer, checked
-    before any weight loads; with ``savings`` the memory savings for the plan's largest unit on ``dist``'s device,
+    before any weight loads; with ``savings`` the memory savings for the plan's largest unit on ``info``'s device,
     agreed by every rank. ``n_groups`` replaces ``packing.continuation_groups`` (1: whole packs, as an evaluation
     and pretune-fla run them); ``examples``: the split's examples, made by the caller (the bench's generated
     data), in place of reading it, and ``plan`` their plan, made already; ``model`` False: no model is built or
@@ -115,11 +115,11 @@ def open_session(cfg: Config, dist: DistInfo | None, split: str = "train", with_
     if eval_examples:
         kinds.objective.check(eval_examples, "data.eval")
     plan = kinds.plan(cfg, examples) if plan is None else plan
-    session = Session(cfg, dist, split, examples, plan, kinds, eval_examples,
+    session = Session(cfg, info, split, examples, plan, kinds, eval_examples,
                       kinds.plan(cfg, eval_examples) if eval_examples else None, scorer=scorer,
                       task_tokenizer=tokenizer)
     if savings:
-        _, session.choice = choose_savings(cfg, plan, examples, dist, kinds)
+        _, session.choice = choose_savings(cfg, plan, examples, info, kinds)
     return session
 
 

@@ -80,7 +80,7 @@ class Step:
     step's boundary and agreed with the non-finite verdict in its one all-reduce before the update; the step returns
     both verdicts (:class:`StepResult`), and the caller acts on them."""
     lm: torch.nn.Module
-    setup: Kinds
+    kinds: Kinds
     plan: object
     examples: list
     info: DistInfo
@@ -104,7 +104,7 @@ class Step:
         equal-call rule), built, and the skips agreed with every rank. (``plan --measure`` builds them outside its
         fake-tensor mode, then :meth:`update` runs under it.)"""
         t0 = time.perf_counter()
-        units = rank_units(self.plan, pack_ids, self.setup, self.info.rank, self.info.world_size)
+        units = rank_units(self.plan, pack_ids, self.kinds, self.info.rank, self.info.world_size)
         built, skip, skipped_examples = self._build(units)
         n_examples = step_examples(self.plan, pack_ids) - skipped_examples
         return Prepared(built, skip, n_examples, skipped_examples, t0)
@@ -122,7 +122,7 @@ class Step:
         for unit in units:
             code, ready = OK, None
             try:
-                ready = build(unit, self.plan, self.examples, self.setup)
+                ready = build(unit, self.plan, self.examples, self.kinds)
                 if over_cap(ready, self.max_positions):
                     code = SKIP
             except self.skippable:
@@ -147,12 +147,12 @@ class Step:
         info = self.info
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         if n_examples > 0:
-            scale = step_scale(self.setup.objective.items(n_examples))
+            scale = step_scale(self.kinds.objective.items(n_examples))
             if self._nan_at == number + 1:
                 scale = math.nan
             for ready, skipped in zip(built, skip):
                 if not skipped:
-                    r = run_unit(self.lm, ready, self.setup, info.device, scale)
+                    r = run_unit(self.lm, ready, self.kinds, info.device, scale)
                     totals += torch.tensor([r.loss_sum, r.positions], dtype=torch.float64, device=info.device)
         all_reduce_sum(totals, info)
         return totals
@@ -161,7 +161,7 @@ class Step:
                 skipped_examples: int, t0: float) -> StepResult:
         """Clip, agree on finiteness, step the optimizer (or skip the update), step the schedule."""
         grad_norm, lr = 0.0, self.scheduler.get_last_lr()[0]
-        loss = float(totals[0]) / self.setup.objective.items(n_examples) if n_examples else None
+        loss = float(totals[0]) / self.kinds.objective.items(n_examples) if n_examples else None
         if n_examples > 0:
             max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)

@@ -145,10 +145,10 @@ def public_row(row: dict) -> dict:
     return out
 
 
-def run_task(lm, task: Task, setup: Kinds, info: DistInfo, progress=None) -> TaskResult:
+def run_task(lm, task: Task, kinds: Kinds, info: DistInfo, progress=None) -> TaskResult:
     """Generate and score every example of the task (on every rank; rank 0 writes)."""
     t0 = time.perf_counter()
-    generated = generate(lm, task.plan, task.examples, setup, task.spec, info, progress)
+    generated = generate(lm, task.plan, task.examples, kinds, task.spec, info, progress)
     seconds = time.perf_counter() - t0
     prompt_of = {e: pack.prompt for pack in task.plan.packs for e in pack.examples}
     rows = [score_row(task, e, prompt_of[e], g) for e, g in generated.items()]

@@ -90,17 +90,17 @@ class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, log=print, overwrite: bool = False):
         self.cfg = cfg
         self.log = log
-        self.dist: DistInfo = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
+        self.info: DistInfo = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
         self.out = Path(cfg.output_dir)
         # every rank runs the same config on the same data, or none starts: checked before anything is written
-        check_same_config(cfg, self.dist)
+        check_same_config(cfg, self.info)
         # and what the config asks of the data (the plan, the steps, the budget), refused before anything is written
         self._plan(cfg)
         # One run per directory: the lock, and a previous run is only continued (--resume) or removed (--overwrite).
-        self.lock = rundir.claim(self.out, resume, overwrite, self.dist, log)
+        self.lock = rundir.claim(self.out, resume, overwrite, self.info, log)
         # check-nodes (refuses mismatched ranks before step 0), hang watchdog, SIGUSR1 stacks, wandb; it goes
         # before the model build and resume, which already run collectives
-        self.ops = RunOps(cfg, self.dist, self.out, log=log)
+        self.ops = RunOps(cfg, self.info, self.out, log=log)
         self.signals = StopSignals()
         self.signals.install()  # from here SIGTERM/SIGINT only set a flag, acted on at a step boundary
         try:
@@ -120,16 +120,16 @@ class Trainer:
         self.skippable = tuple(_exception_class(name) for name in cfg.train.skippable_errors)
         # the run's setup (packtrain/run/session.py): splits, checks, plan, the savings for the largest unit on this
         # device agreed by every rank; generate.every: a bad generate.metric fails here, before the model is built
-        s = self.session = open_session(cfg, self.dist, "train", with_eval=True,
+        s = self.session = open_session(cfg, self.info, "train", with_eval=True,
                                         task=cfg.generate.every is not None)
         self.train_examples, self.eval_examples = s.examples, s.eval_examples
         self.plan, self.eval_plan, self.savings = s.plan, s.eval_plan, s.choice
         self.fingerprint = plan_fingerprint(self.plan, self.train_examples)  # every token of the plan: once
-        check_same_plan(self.fingerprint, self.dist)
+        check_same_plan(self.fingerprint, self.info)
         self.run_cfg = s.run_cfg
         if self.run_cfg.train.offload:
-            check_node_pool(self.run_cfg, self.plan, self.train_examples, self.dist.world_size, s.kinds)
-        self.steps = StepPlan.for_run(cfg, self.plan, self.train_examples, self.dist.world_size)
+            check_node_pool(self.run_cfg, self.plan, self.train_examples, self.info.world_size, s.kinds)
+        self.steps = StepPlan.for_run(cfg, self.plan, self.train_examples, self.info.world_size)
         self.steps_per_epoch = self.steps.steps_per_epoch
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
         if cfg.train.max_steps is not None:
@@ -141,11 +141,11 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         base_dir = self.out / "base" if cfg.model.config is not None else None
         s = self.session
-        s.build_model(save_base_to=base_dir if self.dist.is_main else None)
-        self.model, self.lm, self.backend, self.setup = s.model, s.lm, s.backend, s.kinds
-        if self.setup.objective.paired and cfg.train.dpo_reference == "precompute":
+        s.build_model(save_base_to=base_dir if self.info.is_main else None)
+        self.model, self.lm, self.backend, self.kinds = s.model, s.lm, s.backend, s.kinds
+        if self.kinds.objective.paired and cfg.train.dpo_reference == "precompute":
             table = self._reference_table(cfg)
-            self.setup = dataclasses.replace(self.setup, objective=self.setup.objective.with_table(table))
+            self.kinds = dataclasses.replace(self.kinds, objective=self.kinds.objective.with_table(table))
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
         if s.scorer is not None:
             self.task = s.task()
@@ -153,8 +153,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         # Each rank draws its own dropout masks; train.seed fixes them (and a checkpoint stores every rank's state).
-        torch.manual_seed(cfg.train.seed + 1_000_003 * self.dist.rank)
-        self.step = Step(self.lm, self.setup, self.plan, self.train_examples, self.dist, self.params, self.optimizer,
+        torch.manual_seed(cfg.train.seed + 1_000_003 * self.info.rank)
+        self.step = Step(self.lm, self.kinds, self.plan, self.train_examples, self.info, self.params, self.optimizer,
                          self.scheduler, cfg.optim.max_grad_norm, cfg.train.max_positions, self.skippable,
                          signals=self.signals)
         self.counters = Counters()
@@ -162,7 +162,7 @@ class Trainer:
         self.ops.progress("model setup")
         if found is not None:
             self._resume(*found)
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.dist.is_main, resume=resume)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.info.is_main, resume=resume)
         if resume:
             # from step 0 the step-0 evaluation runs again: keep none of the old lines
             step = self.counters.step
@@ -171,7 +171,7 @@ class Trainer:
         if found is not None:
             latest, state = found
             self.cadence.resume(state.get("owed", []), latest)
-        if self.dist.is_main:
+        if self.info.is_main:
             (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False) + self._chosen_note())
             # the tokenizer and chat template the run trains with, which its exports carry
             save_run_tokenizer(cfg, self.out, getattr(self.model.config, "vision_config", None) is not None)
@@ -193,12 +193,12 @@ class Trainer:
         (packtrain.run.reference)."""
         expected = reference.digests(cfg, self.train_examples)
         found: list = [None]
-        if self.dist.is_main:
+        if self.info.is_main:
             try:
                 found[0] = ("table", reference.read(self.out, expected))
             except ValueError as e:
                 found[0] = ("refused", str(e))
-        if self.dist.enabled:
+        if self.info.enabled:
             torch.distributed.broadcast_object_list(found, src=0)
         verdict, value = found[0]
         if verdict == "refused":
@@ -208,11 +208,11 @@ class Trainer:
             return value
         t0 = time.perf_counter()
         bar = tqdm(total=None, desc="reference", unit="unit", leave=False,
-                   disable=not (self.dist.is_main and cfg.logging.progress and sys.stderr.isatty()))
-        table = reference.compute(self.lm, self.plan, self.train_examples, self.setup, self.dist,
+                   disable=not (self.info.is_main and cfg.logging.progress and sys.stderr.isatty()))
+        table = reference.compute(self.lm, self.plan, self.train_examples, self.kinds, self.info,
                                   Beating(bar, lambda: self.ops.progress("a dpo reference unit")))
         bar.close()
-        if self.dist.is_main:
+        if self.info.is_main:
             path = reference.write(self.out, expected, table)
             self.log(f"dpo reference: {len(table):,} log-probabilities of the base model (adapter disabled) in "
                      f"{time.perf_counter() - t0:.1f} s, written to {path}")
@@ -221,16 +221,16 @@ class Trainer:
     def _cadence(self, cfg: Config) -> Cadence:
         """What runs between steps (packtrain.run.cadence): the eval loss (data.eval), the task (generate.every),
         checkpoints."""
-        records = Records(self.metrics, self.ops, self.dist, cfg.logging.progress)
+        records = Records(self.metrics, self.ops, self.info, cfg.logging.progress)
         evaluations = []
         if self.eval_plan is not None:
-            evaluations.append(Evaluation(self.lm, self.eval_plan, self.eval_examples, self.setup, records,
+            evaluations.append(Evaluation(self.lm, self.eval_plan, self.eval_examples, self.kinds, records,
                                           self.steps_per_epoch, cfg.train.eval_every))
         if self.task is not None:
-            evaluations.append(Generation(self.lm, self.task, self.setup, records, self.out, cfg.generate.every))
+            evaluations.append(Generation(self.lm, self.task, self.kinds, records, self.out, cfg.generate.every))
         parts = (self.lm, self.model, self.optimizer, self.scheduler, self.params)
         return Cadence(evaluations, Checkpoints(self.out, cfg.train.save_every, self.total_steps,
-                                                cfg.train.keep_checkpoints, parts, self._state, self.dist, self.ops,
+                                                cfg.train.keep_checkpoints, parts, self._state, self.info, self.ops,
                                                 self.log))
 
     # -- the run ------------------------------------------------------------------------------------------------
@@ -267,16 +267,16 @@ class Trainer:
 
     def _train(self) -> dict:
         c, cadence = self.counters, self.cadence
-        if self.dist.is_main:
+        if self.info.is_main:
             self._log(header(self))
         # a signal during setup stops here, before any work (the step's own agreement takes the flag from here on)
-        self.stop_agreed = bool(agree([int(self.signals.requested)], self.dist)[0])
+        self.stop_agreed = bool(agree([int(self.signals.requested)], self.info)[0])
         if self.stop_agreed:
             self._stop_preempted()
         cadence.start(c.step)
         first = c.step
         bar = tqdm(total=self.total_steps, initial=c.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (self.dist.is_main and self.cfg.logging.progress))
+                   disable=not (self.info.is_main and self.cfg.logging.progress))
         while c.step < self.total_steps:
             epoch, index = divmod(c.step, self.steps_per_epoch)
             self._log_step(self._train_step(epoch, self.steps.pack_ids(epoch, index), c.step == first), bar)
@@ -299,11 +299,11 @@ class Trainer:
                    "eval_after_step": eval_step, "task_before": task_before, "task_after": task_after,
                    "task_after_step": task_step, "adapter": str(self.out / "adapter"), "plot": str(self.out / "loss.png")}
         evaluation = self.cadence.get("eval")
-        if evaluation is not None and self.setup.objective.paired:  # dpo: the reward accuracy on data.eval's pairs
+        if evaluation is not None and self.kinds.objective.paired:  # dpo: the reward accuracy on data.eval's pairs
             summary["reward_accuracy_before"], summary["reward_accuracy_after"] = (
                 None if record is None else record["reward_accuracy"]
                 for record in (evaluation.first_record, evaluation.record))
-        if self.dist.is_main:
+        if self.info.is_main:
             self._log(footer(summary, self.out / "metrics.jsonl"))
         return summary
 
@@ -333,7 +333,7 @@ class Trainer:
         return {"step": c.step, "epoch": epoch, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                 "examples": r.examples, "packs": len(pack_ids), "positions": r.positions, "skipped": r.skipped,
                 "skipped_examples": r.skipped_examples, "nonfinite": r.nonfinite, "nonfinite_skips": c.nonfinite_skips,
-                "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.dist.device)}
+                "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.info.device)}
 
     def _skip_nonfinite(self, loss: float | None, grad_norm: float) -> None:
         """No update for a NaN/inf step: skipped while train.max_nonfinite_skips allows, else the run stops."""
@@ -344,8 +344,8 @@ class Trainer:
             last = self.cadence.checkpoints.last
             last = str(last) if last is not None else None
             raise NonFiniteError(finite.stop_message(step, loss, grad_norm, self.cfg, last, c.nonfinite_skips - 1),
-                                 quiet=not self.dist.is_main)
-        if self.dist.is_main:
+                                 quiet=not self.info.is_main)
+        if self.info.is_main:
             tqdm.write(f"step {step}: {finite.describe(loss, grad_norm)}: skipped without an update "
                        f"({c.nonfinite_skips} of train.max_nonfinite_skips={limit})")
 
@@ -354,10 +354,10 @@ class Trainer:
         step = self.counters.step
         stopped = f"stopped by {self.signals.name()} after step {step} of {self.total_steps}"
         if step == 0:
-            raise Preempted(f"{stopped}: nothing trained yet, nothing to save; run again", quiet=not self.dist.is_main)
+            raise Preempted(f"{stopped}: nothing trained yet, nothing to save; run again", quiet=not self.info.is_main)
         written = self.cadence.checkpoints.stopping(step)
         raise Preempted(f"{stopped}: checkpoint {written} written; continue with `packtrain train CONFIG --resume`",
-                        quiet=not self.dist.is_main)
+                        quiet=not self.info.is_main)
 
     # -- saving and resuming ------------------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -365,37 +365,37 @@ class Trainer:
         writes): the counters, and what a resume checks it is the same run."""
         c = self.counters
         return {"epoch": c.step // self.steps_per_epoch, "plan": self.fingerprint,
-                "world_size": self.dist.world_size, "mode": self.setup.mode, "total_steps": self.total_steps,
+                "world_size": self.info.world_size, "mode": self.kinds.mode, "total_steps": self.total_steps,
                 "nonfinite_skips": c.nonfinite_skips, "owed": self.cadence.owed(c.step), "config": self.cfg.to_dict(),
                 "savings": self._chosen()}
 
     def _save_final(self) -> None:
-        finite.check_parameters(self.params, self.dist, self.counters.step)
-        trainable = ckpt.trainable_state(self.lm, self.dist)
-        if self.dist.is_main:
+        finite.check_parameters(self.params, self.info, self.counters.step)
+        trainable = ckpt.trainable_state(self.lm, self.info)
+        if self.info.is_main:
             ckpt.save_adapter(self.model, self.out / "adapter", state_dict=trainable, step=self.counters.step)
             plot_losses(self.out / "metrics.jsonl", self.out / "loss.png")
-        barrier(self.dist)
+        barrier(self.info)
 
     def _resume_point(self) -> tuple[Path, dict] | None:
         """``--resume``: the checkpoint to continue from and its state, once the resume is accepted (the same run, not
         past this config's steps); None to start from step 0, which a run that has not finished may do."""
-        log = self.log if self.dist.is_main else (lambda *a: None)
-        found = resuming.choose_checkpoint(self.out, self.dist, log)
+        log = self.log if self.info.is_main else (lambda *a: None)
+        found = resuming.choose_checkpoint(self.out, self.info, log)
         if found is None:
-            resuming.check_steps(self.out, 0, None, self.total_steps, self.dist)  # refuses a finished run
+            resuming.check_steps(self.out, 0, None, self.total_steps, self.info)  # refuses a finished run
             log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
             return None
         latest, state, damaged = found
         resuming.check_same_run(state, self.cfg.to_dict(), self.fingerprint, self.total_steps, latest, log)
-        resuming.check_steps(self.out, state["step"], latest, self.total_steps, self.dist)
-        resuming.set_aside(damaged, latest, self.dist, log)  # accepted: only now does anything move
+        resuming.check_steps(self.out, state["step"], latest, self.total_steps, self.info)
+        resuming.set_aside(damaged, latest, self.info, log)  # accepted: only now does anything move
         return latest, state
 
     def _resume(self, latest: Path, state: dict) -> None:
-        log = self.log if self.dist.is_main else (lambda *a: None)
-        ckpt.load_checkpoint(latest, self.lm, self.optimizer, self.scheduler, self.dist)
+        log = self.log if self.info.is_main else (lambda *a: None)
+        ckpt.load_checkpoint(latest, self.lm, self.optimizer, self.scheduler, self.info)
         self.counters = Counters(step=state["step"], nonfinite_skips=state["nonfinite_skips"])
         self.ops.progress(f"resumed from {latest.name}")
         log(f"resume: continuing from {latest} (step {self.counters.step}, written with world size "
-            f"{state['world_size']}, now {self.dist.world_size})")
+            f"{state['world_size']}, now {self.info.world_size})")

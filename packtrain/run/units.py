@@ -190,7 +190,7 @@ class Kind:
 
         p = cfg.packing
         return plan_packs(examples, p.token_budget, p.max_continuations, p.on_overflow, cfg.train.seed,
-                          walk_spec=walk_spec, frozen=not context_grad(p.context_grad).prefix_grad)
+                          walk_spec=walk_spec, frozen=not context_grad(p.context_grad).prefix_in_graph)
 
     def units(self, pack: Pack) -> list[Unit]:
         return [Unit(self, pack.prompt, pack.examples)]
@@ -249,9 +249,9 @@ class Kind:
         return pad_slots(per_rank, rank, _dummy_of)
 
     def pairs(self, unit: Unit, plan: Plan, examples) -> int:
-        """The unit's query-key pairs of causal attention per layer and head (:mod:`packtrain.data.pairs`): P's
-        own, and each continuation's against P and itself."""
-        from packtrain.data.pairs import pack_pairs
+        """The unit's query-key pairs of causal attention per layer and head
+        (:mod:`packtrain.data.attention_pairs`): P's own, and each continuation's against P and itself."""
+        from packtrain.data.attention_pairs import pack_pairs
 
         return pack_pairs(len(plan.prompts[unit.prompt]), self.segments(unit, plan, examples))
 
@@ -353,7 +353,7 @@ class StandaloneKind(Kind):
 
     def pairs(self, unit, plan, examples):
         """Each example's whole sequence, P included (a pair's two answers: both sequences)."""
-        from packtrain.data.pairs import causal_pairs
+        from packtrain.data.attention_pairs import causal_pairs
 
         p = len(plan.prompts[unit.prompt])
         return sum(causal_pairs(p + examples[e].len_continuation) for e in unit.examples)
@@ -608,13 +608,13 @@ def unit_shape(cfg: Config, plan: Plan, examples, kinds: Kinds | None = None) ->
                      unit.kind.leaves(unit, plan, examples), unit.kind.pairs(unit, plan, examples))
 
 
-def choose_savings(cfg: Config, plan: Plan, examples, dist, kinds: Kinds | None = None):
-    """The memory savings of a run (train, smoke, bench, pretune-fla) for its largest unit on ``dist``'s device, the
+def choose_savings(cfg: Config, plan: Plan, examples, info, kinds: Kinds | None = None):
+    """The memory savings of a run (train, smoke, bench, pretune-fla) for its largest unit on ``info``'s device, the
     same on every rank (:mod:`packtrain.memory.savings`). Returns (the config with the chosen values, the choice)."""
     from packtrain.memory import savings
     from packtrain.memory.budget import run_budget
 
-    choice = savings.choose(cfg, unit_shape(cfg, plan, examples, kinds), dist.world_size, run_budget(cfg, dist))
+    choice = savings.choose(cfg, unit_shape(cfg, plan, examples, kinds), info.world_size, run_budget(cfg, info))
     return choice.apply(cfg), choice
 
 

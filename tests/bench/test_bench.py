@@ -34,9 +34,9 @@ def test_cpu_preset_shortened_writes_every_variant_and_equal_losses(tmp_path, mo
 
     scored = []  # (evaluator, its packing mode or None, the mean loss it returned), in call order
 
-    def packed_or_standalone(lm, plan, examples, setup, info):
-        rows = real_evaluate(lm, plan, examples, setup, info)
-        scored.append(("evaluate", setup.mode, variants.mean_loss(rows)))
+    def packed_or_standalone(lm, plan, examples, kinds, info):
+        rows = real_evaluate(lm, plan, examples, kinds, info)
+        scored.append(("evaluate", kinds.mode, variants.mean_loss(rows)))
         return rows
 
     def plain(model, work):

@@ -51,13 +51,13 @@ def test_shortened_prompt_keeps_the_continuations(tmp_path):
     cfg = load_config(write_config(tmp_path))
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    setup = Kinds.named("shared_prefix")
-    unit = largest_unit(plan, examples, setup)
-    full, _ = harness.one_pack(plan, examples, setup)
-    short, short_unit = harness.one_pack(plan, examples, setup, prompt_tokens=5)
+    kinds = Kinds.named("shared_prefix")
+    unit = largest_unit(plan, examples, kinds)
+    full, _ = harness.one_pack(plan, examples, kinds)
+    short, short_unit = harness.one_pack(plan, examples, kinds, prompt_tokens=5)
     assert short.prompts == [plan.prompts[unit.prompt][:5]] and full.prompts == [plan.prompts[unit.prompt]]
     assert short_unit.examples == unit.examples and len(short.packs) == 1
-    full_layout, short_layout = (build(setup.units(p.packs[0])[0], p, examples, setup).work for p in (full, short))
+    full_layout, short_layout = (build(kinds.units(p.packs[0])[0], p, examples, kinds).work for p in (full, short))
     assert short_layout.prefix_len == 5 and full_layout.length - short_layout.length == full_layout.prefix_len - 5
     assert short.packs[0].positions == short_layout.length and full.packs[0].positions == full_layout.length
     assert torch.equal(short_layout.target_ids, full_layout.target_ids)
@@ -67,10 +67,10 @@ def test_the_one_pack_plan_of_a_standalone_run_is_its_largest_example(tmp_path):
     cfg = load_config(write_config(tmp_path))
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    setup = Kinds.named("standalone")
-    one, unit = harness.one_pack(plan, examples, setup)
-    assert unit == largest_unit(plan, examples, setup) and one.packs[0].examples == unit.examples
-    assert one.packs[0].positions == build(unit, one, examples, setup).positions  # prompt 0 of the one-pack plan
+    kinds = Kinds.named("standalone")
+    one, unit = harness.one_pack(plan, examples, kinds)
+    assert unit == largest_unit(plan, examples, kinds) and one.packs[0].examples == unit.examples
+    assert one.packs[0].positions == build(unit, one, examples, kinds).positions  # prompt 0 of the one-pack plan
 
 
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")

@@ -12,7 +12,7 @@ from tiny_models import tiny_text_config
 
 import packtrain
 from packtrain.config import load_config
-from packtrain.data.pairs import pack_pairs
+from packtrain.data.attention_pairs import pack_pairs
 from packtrain.models.cost import CostModel
 from packtrain.models.text_config import text_config
 

@@ -44,7 +44,7 @@ def test_p_alone_runs_with_its_graph_cut_or_without_one():
         assert layers[0](x).requires_grad
     with Frozen().prefix_pass(layers, 3):
         assert not layers[0](x).requires_grad
-    assert Full().prefix_grad and KvOnly().prefix_grad and not Frozen().prefix_grad
+    assert Full().prefix_in_graph and KvOnly().prefix_in_graph and not Frozen().prefix_in_graph
 
 
 def test_a_mode_the_support_table_refuses_is_an_assertion_here():

@@ -418,7 +418,7 @@ def test_each_mode_answers_what_the_estimates_ask():
     from packtrain.packed.context import context_grad
 
     full, kv_only, frozen = (context_grad(m) for m in MODES)
-    assert (full.prefix_grad, kv_only.prefix_grad, frozen.prefix_grad) == (True, True, False)
+    assert (full.prefix_in_graph, kv_only.prefix_in_graph, frozen.prefix_in_graph) == (True, True, False)
     for mode in (full, kv_only):
         assert mode.graph_rows(40, 10, None) == (40, 40) and mode.graph_rows(40, 10, 12) == (22, 12)
     assert frozen.graph_rows(40, 10, None) == (30, 30) and frozen.graph_rows(40, 10, 12) == (12, 12)

@@ -175,12 +175,12 @@ def test_one_update_in_groups_is_the_one_forward_update(monkeypatch):
     with without_float32_casts(monkeypatch):
         after = []
         for kind, n_groups in ((PackKind, 1), (GroupsKind, 3)):
-            setup = Kinds.named("shared_prefix", n_groups)
-            assert [type(u.kind) for u in setup.units(plan.packs[0])] == [kind]
+            kinds = Kinds.named("shared_prefix", n_groups)
+            assert [type(u.kind) for u in kinds.units(plan.packs[0])] == [kind]
             model = patched_lora_model(layer_types, seed=0, backend=BACKEND)
             params = [p for p in model.parameters() if p.requires_grad]
             sgd = torch.optim.SGD(params, lr=0.5)
-            step = Step(PackedLM(model, "full"), setup, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")),
+            step = Step(PackedLM(model, "full"), kinds, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")),
                         params, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0))
             one_update(step)
             after.append(trainable_values(model))

@@ -151,10 +151,10 @@ class Lines:
 
 
 def _records():
-    dist = SimpleNamespace(is_main=True, rank=0, world_size=1, enabled=False)
+    info = SimpleNamespace(is_main=True, rank=0, world_size=1, enabled=False)
     metrics, done, beats = Lines(), [], []
     ops = SimpleNamespace(eval_done=done.append, progress=beats.append)
-    return cadence.Records(metrics, ops, dist, progress=False), metrics, done
+    return cadence.Records(metrics, ops, info, progress=False), metrics, done
 
 
 def test_an_evaluation_writes_its_metrics_line_and_refuses_a_diverged_model(monkeypatch):

@@ -182,10 +182,10 @@ class BadPack(Exception):
 def _failing_build(monkeypatch, prompt: int):
     build = step_module.build
 
-    def failing(unit, plan, examples, setup):
+    def failing(unit, plan, examples, kinds):
         if unit.prompt == prompt and not unit.dummy:
             raise BadPack(f"pack of prompt {prompt}")
-        return build(unit, plan, examples, setup)
+        return build(unit, plan, examples, kinds)
 
     monkeypatch.setattr(step_module, "build", failing)
 

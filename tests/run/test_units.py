@@ -12,7 +12,7 @@ import pytest
 from parity import max_rel, trainable_grads, without_float32_casts
 from tiny_models import patched_lora_model, random_pack
 
-from packtrain.data.pairs import pack_pairs
+from packtrain.data.attention_pairs import pack_pairs
 from packtrain.data.planner import Pack, Plan
 from packtrain.packed.kernels import Backend
 from packtrain.packed.lm import PackedLM
@@ -42,7 +42,7 @@ def _plan():
     return Plan(packs, [tuple(p6), tuple(p9)], [], 64, 8), examples
 
 
-def _step(lm, plan, examples, setup, world):
+def _step(lm, plan, examples, kinds, world):
     """Gradients of one step of every pack as ``world`` ranks compute it (their sum, as FSDP sums), each rank's
     forward calls, and the step's loss sum."""
     pack_ids = list(range(len(plan.packs)))
@@ -50,8 +50,8 @@ def _step(lm, plan, examples, setup, world):
     grads, calls, loss = None, [], 0.0
     for rank in range(world):
         lm.zero_grad(set_to_none=True)
-        results = [run_unit(lm, build(u, plan, examples, setup), setup, "cpu", step_scale(n))
-                   for u in rank_units(plan, pack_ids, setup, rank, world)]
+        results = [run_unit(lm, build(u, plan, examples, kinds), kinds, "cpu", step_scale(n))
+                   for u in rank_units(plan, pack_ids, kinds, rank, world)]
         calls.append([r.calls for r in results])
         loss += sum(r.loss_sum for r in results)
         g = trainable_grads(lm.model)
@@ -99,10 +99,10 @@ def test_a_tree_unit_is_sized_as_the_tree_it_builds(tmp_path):
     cfg = load_config(binary_tree_config(tmp_path))  # P 30 and a full binary tree of depth 6: 126 one-token nodes
     examples = load_split(cfg, "train")
     plan = plan_for(cfg, examples)
-    setup = Kinds.of(cfg)
-    (unit,) = setup.units(plan.packs[0])
-    assert unit.kind is setup.pack and unit.kind.name == "tree" and len(unit.examples) == 64
-    built = build(unit, plan, examples, setup)
+    kinds = Kinds.of(cfg)
+    (unit,) = kinds.units(plan.packs[0])
+    assert unit.kind is kinds.pack and unit.kind.name == "tree" and len(unit.examples) == 64
+    built = build(unit, plan, examples, kinds)
     assert built.positions == 30 + 126 == unit.kind.positions(unit, plan, examples)
     assert unit.kind.segments(unit, plan, examples) == [1] * 126
     shape = unit_shape(cfg, plan, examples)

@@ -355,9 +355,9 @@ def _seed_step(cfg, plan, examples):
     with device:
         base = build_base_model(cfg)
     _, lm, _ = assemble(base, cfg, device)
-    setup = Kinds.of(cfg)
-    one, _ = one_pack(plan, examples, setup, cfg.train.max_positions)
-    step = update_step(cfg, lm, setup, one, examples, DistInfo(0, 1, 0, device))
+    kinds = Kinds.of(cfg)
+    one, _ = one_pack(plan, examples, kinds, cfg.train.max_positions)
+    step = update_step(cfg, lm, kinds, one, examples, DistInfo(0, 1, 0, device))
     return step, step.prepare(on_every_rank(step)), lm
 
 
@@ -411,7 +411,7 @@ def speed(tiny: bool) -> bool:
     import tempfile
 
     from packtrain.bench.timing import model_flops
-    from packtrain.data.pairs import pack_pairs
+    from packtrain.data.attention_pairs import pack_pairs
     from packtrain.models.text_config import config_dict_of, text_config
 
     with tempfile.TemporaryDirectory() as tmp:
