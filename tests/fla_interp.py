@@ -15,6 +15,42 @@ from packtrain.packed import kernels as kernels_pkg
 from packtrain.packed.kernels import fla_available, torch_ref
 from packtrain.packed.kernels.interpreter import interpreter_on
 
+# Sequence lengths around fla's 64-token chunk, one-token sequences, and one spanning three chunks.
+LENGTHS = [1, 2, 63, 64, 65, 1, 130]
+# fla's delta rule against the float64 recurrence, measured under the interpreter (triton 3.9.0, fla 0.6.0, the
+# inputs of delta_rule_inputs): outputs, final states and every gradient agree to <= 8.8e-7 relative (max abs error
+# / max abs value; worst dg), float32 accumulation inside fla. 5e-6 keeps ~6x headroom and is still five orders of
+# magnitude below a plumbing error (a wrong initial state or segment boundary moves values by O(1)).
+DELTA_RULE_BOUND = 5e-6
+
+
+def rel64(a, b) -> float:
+    """max|a - b| / max|b| in float64, without parity.rel's floor: a reference that is all zero fails (nan)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def spans_of(lengths):
+    """[(start, end)] of sequences of ``lengths`` laid end to end."""
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return [(s, s + n) for s, n in zip(starts, lengths)]
+
+
+def delta_rule_inputs(lengths, H=2, HV=4, K=16, V=8, seed=0):
+    """Random varlen delta-rule inputs ([q, k, v, gate, beta, h0]) for sequences of ``lengths``, and the upstream
+    gradients of its output and final states."""
+    g = torch.Generator().manual_seed(seed)
+    T, N = sum(lengths), len(lengths)
+    q = torch.randn(1, T, H, K, generator=g)
+    k = torch.randn(1, T, H, K, generator=g)
+    v = torch.randn(1, T, HV, V, generator=g)
+    gate = -torch.rand(1, T, HV, generator=g) * 0.5  # log decay in [-0.5, 0]
+    beta = torch.rand(1, T, HV, generator=g)
+    h0 = torch.randn(N, HV, K, V, generator=g)
+    d_out = torch.randn(1, T, HV, V, generator=g)
+    d_state = torch.randn(N, HV, K, V, generator=g)
+    return [q, k, v, gate, beta, h0], d_out, d_state
+
 
 def _skip_reason() -> str | None:
     if not fla_available():

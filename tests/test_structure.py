@@ -421,16 +421,22 @@ def test_the_mirror_check_sees_a_stray_folder_and_a_name_twice(tmp_path):
 # module's at tests/test_<module>.py). A module joins the list with its file; the list grows until every module that
 # holds logic is on it.
 TESTED_MODULES = [
-    "commands/export", "commands/plan", "commands/smoke", "commands/train", "config", "config/support",
-    "config/tiles", "data/chat", "data/jsonl", "data/images", "data/attention_pairs", "data/planner", "data/preference",
-    "distributed", "memory/budget", "memory/estimate", "memory/measure", "memory/savings", "memory/step_time",
-    "models/cost", "models/loading", "models/lora_compute", "models/offload", "models/serving", "models/wrap",
-    "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/watchdog", "packed/attention", "packed/context", "packed/cut",
-    "packed/equal", "packed/families", "packed/gdn", "packed/groups", "packed/kernels/torch_ref", "packed/layout",
-    "packed/lm", "packed/loss", "packed/patch", "packed/recompute", "packed/rng", "packed/rowsparse", "packed/tree",
-    "packed/walk", "run/balance", "run/cadence", "run/eval_figures", "run/finite", "run/generate", "run/objective",
-    "run/reference", "run/scoring", "run/signals", "run/step", "run/trainer", "run/units", "rundir/checkpoint",
-    "rundir/directory", "rundir/disk", "rundir/resume", "rundir/tokenizer", "versions",
+    "bench/presets", "bench/report", "bench/timing", "bench/variants", "commands/dump_stacks", "commands/export",
+    "commands/plan", "commands/pretune_fla", "commands/smoke", "commands/train", "config", "config/support",
+    "config/templates", "config/tiles", "config/typed", "data/attention_pairs", "data/chat", "data/example",
+    "data/images", "data/jsonl", "data/planner", "data/preference", "data/tree_packs", "data/walk_calls", "distributed",
+    "faults", "memory/budget", "memory/describe", "memory/estimate", "memory/fla_shapes", "memory/flex_shapes",
+    "memory/measure", "memory/savings", "memory/step_time", "models/build", "models/cost", "models/loading",
+    "models/lora_compute", "models/offload", "models/parameters", "models/serving", "models/text_config", "models/wrap",
+    "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/wandb_mirror", "ops/watchdog", "packed/attention",
+    "packed/context", "packed/cut", "packed/decode", "packed/equal", "packed/families", "packed/gdn", "packed/groups",
+    "packed/kernels/fla_backend", "packed/kernels/fla_frozen", "packed/kernels/hf_route", "packed/kernels/interpreter",
+    "packed/kernels/torch_ref", "packed/layout", "packed/lm", "packed/loss", "packed/pack_pass", "packed/patch",
+    "packed/prefix", "packed/recompute", "packed/rng", "packed/rows", "packed/rowsparse", "packed/tree", "packed/walk",
+    "run/balance", "run/cadence", "run/eval_figures", "run/evaluate", "run/finite", "run/generate", "run/harness",
+    "run/header", "run/metrics", "run/objective", "run/optim", "run/reference", "run/scoring", "run/session",
+    "run/signals", "run/step", "run/task", "run/trainer", "run/units", "rundir/checkpoint", "rundir/directory",
+    "rundir/disk", "rundir/resume", "rundir/tokenizer", "versions",
 ]
 
 

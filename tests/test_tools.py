@@ -123,6 +123,20 @@ def test_node_ids_maps_moved_files_and_ids_and_names_the_lost(tmp_path):
                       "added": ["tests/test_new.py::test_n"]}
 
 
+def test_node_ids_follows_moves_in_turn_and_bare_names_of_parametrized_tests(tmp_path):
+    """A file moved, then one of its tests moved out of it by its bare name (every parameter goes along)."""
+    node_ids = _node_ids()
+    moves = tmp_path / "moves.txt"
+    moves.write_text("tests/a/test_x.py -> tests/b/test_x.py\n"
+                     "tests/b/test_x.py::test_p -> tests/c/test_p.py::test_p\n")
+    files, ids = node_ids.read_moves(moves)
+    before = ["tests/a/test_x.py::test_p[1]", "tests/a/test_x.py::test_p[2]", "tests/a/test_x.py::test_q"]
+    after = ["tests/c/test_p.py::test_p[1]", "tests/c/test_p.py::test_p[2]", "tests/b/test_x.py::test_q"]
+    result = node_ids.compare(before, after, files, ids)
+    assert result["lost"] == [] and result["added"] == []
+    assert [t for _, t in result["moved"]] == after
+
+
 def test_node_ids_refuses_a_move_of_a_file_to_an_id(tmp_path):
     moves = tmp_path / "moves.txt"
     moves.write_text("tests/a/test_x.py -> tests/b/test_x.py::test_1\n")

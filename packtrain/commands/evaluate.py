@@ -50,28 +50,28 @@ def run_eval(args) -> int:
         # checked before the model loads
         session = open_session(cfg, info, split, savings=False, task=args.generate, n_groups=1)
         session.build_model(adapter=adapter, training=False)
-        lm, examples, setup = session.lm, session.examples, session.kinds
+        lm, examples, kinds = session.lm, session.examples, session.kinds
         out = Path(args.out)
         if args.generate:
             _generate(cfg, session, out, split, args.adapter)
             return 0
         plan = session.plan
-        rows = evaluate(lm, plan, examples, setup, info)
+        rows = evaluate(lm, plan, examples, kinds, info)
         ref = None
-        if setup.objective.paired:  # the reference: the base model; --adapter none evaluated it already
-            ref = reference.table_of(rows) if adapter is None else reference.compute(lm, plan, examples, setup, info)
+        if kinds.objective.paired:  # the reference: the base model; --adapter none evaluated it already
+            ref = reference.table_of(rows) if adapter is None else reference.compute(lm, plan, examples, kinds, info)
         diverged = [r for r in rows if not math.isfinite(r["loss"])]
         if diverged:  # the same on every rank: the rows are gathered everywhere
             raise NonFiniteError(f"eval: {len(diverged)} of {len(rows)} examples of data.{split} have a non-finite "
                                  f"loss (the first: {diverged[0]['id']!r}, {diverged[0]['loss']!r}); the adapter "
                                  f"{args.adapter} has diverged; nothing written to {out}", quiet=not info.is_main)
-        written, summary = eval_figures.figures(setup.objective, rows, examples, ref)
+        written, summary = eval_figures.figures(kinds.objective, rows, examples, ref)
         if info.is_main:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in written))
             print(f"packtrain eval: {len(rows)} examples of data.{split}, mode {cfg.packing.mode}, "
                   f"context_grad {cfg.packing.context_grad}, kernels {session.backend.describe()}, objective "
-                  f"{setup.objective.name}: {eval_figures.describe(summary)} -> {out}")
+                  f"{kinds.objective.name}: {eval_figures.describe(summary)} -> {out}")
     finally:
         shutdown()
     return 0

@@ -1,6 +1,6 @@
 """`packtrain bench`: a smoke of the real command (structure of bench.json, equal losses), never its timings; the
-FLOP count against the model's own linear layers; the generated data. The gpu-marked test runs a shortened gpu
-preset (tools/gpu_check.sh runs the full one)."""
+FLOP count against the model's own linear layers. The generated data: tests/bench/test_presets.py. The gpu-marked
+test runs a shortened gpu preset (tools/gpu_check.sh runs the full one)."""
 
 import json
 
@@ -97,34 +97,6 @@ def test_config_file_and_its_data(tmp_path):
     assert _rel(losses["shared_prefix"], losses["plain"]) < 1e-5
 
 
-def test_a_continuation_needs_an_item_and_a_target_token():
-    with pytest.raises(ValueError, match="continuations of at least 2 tokens"):
-        generate_examples(Shape(prompts=1, prefix_tokens=4, continuations=2, cont_tokens=(1, 3)), vocab=50)
-
-
-def test_generated_examples_follow_the_shape():
-    shape = Shape(prompts=2, prefix_tokens=7, continuations=3, cont_tokens=(4, 9))
-    examples = generate_examples(shape, vocab=50, seed=1)
-    assert len(examples) == 6 and len({ex.prefix_ids for ex in examples}) == 2
-    assert all(len(ex.prefix_ids) == 7 and 4 <= ex.len_continuation <= 9 and ex.target_ids for ex in examples)
-    assert all(0 < t < 50 for ex in examples for t in ex.prefix_ids + ex.item_ids + ex.target_ids)
-    assert generate_examples(shape, vocab=50, seed=1) == examples
-
-
-def test_extra_continuations_join_each_prompt():
-    # one long continuation among short ones: 3 of 4-6 tokens and one of exactly 40, per prompt
-    shape = Shape(prompts=2, prefix_tokens=5, continuations=3, cont_tokens=(4, 6), extra=((1, 40, 40),))
-    examples = generate_examples(shape, vocab=50, seed=2)
-    lengths = [ex.len_continuation for ex in examples]
-    assert len(examples) == 8 and lengths[3] == lengths[7] == 40
-    assert all(4 <= n <= 6 for i, n in enumerate(lengths) if i % 4 != 3)
-    # without extras the generated data is what it was before the option existed
-    plain = Shape(prompts=2, prefix_tokens=5, continuations=3, cont_tokens=(4, 6))
-    assert generate_examples(plain, 50, 2)[:3] == examples[:3]
-    with pytest.raises(ValueError, match="at least 2 tokens"):
-        generate_examples(Shape(1, 5, 3, (4, 6), extra=((1, 1, 1),)), vocab=50)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not fla_available(), reason="needs CUDA and fla")
 def test_gpu_preset_shortened(tmp_path):
@@ -160,23 +132,6 @@ def test_the_shared_prefix_variant_trains_the_steps_train_trains(tmp_path):
     train_losses = [x["loss"] for x in lines if "split" not in x]
     assert result["steps_per_epoch"] >= 3 and len(train_losses) == result["steps_per_epoch"]
     assert bench_losses == train_losses
-
-
-def test_generated_turns_carry_their_whole_history():
-    """--turns: each conversation's turn k is an example whose item is turns 0..k-1 (user + answer) and turn k's
-    user half, whose target is turn k's answer (what ``train_on: each`` makes of a conversation)."""
-    shape = Shape(prompts=1, prefix_tokens=3, continuations=2, cont_tokens=(4, 5), turns=(2, 3))
-    examples = generate_examples(shape, vocab=50, seed=3)
-    by_conversation = {}
-    for ex in examples:
-        by_conversation.setdefault(ex.id.rsplit("-t", 1)[0], []).append(ex)
-    assert len(by_conversation) == 2 and all(2 <= len(turns) <= 3 for turns in by_conversation.values())
-    for turns in by_conversation.values():
-        history = ()
-        for ex in turns:
-            turn = len(ex.item_ids) - len(history) + len(ex.target_ids)
-            assert ex.item_ids[:len(history)] == history and 4 <= turn <= 5 and len(ex.target_ids) == turn // 2
-            history = ex.item_ids + ex.target_ids
 
 
 def test_tree_preset_shortened_counts_the_trees_positions_and_trains_the_same_update(tmp_path):

@@ -157,21 +157,6 @@ def test_generation_during_training_on_two_ranks(tmp_path):
     assert "task score: " in proc.stdout and "generations" in proc.stdout
 
 
-def test_the_loss_plot_gains_a_task_panel_with_generation_lines(tmp_path):
-    import matplotlib.image
-
-    from packtrain.run.metrics import plot_losses
-
-    lines = [{"step": 1, "loss": 3.0}, {"split": "eval", "step": 1, "loss": 2.5}]
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    one = matplotlib.image.imread(plot_losses(metrics, tmp_path / "one.png")).shape
-    lines += [{"split": "generate", "step": 0, "mean_score": 0.0}, {"split": "generate", "step": 1, "mean_score": 0.5}]
-    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    two = matplotlib.image.imread(plot_losses(metrics, tmp_path / "two.png")).shape
-    assert two[1] == one[1] and two[0] > 1.5 * one[0]  # the same width, a second panel below the losses
-
-
 def test_pretokenized_data_without_a_tokenizer_compares_ids(tmp_path):
     """No text: the lines hold ids only, the exact metric compares them, and a text metric is refused at start."""
     data = tmp_path / "ids.jsonl"

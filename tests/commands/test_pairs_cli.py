@@ -1,7 +1,6 @@
 """`packtrain train` and `packtrain eval` on preference pairs (train.objective dpo) and weighted examples: the eval
 metrics lines, the terminal lines and the footer; `eval`'s per-pair rows agree with the run's last evaluation;
-`eval --generate` generates each pair's answer once and scores it against the chosen answer; the plot's
-reward-accuracy panel."""
+`eval --generate` generates each pair's answer once and scores it against the chosen answer."""
 
 import json
 
@@ -86,18 +85,3 @@ def test_weighted_eval_reports_the_weighted_loss(tmp_path):
     assert abs(evals[-1]["weighted_loss"] - weighted) < 1e-9
     assert abs(evals[-1]["loss"] - sum(r["loss"] for r in rows) / 3) < 1e-9
     assert f"(weighted {evals[-1]['weighted_loss']:.4f}) over 3 examples" in proc.stdout
-
-
-def test_the_loss_plot_gains_a_reward_accuracy_panel_under_dpo(tmp_path):
-    import matplotlib.image
-
-    from packtrain.run.metrics import plot_losses
-
-    lines = [{"step": 1, "loss": 0.69}, {"split": "eval", "step": 1, "loss": 0.6}]
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    one = matplotlib.image.imread(plot_losses(metrics, tmp_path / "one.png")).shape
-    lines[1] |= {"pairs": 3, "reward_accuracy": 0.5, "reward_margin": 0.1}
-    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    two = matplotlib.image.imread(plot_losses(metrics, tmp_path / "two.png")).shape
-    assert two[1] == one[1] and two[0] > 1.5 * one[0]  # a second panel below the losses

@@ -10,7 +10,7 @@ from packtrain.commands import smoke
 from packtrain.config import load_config
 from packtrain.data.jsonl import load_split
 from packtrain.run import harness
-from packtrain.run.units import Kinds, build, largest_unit, plan_for
+from packtrain.run.units import Kinds, largest_unit, plan_for
 
 PHASES = ["load model", "update 1", "update 2 (with optimizer state)", "save checkpoint"]
 
@@ -46,33 +46,6 @@ def test_the_largest_unit_is_the_pack_with_most_positions(tmp_path):
     assert len(plan.prompts[alone.prompt]) + examples[alone.examples[0]].len_continuation == max(lengths)
 
 
-def test_shortened_prompt_keeps_the_continuations(tmp_path):
-    """pretune-fla's one-pack plan: P cut to its first tokens, the largest pack's continuations as planned."""
-    cfg = load_config(write_config(tmp_path))
-    examples = load_split(cfg, "train")
-    plan = plan_for(cfg, examples)
-    kinds = Kinds.named("shared_prefix")
-    unit = largest_unit(plan, examples, kinds)
-    full, _ = harness.one_pack(plan, examples, kinds)
-    short, short_unit = harness.one_pack(plan, examples, kinds, prompt_tokens=5)
-    assert short.prompts == [plan.prompts[unit.prompt][:5]] and full.prompts == [plan.prompts[unit.prompt]]
-    assert short_unit.examples == unit.examples and len(short.packs) == 1
-    full_layout, short_layout = (build(kinds.units(p.packs[0])[0], p, examples, kinds).work for p in (full, short))
-    assert short_layout.prefix_len == 5 and full_layout.length - short_layout.length == full_layout.prefix_len - 5
-    assert short.packs[0].positions == short_layout.length and full.packs[0].positions == full_layout.length
-    assert torch.equal(short_layout.target_ids, full_layout.target_ids)
-
-
-def test_the_one_pack_plan_of_a_standalone_run_is_its_largest_example(tmp_path):
-    cfg = load_config(write_config(tmp_path))
-    examples = load_split(cfg, "train")
-    plan = plan_for(cfg, examples)
-    kinds = Kinds.named("standalone")
-    one, unit = harness.one_pack(plan, examples, kinds)
-    assert unit == largest_unit(plan, examples, kinds) and one.packs[0].examples == unit.examples
-    assert one.packs[0].positions == build(unit, one, examples, kinds).positions  # prompt 0 of the one-pack plan
-
-
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
 def test_out_of_memory_exits_non_zero_naming_the_phase(tmp_path, monkeypatch, capsys):
     calls = []
@@ -91,12 +64,6 @@ def test_out_of_memory_exits_non_zero_naming_the_phase(tmp_path, monkeypatch, ca
     rows = [line.strip() for line in captured.out.splitlines()]
     assert rows[-1].startswith("update 2 (with optimizer state)") and "out of memory: CUDA out of memory" in rows[-1]
     assert not any(r.startswith("save checkpoint") for r in rows)
-
-
-def test_cpu_allocator_failure_counts_as_out_of_memory():
-    assert harness.is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: "
-                                                 "can't allocate memory: you tried to allocate 100 bytes"))
-    assert not harness.is_out_of_memory(RuntimeError("shape mismatch"))
 
 
 def test_smoke_runs_the_pack_in_continuation_groups(tmp_path):

@@ -212,12 +212,6 @@ def test_every_pack_is_the_tree_of_its_examples(seed):
         assert sum(not n.children for n in tree.nodes) <= max_cont
 
 
-def test_tree_attention_pairs_by_hand():
-    # P of 2; nodes "1 2" (start 0) and "3" (start 2), "4 5" (start 2)
-    tree = build_tree([(1, 2, 3), (1, 2, 4, 5)])
-    assert attention_pairs(2, tree) == 3 + (2 * 2 + 3) + (1 * 4 + 1) + (2 * 4 + 3)
-
-
 def test_over_the_budget_goes_by_on_overflow():
     examples = [ex("a", 1, 2, 3), ex("long", 1, 2, 3, 4, 5, 6, 7, 8, 9)]
     with pytest.raises(ValueError, match="example 'long' needs 11 positions"):

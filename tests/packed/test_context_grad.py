@@ -14,12 +14,10 @@ hook reference: gradients 1.7e-9 (full's GDN gate `a.float()` rounding). Bounds:
 """
 
 import copy
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F_
-from fla_interp import fake_fla  # noqa: F401 - the fixture, used by name
 from parity import (
     compare,
     max_rel,
@@ -358,31 +356,6 @@ def test_unknown_mode_is_a_clear_error():
         PackedLM(tiny_lora_model([L]), "partial")
 
 
-# -- the fla back end's frozen plumbing, on CPU with fla's kernels as pure-torch stand-ins (fla_interp.fake_fla) --
-@pytest.fixture
-def fake_fla_frozen(monkeypatch):
-    import packtrain.packed.kernels as kernels_pkg
-
-    monkeypatch.delitem(sys.modules, "packtrain.packed.kernels.fla_frozen", raising=False)
-    # `from packtrain.packed.kernels import fla_frozen` reads the package attribute first: where the real one was
-    # imported earlier in the session (tests/run/test_generate.py's interpreter test), it would be used instead
-    monkeypatch.delattr(kernels_pkg, "fla_frozen", raising=False)
-    yield
-    sys.modules.pop("packtrain.packed.kernels.fla_frozen", None)
-
-
-@pytest.mark.usefixtures("fake_fla")
-@pytest.mark.parametrize("prefix_len", [1, 65])
-def test_fla_frozen_plumbing_equals_torch_back_end(fake_fla_frozen, monkeypatch, prefix_len):
-    with without_float32_casts(monkeypatch):
-        prefix, conts = random_pack(prefix_len, [(0, 1), (3, 2), (70, 5), (10, 1)], seed=prefix_len)
-        ref = packed_run(_model([L, F], seed=5), prefix, conts, context_grad="frozen")
-        fla_model = patched_lora_model([L, F], seed=5, backend=Backend("fla", "batched"))
-        got = packed_run(fla_model, prefix, conts, context_grad="frozen")
-    assert rel(torch.tensor(got[0]), torch.tensor(ref[0])) < 1e-13
-    assert max_rel(got[1], ref[1]) < 1e-10
-
-
 def test_frozen_pack_with_nothing_to_learn_still_runs_its_backward():
     """Every target read off P's last row: under frozen no gradient reaches anything, yet the loss can be
     backpropagated (FSDP needs every rank's backward) and gives zero gradients; the loss is full's."""
@@ -392,24 +365,6 @@ def test_frozen_pack_with_nothing_to_learn_still_runs_its_backward():
     full_losses, _ = packed_run(model, prefix, conts, context_grad="full")
     assert rel(torch.tensor(losses), torch.tensor(full_losses)) < 1e-6  # float32 casts in transformers' P pass
     assert all(g.abs().max() == 0 for g in grads.values())
-
-
-@pytest.mark.usefixtures("fake_fla")
-def test_frozen_flex_mask_equals_the_batched_path_forward(fake_fla_frozen, monkeypatch):
-    """FlexAttention has no backward on CPU, so its frozen block mask (continuation queries offset by |P| against
-    [P ; continuations] keys) is checked on the forward, eager, against the batched path."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    from packtrain.packed.kernels import fla_frozen
-
-    monkeypatch.setattr(fla_frozen, "_compiled_flex", flex_attention)
-    prefix, conts = random_pack(37, [(0, 2), (5, 3), (70, 4)], seed=10)
-    losses = {}
-    for attention in ("batched", "flex"):
-        model = patched_lora_model([L, F], dtype=torch.float32, seed=10, backend=Backend("torch", attention))
-        with torch.no_grad():
-            losses[attention] = PackedLM(model, "frozen")(PackCall(build_pack_layout(prefix, conts))).per_example
-    assert rel(losses["flex"], losses["batched"]) < 1e-6
 
 
 def test_each_mode_answers_what_the_estimates_ask():

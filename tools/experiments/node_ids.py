@@ -33,9 +33,21 @@ def read_moves(path: Path) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def moved_to(node: str, files: dict[str, str], ids: dict[str, str]) -> str | None:
-    """Where ``node`` went by the moves, or None when no move names it."""
+    """Where ``node`` went by the moves, followed from move to move (a file moved, then a test out of it), or None
+    when no move names it."""
+    target, seen = None, {node}
+    while (step := _one_move(node, files, ids)) is not None and step not in seen:
+        target = node = step
+        seen.add(step)
+    return target
+
+
+def _one_move(node: str, files: dict[str, str], ids: dict[str, str]) -> str | None:
     if node in ids:
         return ids[node]
+    base, bracket, params = node.partition("[")  # a parametrized test moved by its bare name: every parameter
+    if bracket and base in ids:
+        return f"{ids[base]}[{params}"
     file, sep, rest = node.partition("::")
     return f"{files[file]}{sep}{rest}" if file in files else None
 
