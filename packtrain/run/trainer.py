@@ -192,10 +192,11 @@ class Trainer:
         (rank 0 reads it and every rank gets it, or its refusal) or computed by every rank and written by rank 0
         (packtrain.run.reference)."""
         expected = reference.digests(cfg, self.train_examples)
+        planned = [self.train_examples[e].id for pack in self.plan.packs for e in pack.examples]
         found: list = [None]
         if self.info.is_main:
             try:
-                found[0] = ("table", reference.read(self.out, expected))
+                found[0] = ("table", reference.read(self.out, expected, planned))
             except ValueError as e:
                 found[0] = ("refused", str(e))
         if self.info.enabled:
