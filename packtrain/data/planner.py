@@ -462,6 +462,14 @@ def _flat_figures(packs: int, flat_positions: int, flat_pairs: int, positions: i
             "shared_prefix_attention_pair_ratio": flat_pairs / pairs}
 
 
+def weights_fingerprint(plan: Plan, examples) -> str:
+    """Every planned example's id and ``weight`` (a pair's weight is on both its sides), in the plan's order."""
+    h = hashlib.sha256()
+    for pack in plan.packs:
+        h.update(repr([(examples[e].id, examples[e].weight) for e in pack.examples]).encode())
+    return h.hexdigest()[:16]
+
+
 def plan_fingerprint(plan: Plan, examples) -> str:
     """The packs and the tokens in them (each P, item and target; image paths and grids): edited data differs."""
     h = hashlib.sha256()

@@ -24,7 +24,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from packtrain.config import Config
-from packtrain.data.planner import plan_fingerprint
+from packtrain.data.planner import plan_fingerprint, weights_fingerprint
 from packtrain.distributed import DistInfo, agree, barrier, init_distributed, lost_peer
 from packtrain.exits import NonFiniteError, PeerLost, Preempted
 from packtrain.ops.nodes import check_same_config, check_same_plan
@@ -125,6 +125,7 @@ class Trainer:
         self.train_examples, self.eval_examples = s.examples, s.eval_examples
         self.plan, self.eval_plan, self.savings = s.plan, s.eval_plan, s.choice
         self.fingerprint = plan_fingerprint(self.plan, self.train_examples)  # every token of the plan: once
+        self.weight_digest = weights_fingerprint(self.plan, self.train_examples)
         check_same_plan(self.fingerprint, self.info)
         self.run_cfg = s.run_cfg
         if self.run_cfg.train.offload:
@@ -365,7 +366,7 @@ class Trainer:
         """What state.json holds besides the step (which :func:`packtrain.rundir.checkpoint.save_checkpoint`
         writes): the counters, and what a resume checks it is the same run."""
         c = self.counters
-        return {"epoch": c.step // self.steps_per_epoch, "plan": self.fingerprint,
+        return {"epoch": c.step // self.steps_per_epoch, "plan": self.fingerprint, "weights": self.weight_digest,
                 "world_size": self.info.world_size, "mode": self.kinds.mode, "total_steps": self.total_steps,
                 "nonfinite_skips": c.nonfinite_skips, "owed": self.cadence.owed(c.step), "config": self.cfg.to_dict(),
                 "savings": self._chosen()}
@@ -388,7 +389,8 @@ class Trainer:
             log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
             return None
         latest, state, damaged = found
-        resuming.check_same_run(state, self.cfg.to_dict(), self.fingerprint, self.total_steps, latest, log)
+        resuming.check_same_run(state, self.cfg.to_dict(), self.fingerprint, self.total_steps, latest, log,
+                                self.weight_digest)
         resuming.check_steps(self.out, state["step"], latest, self.total_steps, self.info)
         resuming.set_aside(damaged, latest, self.info, log)  # accepted: only now does anything move
         return latest, state
