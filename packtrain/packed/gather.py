@@ -7,7 +7,8 @@ places read gets its gradient summed in an order that changes from run to run, s
 resumed and an uninterrupted run, train different adapters. A prefix tree's buckets read P's keys once per run of
 nodes and a level's runs read their parents' states once per child. Here the terms are sorted by row (stably, so a
 row's terms keep their order) and each row's run is summed in sequence (``torch.segment_reduce``), which equals a
-serial ``index_add_`` bit for bit (tests/packed/test_gather.py) and costs about what the parallel one does."""
+serial ``index_add_`` bit for bit (tests/packed/test_gather.py) and costs about what the parallel one does. (The
+loss's per-example sums need no sort: each example's target rows lie together, packed/loss.py.)"""
 
 from __future__ import annotations
 

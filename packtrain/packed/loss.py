@@ -18,7 +18,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from packtrain.packed.equal import anchored
-from packtrain.packed.gather import segment_sum
 
 CUT_OFF = ("the adapters are cut off from the loss: frozen embeddings without enable_input_require_grads, a "
            "detached layer, or lora.target_modules the loss does not depend on")
@@ -92,7 +91,10 @@ def examples_loss(lm, layout, hidden: torch.Tensor, positions: torch.Tensor,
     token_loss = lm.target_losses(hidden[0].index_select(0, positions), layout.target_ids, constant=constant)
     n = layout.num_examples
     counts = layout.target_counts.to(token_loss.dtype)
-    per_example = segment_sum(token_loss, layout.target_example, n) / counts  # in a fixed order (CUDA's index_add: not)
+    # each example's target rows lie together, in example order (packed/layout.py): summed per example in sequence,
+    # the same bits on every run (index_add_ adds them in parallel on CUDA)
+    lengths = layout.target_counts.to(token_loss.device)
+    per_example = torch.segment_reduce(token_loss, "sum", lengths=lengths, axis=0) / counts
     loss_sum = per_example.sum()
     if constant is not None:
         # frozen, every target read off P's last row: nothing to learn, but the backward must still run (zero

@@ -276,12 +276,14 @@ class Trainer:
         if self.stop_agreed:
             self._stop_preempted()
         cadence.start(c.step)
-        first = c.step
+        checked = False  # whether the loss reaches the adapters: checked on this process's first step that can show it
         bar = tqdm(total=self.total_steps, initial=c.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (self.info.is_main and self.cfg.logging.progress))
         while c.step < self.total_steps:
             epoch, index = divmod(c.step, self.steps_per_epoch)
-            self._log_step(self._train_step(epoch, self.steps.pack_ids(epoch, index), c.step == first), bar)
+            record, verified = self._train_step(epoch, self.steps.pack_ids(epoch, index), not checked)
+            checked = checked or verified
+            self._log_step(record, bar)
             if self.stop_agreed and c.step < self.total_steps:
                 bar.close()
                 self._stop_preempted()
@@ -322,9 +324,9 @@ class Trainer:
         bar.update(1)
 
     # -- one step -----------------------------------------------------------------------------------------------
-    def _train_step(self, epoch: int, pack_ids: list[int], check_gradients: bool) -> dict:
+    def _train_step(self, epoch: int, pack_ids: list[int], check_gradients: bool) -> tuple[dict, bool]:
         """One optimizer step on the packs ``pack_ids`` (the schedule's, :class:`~packtrain.run.balance.StepPlan`):
-        the step's verdicts acted on, and its record."""
+        the step's verdicts acted on; its record, and whether it checked that the loss reaches the adapters."""
         c = self.counters
         r = self.step.run(pack_ids, c.step, check_gradients)
         if r.nonfinite:  # no update was made: skipped, or the run stops here
@@ -335,7 +337,7 @@ class Trainer:
         return {"step": c.step, "epoch": epoch, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                 "examples": r.examples, "packs": len(pack_ids), "positions": r.positions, "skipped": r.skipped,
                 "skipped_examples": r.skipped_examples, "nonfinite": r.nonfinite, "nonfinite_skips": c.nonfinite_skips,
-                "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.info.device)}
+                "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.info.device)}, r.gradients_checked
 
     def _skip_nonfinite(self, loss: float | None, grad_norm: float) -> None:
         """No update for a NaN/inf step: skipped while train.max_nonfinite_skips allows, else the run stops."""
