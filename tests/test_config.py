@@ -275,7 +275,7 @@ def test_offload_with_checkpointing_off_is_refused_not_turned_on():
     checkpointing on silently."""
     for offload in (1, True):
         (problem,) = problems_of({"train": {"offload": offload, "activation_checkpointing": False}})
-        assert problem.startswith(f"train.offload: keeps checkpointed layers' inputs in host memory") and \
+        assert problem.startswith("train.offload: keeps checkpointed layers' inputs in host memory") and \
             f"got {offload!r}" in problem, problem
     for offload in (0, False, "auto"):
         assert config_from_dict({"train": {"offload": offload, "activation_checkpointing": False}}).train.offload \
