@@ -49,6 +49,8 @@ class Range:
             found = Version(version)
         except InvalidVersion:
             return False
+        if found.epoch != 0:  # `1!5.24.0`: another numbering than the releases tested (pip's >= refuses it too)
+            return False
         return Version(self.floor) <= Version(found.public) and found.release < Version(self.ceiling).release
 
 

@@ -268,3 +268,16 @@ def test_a_saving_takes_auto_or_its_type_and_nothing_else():
     ]
     assert problems_of({"train": {"offload": -3}}) == [
         "train.offload: must be true, false, auto or a number of layers >= 0, got -3"]
+
+
+def test_offload_with_checkpointing_off_is_refused_not_turned_on():
+    """train.offload keeps checkpointed layers' inputs in host memory: with activation_checkpointing false it turned
+    checkpointing on silently."""
+    for offload in (1, True):
+        (problem,) = problems_of({"train": {"offload": offload, "activation_checkpointing": False}})
+        assert problem.startswith("train.offload: keeps checkpointed layers' inputs in host memory") and \
+            f"got {offload!r}" in problem, problem
+    for offload in (0, False, "auto"):
+        assert config_from_dict({"train": {"offload": offload, "activation_checkpointing": False}}).train.offload \
+            == offload
+    assert config_from_dict({"train": {"offload": 1, "activation_checkpointing": "auto"}}).train.offload == 1

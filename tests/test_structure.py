@@ -429,14 +429,14 @@ TESTED_MODULES = [
     "memory/measure", "memory/savings", "memory/step_time", "models/build", "models/cost", "models/loading",
     "models/lora_compute", "models/offload", "models/parameters", "models/serving", "models/text_config", "models/wrap",
     "ops/fla_tune", "ops/nodes", "ops/runtime", "ops/wandb_mirror", "ops/watchdog", "packed/attention",
-    "packed/context", "packed/cut", "packed/decode", "packed/equal", "packed/families", "packed/gdn", "packed/groups",
-    "packed/kernels/fla_backend", "packed/kernels/fla_frozen", "packed/kernels/hf_route", "packed/kernels/interpreter",
-    "packed/kernels/torch_ref", "packed/layout", "packed/lm", "packed/loss", "packed/pack_pass", "packed/patch",
-    "packed/prefix", "packed/recompute", "packed/rng", "packed/rows", "packed/rowsparse", "packed/tree", "packed/walk",
-    "run/balance", "run/cadence", "run/eval_figures", "run/evaluate", "run/finite", "run/generate", "run/harness",
-    "run/header", "run/metrics", "run/objective", "run/optim", "run/reference", "run/scoring", "run/session",
-    "run/signals", "run/step", "run/task", "run/trainer", "run/units", "rundir/checkpoint", "rundir/directory",
-    "rundir/disk", "rundir/resume", "rundir/tokenizer", "versions",
+    "packed/context", "packed/cut", "packed/decode", "packed/equal", "packed/families", "packed/gather", "packed/gdn",
+    "packed/groups", "packed/kernels/fla_backend", "packed/kernels/fla_frozen", "packed/kernels/hf_route",
+    "packed/kernels/interpreter", "packed/kernels/torch_ref", "packed/layout", "packed/lm", "packed/loss",
+    "packed/pack_pass", "packed/patch", "packed/prefix", "packed/recompute", "packed/rng", "packed/rows",
+    "packed/rowsparse", "packed/tree", "packed/walk", "run/balance", "run/cadence", "run/eval_figures", "run/evaluate",
+    "run/finite", "run/generate", "run/harness", "run/header", "run/metrics", "run/objective", "run/optim",
+    "run/reference", "run/scoring", "run/session", "run/signals", "run/step", "run/task", "run/trainer", "run/units",
+    "rundir/checkpoint", "rundir/directory", "rundir/disk", "rundir/resume", "rundir/tokenizer", "versions",
 ]
 
 

@@ -27,6 +27,7 @@ ABOVE_TORCH = f"{TORCH.ceiling}.0+cpu"  # the first release above the range, as 
     ("5.25.0", False), ("5.25.0rc1", False), ("5.25.0.dev20261201", False), ("6.0", False),  # above
     ("5.24.0+local", True), ("5.25.0+local", False),  # a local build is the release it builds
     ("not a version", False),
+    ("1!5.24.0", False),  # an epoch: another numbering than the releases tested (pip's >=5.24.0 refuses it)
 ])
 def test_transformers_range_on_fake_version_strings(version, holds):
     assert Range("5.24.0", "5.25").holds(version) is holds

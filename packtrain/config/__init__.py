@@ -386,6 +386,11 @@ def _validate(cfg: Config) -> list[str]:
         problems.append("train.cost_per_position, train.cost_per_pair: both 0 gives every pack cost 0 (and the "
                         "utilisation 0/0); set one above 0, or leave one null for the model's figure")
     problems += template_kwargs_problems(cfg.data.template_kwargs or {})
+    offload = cfg.train.offload
+    if cfg.train.activation_checkpointing is False and offload not in (False, 0, "auto"):
+        problems.append(f"train.offload: keeps checkpointed layers' inputs in host memory, and "
+                        f"train.activation_checkpointing is false (it would be turned on silently), got {offload!r}: "
+                        "set activation_checkpointing true or auto, or offload false")
     if cfg.model.kernels == "fla" and cfg.model.dtype == "float64":  # fla's kernels are float32/bf16 only
         problems.append("model.kernels: fla runs in float32 or bfloat16, not model.dtype float64 (use torch)")
     return problems

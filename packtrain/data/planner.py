@@ -289,11 +289,15 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
     plan = Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed)
     positions, pairs = sum(pack.positions for pack in packs), sum(pack.pairs for pack in packs)
     if partner:  # a pair is one entry of two continuations flat: plan them flat (pair data is not millions; a pair
-        # whose tree fits but whose two answers flat do not is left out of shared_prefix's figures)
+        # whose tree fits but whose two answers flat do not is left out of shared_prefix's figures, and where no pair
+        # fits flat there are none: the tree's plan stands, whatever shared_prefix could not do)
         planned = [examples[i] for pack in packs for i in pack.examples]
-        flat = plan_packs(planned, token_budget, max_continuations, on_overflow="skip")
-        plan.figures = _flat_figures(len(flat.packs), sum(q.positions for q in flat.packs),
-                                     sum(q.pairs for q in flat.packs), positions, pairs)
+        try:
+            flat = plan_packs(planned, token_budget, max_continuations, on_overflow="skip")
+        except PlanError:
+            flat = None
+        plan.figures = {} if flat is None else _flat_figures(
+            len(flat.packs), sum(q.positions for q in flat.packs), sum(q.pairs for q in flat.packs), positions, pairs)
     else:
         plan.figures = _against_flat(plan, lengths, positions, pairs)
     return plan
@@ -460,6 +464,14 @@ def _flat_figures(packs: int, flat_positions: int, flat_pairs: int, positions: i
             # shared_prefix's over the tree's
             "shared_prefix_position_ratio": flat_positions / positions,
             "shared_prefix_attention_pair_ratio": flat_pairs / pairs}
+
+
+def weights_fingerprint(plan: Plan, examples) -> str:
+    """Every planned example's id and ``weight`` (a pair's weight is on both its sides), in the plan's order."""
+    h = hashlib.sha256()
+    for pack in plan.packs:
+        h.update(repr([(examples[e].id, examples[e].weight) for e in pack.examples]).encode())
+    return h.hexdigest()[:16]
 
 
 def plan_fingerprint(plan: Plan, examples) -> str:

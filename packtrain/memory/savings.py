@@ -30,6 +30,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from packtrain.config import MAX_POSITIONS
 from packtrain.config.tiles import AUTO, KEYS, TILE_ROWS, offload_layers
 from packtrain.memory import estimate as memory
 from packtrain.memory.budget import Budget
@@ -314,8 +315,10 @@ def max_token_budget(cfg, shape: UnitShape, world_size: int, budget: Budget, gib
     if e.total() > limit:
         return {**common, "token_budget": None, "continuations": 0, "estimate_bytes": e.total(),
                 "peak_phase": e.peak_phase, "savings": dataclasses.asdict(s)}
-    while at(hi)[1].total() <= limit and hi < 2**31:
-        lo, hi = hi, hi * 2
+    while hi < MAX_POSITIONS and at(hi)[1].total() <= limit:
+        lo, hi = hi, min(hi * 2, MAX_POSITIONS)
+    if at(hi)[1].total() <= limit:  # the largest budget the config takes fits
+        lo = hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if at(mid)[1].total() <= limit else (lo, mid)

@@ -183,6 +183,8 @@ def build_standalone_layout(prefix_ids: Sequence[int], continuation: Continuatio
 def _finish(p, lens, ids, positions, segments, t_pos, t_ids, t_ex, n_examples, grids=()) -> PackLayout:
     thw = torch.tensor(positions, dtype=torch.long)  # [3, T]: temporal, height, width
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    # each example's target rows together, in example order: the loss sums them per example in sequence
+    assert all(a <= b for a, b in zip(t_ex, t_ex[1:])), "target rows out of example order"
     ex = torch.tensor(t_ex, dtype=torch.long)
     return PackLayout(
         prefix_len=p,

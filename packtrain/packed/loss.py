@@ -91,7 +91,10 @@ def examples_loss(lm, layout, hidden: torch.Tensor, positions: torch.Tensor,
     token_loss = lm.target_losses(hidden[0].index_select(0, positions), layout.target_ids, constant=constant)
     n = layout.num_examples
     counts = layout.target_counts.to(token_loss.dtype)
-    per_example = token_loss.new_zeros(n).index_add(0, layout.target_example, token_loss) / counts
+    # each example's target rows lie together, in example order (packed/layout.py): summed per example in sequence,
+    # the same bits on every run (index_add_ adds them in parallel on CUDA)
+    lengths = layout.target_counts.to(token_loss.device)
+    per_example = torch.segment_reduce(token_loss, "sum", lengths=lengths, axis=0) / counts
     loss_sum = per_example.sum()
     if constant is not None:
         # frozen, every target read off P's last row: nothing to learn, but the backward must still run (zero

@@ -31,6 +31,7 @@ import torch
 from packtrain.data.images import VisionSpec, mrope_positions
 from packtrain.data.tree import Tree, build_tree
 from packtrain.packed.attention import _padded, _sdpa, cheapest_runs
+from packtrain.packed.gather import gather_rows
 from packtrain.packed.gdn import (
     PREFIX_CHUNK,
     continuation_chunk,
@@ -258,8 +259,9 @@ def attention_by_node(q_1HTD, k_1GTD, v_1GTD, layout: TreeLayout, scaling, dropo
     buckets, unpad = node_buckets(layout)
     outs = []
     for b in buckets:
-        q_N = q_T[b.query].permute(0, 2, 1, 3)  # [n, H, L, D]
-        k_N, v_N = (x[b.keys].permute(0, 2, 1, 3) for x in (k_T, v_T))  # [n, G, K, D]
+        # every run reads P's keys and its ancestors' rows: gathered so that their gradients add in a fixed order
+        q_N = gather_rows(q_T, b.query).permute(0, 2, 1, 3)  # [n, H, L, D]
+        k_N, v_N = (gather_rows(x, b.keys).permute(0, 2, 1, 3) for x in (k_T, v_T))  # [n, G, K, D]
         outs.append(_sdpa(q_N, k_N, v_N, b.mask, scaling, dropout).permute(0, 2, 1, 3).flatten(0, 1))
     out_S = torch.cat(outs).index_select(0, unpad)  # [S, H, D]
     return torch.cat([out_P[0].transpose(0, 1), out_S])[None].transpose(1, 2)
@@ -343,7 +345,7 @@ def tree_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, layout: TreeLayout, rule
     outs = []
     for depth, (rows, lengths, parents) in enumerate(levels):
         parts = [x.index_select(0, rows)[None] for x in (q_THK, k_THK, v_THV, g_TH, beta_TH)]
-        out, states = rule(*parts, states.index_select(0, parents), lengths, layout._cache, ("level", depth))
+        out, states = rule(*parts, gather_rows(states, parents), lengths, layout._cache, ("level", depth))
         outs.append(out[0])
     return torch.cat([out_P[0], torch.cat(outs).index_select(0, unpad)]).to(q_THK.dtype)
 

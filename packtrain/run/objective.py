@@ -116,6 +116,10 @@ class Weighted(Objective):
         return "weighted: each example's mean target cross-entropy times its weight, averaged over the step's " \
                "examples"
 
+    def check(self, examples: Sequence, split: str = "data.train") -> None:
+        super().check(examples, split)
+        _some_weight(examples, split)
+
     def terms(self, examples: Sequence) -> Terms:
         return Terms(tuple(float(ex.weight) for ex in examples))
 
@@ -167,6 +171,7 @@ class Dpo(Objective):
         if single is not None:
             raise ValueError(f"{_at(single)}: train.objective dpo trains on preference pairs (chosen and "
                              f"rejected), and this {split} example has one target")
+        _some_weight(examples, split)
 
     def terms(self, examples: Sequence) -> Terms:
         pairs = tuple(pair_examples(examples))
@@ -266,6 +271,15 @@ def adapters_disabled(lm):
                            "model has no adapter (peft)")
     with disable():
         yield
+
+
+def _some_weight(examples: Sequence, split: str) -> None:
+    """Training data whose every weight is 0 trains nothing (one step's zeros are data: a group whose advantages are
+    all 0): refused in one line. Held-out data may weigh 0."""
+    if split == "data.train" and examples and all(ex.weight == 0 for ex in examples):
+        where = getattr(examples[0], "source", "") or "the data"
+        raise ValueError(f"{where}: every {split} example has weight 0, so no step would train anything: give some a "
+                         "weight above 0")
 
 
 def _at(ex) -> str:

@@ -9,15 +9,20 @@ The file holds the table by example id and the digests of what it was computed f
 example's id and tokens), the base (``model.config`` and its seed and dtype, or ``model.path``'s config and weight
 files) and the tokenizer (its files, ``data.chat_template``, ``data.template_kwargs``). A resumed run reads it
 instead of computing it again; one whose digests differ is refused, naming what changed (a stale reference would
-train silently wrong). Rank 0 writes it atomically (a temporary, then a rename), so an interrupted pass leaves no
-file and the next start computes it again.
+train silently wrong). Its contents are checked on read too: every example the plan trains holds a finite entry,
+and a digest of the table written beside it (``content``) still matches, so an edited or damaged table (a value set
+to -Infinity or NaN, an entry gone, values scaled) is refused, naming the entry or the digest, never trained on; a
+table written without that digest (an older packtrain's) is computed again. Rank 0 writes it atomically (a
+temporary, then a rename), so an interrupted pass leaves no file and the next start computes it again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from packtrain.config import Config
@@ -89,9 +94,15 @@ _CHANGED = {"data": "training data (data.train)", "base": "base model (model.pat
             "tokenizer": "tokenizer (data.tokenizer, data.chat_template, data.template_kwargs)"}
 
 
-def read(out: Path, expected: dict[str, str]) -> dict[str, float] | None:
-    """The cached table, or None when there is none; refused when it was computed from other data, base or
-    tokenizer."""
+def content_digest(table: dict[str, float]) -> str:
+    """The table's entries (ids and values as JSON writes them, which reads back to the same floats)."""
+    return hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read(out: Path, expected: dict[str, str], ids: Iterable[str] = ()) -> dict[str, float] | None:
+    """The cached table, or None when there is none (or it has no content digest: computed again); refused when it
+    was computed from other data, base or tokenizer, when one of ``ids`` (the examples the plan trains) has no
+    entry or a value that is not finite, or when the entries no longer match their digest."""
     path = out / FILE
     if not path.exists():
         return None
@@ -106,13 +117,26 @@ def read(out: Path, expected: dict[str, str]) -> dict[str, float] | None:
         what = ", ".join(_CHANGED[name] for name in changed)
         raise ValueError(f"{path}: the DPO reference log-probabilities were computed with another {what}: refused "
                          f"(they would train wrong); remove {FILE} to compute them again for this run")
+    if "content" not in raw:
+        return None
+    again = f"refused (a reference table is never trained on unchecked); remove {FILE} to compute it again"
+    for i in ids:
+        if i not in table:
+            raise ValueError(f"{path}: log_probs has no entry for example {i!r}: {again}")
+        if not math.isfinite(table[i]):
+            raise ValueError(f"{path}: log_probs[{i!r}] is {raw['log_probs'][i]}, not a finite log-probability: "
+                             f"{again}")
+    if raw["content"] != content_digest(table):
+        raise ValueError(f"{path}: log_probs no longer match the digest written with them (content "
+                         f"{raw['content']!r}): edited or damaged since this run computed them; {again}")
     return table
 
 
 def write(out: Path, expected: dict[str, str], table: dict[str, float]) -> Path:
     path = out / FILE
     tmp = out / f".tmp-{FILE}"
-    tmp.write_text(json.dumps({"digests": expected, "examples": len(table), "log_probs": table}))
+    tmp.write_text(json.dumps({"digests": expected, "examples": len(table), "content": content_digest(table),
+                               "log_probs": table}))
     os.replace(tmp, path)
     return path
 

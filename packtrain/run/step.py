@@ -58,6 +58,7 @@ class StepResult:
     nonfinite: bool
     stop: bool = False
     seconds: float = 0.0
+    gradients_checked: bool = False  # the check that the loss reaches the adapters ran (and passed) in this step
 
     @property
     def updated(self) -> bool:
@@ -72,6 +73,7 @@ class Prepared:
     examples: int  # the step's examples, all ranks, without the skipped ones
     skipped_examples: int  # all ranks
     started: float  # time.perf_counter() as the step began
+    weighted: bool = True  # an example of the step has a weight other than 0 (all 0: no gradient, rightly)
 
 
 @dataclass
@@ -107,13 +109,15 @@ class Step:
         units = rank_units(self.plan, pack_ids, self.kinds, self.info.rank, self.info.world_size)
         built, skip, skipped_examples = self._build(units)
         n_examples = step_examples(self.plan, pack_ids) - skipped_examples
-        return Prepared(built, skip, n_examples, skipped_examples, t0)
+        weighted = any(self.examples[e].weight != 0 for i in pack_ids for e in self.plan.packs[i].examples)
+        return Prepared(built, skip, n_examples, skipped_examples, t0, weighted)
 
     def update(self, ready: Prepared, number: int, check_gradients: bool = False) -> StepResult:
         """Forward and backward of the prepared units, then clip, agree on finiteness and update."""
         totals = self._run_units(ready.built, ready.skip, ready.examples, number)
-        return self._finish(totals, ready.examples, number, check_gradients, sum(ready.skip), ready.skipped_examples,
-                            ready.started)
+        # a step whose examples all weigh 0 has no gradient, rightly: the check waits for one that has
+        return self._finish(totals, ready.examples, number, check_gradients and ready.weighted, sum(ready.skip),
+                            ready.skipped_examples, ready.started)
 
     def _build(self, units: list[Unit]) -> tuple[list, list[bool], int]:
         """Build every unit and agree with all ranks, before any collective of the step, which units to skip.
@@ -172,11 +176,14 @@ class Step:
         signalled = self.signals is not None and self.signals.requested
         # the step's one agreement: the non-finite verdict and the stop signals, every rank alike
         nonfinite, stop = (bool(v) for v in agree([int(verdict), int(signalled)], self.info))
+        checked = False
         if not nonfinite and n_examples > 0:  # a non-finite step makes no update: the caller skips it or stops
             if check_gradients and grad_norm == 0.0:
-                raise ZeroGradientError(CUT_OFF + " (every trainable gradient is zero after the first step)")
+                raise ZeroGradientError(CUT_OFF + " (every trainable gradient is zero after the first step with "
+                                        "a weight other than 0)")
+            checked = check_gradients
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, grad_norm, lr, n_examples, int(totals[1]), skipped, skipped_examples, nonfinite,
-                          stop, time.perf_counter() - t0)
+                          stop, time.perf_counter() - t0, checked)

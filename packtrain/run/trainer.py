@@ -24,7 +24,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from packtrain.config import Config
-from packtrain.data.planner import plan_fingerprint
+from packtrain.data.planner import plan_fingerprint, weights_fingerprint
 from packtrain.distributed import DistInfo, agree, barrier, init_distributed, lost_peer
 from packtrain.exits import NonFiniteError, PeerLost, Preempted
 from packtrain.ops.nodes import check_same_config, check_same_plan
@@ -125,6 +125,7 @@ class Trainer:
         self.train_examples, self.eval_examples = s.examples, s.eval_examples
         self.plan, self.eval_plan, self.savings = s.plan, s.eval_plan, s.choice
         self.fingerprint = plan_fingerprint(self.plan, self.train_examples)  # every token of the plan: once
+        self.weight_digest = weights_fingerprint(self.plan, self.train_examples)
         check_same_plan(self.fingerprint, self.info)
         self.run_cfg = s.run_cfg
         if self.run_cfg.train.offload:
@@ -192,10 +193,11 @@ class Trainer:
         (rank 0 reads it and every rank gets it, or its refusal) or computed by every rank and written by rank 0
         (packtrain.run.reference)."""
         expected = reference.digests(cfg, self.train_examples)
+        planned = [self.train_examples[e].id for pack in self.plan.packs for e in pack.examples]
         found: list = [None]
         if self.info.is_main:
             try:
-                found[0] = ("table", reference.read(self.out, expected))
+                found[0] = ("table", reference.read(self.out, expected, planned))
             except ValueError as e:
                 found[0] = ("refused", str(e))
         if self.info.enabled:
@@ -274,12 +276,14 @@ class Trainer:
         if self.stop_agreed:
             self._stop_preempted()
         cadence.start(c.step)
-        first = c.step
+        checked = False  # whether the loss reaches the adapters: checked on this process's first step that can show it
         bar = tqdm(total=self.total_steps, initial=c.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (self.info.is_main and self.cfg.logging.progress))
         while c.step < self.total_steps:
             epoch, index = divmod(c.step, self.steps_per_epoch)
-            self._log_step(self._train_step(epoch, self.steps.pack_ids(epoch, index), c.step == first), bar)
+            record, verified = self._train_step(epoch, self.steps.pack_ids(epoch, index), not checked)
+            checked = checked or verified
+            self._log_step(record, bar)
             if self.stop_agreed and c.step < self.total_steps:
                 bar.close()
                 self._stop_preempted()
@@ -320,9 +324,9 @@ class Trainer:
         bar.update(1)
 
     # -- one step -----------------------------------------------------------------------------------------------
-    def _train_step(self, epoch: int, pack_ids: list[int], check_gradients: bool) -> dict:
+    def _train_step(self, epoch: int, pack_ids: list[int], check_gradients: bool) -> tuple[dict, bool]:
         """One optimizer step on the packs ``pack_ids`` (the schedule's, :class:`~packtrain.run.balance.StepPlan`):
-        the step's verdicts acted on, and its record."""
+        the step's verdicts acted on; its record, and whether it checked that the loss reaches the adapters."""
         c = self.counters
         r = self.step.run(pack_ids, c.step, check_gradients)
         if r.nonfinite:  # no update was made: skipped, or the run stops here
@@ -333,7 +337,7 @@ class Trainer:
         return {"step": c.step, "epoch": epoch, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                 "examples": r.examples, "packs": len(pack_ids), "positions": r.positions, "skipped": r.skipped,
                 "skipped_examples": r.skipped_examples, "nonfinite": r.nonfinite, "nonfinite_skips": c.nonfinite_skips,
-                "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.info.device)}
+                "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.info.device)}, r.gradients_checked
 
     def _skip_nonfinite(self, loss: float | None, grad_norm: float) -> None:
         """No update for a NaN/inf step: skipped while train.max_nonfinite_skips allows, else the run stops."""
@@ -364,7 +368,7 @@ class Trainer:
         """What state.json holds besides the step (which :func:`packtrain.rundir.checkpoint.save_checkpoint`
         writes): the counters, and what a resume checks it is the same run."""
         c = self.counters
-        return {"epoch": c.step // self.steps_per_epoch, "plan": self.fingerprint,
+        return {"epoch": c.step // self.steps_per_epoch, "plan": self.fingerprint, "weights": self.weight_digest,
                 "world_size": self.info.world_size, "mode": self.kinds.mode, "total_steps": self.total_steps,
                 "nonfinite_skips": c.nonfinite_skips, "owed": self.cadence.owed(c.step), "config": self.cfg.to_dict(),
                 "savings": self._chosen()}
@@ -387,7 +391,8 @@ class Trainer:
             log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
             return None
         latest, state, damaged = found
-        resuming.check_same_run(state, self.cfg.to_dict(), self.fingerprint, self.total_steps, latest, log)
+        resuming.check_same_run(state, self.cfg.to_dict(), self.fingerprint, self.total_steps, latest, log,
+                                self.weight_digest)
         resuming.check_steps(self.out, state["step"], latest, self.total_steps, self.info)
         resuming.set_aside(damaged, latest, self.info, log)  # accepted: only now does anything move
         return latest, state

@@ -19,7 +19,8 @@ The newest checkpoint can be damaged (a disk that filled up, a copy cut short), 
   paths, ...) may change and are reported. ``train.epochs`` / ``train.max_steps`` fix the number of steps a cosine
   schedule spans, so with ``optim.schedule: cosine`` they may change only if the total number of steps stays the
   same (the learning rate would jump otherwise); with ``constant`` they extend or shorten the run freely. The plan
-  fingerprint covers the tokens of every P, item and target, so edited data is refused too.
+  fingerprint covers the tokens of every P, item and target, so edited data is refused too, and the weights'
+  fingerprint every example's and pair's ``weight`` (which the objective multiplies its loss by).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from packtrain.rundir.directory import RunDirError
 # The training data is compared by its tokens (the plan fingerprint), not by path: data.train, data.format and
 # data.tokenizer may change (a moved file, the same tokenizer elsewhere) as long as every token is the same.
 TRAJECTORY = ("model", "data.processor", "packing", "lora", "optim", "train.seed", "train.packs_per_step",
-              "train.max_positions", "train.balance", "train.cost_per_position", "train.cost_per_pair")
+              "train.max_positions", "train.balance", "train.cost_per_position", "train.cost_per_pair",
+              "train.objective", "train.dpo_beta", "train.dpo_loss_type", "train.rpo_alpha")
 # Same updates, computed elsewhere or differently: kernels and device change float rounding, not the run.
 FREE = ("model.kernels",)
 
@@ -79,8 +81,12 @@ def compare(saved: dict, now: dict, saved_steps: int, now_steps: int) -> tuple[l
 
 
 def check_same_run(state: dict, cfg_dict: dict, plan_fingerprint: str, total_steps: int, ckpt: Path,
-                   log) -> None:
+                   log, weights_fingerprint: str | None = None) -> None:
     refused, allowed = compare(state["config"], cfg_dict, state["total_steps"], total_steps)
+    # a checkpoint from before the weights' fingerprint has none: its weights cannot be compared
+    if state.get("weights") is not None and state["weights"] != weights_fingerprint:
+        refused.append('training data: the examples\' or pairs\' "weight" values differ from the run that wrote the '
+                       "checkpoint (the loss multiplies by them)")
     if state["plan"] != plan_fingerprint:
         if any(line.startswith("packing.") for line in refused):  # those settings make other packs of the same data
             refused.append("training data: the packs differ from the run that wrote the checkpoint (the packing "

@@ -3,6 +3,7 @@ metrics lines, the terminal lines and the footer; `eval`'s per-pair rows agree w
 `eval --generate` generates each pair's answer once and scores it against the chosen answer."""
 
 import json
+from pathlib import Path
 
 from cli_helpers import RULEBOOKS, run_in_process, write_config
 
@@ -85,3 +86,47 @@ def test_weighted_eval_reports_the_weighted_loss(tmp_path):
     assert abs(evals[-1]["weighted_loss"] - weighted) < 1e-9
     assert abs(evals[-1]["loss"] - sum(r["loss"] for r in rows) / 3) < 1e-9
     assert f"(weighted {evals[-1]['weighted_loss']:.4f}) over 3 examples" in proc.stdout
+
+
+def _weighted_data(tmp_path, weight_of) -> Path:
+    from cli_helpers import write_text_data
+
+    path = write_text_data(tmp_path / "weighted.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "weight": weight_of(r["id"])}) + "\n" for r in rows))
+    return path
+
+
+def test_a_first_step_whose_weights_are_all_0_trains_on(tmp_path):
+    """train.objective weighted, every example of step 1's packs weighing 0 (a group whose advantages are all 0, in
+    RL): step 1 is a zero update (loss 0, no gradient), not a cut-off adapter; the run trains on and checks that the
+    loss reaches the adapters at step 2, the first step with a weight. Data whose every weight is 0 is refused at
+    load in one line, for weighted and dpo."""
+    from packtrain.config import load_config
+    from packtrain.run.balance import StepPlan
+    from packtrain.run.session import open_session
+
+    data = _weighted_data(tmp_path, lambda _: 1.0)
+    cfg = write_config(tmp_path, data={"train": str(data), "eval": None},
+                       train={"objective": "weighted", "max_steps": 2, "packs_per_step": 1})
+    s = open_session(load_config(cfg), None, model=False, savings=False)
+    first = {s.examples[e].id for i in StepPlan.for_run(s.cfg, s.plan, s.examples, 1).pack_ids(0, 0)
+             for e in s.plan.packs[i].examples}
+    assert first and len(first) < len(s.examples)
+    _weighted_data(tmp_path, lambda i: 0.0 if i in first else 1.0)
+    run_in_process("train", cfg)
+    steps = [m for m in (json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines())
+             if m.get("split") != "eval"]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert steps[0]["loss"] == 0.0 and steps[0]["grad_norm"] == 0.0 and steps[1]["grad_norm"] > 0
+
+    _weighted_data(tmp_path, lambda _: 0.0)
+    proc = run_in_process("train", cfg, "--overwrite", check=False)
+    assert proc.returncode == 2 and f"{data}: every data.train example has weight 0" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"id": f"p{i}", "system": RULEBOOKS[0], "item": f"Colour {i}",
+                                         "chosen": "yes", "rejected": "no", "weight": 0}) + "\n" for i in range(3)))
+    proc = run_in_process("train", cfg, "--overwrite", "--set", f"data.train={pairs}", "--set",
+                          "train.objective=dpo", check=False)
+    assert proc.returncode == 2 and f"{pairs}: every data.train example has weight 0" in proc.stderr, proc.stderr

@@ -259,7 +259,22 @@ def test_gpu_memory_zero_is_refused(tmp_path):
 def test_plan_json_is_strict_json_with_every_figure(tmp_path):
     config = cli_helpers.write_config(tmp_path, train={"offload": True})
     out = run_plan(config, "--memory", "--json", "--gpu-memory", "80", "--host-memory-per-node", "512",
-                   "--ranks-per-node", "4", "--world-size", "2")
+                   "--ranks-per-node", "4", "--world-size", "8")
     assert out.returncode == 0, out.stderr
     mem = _strict_json(out.stdout)["memory"]
     assert mem["budget_search"]["gpu_memory_gib"] == 80 and mem["node"]["ranks_per_node"] == 4, mem["node"]
+
+
+def test_the_budget_search_stays_within_what_the_config_takes_and_the_node_within_the_world(tmp_path):
+    """--gpu-memory of a petabyte: the largest budget is the largest packing.token_budget the config accepts
+    (2**31 - 1), not 4,249,419,775; --ranks-per-node above --world-size is refused (it sized a host pool for ranks
+    the run does not have)."""
+    from packtrain.config import MAX_POSITIONS
+
+    config = cli_helpers.write_config(tmp_path)
+    out = run_plan(config, "--memory", "--json", "--gpu-memory", "1048576")
+    assert out.returncode == 0, out.stderr
+    assert _strict_json(out.stdout)["memory"]["budget_search"]["token_budget"] == MAX_POSITIONS == 2**31 - 1
+    refused = run_plan(config, "--memory", "--ranks-per-node", "16", "--world-size", "8")
+    assert refused.returncode == 2 and "--ranks-per-node 16: more than the run's --world-size 8" in refused.stderr
+    assert run_plan(config, "--memory", "--ranks-per-node", "8", "--world-size", "8").returncode == 0

@@ -49,3 +49,32 @@ def test_the_sharing_check_fails_on_a_tree_that_shares_nothing(tmp_path, monkeyp
     assert adapter_rel(adapter_of(tmp_path / "tree"), adapter_of(tmp_path / "standalone")) < 1e-6
     with pytest.raises(AssertionError, match="the tree shared nothing"):
         assert_tree_shared(cfg, tmp_path / "tree")
+
+
+def test_a_tree_dpo_budget_that_fits_each_pairs_tree_plans_and_trains(tmp_path):
+    """packing.mode tree, dpo, on_overflow error, the budget the largest pair's tree needs (each pair's two answers
+    share P and the item, so flat they need more): plan and train go on (they said `no example fits
+    packing.token_budget=N (4 skipped)`, nothing skipped, from the shared_prefix comparison's flat planning); one
+    position less is refused naming the pair."""
+    from cli_helpers import write_pair_data
+
+    from packtrain.config import load_config
+    from packtrain.data.planner import plan_packs, plan_tree_packs
+    from packtrain.run.session import open_session
+
+    pairs = write_pair_data(tmp_path / "pairs.jsonl")
+    cfg = write_config(tmp_path, data={"train": str(pairs), "eval": None},
+                       packing={"mode": "tree", "on_overflow": "error"},
+                       train={"objective": "dpo", "max_steps": 1, "dpo_reference": "per_step"})
+    examples = open_session(load_config(cfg), None, model=False, savings=False).examples
+    alone = plan_tree_packs(examples, 10_000, 2)  # one pair a pack: its tree
+    budget = max(pack.positions for pack in alone.packs)
+    assert all(len(pack.examples) == 2 for pack in alone.packs)
+    with pytest.raises(Exception, match="no example fits"):  # flat, no pair fits the budget
+        plan_packs(examples, budget, 2, on_overflow="skip")
+    out = run_in_process("plan", cfg, "--set", f"packing.token_budget={budget}")
+    assert "no example fits" not in out.stdout + out.stderr
+    run_in_process("train", cfg, "--set", f"packing.token_budget={budget}")
+    refused = run_in_process("plan", cfg, "--set", f"packing.token_budget={budget - 1}", check=False)
+    assert refused.returncode == 2 and "no example fits" not in refused.stderr, refused.stderr
+    assert "packing.token_budget" in refused.stderr and "pair" in refused.stderr, refused.stderr

@@ -112,3 +112,53 @@ def test_a_run_computes_the_reference_once_and_refuses_it_for_another_base(tmp_p
     save_file(state, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="another base model"):
         Trainer(load_config(path), resume=True, log=logs.append)
+
+
+def test_an_edited_or_damaged_reference_table_is_refused_on_resume(tmp_path):
+    """A dpo run stopped after step 1 (its reference.json written), each copy's table edited, then `train --resume`:
+    a value set to -Infinity (that pair's loss 0 and its gradient gone) or NaN, an entry removed (a traceback when
+    its unit was built, hours in), every value doubled, chosen +5 and rejected -5: each refused in one line naming
+    the file and the entry or the digest, before any step; the unedited copy resumes. A table without the content
+    digest (an older packtrain's) is computed again."""
+    from cli_helpers import run_in_process, write_config, write_pair_data
+
+    from packtrain.faults import SIGTERM_IN_STEP
+
+    pairs = write_pair_data(tmp_path / "pairs.jsonl")
+    cfg = write_config(tmp_path, data={"train": str(pairs), "eval": None},
+                       train={"objective": "dpo", "max_steps": 2, "save_every": 1})
+    stopped = run_in_process("train", cfg, env={SIGTERM_IN_STEP: "1"}, check=False)
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    raw = json.loads((tmp_path / "run" / reference.FILE).read_text())
+    one = sorted(raw["log_probs"])[3]
+
+    def edited(log_probs, **extra):
+        return {**raw, "log_probs": log_probs, **extra}
+
+    lp = raw["log_probs"]
+    edits = {
+        "-inf": (edited({**lp, one: float("-inf")}), f"log_probs['{one}'] is -inf, not a finite log-probability"),
+        "nan": (edited({**lp, one: float("nan")}), f"log_probs['{one}'] is nan, not a finite log-probability"),
+        "missing": (edited({k: v for k, v in lp.items() if k != one}), f"log_probs has no entry for example '{one}'"),
+        "doubled": (edited({k: 2 * v for k, v in lp.items()}), "log_probs no longer match the digest"),
+        "shifted": (edited({k: v + (5 if k.endswith(":chosen") else -5) for k, v in lp.items()}),
+                    "log_probs no longer match the digest"),
+    }
+    for name, (table, message) in edits.items():
+        run = tmp_path / name
+        shutil.copytree(tmp_path / "run", run)
+        (run / reference.FILE).write_text(json.dumps(table))
+        proc = run_in_process("train", cfg, "--resume", "--set", f"output_dir={run}", check=False)
+        assert proc.returncode == 2, (name, proc.stdout[-2000:], proc.stderr[-2000:])
+        assert f"{run / reference.FILE}: {message}" in proc.stderr and "remove reference.json" in proc.stderr, (
+            name, proc.stderr[-2000:])
+        assert "step 2" not in proc.stdout and len(proc.stderr.strip().splitlines()) == 1, (name, proc.stderr)
+
+    older = tmp_path / "older"  # no content digest: computed again, then trained on
+    shutil.copytree(tmp_path / "run", older)
+    (older / reference.FILE).write_text(json.dumps({k: v for k, v in raw.items() if k != "content"}))
+    resumed = run_in_process("train", cfg, "--resume", "--set", f"output_dir={older}")
+    assert "log-probabilities of the base model" in resumed.stdout + resumed.stderr
+    assert json.loads((older / reference.FILE).read_text()) == raw
+    same = run_in_process("train", cfg, "--resume")  # the unedited table is read and trained on
+    assert "log-probabilities read from" in same.stdout + same.stderr

@@ -13,7 +13,8 @@ from packtrain.rundir.resume import compare, is_trajectory
 @pytest.mark.parametrize("key,trajectory", [
     ("optim.lr", True), ("optim.name", True), ("lora.r", True), ("model.dtype", True), ("model.config", True),
     ("packing.token_budget", True), ("packing.mode", True), ("train.seed", True), ("train.packs_per_step", True),
-    ("data.processor", True),
+    ("data.processor", True), ("train.objective", True), ("train.dpo_beta", True), ("train.rpo_alpha", True),
+    ("train.dpo_loss_type", True),
     ("model.kernels", False), ("train.max_steps", False), ("train.epochs", False), ("train.save_every", False),
     ("train.eval_every", False), ("train.keep_checkpoints", False), ("train.max_nonfinite_skips", False),
     ("train.device", False), ("logging.progress", False), ("ops.hang_timeout", False), ("output_dir", False),
@@ -82,3 +83,38 @@ def test_a_finished_run_without_a_checkpoint_is_refused_not_restarted(tmp_path, 
                            f"{run / 'adapter'} is from step 3) and no checkpoint to continue from"), line
     assert "starting from step 0" not in proc.stdout
     assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing touched
+
+
+def test_changed_weights_or_objective_settings_refuse_the_resume_naming_each(tmp_path):
+    """A dpo run with pair weights (stopped after step 1's checkpoint): a resume with one pair's weight changed in the
+    data (the tokens all equal) is refused naming the weights; with train.dpo_beta, train.rpo_alpha or
+    train.dpo_loss_type changed, naming each (they were listed as allowed changes and trained on); unchanged, it
+    resumes."""
+    from cli_helpers import write_pair_data
+
+    from packtrain.faults import SIGTERM_IN_STEP
+
+    pairs = write_pair_data(tmp_path / "pairs.jsonl")
+    lines = [json.loads(line) for line in pairs.read_text().splitlines()]
+    pairs.write_text("".join(json.dumps({**x, "weight": 1.5 if i % 2 else 0.5}) + "\n" for i, x in enumerate(lines)))
+    cfg = write_config(tmp_path, data={"train": str(pairs), "eval": None},
+                       train={"objective": "dpo", "max_steps": 3, "save_every": 1, "dpo_reference": "per_step"})
+    stopped = run_in_process("train", cfg, env={SIGTERM_IN_STEP: "1"}, check=False)
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    kept = pairs.read_text()
+
+    pairs.write_text(kept.replace('"weight": 1.5', '"weight": 2.5', 1))
+    proc = run_in_process("train", cfg, "--resume", check=False)
+    assert proc.returncode == 2 and '"weight" values differ' in proc.stderr, proc.stderr[-2000:]
+    assert "the tokens of" not in proc.stderr and "->" not in proc.stderr.split("resume refused")[1]
+    pairs.write_text(kept)
+
+    proc = run_in_process("train", cfg, "--resume", "--set", "train.dpo_beta=0.2", "--set", "train.rpo_alpha=1.0",
+                          "--set", "train.dpo_loss_type=ipo", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    for line in ("train.dpo_beta: 0.1 -> 0.2", "train.rpo_alpha: 0.0 -> 1.0", "train.dpo_loss_type: 'sigmoid' -> 'ipo'"):
+        assert line in proc.stderr.split("resume refused")[1], (line, proc.stderr[-2000:])
+    assert '"weight"' not in proc.stderr
+
+    resumed = run_in_process("train", cfg, "--resume")
+    assert "continuing from" in resumed.stdout
