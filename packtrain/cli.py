@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--memory", action="store_true", help="also estimate per-GPU memory for the largest pack")
-    p.add_argument("--world-size", type=whole(1, MAX_RANKS), default=1, metavar="N",
-                   help="ranks sharing the weights (FSDP)")
+    p.add_argument("--world-size", type=whole(1, MAX_RANKS), default=None, metavar="N",
+                   help="ranks sharing the weights (FSDP; default 1)")
     p.add_argument("--ranks-per-node", type=whole(1, MAX_RANKS), default=None, metavar="N",
                    help="with --memory: ranks on one node, whose offload pools share its host memory (default: "
                         "the world size up to 8; 1 with train.device cpu)")

@@ -122,6 +122,10 @@ def format_steps(f: dict) -> str:
 
 
 def run_plan(args) -> int:
+    if args.world_size is not None and args.ranks_per_node is not None and args.ranks_per_node > args.world_size:
+        raise ValueError(f"--ranks-per-node {args.ranks_per_node}: more than the run's --world-size "
+                         f"{args.world_size} ranks (a node holds at most all of them)")
+    args.world_size = args.world_size or 1
     cfg = load_config(args.config, args.overrides)
     if cfg.data.train is None:
         raise ConfigError(["data.train: not set (the training data to plan)"], args.config)

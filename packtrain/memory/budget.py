@@ -93,9 +93,6 @@ def plan_budget(cfg, world_size: int, gpu_memory_gib: float | None = None, ranks
     ranks = ranks_per_node or min(world_size, DEFAULT_RANKS_PER_NODE[device])
     if ranks < 1:
         raise ValueError(f"--ranks-per-node: must be at least 1, got {ranks}")
-    if ranks > world_size:
-        raise ValueError(f"--ranks-per-node {ranks}: more than the run's --world-size {world_size} ranks (a node "
-                         "holds at most all of them)")
     host, host_source = _host_limit(host_memory_per_node_gib, cfg, None, "--host-memory-per-node GIB: not given")
     if gpu_memory_gib is not None:
         total = int(gpu_memory_gib * GiB)
