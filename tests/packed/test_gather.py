@@ -61,7 +61,7 @@ def test_the_gradient_of_rows_read_many_times_is_the_same_on_every_call_at_two_t
     backward adds them in parallel at two threads (``cpu_atomic_add_float``), in an order that changes between
     calls (with gather_rows' backward made index_put_'s, none of the other 15 calls equalled the first, in each of 6
     tries); gather_rows' does not."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", _TWO_THREADS], capture_output=True, text=True, env=env, timeout=120,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -41,7 +41,9 @@ def test_a_tree_run_at_two_threads_is_the_same_run_every_time(tmp_path, config):
     sets = [f"--set={s}" for s in ("train.max_steps=3", "train.save_every=1", "data.eval=null", "generate.every=null",
                                    "packing.mode=tree", "train.dpo_reference=per_step")]  # per_step: sft ignores it
     straight, run = tmp_path / "straight", tmp_path / "run"
-    two = {"OMP_NUM_THREADS": "2"}
+    # two threads; PASSIVE: a thread waiting for work sleeps rather than spins, which on the suite's two busy cores
+    # took 3x the time (the threads still add in parallel: the runs before the fix differed so too)
+    two = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
     args = ["train", str(REPO / "configs" / config), *sets]
     run_cli(*args, "--set", f"output_dir={straight}", env=two)
     stopped = run_cli(*args, "--set", f"output_dir={run}", env={**two, SIGTERM_IN_STEP: "2"}, check=False)
