@@ -101,3 +101,13 @@ def test_the_verdicts_decide_at_tiny_shapes_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert set(rows) == {*names, "gdn_kernel"} and all(r["pass"] for r in rows.values()), rows
     assert "fla Triton ran (0 FlashQLA calls)" in rows["gdn_kernel"]["measured"]
+
+
+def test_every_listed_verdict_can_be_asked_for():
+    """What `verdicts.py --list` names (what the script decides) is what it takes as NAME: gdn_kernel was listed and
+    refused (the gdn run decides it; either name runs it now)."""
+    spec = importlib.util.spec_from_file_location("gpu_verdicts", REPO / "tools" / "gpu" / "verdicts.py")
+    verdicts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(verdicts)
+    assert list(verdicts.VERDICTS) == list(verdicts.NAMES)
+    assert verdicts.VERDICTS["gdn_kernel"] is verdicts.VERDICTS["gdn"]

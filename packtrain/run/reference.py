@@ -6,10 +6,10 @@ under no_grad, every rank its share, gathered on every rank) with the adapter di
 example's reference is its answer's summed token log-probability, ``-mean loss * target tokens``.
 
 The file holds the table by example id and the digests of what it was computed from: the data (every training
-example's id and tokens), the base (``model.config`` and its seed and dtype, or ``model.path``'s config and weight
-files) and the tokenizer (its files, ``data.chat_template``, ``data.template_kwargs``). A resumed run reads it
-instead of computing it again; one whose digests differ is refused, naming what changed (a stale reference would
-train silently wrong). Its contents are checked on read too: every example the plan trains holds a finite entry,
+example's id, tokens and images, the images' contents too), the base (``model.config`` and its seed and dtype, or
+``model.path``'s config and weight files) and the tokenizer (its files, ``data.chat_template``,
+``data.template_kwargs``). A resumed run reads it instead of computing it again; one whose digests differ is refused,
+naming what changed (a stale reference would train silently wrong). Its contents are checked on read too: every example the plan trains holds a finite entry,
 and a digest of the table written beside it (``content``) still matches, so an edited or damaged table (a value set
 to -Infinity or NaN, an entry gone, values scaled) is refused, naming the entry or the digest, never trained on; a
 table written without that digest (an older packtrain's) is computed again. Rank 0 writes it atomically (a
@@ -33,12 +33,26 @@ _PIECE = 1 << 16
 
 
 def data_digest(examples) -> str:
-    """Every example's id, tokens (P, item, target, loss spans) and images."""
+    """Every example's id, tokens (P, item, target, loss spans) and images: their paths, grids and contents (each
+    file's size and :data:`WEIGHT_SAMPLES` pieces of it, the whole of an image under 512 KiB: an image repainted at
+    the same size and path is other data)."""
     h = hashlib.sha256()
+    contents: dict[str, bytes] = {}  # an image several examples show is read once
     for ex in sorted(examples, key=lambda ex: ex.id):
         h.update(repr((ex.id, ex.prefix_ids, ex.item_ids, ex.target_ids, ex.spans,
                        [(r.path, r.grid_thw) for r in ex.images])).encode())
+        for r in ex.images:
+            if r.path not in contents:
+                contents[r.path] = _image_digest(Path(r.path))
+            h.update(contents[r.path])
     return h.hexdigest()[:16]
+
+
+def _image_digest(path: Path) -> bytes:
+    try:
+        return hashlib.sha256(f"{path.stat().st_size}:".encode() + _sampled(path)).digest()
+    except OSError as e:  # read when the examples were made; gone since: the digest says so
+        return f"unreadable: {type(e).__name__}".encode()
 
 
 def base_digest(cfg: Config) -> str:

@@ -38,6 +38,25 @@ def test_the_digests_see_each_change(tmp_path):
     assert reference.digests(other, _data(tmp_path))["tokenizer"] != base["tokenizer"]
 
 
+def test_the_data_digest_sees_an_image_repainted_at_the_same_size(tmp_path):
+    """An image's path and grid were the digest's: a VLM dpo run resumed after an image was repainted in place (the
+    same size, so the same grid) reused a reference of the old picture."""
+    from types import SimpleNamespace
+
+    from packtrain.data.images import ImageRef
+
+    image = tmp_path / "a.png"
+    image.write_bytes(bytes(range(256)) * 4)
+    ex = SimpleNamespace(id="a:chosen", prefix_ids=(1,), item_ids=(2,), target_ids=(3,), spans=(),
+                         images=(ImageRef(str(image), (1, 2, 2)),))
+    before = reference.data_digest([ex])
+    assert reference.data_digest([ex]) == before
+    image.write_bytes(bytes(range(256)) * 3 + bytes(255 - i for i in range(256)))  # same size, other pixels
+    assert reference.data_digest([ex]) != before
+    image.unlink()
+    assert reference.data_digest([ex]) != before
+
+
 def test_a_checkpoints_weights_are_in_the_base_digest(tmp_path):
     model = tmp_path / "model"
     model.mkdir()

@@ -1,11 +1,11 @@
 """The GPU bring-up's verdicts, each a measurement against a bound with PASS / FAIL (run by tools/gpu/check.py;
 the bounds and their reasons: docs/operations.md, "First run on a GPU").
 
-    python tools/gpu/verdicts.py NAME [NAME ...] [--tiny] [--out DIR]   # NAME: see --list
+    python tools/gpu/verdicts.py NAME [NAME ...] [--tiny]   # NAME: see --list
     python tools/gpu/verdicts.py --list
 
-Each verdict appends one JSON line to DIR/verdicts.jsonl ($OUT, default /tmp/gpu_check) the moment it is decided
-and rewrites DIR/verdicts.md, the table, so a run stopped at its time limit keeps every verdict decided before.
+Each verdict appends one JSON line to $OUT/verdicts.jsonl ($OUT: the environment's, default /tmp/gpu_check) the
+moment it is decided and rewrites $OUT/verdicts.md, the table, so a run stopped at its time limit keeps every verdict decided before.
 ``--tiny`` runs small shapes, on CPU too where the verdict has a CPU form (the CI checks the code paths that way:
 tests/test_gpu_check.py); the bounds are the same.
 
@@ -15,7 +15,8 @@ tests/test_gpu_check.py); the bounds are the same.
              reference path's own bf16 error (torch's FlexAttention tests bound a kernel the same way)
   gdn        fla's chunked Gated DeltaNet (cu_seqlens, per-sequence initial_state) in bf16 at K = V = 128 against
              the float32 torch reference: fla's own fp16 test bounds scaled by the bf16/fp16 unit roundoff (8x)
-  gdn_kernel which delta-rule kernel fla ran (its Triton one, or FlashQLA), against the pinned one
+  gdn_kernel which delta-rule kernel fla ran (its Triton one, or FlashQLA), against the pinned one (decided by the
+             gdn run: either name runs it)
   parity     a bf16 pack against the same examples alone (losses and LoRA gradients), Qwen3.6-27B's widths with 2
              layers (one GDN, one attention), on fla + FlexAttention: its gaps within 2x the torch back end's on the
              same model and pack (correct on CPU; a broken plumbing's gradient gap is 4x a correct one's,
@@ -454,8 +455,8 @@ def offload(tiny: bool) -> bool:
                   "train.offload=1 (one of the two layers' inputs to the host) against false, checkpointing on")
 
 
-VERDICTS = {"versions": versions, "flex": flex, "gdn": gdn, "parity": parity, "memory": memory, "speed": speed,
-            "offload": offload}
+VERDICTS = {"versions": versions, "flex": flex, "gdn": gdn, "gdn_kernel": gdn, "parity": parity, "memory": memory,
+            "speed": speed, "offload": offload}
 
 
 def main(argv=None) -> int:
