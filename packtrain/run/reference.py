@@ -8,12 +8,13 @@ example's reference is its answer's summed token log-probability, ``-mean loss *
 The file holds the table by example id and the digests of what it was computed from: the data (every training
 example's id, tokens and images, the images' contents too), the base (``model.config`` and its seed and dtype, or
 ``model.path``'s config and weight files) and the tokenizer (its files, ``data.chat_template``,
-``data.template_kwargs``). A resumed run reads it instead of computing it again; one whose digests differ is refused,
-naming what changed (a stale reference would train silently wrong). Its contents are checked on read too: every example the plan trains holds a finite entry,
-and a digest of the table written beside it (``content``) still matches, so an edited or damaged table (a value set
-to -Infinity or NaN, an entry gone, values scaled) is refused, naming the entry or the digest, never trained on; a
-table written without that digest (an older packtrain's) is computed again. Rank 0 writes it atomically (a
-temporary, then a rename), so an interrupted pass leaves no file and the next start computes it again.
+``data.template_kwargs``). A resumed run reads it instead of computing it again; one whose digests differ is
+refused, naming what changed (a stale reference would train silently wrong). Its contents are checked on read too:
+every example the plan trains holds a finite entry, and a digest of the table written beside it (``content``) still
+matches, so an edited or damaged table (a value set to -Infinity or NaN, an entry gone, values scaled) is refused,
+naming the entry or the digest, never trained on; a table written without that digest (an older packtrain's) is
+computed again. Rank 0 writes it atomically (a temporary, then a rename), so an interrupted pass leaves no file and
+the next start computes it again.
 """
 
 from __future__ import annotations
