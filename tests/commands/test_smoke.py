@@ -92,3 +92,17 @@ def test_smoke_runs_on_the_vision_language_demo(tmp_path):
     title = _title(out)
     assert title.startswith("smoke: the largest pack,") and "(4 continuations," in title, title
     assert (tmp_path / "run" / "smoke" / "checkpoints" / "step-2" / "state.json").exists()
+
+
+@pytest.mark.parametrize("reference", ["precompute", "per_step"])
+def test_smoke_runs_a_dpo_config_without_a_reference_table(tmp_path, reference):
+    """dpo, no reference.json anywhere: smoke's step takes its reference as train's would (precompute: the pack's
+    reference computed for it, since smoke never makes the table; per_step: in the step), two updates and a save."""
+    from cli_helpers import write_pair_data
+
+    pairs = write_pair_data(tmp_path / "pairs.jsonl")
+    cfg = write_config(tmp_path, data={"train": str(pairs), "eval": None},
+                       train={"objective": "dpo", "dpo_reference": reference})
+    out = run_in_process("smoke", cfg).stdout
+    assert "update 2" in out and "save checkpoint" in out, out
+    assert not (tmp_path / "run" / "reference.json").exists()

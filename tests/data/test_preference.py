@@ -4,6 +4,7 @@ objective refusing data and settings it does not train on."""
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -224,3 +225,22 @@ def test_a_chat_pair_under_the_official_templates_is_its_two_chats(tmp_path, ver
     assert [(e.id, e.prefix_ids, e.item_ids, e.target_ids) for e in pair] == \
         [(e.id, e.prefix_ids, e.item_ids, e.target_ids) for e in chats]
     assert [e.side for e in pair] == ["chosen", "rejected"]
+
+
+@pytest.mark.parametrize("differs", ["prefix_ids", "item_ids"])
+def test_a_pair_whose_answers_render_another_prompt_is_refused(differs):
+    """A chat template that reads the answer into P or into the item renders the two sides' prompts apart: refused
+    naming the rejected side's line and field (the item's comparison dropped went unseen: no data rendered that)."""
+    from types import SimpleNamespace
+
+    from packtrain.data.preference import check_pairs
+
+    def side(name, **changed):
+        fields = {"prefix_ids": (1, 2), "item_ids": (3, 4), "target_ids": (5,) if name == "chosen" else (6,)}
+        return SimpleNamespace(pair="p", side=name, line=7 if name == "rejected" else 6, **{**fields, **changed})
+
+    check_pairs([side("chosen"), side("rejected")], Path("pairs.jsonl"), {"chosen": "chosen", "rejected": "rejected"})
+    with pytest.raises(DataError, match="renders another prompt than chosen") as e:
+        check_pairs([side("chosen"), side("rejected", **{differs: (9, 9)})], Path("pairs.jsonl"),
+                    {"chosen": "chosen", "rejected": "rejected"})
+    assert "pairs.jsonl" in str(e.value) and "7" in str(e.value) and "rejected" in str(e.value)

@@ -194,3 +194,26 @@ def test_the_run_header_prints_the_candidates(tmp_path):
     assert lines[at - 1].startswith("  memory: no checkpointing, loss whole, MLP whole, norms whole: about ")
     assert "the host's available memory" in lines[at]
     assert lines[at + 2].startswith("    ->off ")  # the tiny model: no saving, the fastest step, fits
+
+
+def test_an_offload_above_the_layer_count_is_refused(tmp_path):
+    """train.offload: 99 on a model of fewer decoder layers, through `train`: refused in one line before the model
+    trains (without the refusal it ran "99 of 2 layer inputs in host memory")."""
+    from cli_helpers import TINY_MODEL, run_in_process, write_config
+
+    cfg = write_config(tmp_path, train={"offload": 99, "activation_checkpointing": True}, data={"eval": None})
+    proc = run_in_process("train", cfg, check=False)
+    layers = TINY_MODEL["num_hidden_layers"]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"train.offload: 99 layers, but the model has {layers} decoder layers" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "adapter").exists()
+
+
+def test_the_largest_budget_search_offloads_where_the_config_lets_it():
+    """The 27B at 80 GiB, every saving auto: the largest budget keeps layer inputs in host memory and fits more
+    positions than with train.offload false (with the search's offload forced to 0 the two were equal, unseen)."""
+    budget = plan_budget(_config(), 64, 80.0, 8, None)
+    auto = savings.max_token_budget(_config(), SEED, 64, budget, 80.0)
+    off = savings.max_token_budget(_config(offload=False), SEED, 64, budget, 80.0)
+    assert StepSavings(**auto["savings"]).offload_layers > 0 and StepSavings(**off["savings"]).offload_layers == 0
+    assert auto["token_budget"] > off["token_budget"] > 0

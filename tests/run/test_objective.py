@@ -155,8 +155,8 @@ def _standalone_loss(forwards, objective, examples):
     """The step's loss written from the formulas on the examples alone, from ``forwards`` = (the policy's summed
     answer log-probabilities with the graph, the reference's: the adapter disabled). dpo: per pair, with l the
     policy's and r the reference's, -log sigmoid(beta * ((lc - rc) - (lr - rr))) (ipo: (m - 1 / (2 beta))^2, m the
-    same margin of per-token means), plus rpo_alpha times the chosen answer's mean target cross-entropy, the mean
-    over the pairs; weighted: the sum of weight * mean target
+    same margin of per-token means), plus rpo_alpha times the chosen answer's mean target cross-entropy, times the
+    pair's weight, the mean over the pairs; weighted: the sum of weight * mean target
     cross-entropy over the examples / the examples."""
     policy, reference = forwards
     counts = torch.tensor([len(ex.target_ids) for ex in examples], dtype=torch.float64)
@@ -176,7 +176,8 @@ def _standalone_loss(forwards, objective, examples):
         else:
             margin = ratio[c] - ratio[r]
             losses.append(-torch.log(torch.sigmoid(objective.beta * margin)))
-        losses[-1] = losses[-1] + objective.rpo_alpha * (-policy[c] / counts[c])
+        # the pair's weight (on both its sides) times its DPO loss and its RPO term alike
+        losses[-1] = (losses[-1] + objective.rpo_alpha * (-policy[c] / counts[c])) * ex.weight
     return torch.stack(losses).sum() / len(losses)
 
 
@@ -331,6 +332,22 @@ def test_rpo_alpha_adds_the_chosen_answers_cross_entropy(models, references, los
         losses, change = _packed_step(model, "tree", examples, _plan("tree", examples), objective)
     _check(losses, change, loss, grad, f"rpo {loss_type}")
     assert loss - dpo_loss > 0.75 * 1.0  # the chosen answers' mean cross-entropy, of random tokens, is well above 1
+
+
+def test_a_pairs_weight_weighs_its_dpo_loss_and_its_rpo_term(models, references, monkeypatch):
+    """Pairs of weights other than 1 (one negative) under dpo with rpo_alpha: the packed tree step == each pair's
+    (DPO loss + RPO term) x its weight on the pairs alone (the RPO term without the weight went unseen with weights
+    of 1)."""
+    examples, _ = _pair_examples(PROMPTS)
+    pairs = sorted({ex.pair for ex in examples})
+    weight = {p: (2.5, -0.5, 0.25, 1.75, 3.0)[k % 5] for k, p in enumerate(pairs)}
+    examples = [dataclasses.replace(ex, weight=weight[ex.pair]) for ex in examples]
+    objective = Dpo(BETA, "sigmoid", "per_step", rpo_alpha=0.75)
+    model = models("text")
+    with without_float32_casts(monkeypatch):
+        loss, grad = _reference(references, model, "text", examples, objective)
+        losses, change = _packed_step(model, "tree", examples, _plan("tree", examples), objective)
+    _check(losses, change, loss, grad, "weighted rpo")
 
 
 def _weighted(examples, weights):

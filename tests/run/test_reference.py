@@ -27,6 +27,8 @@ def test_the_digests_see_each_change(tmp_path):
     assert reference.digests(cfg, _data(tmp_path, "tomas"))["data"] != base["data"]
     reseeded = config_from_dict({"model": {"config": {"model_type": "qwen3_5_text", "hidden_size": 8}, "seed": 1}})
     assert reference.digests(reseeded, _data(tmp_path))["base"] != base["base"]
+    bf16 = config_from_dict({"model": {"config": {"model_type": "qwen3_5_text", "hidden_size": 8}, "dtype": "bfloat16"}})
+    assert reference.digests(bf16, _data(tmp_path))["base"] != base["base"]  # another dtype: other log-probabilities
     tok = tmp_path / "tok"
     shutil.copytree(BUNDLED_TOKENIZER, tok)
     other = config_from_dict({"model": {"config": {"model_type": "qwen3_5_text", "hidden_size": 8}},
