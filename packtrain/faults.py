@@ -12,6 +12,8 @@ import signal
 NAN_AT = "PACKTRAIN_TEST_NAN_AT"  # "RANK:STEP": that rank's loss is NaN in that step (a bad pack on one rank)
 KILL_AFTER_CHECKPOINT = "PACKTRAIN_KILL_AFTER_CHECKPOINT"  # "STEP": SIGKILL right after step STEP's checkpoint
 SIGTERM_IN_STEP = "PACKTRAIN_TEST_SIGTERM_IN_STEP"  # "STEP": SIGTERM to this process during step STEP, before its update
+# "N": SIGTERM to this process during the N-th batch (from 1) of the dpo reference pass (packtrain/run/reference.py)
+SIGTERM_IN_REFERENCE = "PACKTRAIN_TEST_SIGTERM_IN_REFERENCE"
 # "field=value[;field=value]": rank N's check-nodes report says value for field (packtrain/ops/nodes.py); the rank in
 # the name, so a stray variable in a shared environment changes one named rank, and the table says so
 OVERRIDE_RANK = "PACKTRAIN_TEST_OVERRIDE_RANK{rank}"
@@ -41,3 +43,9 @@ def after_checkpoint(step: int) -> None:
 def sigterm() -> None:
     """A scheduler's SIGTERM arriving while a step runs (:data:`SIGTERM_IN_STEP`)."""
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def reference_batch(n: int) -> None:
+    """SIGTERM while the reference pass runs its ``n``-th batch, when :data:`SIGTERM_IN_REFERENCE` is ``n``."""
+    if os.environ.get(SIGTERM_IN_REFERENCE) == str(n):
+        sigterm()

@@ -19,6 +19,7 @@ the next start computes it again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -135,8 +136,11 @@ def read(out: Path, expected: dict[str, str], ids: Iterable[str] = ()) -> dict[s
     if "content" not in raw:
         return None
     again = f"refused (a reference table is never trained on unchecked); remove {FILE} to compute it again"
+    partial = raw.get("partial") is True  # a pass stopped by a signal: the entries it finished, the rest to compute
     for i in ids:
         if i not in table:
+            if partial:
+                continue
             raise ValueError(f"{path}: log_probs has no entry for example {i!r}: {again}")
         if not math.isfinite(table[i]):
             raise ValueError(f"{path}: log_probs[{i!r}] is {raw['log_probs'][i]}, not a finite log-probability: "
@@ -147,13 +151,34 @@ def read(out: Path, expected: dict[str, str], ids: Iterable[str] = ()) -> dict[s
     return table
 
 
-def write(out: Path, expected: dict[str, str], table: dict[str, float]) -> Path:
+def write(out: Path, expected: dict[str, str], table: dict[str, float], partial: bool = False) -> Path:
+    """The table with its digests; ``partial``: a pass stopped part way (:func:`compute_in_batches`), whose missing
+    entries the next start computes."""
     path = out / FILE
     tmp = out / f".tmp-{FILE}"
     tmp.write_text(json.dumps({"digests": expected, "examples": len(table), "content": content_digest(table),
-                               "log_probs": table}))
+                               **({"partial": True} if partial else {}), "log_probs": table}))
     os.replace(tmp, path)
     return path
+
+
+def compute_in_batches(lm, plan, examples, kinds, info, have: dict[str, float], stop, progress=None
+                       ) -> tuple[dict[str, float], bool]:
+    """The reference of the plan's packs whose examples ``have`` lacks (a partial table read back), in batches of
+    one pack a rank, ``stop()`` asked before each (every rank's answer agreed: a signal is acted on between
+    batches, not at the pass's end, so a launcher's 30 s grace is enough). Returns (the table so far, whether it is
+    complete)."""
+    from packtrain import faults
+
+    todo = [i for i, pack in enumerate(plan.packs) if any(examples[e].id not in have for e in pack.examples)]
+    table = dict(have)
+    for n, start in enumerate(range(0, len(todo), info.world_size), start=1):
+        if stop():
+            return table, False
+        faults.reference_batch(n)
+        batch = dataclasses.replace(plan, packs=[plan.packs[i] for i in todo[start:start + info.world_size]])
+        table.update(compute(lm, batch, examples, kinds, info, progress))
+    return table, True
 
 
 def compute(lm, plan, examples, kinds, info, progress=None) -> dict[str, float]:

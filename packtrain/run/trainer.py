@@ -205,19 +205,32 @@ class Trainer:
         verdict, value = found[0]
         if verdict == "refused":
             raise ValueError(value)
-        if value is not None:
+        have = value or {}
+        if value is not None and all(i in have for i in planned):
             self.log(f"dpo reference: {len(value):,} log-probabilities read from {self.out / reference.FILE}")
             return value
+        if have and self.info.is_main:
+            self.log(f"dpo reference: {len(have):,} log-probabilities read from {self.out / reference.FILE} (a pass "
+                     "stopped part way); computing the rest")
         t0 = time.perf_counter()
         bar = tqdm(total=None, desc="reference", unit="unit", leave=False,
                    disable=not (self.info.is_main and cfg.logging.progress and sys.stderr.isatty()))
-        table = reference.compute(self.lm, self.plan, self.train_examples, self.kinds, self.info,
-                                  Beating(bar, lambda: self.ops.progress("a dpo reference unit")))
+        # a signal is acted on between the pass's batches: what is done is kept, a resume computes the rest
+        table, complete = reference.compute_in_batches(
+            self.lm, self.plan, self.train_examples, self.kinds, self.info, have,
+            lambda: bool(agree([int(self.signals.requested)], self.info)[0]),
+            Beating(bar, lambda: self.ops.progress("a dpo reference unit")))
         bar.close()
+        path = self.out / reference.FILE
         if self.info.is_main:
-            path = reference.write(self.out, expected, table)
-            self.log(f"dpo reference: {len(table):,} log-probabilities of the base model (adapter disabled) in "
-                     f"{time.perf_counter() - t0:.1f} s, written to {path}")
+            reference.write(self.out, expected, table, partial=not complete)
+        if not complete:
+            raise Preempted(f"stopped by {self.signals.name()} during the dpo reference pass: {len(table):,} of "
+                            f"{len(planned):,} log-probabilities kept in {path}; continue with `packtrain train CONFIG "
+                            "--resume`", quiet=not self.info.is_main)
+        if self.info.is_main:
+            self.log(f"dpo reference: {len(table) - len(have):,} log-probabilities of the base model (adapter "
+                     f"disabled) in {time.perf_counter() - t0:.1f} s, written to {path}")
         return table
 
     def _cadence(self, cfg: Config) -> Cadence:

@@ -183,3 +183,33 @@ def test_an_edited_or_damaged_reference_table_is_refused_on_resume(tmp_path):
     assert json.loads((older / reference.FILE).read_text()) == raw
     same = run_in_process("train", cfg, "--resume")  # the unedited table is read and trained on
     assert "log-probabilities read from" in same.stdout + same.stderr
+
+
+def test_sigterm_in_the_reference_pass_keeps_what_is_done_and_a_resume_computes_the_rest(tmp_path):
+    """SIGTERM during the pass's second batch (of one pack each, one rank): acted on before the third, exit 75,
+    reference.json keeps the finished batches' entries (marked partial); `train --resume` reads them, computes the
+    rest and trains: its table and adapter are the uninterrupted run's, bit for bit. The pass used to run to its end
+    first (a 27B's pass outlives a launcher's 30 s grace) and keep nothing when killed."""
+    from cli_helpers import adapter_of, assert_equal_adapters, run_in_process, write_config, write_pair_data
+
+    from packtrain.exits import PREEMPTED_EXIT
+    from packtrain.faults import SIGTERM_IN_REFERENCE
+
+    pairs = write_pair_data(tmp_path / "pairs.jsonl")
+    cfg = write_config(tmp_path, data={"train": str(pairs), "eval": None},
+                       train={"objective": "dpo", "max_steps": 2}, packing={"max_continuations": 2})
+    straight = tmp_path / "straight"
+    run_in_process("train", cfg, "--set", f"output_dir={straight}")
+    whole = json.loads((straight / reference.FILE).read_text())
+    stopped = run_in_process("train", cfg, env={SIGTERM_IN_REFERENCE: "2"}, check=False)
+    assert stopped.returncode == PREEMPTED_EXIT, stopped.stderr[-2000:]
+    assert "during the dpo reference pass" in stopped.stderr and "--resume" in stopped.stderr, stopped.stderr
+    kept = json.loads((tmp_path / "run" / reference.FILE).read_text())
+    assert kept["partial"] is True and 0 < len(kept["log_probs"]) < len(whole["log_probs"])
+    assert all(whole["log_probs"][k] == v for k, v in kept["log_probs"].items())
+    assert not (tmp_path / "run" / "adapter").exists()
+    resumed = run_in_process("train", cfg, "--resume")
+    assert f"{len(kept['log_probs']):,} log-probabilities read from" in resumed.stdout + resumed.stderr
+    done = json.loads((tmp_path / "run" / reference.FILE).read_text())
+    assert "partial" not in done and done["log_probs"] == whole["log_probs"]
+    assert_equal_adapters(adapter_of(straight), adapter_of(tmp_path / "run"))
