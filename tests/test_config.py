@@ -281,3 +281,12 @@ def test_offload_with_checkpointing_off_is_refused_not_turned_on():
         assert config_from_dict({"train": {"offload": offload, "activation_checkpointing": False}}).train.offload \
             == offload
     assert config_from_dict({"train": {"offload": 1, "activation_checkpointing": "auto"}}).train.offload == 1
+
+
+def test_plan_refuses_offload_with_checkpointing_off(tmp_path):
+    """The same refusal through the command line, before any planning."""
+    from cli_helpers import run_in_process, write_config
+
+    proc = run_in_process("plan", write_config(tmp_path), "--set", "train.offload=1", "--set",
+                          "train.activation_checkpointing=false", check=False)
+    assert proc.returncode == 2 and "train.offload: keeps checkpointed layers' inputs in host memory" in proc.stderr

@@ -35,8 +35,8 @@ TWO_RANKS = {"data": {"eval": None}, "packing": {"mode": "tree"},
 @pytest.mark.parametrize("config", ["demo.yaml", "dpo_demo.yaml"])
 def test_a_tree_run_at_two_threads_is_the_same_run_every_time(tmp_path, config):
     """Tree SFT (the demo under packing.mode tree) and tree DPO (the DPO demo) in processes of two torch threads, in
-    float32: an uninterrupted run, and one stopped by SIGTERM in step 2 and resumed, train the same adapter bit for
-    bit (each computed steps 1-2 on its own). The tree's buckets read P's keys once per run of nodes; summed by
+    float32: two uninterrupted runs, and one stopped by SIGTERM in step 2 and resumed, train the same adapter bit
+    for bit (each computed steps 1-2 on its own). The tree's buckets read P's keys once per run of nodes; summed by
     advanced indexing's backward, in parallel, two runs of one config differed from step 1's gradient on."""
     sets = [f"--set={s}" for s in ("train.max_steps=3", "train.save_every=1", "data.eval=null", "generate.every=null",
                                    "packing.mode=tree", "train.dpo_reference=per_step")]  # per_step: sft ignores it
@@ -46,6 +46,8 @@ def test_a_tree_run_at_two_threads_is_the_same_run_every_time(tmp_path, config):
     two = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
     args = ["train", str(REPO / "configs" / config), *sets]
     run_cli(*args, "--set", f"output_dir={straight}", env=two)
+    run_cli(*args, "--set", f"output_dir={tmp_path / 'again'}", env=two)  # a second uninterrupted run
+    assert_equal_adapters(adapter_of(straight), adapter_of(tmp_path / "again"))
     stopped = run_cli(*args, "--set", f"output_dir={run}", env={**two, SIGTERM_IN_STEP: "2"}, check=False)
     assert stopped.returncode == PREEMPTED_EXIT, stopped.stderr[-3000:]
     run_cli(*args, "--set", f"output_dir={run}", "--resume", env=two)

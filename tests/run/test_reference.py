@@ -213,3 +213,37 @@ def test_sigterm_in_the_reference_pass_keeps_what_is_done_and_a_resume_computes_
     done = json.loads((tmp_path / "run" / reference.FILE).read_text())
     assert "partial" not in done and done["log_probs"] == whole["log_probs"]
     assert_equal_adapters(adapter_of(straight), adapter_of(tmp_path / "run"))
+
+
+def test_a_vlm_dpo_resume_after_an_image_was_repainted_is_refused(tmp_path):
+    """The VLM demo's model on preference pairs with images (dpo, precompute), stopped after step 1; one image
+    repainted in place at the same size (the same grid and tokens): the resume is refused naming the training data
+    (it reused the reference of the old picture). Unrepainted, it resumes."""
+    from cli_helpers import REPO, run_in_process
+    from PIL import Image
+
+    from packtrain.exits import PREEMPTED_EXIT
+    from packtrain.faults import SIGTERM_IN_STEP
+
+    for k in (1, 2):
+        shutil.copy(REPO / "data" / "vlm_demo" / "images" / f"sign-000{k}.png", tmp_path / f"sign-{k}.png")
+    system = json.loads((REPO / "data" / "vlm_demo" / "train.jsonl").read_text().splitlines()[0])["system"]
+    rows = [{"id": f"p{i}", "system": system, "images": [f"sign-{1 + i % 2}.png"], "item": "What does it mean?",
+             "chosen": answer, "rejected": other} for i, (answer, other) in enumerate([("go", "stop"), ("up", "left")])]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["train", str(REPO / "configs" / "vlm_demo.yaml"), *(x for s in (
+        f"data.train={data}", "data.eval=null", "generate.every=null", "train.objective=dpo", "train.max_steps=2",
+        "train.save_every=1", "packing.mode=tree", f"output_dir={tmp_path / 'run'}", "logging.progress=false")
+        for x in ("--set", s))]
+    stopped = run_in_process(*args, env={SIGTERM_IN_STEP: "1"}, check=False)
+    assert stopped.returncode == PREEMPTED_EXIT, stopped.stderr[-2000:]
+    kept = (tmp_path / "sign-1.png").read_bytes()
+    with Image.open(tmp_path / "sign-1.png") as im:
+        repainted = Image.new(im.mode, im.size, (0, 0, 255) if im.mode == "RGB" else 0)
+    repainted.save(tmp_path / "sign-1.png")
+    refused = run_in_process(*args, "--resume", check=False)
+    assert refused.returncode == 2 and "computed with another training data" in refused.stderr, refused.stderr[-2000:]
+    (tmp_path / "sign-1.png").write_bytes(kept)
+    resumed = run_in_process(*args, "--resume")
+    assert "log-probabilities read from" in resumed.stdout + resumed.stderr
