@@ -4,7 +4,8 @@ CPU under Triton's interpreter: packtrain/packed/kernels/interpreter.py).
 - Conv-tail replay without an initial-state conv: each continuation is laid out as [P's last W-1 conv inputs ;
   its own tokens] (a prefix tree's node: [its path's last W-1 ; its own]) in one varlen buffer, fla's
   ``causal_conv1d`` runs over it with ``cu_seqlens`` (so segments never read each other), and the W-1 warm-up
-  outputs are dropped. The tail is a gather from P's rows, so its gradient sums back into P.
+  outputs are dropped. The tail is a gather from P's rows, so its gradient sums back into P (in a fixed order:
+  :func:`packtrain.packed.gather.gather_rows`).
 - The delta rule: P once from the zero state (``output_final_state``), then the continuations in varlen calls with
   ``cu_seqlens`` and ``initial_state`` = P's state expanded to [N, HV, K, V] (fla returns dh0, which the expand
   sums into P's state), whole continuations of at most :data:`CALL_ROWS` rows per call: fla's backward makes
@@ -25,6 +26,7 @@ import torch
 from fla.modules.causal_conv1d import causal_conv1d
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+from packtrain.packed.gather import gather_rows
 from packtrain.packed.layout import PackLayout
 
 
@@ -68,7 +70,9 @@ def packed_conv(mixed_TC, weight_CW, bias_C, layout: PackLayout) -> torch.Tensor
     p, W = layout.prefix_len, weight_CW.shape[-1]
     out_P = _conv(mixed_TC[None, :p], weight_CW, bias_C).squeeze(0)  # a view: its gradient is not copied
     gather, bounds, keep = _tailed_index(layout, W, mixed_TC.device)
-    padded = torch.cat([mixed_TC.new_zeros(1, mixed_TC.shape[1]), mixed_TC])[gather]
+    # P's tail is read once per continuation: its gradient summed in a fixed order (CUDA's index_put_ adds them
+    # atomically, in another order on every run; packtrain/packed/gather.py)
+    padded = gather_rows(torch.cat([mixed_TC.new_zeros(1, mixed_TC.shape[1]), mixed_TC]), gather)
     out_C = _conv(padded[None], weight_CW, bias_C, **bounds).squeeze(0)[keep]
     return torch.cat([out_P, out_C])
 
