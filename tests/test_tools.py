@@ -137,6 +137,17 @@ def test_node_ids_follows_moves_in_turn_and_bare_names_of_parametrized_tests(tmp
     assert [t for _, t in result["moved"]] == after
 
 
+def test_node_ids_maps_a_test_to_its_own_first_parameter(tmp_path):
+    """A test parametrized in place (`test_r -> test_r[a]`): moved, and the mapping ends (it looped, growing)."""
+    node_ids = _node_ids()
+    moves = tmp_path / "moves.txt"
+    moves.write_text("tests/test_r.py::test_r -> tests/test_r.py::test_r[a]\n")
+    after = ["tests/test_r.py::test_r[a]", "tests/test_r.py::test_r[b]"]
+    result = node_ids.compare(["tests/test_r.py::test_r"], after, *node_ids.read_moves(moves))
+    assert result["moved"] == [("tests/test_r.py::test_r", "tests/test_r.py::test_r[a]")] and not result["lost"]
+    assert node_ids.moved_to("tests/test_r.py::test_r[b]", *node_ids.read_moves(moves)) is None
+
+
 def test_node_ids_refuses_a_move_of_a_file_to_an_id(tmp_path):
     moves = tmp_path / "moves.txt"
     moves.write_text("tests/a/test_x.py -> tests/b/test_x.py::test_1\n")

@@ -32,11 +32,12 @@ def read_moves(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     return files, ids
 
 
-def moved_to(node: str, files: dict[str, str], ids: dict[str, str]) -> str | None:
-    """Where ``node`` went by the moves, followed from move to move (a file moved, then a test out of it), or None
-    when no move names it."""
+def moved_to(node: str, files: dict[str, str], ids: dict[str, str], now: set[str] | frozenset = frozenset()
+             ) -> str | None:
+    """Where ``node`` went by the moves, followed from move to move (a file moved, then a test out of it) until one
+    that ``now`` collects, or None when no move names it."""
     target, seen = None, {node}
-    while (step := _one_move(node, files, ids)) is not None and step not in seen:
+    while target not in now and (step := _one_move(node, files, ids)) is not None and step not in seen:
         target = node = step
         seen.add(step)
     return target
@@ -46,7 +47,7 @@ def _one_move(node: str, files: dict[str, str], ids: dict[str, str]) -> str | No
     if node in ids:
         return ids[node]
     base, bracket, params = node.partition("[")  # a parametrized test moved by its bare name: every parameter
-    if bracket and base in ids:
+    if bracket and base in ids and "[" not in ids[base]:
         return f"{ids[base]}[{params}"
     file, sep, rest = node.partition("::")
     return f"{files[file]}{sep}{rest}" if file in files else None
@@ -57,7 +58,7 @@ def compare(before: list[str], after: list[str], files: dict[str, str], ids: dic
     kept = [n for n in before if n in now]
     moved, lost = [], []
     for node in (n for n in before if n not in now):
-        target = moved_to(node, files, ids)
+        target = moved_to(node, files, ids, now)
         (moved if target in now else lost).append((node, target))
     arrived = {t for _, t in moved} | set(kept)
     return {"kept": kept, "moved": moved, "lost": lost, "added": [n for n in after if n not in arrived]}
