@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from packtrain.data.example import Conversation, DataError, Example
+from packtrain.data.example import Conversation, DataError, Example, LineErrors
 from packtrain.data.images import IMAGE_PAD, ImageRef
 
 TRAIN_ON = ("last", "all", "each")
@@ -66,7 +66,7 @@ def _refusal(t: _Template, c: Conversation, upto: int, error: Exception, source:
         except (TemplateError, TypeError):
             failed, where = i - 1, "on"
             break
-    name = _message_field(c, failed)
+    name = c.message_field(failed)
     return DataError(source, c.line, name, f"the chat template {t.name} raised {where} {name}: {error}")
 
 
@@ -87,7 +87,7 @@ def _prefix_text(t: _Template, c: Conversation, tools: list[dict] | None, source
     is what they agree on without the system message and tools. One per system text and tools: they share P."""
     from jinja2 import TemplateError
 
-    key = (c.messages[0]["content"], json.dumps(tools, sort_keys=True) if tools else None)
+    key = (c.messages[0]["content"], c.messages[0].get("name"), json.dumps(tools, sort_keys=True) if tools else None)
     if key in t.prefixes:
         return t.prefixes[key]
 
@@ -137,6 +137,7 @@ def _renders(c: Conversation, t: _Template, source: Path, train_on: str) -> list
     def render(upto: int, prompt: bool = False) -> str:
         return _render(t, c, upto, prompt, source)
 
+    _check_names(t, c, source)
     p = _prefix_text(t, c, c.tools, source)
     if c.tools is not None and p == _prefix_text(t, c, None, source):
         raise DataError(source, c.line, "tools", f"the chat template {t.name} does not render tools: P would "
@@ -159,20 +160,27 @@ def _renders(c: Conversation, t: _Template, source: Path, train_on: str) -> list
     return [_Render(c, c.id, p, whole, turns, len(c.images))]
 
 
-def _turn_field(c: Conversation, k: int) -> str:
-    """The field of assistant turn ``k`` as the file names it."""
-    return c.target_field if k == len(c.messages) - 1 else f"messages[{k}]"
+# What a message's name is in the render that finds the names a template drops: text no template writes by itself
+NAME_MARK = "\u2063name{}\u2063"  # U+2063, the invisible separator
 
 
-def _message_field(c: Conversation, k: int) -> str:
-    """The field of message ``k`` as the file names it (a text record's are system, item and target)."""
-    if k == 0:
-        return c.system_field
-    return "item" if c.system_field == "system" and k == 1 else _turn_field(c, k)
+def _check_names(t: _Template, c: Conversation, source: Path) -> None:
+    """A message's ``name`` (OpenAI's speaker name) must reach the rendered text, or the template would drop it
+    silently: one render with each name replaced by a mark of its own finds a name the template does not write."""
+    named = [k for k, m in enumerate(c.messages) if "name" in m and m["role"] != "tool"]
+    if not named:
+        return
+    probe = [{**m, "name": NAME_MARK.format(k)} if k in named else m for k, m in enumerate(c.messages)]
+    text = _render(t, replace(c, messages=probe), len(probe), False, source)
+    dropped = next((k for k in named if NAME_MARK.format(k) not in text), None)
+    if dropped is not None:
+        raise DataError(source, c.line, f"{c.message_field(dropped)}.name", f"the chat template {t.name} does not "
+                        "render a message's name: it would be dropped (give data.chat_template, a template that "
+                        "writes message.name, or leave name out)")
 
 
-def _history_rewritten(k: int, name: str) -> str:
-    return (f"train_on: all cannot find assistant turn messages[{k}] in the whole conversation: the chat template "
+def _history_rewritten(turn: str, name: str) -> str:
+    return (f"train_on: all cannot find assistant turn {turn} in the whole conversation: the chat template "
             f"{name} renders the conversation up to it differently once later turns follow (it rewrites history, as "
             "Qwen's does with reasoning before the last user message); data.train_on: each trains it (one example "
             "per turn, its history rendered as when generating it)")
@@ -182,38 +190,46 @@ def _has_reasoning(message: dict) -> bool:
     return bool((message.get("reasoning_content") or "").strip()) or "</think>" in message["content"]
 
 
-def _prompt_conflict(c: Conversation, k: int, kwargs: dict, name: str, source: Path) -> DataError:
+def _prompt_conflict(c: Conversation, k: int, t: _Template, source: Path) -> DataError:
     """Why assistant turn ``k``'s text does not start with its generation prompt."""
-    m = c.messages[k]
+    m, kwargs, name = c.messages[k], t.kwargs, t.name
+    if "name" in m:  # a template that writes names in a turn's header: the generation prompt has none
+        nameless = replace(c, messages=[*c.messages[:k], {key: v for key, v in m.items() if key != "name"}])
+        if _render(t, nameless, k + 1, False, source).startswith(_render(t, nameless, k, True, source)):
+            return DataError(source, c.line, f"{c.message_field(k)}.name", f"the chat template {name} writes this "
+                             "assistant turn's name where its generation prompt has none: the model cannot be trained "
+                             "to generate it (leave name out of a trained assistant turn)")
     if kwargs.get("enable_thinking") is False and _has_reasoning(m):
-        where = (f"messages[{k}].reasoning_content" if (m.get("reasoning_content") or "").strip() else
-                 c.target_field if c.system_field == "system" else f"messages[{k}].content")  # inline <think>
+        where = (f"{c.message_field(k)}.reasoning_content" if (m.get("reasoning_content") or "").strip() else
+                 c.target_field if c.system_field == "system" else f"{c.message_field(k)}.content")  # inline <think>
         return DataError(source, c.line, where, "this assistant turn carries reasoning, but data.template_kwargs "
                                                   "sets enable_thinking: false (its generation prompt closes an empty "
                                                   "think block): drop the reasoning, or train it with thinking on")
-    return DataError(source, c.line, _turn_field(c, k), f"the chat template {name} renders this assistant turn "
+    return DataError(source, c.line, c.message_field(k), f"the chat template {name} renders this assistant turn "
                                                           "without its own generation prompt before it: no split into "
                                                           "prompt and target is what the model reads")
 
 
-def _image_grids(conversations: list[Conversation], processor, source: Path) -> dict[str, tuple[int, int, int]]:
-    """The patch grid of every distinct image (each is read once); a missing or unreadable image is a DataError
-    naming the file, line and field of its first use."""
+def _image_grids(conversations: list[Conversation], processor, source: Path,
+                 errors: LineErrors) -> dict[str, tuple[int, int, int]]:
+    """The patch grid of every distinct image (each is read once); a missing or unreadable image is the error of
+    each line that uses it, naming its field."""
     from packtrain.data.images import open_image
 
     grids: dict[str, tuple[int, int, int]] = {}
+    unusable: dict[str, str] = {}  # path -> why
     for c in conversations:
         for path, where in c.images:
-            if path in grids:
-                continue
-            if not Path(path).is_file():
-                raise DataError(source, c.line, where, f"image not found: {path}")
-            try:
-                image = open_image(path)
-                grid = processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
-            except Exception as e:  # noqa: BLE001 - any decoder error means the same thing to the user
-                raise DataError(source, c.line, where, f"cannot read image {path}: {e}") from None
-            grids[path] = tuple(int(v) for v in grid)
+            if path not in grids and path not in unusable and not Path(path).is_file():
+                unusable[path] = f"image not found: {path}"
+            elif path not in grids and path not in unusable:  # read once
+                try:
+                    grid = processor(images=[open_image(path)], return_tensors="pt")["image_grid_thw"][0]
+                    grids[path] = tuple(int(v) for v in grid)
+                except Exception as e:  # noqa: BLE001 - any decoder error means the same thing to the user
+                    unusable[path] = f"cannot read image {path}: {e}"
+            if path in unusable:
+                errors.add(DataError(source, c.line, where, unusable[path]))
     return grids
 
 
@@ -244,8 +260,11 @@ def read_template(path: Path) -> str:
                          f"{e.start}): a Jinja template is text; save it as UTF-8") from None
 
 
-def tokenize(conversations: list[Conversation], tokenizer, source: Path, processor=None, train_on: str = "last",
-              template_kwargs: dict | None = None, chat_template: str | Path | None = None) -> list[Example]:
+def tokenize(conversations: list[Conversation], tokenizer, source: Path, errors: LineErrors, processor=None,
+             train_on: str = "last", template_kwargs: dict | None = None,
+             chat_template: str | Path | None = None) -> list[Example]:
+    """The examples of the lines whose conversations all render and tokenize; each other line's first problem goes
+    to ``errors``. A problem of the template or the tokenizer themselves is raised (a ValueError)."""
     if not (chat_template or tokenizer.chat_template):
         raise ValueError(f"the tokenizer {tokenizer.name_or_path} has no chat template: text and chat data need one "
                          "(or data.chat_template)")
@@ -267,28 +286,43 @@ def tokenize(conversations: list[Conversation], tokenizer, source: Path, process
             raise ValueError(f"the tokenizer {tokenizer.name_or_path} has no {IMAGE_PAD} token: examples with "
                              "images need a vision-language tokenizer (data.tokenizer)")
         processor = processor if processor is not None else load_image_processor(None)
-        grids = _image_grids(conversations, processor, source)
+        grids = _image_grids(conversations, processor, source, errors)
 
-    renders = [r for c in conversations for r in _renders(c, t, source, train_on)]
-    for r in renders:  # text first: cheap, and a rewritten history is named before anything is tokenized
+    renders: list[_Render] = []
+    for c in conversations:  # text first: cheap, and a rewritten history is named before anything is tokenized
+        if c.line not in errors:  # a pair's other side, or an image, made the line bad already
+            with errors.catch():
+                renders += _checked(_renders(c, t, source, train_on), t, source, train_on)
+    renders = [r for r in renders if r.conv.line not in errors]
+    # One tokenization per distinct text: equal P's (and histories) share the resulting tuple.
+    texts = sorted({x for r in renders for x in (r.p, r.whole, *(piece for k, prompt, through in r.turns
+                                                                  for piece in (prompt, through[len(prompt):])))})
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    ids = {text: tuple(e) for text, e in zip(texts, encoded)}
+    examples = []
+    for r in renders:
+        with errors.catch():
+            examples.append(_example(r, ids, t, source, pad_id, grids, processor))
+    return [ex for ex in examples if ex.line not in errors]
+
+
+def _checked(renders: list[_Render], t: _Template, source: Path, train_on: str) -> list[_Render]:
+    """``renders``, once each is found to split as the model reads it: P starts the whole and every prompt, each
+    trained turn's text starts with its prompt, and (``all``) each turn's text starts the whole."""
+    for r in renders:
         c = r.conv
         if not r.whole.startswith(r.p):
             raise DataError(source, c.line, c.system_field, "the chat template renders the system turn differently "
                                                             "inside the whole conversation")
         for k, prompt, through in r.turns:
             if not through.startswith(prompt):
-                raise _prompt_conflict(c, k, t.kwargs, t.name, source)
+                raise _prompt_conflict(c, k, t, source)
             if not prompt.startswith(r.p):
                 raise DataError(source, c.line, c.system_field, "the chat template renders the system turn "
-                                                                f"differently in the prompt of messages[{k}]")
+                                                                f"differently in the prompt of {c.message_field(k)}")
             if train_on == "all" and not r.whole.startswith(through):
-                raise DataError(source, c.line, _turn_field(c, k), _history_rewritten(k, t.name))
-    # One tokenization per distinct text: equal P's (and histories) share the resulting tuple.
-    texts = sorted({x for r in renders for x in (r.p, r.whole, *(piece for k, prompt, through in r.turns
-                                                                  for piece in (prompt, through[len(prompt):])))})
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    ids = {text: tuple(e) for text, e in zip(texts, encoded)}
-    return [_example(r, ids, t, source, pad_id, grids, processor) for r in renders]
+                raise DataError(source, c.line, c.message_field(k), _history_rewritten(c.message_field(k), t.name))
+    return renders
 
 
 def _merge_fix(c: Conversation, j: int, kwargs: dict) -> str:
@@ -314,13 +348,13 @@ def _example(r: _Render, ids: dict, t: _Template, source: Path, pad_id, grids, p
                                                             "prompt's tokens (the tokenizer merges across the end of "
                                                             "the system turn)")
         if read[: len(seq)] != seq:
-            raise DataError(source, c.line, _turn_field(c, previous), (
+            raise DataError(source, c.line, c.message_field(previous), (
                 "data.train_on: all needs one sequence that is what the model reads at every turn, but this turn "
-                f"as generated is other tokens than in the prompt of messages[{k}] tokenized whole (the tokenizer "
-                f"merges across an edge of this turn); {_merge_fix(c, previous, t.kwargs)}"))
+                f"as generated is other tokens than in the prompt of {c.message_field(k)} tokenized whole (the "
+                f"tokenizer merges across an edge of this turn); {_merge_fix(c, previous, t.kwargs)}"))
         generated = ids[through[len(prompt):]]
         if not generated:
-            raise DataError(source, c.line, _turn_field(c, k), "the chat template renders nothing for this "
+            raise DataError(source, c.line, c.message_field(k), "the chat template renders nothing for this "
                                                               "assistant turn")
         spans.append((len(read), len(read) + len(generated)))
         seq, previous = read + generated, k
@@ -332,9 +366,9 @@ def _example(r: _Render, ids: dict, t: _Template, source: Path, pad_id, grids, p
     if pad_id is not None and (images or pad_id in cont):
         for (a, b), (k, _, _) in zip(spans, r.turns):
             if pad_id in cont[a:b]:
-                raise DataError(source, c.line, _turn_field(c, k), "an assistant turn holds an image placeholder")
+                raise DataError(source, c.line, c.message_field(k), "an assistant turn holds an image placeholder")
         if cont.count(pad_id) != len(images):
-            raise DataError(source, c.line, "messages", f"{len(images)} images but {cont.count(pad_id)} image "
+            raise DataError(source, c.line, c.messages_field, f"{len(images)} images but {cont.count(pad_id)} image "
                                                         "placeholders after rendering the chat template")
         cont, where = _expand_images(cont, images, grids, pad_id, processor.merge_size)
         spans = [(where[a], where[b]) for a, b in spans]

@@ -1,9 +1,10 @@
 """One example: its shared prefix P, item, target and loss spans (what every data format gives), the conversation a
 text or chat record is before the chat template renders it, and the error that names a bad example's file, line and
-field."""
+field (every bad line of a file at once)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,52 @@ class DataError(ValueError):
         where = f"{source}:{line}" if line else str(source)
         what = f" field '{field}':" if field else ""
         super().__init__(f"{where}:{what} {problem}")
+
+
+class BadLines(DataError):
+    """Several bad lines of one data file, each its own :class:`DataError` (its first problem), in line order: the
+    first :attr:`SHOWN` are listed, then how many more. ``line``, ``field`` and ``problem`` are the first's."""
+
+    SHOWN = 20
+
+    def __init__(self, errors: list[DataError]):
+        self.errors = errors
+        first = errors[0]
+        self.source, self.line, self.field, self.problem = first.source, first.line, first.field, first.problem
+        listed = "".join(f"\n  - {e}" for e in errors[: self.SHOWN])
+        more = len(errors) - self.SHOWN
+        ValueError.__init__(self, f"{first.source}: {len(errors)} bad lines:{listed}"
+                                  + (f"\n  ... and {more} more bad lines" if more > 0 else ""))
+
+
+class LineErrors:
+    """The first problem of each bad line of one data file, collected so that every bad line is reported at once
+    (as config problems are). Each rank reads the same file in the same order, so each raises the same error."""
+
+    def __init__(self):
+        self.by_line: dict[int, DataError] = {}
+
+    def add(self, error: DataError) -> None:
+        self.by_line.setdefault(error.line, error)
+
+    def __contains__(self, line: int) -> bool:
+        return line in self.by_line
+
+    @contextmanager
+    def catch(self):
+        """A DataError raised in the block is the bad line's (and the block's work is dropped)."""
+        try:
+            yield
+        except DataError as e:
+            self.add(e)
+
+    def raise_any(self) -> None:
+        """The one bad line's DataError as it was raised, or :class:`BadLines` for several; nothing when none."""
+        errors = [self.by_line[line] for line in sorted(self.by_line)]
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise BadLines(errors)
 
 
 @dataclass(frozen=True)
@@ -75,3 +122,12 @@ class Conversation:
     weight: float = 1.0  # what its examples carry (Example.weight, .pair, .side)
     pair: str = ""
     side: str = ""
+    messages_field: str = "messages"  # what the file calls the messages (TRL's pairs: prompt, or chosen)
+
+    def message_field(self, k: int) -> str:
+        """Message ``k``'s field as the file names it (a text record's are system, item and its target)."""
+        if k == 0:
+            return self.system_field
+        if k == len(self.messages) - 1:
+            return self.target_field
+        return "item" if self.system_field == "system" else f"{self.messages_field}[{k}]"

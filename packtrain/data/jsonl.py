@@ -6,11 +6,16 @@ Three formats (``data.format``; detected from the first line when omitted):
 - chat: ``{"id"?, "messages": [...], "tools"?: [JSON function schema]}``: one system message first, then user,
   assistant and tool messages. An assistant message has ``content`` and may carry ``reasoning_content`` (str) and
   ``tool_calls`` (``[{"type": "function", "function": {"name": str, "arguments": object | str}}]``); a ``tool``
-  message carries a tool's result and follows an assistant message with tool calls (or another tool message).
+  message carries a tool's result and follows an assistant message with tool calls (or another tool message). A
+  system, user or assistant message may carry ``name`` (OpenAI's speaker name): it goes to the template, which must
+  write it (:mod:`packtrain.data.chat`).
 - pretokenized: ``{"id"?, "prefix_ids": [int], "item_ids": [int], "target_ids": [int]}``
 
-Every format also takes preference pairs (``chosen`` and ``rejected`` in place of the target) and a ``weight`` on
-any record: :mod:`packtrain.data.preference`.
+Every format also takes preference pairs (``chosen`` and ``rejected`` in place of the target; TRL's forms where
+they map onto a chat pair) and a ``weight`` on any record: :mod:`packtrain.data.preference`.
+
+A bad line is refused naming its file, line and field; every bad line of a file at once (its first problem each, the
+first 20 listed: :class:`~packtrain.data.example.BadLines`), in line order, so every rank raises the same error.
 
 Text and chat go through the tokenizer's chat template (or ``data.chat_template``), with ``data.template_kwargs``
 (e.g. ``enable_thinking``) in every render and the example's tools in P. P is the system block: what the template
@@ -56,7 +61,7 @@ if TYPE_CHECKING:
     from packtrain.config import Config
 
 from packtrain.data.chat import tokenize
-from packtrain.data.example import Conversation, DataError, Example
+from packtrain.data.example import Conversation, DataError, Example, LineErrors
 from packtrain.data.preference import (
     PAIR_KEYS,
     SIDE_FIELDS,
@@ -65,6 +70,7 @@ from packtrain.data.preference import (
     check_pairs,
     is_pair,
     pair_fields,
+    trl_pair,
     weight_of,
 )
 
@@ -79,8 +85,8 @@ ROLES = ("system", "user", "assistant", "tool")
 EXAMPLE_KEYS = {"text": ("id", "system", "item", "target", "images", "weight"),
                 "chat": ("id", "messages", "tools", "weight"),
                 "pretokenized": ("id", "prefix_ids", "item_ids", "target_ids", "weight")}
-MESSAGE_KEYS = {"system": ("role", "content"), "user": ("role", "content"),
-                "assistant": ("role", "content", "reasoning_content", "tool_calls"),
+MESSAGE_KEYS = {"system": ("role", "content", "name"), "user": ("role", "content", "name"),
+                "assistant": ("role", "content", "name", "reasoning_content", "tool_calls"),
                 "tool": ("role", "content", "name", "tool_call_id")}
 _UNKNOWN_HINTS = {"enable_thinking": "template switches go in data.template_kwargs, for every example",
                   "preserve_thinking": "template switches go in data.template_kwargs, for every example",
@@ -125,10 +131,11 @@ def _not_utf8(folder: Path) -> str:
     return f"tokenizer {folder}: a file is not UTF-8 text"
 
 
-def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[int, dict]]:
-    """(line number, JSON object) for each non-blank line; a line over ``max_line_bytes`` is refused before it is
-    read whole, parsed or tokenized: its error costs neither the time nor the memory of reading it
-    (docs/performance.md, "Refusing an oversized line")."""
+def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[int, dict | DataError]]:
+    """(line number, JSON object, or the DataError saying why the line is not one) for each non-blank line; a line
+    over ``max_line_bytes`` is refused before it is read whole, parsed or tokenized: its error costs neither the time
+    nor the memory of reading it (docs/performance.md, "Refusing an oversized line"); the rest of it is skipped in
+    pieces of that size."""
     if not path.is_file():
         raise DataError(path, None, None, "is a directory, not a JSONL file" if path.is_dir() else "file not found")
     limit = -1 if max_line_bytes is None else max_line_bytes + 1
@@ -139,19 +146,24 @@ def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[in
     with f:
         for line_no, line in enumerate(iter(lambda: f.readline(limit), b""), 1):
             if max_line_bytes is not None and len(line.rstrip(b"\r\n")) > max_line_bytes:
-                raise DataError(path, line_no, None, f"line longer than {max_line_bytes:,} bytes: "
-                                f"{LINE_BYTES_PER_TOKEN} bytes per token of packing.token_budget, more than any "
-                                "example that fits a pack (a missing newline joins lines)")
+                while not line.endswith(b"\n") and line:
+                    line = f.readline(limit)
+                yield line_no, DataError(path, line_no, None, f"line longer than {max_line_bytes:,} bytes: "
+                                         f"{LINE_BYTES_PER_TOKEN} bytes per token of packing.token_budget, more than "
+                                         "any example that fits a pack (a missing newline joins lines)")
+                continue
             if not line.strip():
                 continue
             try:
                 record = _strict_json(line, path, line_no, "")
             except UnicodeDecodeError:
-                raise DataError(path, line_no, None, "not valid UTF-8") from None
+                record = DataError(path, line_no, None, "not valid UTF-8")
             except json.JSONDecodeError as e:
-                raise DataError(path, line_no, None, f"not valid JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise DataError(path, line_no, None, f"expected a JSON object, got {type(record).__name__}")
+                record = DataError(path, line_no, None, f"not valid JSON: {e.msg} (column {e.colno})")
+            except DataError as e:
+                record = e
+            if not isinstance(record, (dict, DataError)):
+                record = DataError(path, line_no, None, f"expected a JSON object, got {type(record).__name__}")
             yield line_no, record
 
 
@@ -239,24 +251,39 @@ def _empty_file(path: Path) -> DataError:
 
 
 def _format_of(record: dict, source: Path, line: int) -> str:
-    if "messages" in record:
+    # TRL's conversational pairs: a prompt of messages, or whole conversations as the answers
+    if "messages" in record or isinstance(record.get("prompt"), list):
         return "chat"
     if "prefix_ids" in record or "chosen_ids" in record:
         return "pretokenized"
     if "system" in record or "target" in record or "chosen" in record:
-        return "text"
+        return "chat" if isinstance(record.get("chosen"), list) and "system" not in record else "text"
+    completion = ("; TRL's prompt-completion form is packtrain's text format: system (the system prompt, P), item "
+                  "= prompt, target = completion") if "completion" in record else ""
     raise DataError(source, line, None, f"cannot tell the format from the keys {sorted(record)}: expected "
                                         "system/item/target (text), messages (chat) or prefix_ids/item_ids/"
                                         "target_ids (pretokenized); a preference pair has chosen and rejected "
-                                        "(chosen_ids and rejected_ids) in place of the target")
+                                        f"(chosen_ids and rejected_ids) in place of the target{completion}")
+
+
+def _first_format(records: Iterator[tuple[int, dict | DataError]], path: Path) -> str:
+    """The format of the first record that tells it; when none does, every line's error (or: the file is empty)."""
+    errors = LineErrors()
+    for line, record in records:
+        if isinstance(record, DataError):
+            errors.add(record)
+            continue
+        with errors.catch():
+            return _format_of(record, path, line)
+    errors.raise_any()
+    raise _empty_file(path)
 
 
 def detect_format(path: str | Path, max_line_bytes: int | None = None) -> str:
-    """The format of a JSONL file, from the keys of its first example."""
+    """The format of a JSONL file, from the keys of its first example (bad lines before it are skipped: loading the
+    file names them)."""
     path = Path(path)
-    for line, record in _records(path, max_line_bytes):
-        return _format_of(record, path, line)
-    raise _empty_file(path)
+    return _first_format(_records(path, max_line_bytes), path)
 
 
 def _known_keys(obj: dict, known: tuple[str, ...], what: str, where: str, source: Path, line: int) -> None:
@@ -350,6 +377,7 @@ def _image_path(value: Any, field: str, source: Path, line: int) -> str:
 
 
 def _text_conversations(record: dict, line: int, source: Path) -> list[Conversation]:
+    trl_pair(record, source, line)  # TRL's plain-text forms are refused with the mapping (its others are chat)
     _keys_of(record, "text", is_pair(record), source, line)
     return _sides(record, "text", source, line, lambda target: _text_conversation(record, line, source, target))
 
@@ -443,6 +471,15 @@ def _order_problem(role: str, previous: dict) -> str | None:
 
 
 def _chat_conversations(record: dict, line: int, source: Path) -> list[Conversation]:
+    trl = trl_pair(record, source, line)
+    if trl is not None:  # TRL's form, as packtrain's chat pair; its fields named as the file names them
+        converted, file_field = trl
+        try:
+            conversations = _chat_conversations(converted, line, source)
+        except DataError as e:
+            raise DataError(source, line, file_field(e.field), e.problem) from None
+        return [dataclasses.replace(c, system_field=file_field(c.system_field), target_field=file_field(c.target_field),
+                                    messages_field=file_field("messages")) for c in conversations]
     paired = is_pair(record)
     _keys_of(record, "chat", paired, source, line)
     if not paired:
@@ -518,6 +555,8 @@ def _chat_conversation(record: dict, line: int, source: Path) -> Conversation:
             for key in ("name", "tool_call_id"):
                 if role == "tool" and isinstance(m.get(key), str):
                     out[key] = m[key]
+        if "name" in m and role != "tool":  # OpenAI's speaker name: the chat template must render it (chat.py)
+            out["name"] = _string(m["name"], f"{where}.name", source, line, nonempty=True)
         clean.append(out)
         through.append(len(images))
     last = len(messages) - 1
@@ -531,10 +570,11 @@ def _chat_conversation(record: dict, line: int, source: Path) -> Conversation:
 def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, processor=None,
                   vocab_size: int | None = None, max_line_bytes: int | None = None, train_on: str = "last",
                   template_kwargs: dict | None = None, chat_template: str | Path | None = None) -> list[Example]:
-    """Every example of a JSONL file, or a DataError for the first bad one.
+    """Every example of a JSONL file; or a DataError naming every bad line (:class:`BadLines` for several: each
+    line's first problem, in line order), or the file's problem (not found, empty, no chat template).
 
     ``tokenizer``: a tokenizer, the directory of one, or None. Text and chat need one (None: the bundled one); it is
-    loaded only once every line has parsed, so a malformed file fails fast. Pretokenized ids are checked against
+    loaded once every line has parsed (not at all when none did). Pretokenized ids are checked against
     the vocabulary: the tokenizer's when one is given, and ``vocab_size`` (the model's embedding rows). ``processor``:
     the image processor for examples with images (an object, a local directory, or None: the bundled tiny one).
     ``max_line_bytes``: longer lines are refused unread (see :data:`LINE_BYTES_PER_TOKEN`). ``train_on`` and
@@ -546,9 +586,22 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
     records = list(_records(path, max_line_bytes))
     if not records:
         raise _empty_file(path)
-    fmt = fmt or _format_of(records[0][1], path, records[0][0])
+    fmt = fmt or _first_format(records, path)
     if fmt not in FORMATS:
         raise ValueError(f"unknown data format {fmt!r} (known: {', '.join(FORMATS)})")
+    errors = LineErrors()
+
+    def parsed(parse) -> list:
+        """``parse(record, line)`` of every line that is a JSON object; each bad line's error collected."""
+        out = []
+        for line, record in records:
+            if isinstance(record, DataError):
+                errors.add(record)
+                continue
+            with errors.catch():
+                out += parse(record, line)
+        return out
+
     if fmt == "pretokenized":
         if train_on != "last":
             raise ValueError(f"data.train_on: {train_on} picks assistant turns of text or chat data; pretokenized "
@@ -563,27 +616,31 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
         if tokenizer is not None:
             vocab_size = min(len(tokenizer), vocab_size or len(tokenizer))
         prefixes: dict[tuple[int, ...], tuple[int, ...]] = {}
-        examples = [ex for line, r in records for ex in _pretokenized(r, line, path, vocab_size, prefixes)]
+        examples = parsed(lambda record, line: _pretokenized(record, line, path, vocab_size, prefixes))
     else:
         parse = _text_conversations if fmt == "text" else _chat_conversations
-        conversations = [c for line, r in records for c in parse(r, line, path)]
+        conversations = parsed(lambda record, line: parse(record, line, path))
         paired = next((c for c in conversations if c.pair), None)
         if paired is not None and train_on != "last":
             raise DataError(path, paired.line, None, f"a preference pair trains its two answers: data.train_on "
                                                      f"{train_on} is not built for pairs (use train_on: last)")
-        if tokenizer is None or isinstance(tokenizer, (str, Path)):
-            tokenizer = load_tokenizer(tokenizer)
-        if isinstance(processor, (str, Path)):
-            from packtrain.data.images import load_image_processor
+        examples = []
+        if conversations:  # a file of bad lines only is refused as such, without the tokenizer
+            if tokenizer is None or isinstance(tokenizer, (str, Path)):
+                tokenizer = load_tokenizer(tokenizer)
+            if isinstance(processor, (str, Path)):
+                from packtrain.data.images import load_image_processor
 
-            processor = load_image_processor(processor)
-        examples = tokenize(conversations, tokenizer, path, processor, train_on, template_kwargs, chat_template)
-    check_pairs(examples, path, dict(zip(SIDES, SIDE_FIELDS[fmt])))
+                processor = load_image_processor(processor)
+            examples = tokenize(conversations, tokenizer, path, errors, processor, train_on, template_kwargs,
+                                chat_template)
+    check_pairs(examples, path, dict(zip(SIDES, SIDE_FIELDS[fmt])), errors)
     seen: dict[str, int] = {}
     for ex in examples:
         if ex.id in seen:
-            raise DataError(path, ex.line, "id", f"{ex.id!r} is also the id of line {seen[ex.id]}")
-        seen[ex.id] = ex.line
+            errors.add(DataError(path, ex.line, "id", f"{ex.id!r} is also the id of line {seen[ex.id]}"))
+        seen.setdefault(ex.id, ex.line)
+    errors.raise_any()
     return examples
 
 

@@ -52,8 +52,9 @@ def _one_line(err: str) -> str:
 def test_a_template_that_drops_the_system_message_is_refused(tmp_path):
     code, err, path, jinja = _plan(tmp_path, [single(0), single(1)], NO_SYSTEM)
     assert code == 2
-    assert f"{path}:1: field 'messages[0]': the chat template {jinja} renders nothing before the first user turn" \
-        in _one_line(err)
+    for line in (1, 2):  # every bad line is named
+        assert f"{path}:{line}: field 'messages[0]': the chat template {jinja} renders nothing before the first " \
+            "user turn" in err
 
 
 def test_a_template_that_renders_the_tools_but_not_the_system_text_is_refused(tmp_path):
@@ -194,15 +195,15 @@ UNKNOWN = [
     (lambda r: {"enable_thinking": False, **r}, "enable_thinking",
      "unknown key: a chat example has id, messages, tools, weight; template switches go in data.template_kwargs"),
     (lambda r: {**r, "messages": [*r["messages"][:-1], {**r["messages"][-1], "thinking": "hm"}]},
-     "messages[LAST].thinking", ("unknown key: an assistant message has role, content, reasoning_content, "
+     "messages[LAST].thinking", ("unknown key: an assistant message has role, content, name, reasoning_content, "
                                  "tool_calls; a turn's reasoning goes in reasoning_content")),
-    (lambda r: {**r, "messages": [{**r["messages"][0], "name": "clerk"}, *r["messages"][1:]]}, "messages[0].name",
-     "unknown key: a system message has role, content"),
+    (lambda r: {**r, "messages": [{**r["messages"][0], "refusal": None}, *r["messages"][1:]]}, "messages[0].refusal",
+     "unknown key: a system message has role, content, name"),
     (lambda r: {**r, "meta": {"source": "x"}}, "meta", "unknown key: a chat example has id, messages, tools, weight"),
 ]
 
 
-@pytest.mark.parametrize("edit, field, says", UNKNOWN, ids=["enable_thinking", "thinking", "name", "meta"])
+@pytest.mark.parametrize("edit, field, says", UNKNOWN, ids=["enable_thinking", "thinking", "refusal", "meta"])
 def test_an_unknown_key_on_an_example_or_a_message_is_refused(tmp_path, edit, field, says):
     row = edit(single(1))
     code, err, path, _ = _plan(tmp_path, [single(0), row])

@@ -226,3 +226,68 @@ def test_data_chat_template_replaces_the_tokenizers(tmp_path):
 
 def tok_decode(ex, a, b):
     return load_tokenizer().decode(ex.continuation_ids[a:b])
+
+
+# --- a message's name (OpenAI's chat format): rendered where the template writes it, refused where it would not ---
+
+# ChatML writing a message's name after its role, as a template that uses names does
+NAMED = CHATML.replace("message['role'] + '\\n'",
+                       "message['role'] + (' ' + message['name'] if message['name'] is defined else '') + '\\n'")
+# ChatML writing the users' names only
+USER_NAMED = CHATML.replace("message['role'] + '\\n'", "message['role'] + (' ' + message['name'] if "
+                            "message['role'] == 'user' and message['name'] is defined else '') + '\\n'")
+
+
+def _named(**names):
+    """single(0) with a name on the messages of the roles given (role=name)."""
+    return {"id": "n", "messages": [{**m, **({"name": names[m["role"]]} if m["role"] in names else {})}
+                                    for m in single(0)["messages"]]}
+
+
+def test_a_message_name_reaches_the_template_that_writes_it(tmp_path):
+    t = load_tokenizer()
+    t.chat_template = NAMED
+    [ex] = load_examples(write_jsonl(tmp_path / "c.jsonl", [_named(system="desk", user="alice")]), tokenizer=t)
+    assert t.decode(ex.prefix_ids) == f"<|im_start|>system desk\n{single(0)['messages'][0]['content']}<|im_end|>\n"
+    assert t.decode(ex.item_ids) == "<|im_start|>user alice\nColour: red<|im_end|>\n<|im_start|>assistant\n"
+    # a system name is part of P: two names, two prompts
+    rows = [_named(system="desk"), {**_named(system="door"), "id": "m"}]
+    a, b = load_examples(write_jsonl(tmp_path / "two.jsonl", rows), tokenizer=t)
+    assert a.prefix_ids != b.prefix_ids
+
+
+@pytest.mark.parametrize("template, names, field", [
+    (None, {"user": "alice"}, "messages[1].name"),  # the bundled template (Qwen's) writes no message's name
+    (USER_NAMED, {"user": "alice", "system": "desk"}, "messages[0].name"),
+])
+def test_a_message_name_the_template_drops_is_refused(tmp_path, tok, template, names, field):
+    t = tok
+    if template is not None:
+        t = load_tokenizer()
+        t.chat_template = template
+    path = write_jsonl(tmp_path / "c.jsonl", [single(1), _named(**names)])
+    with pytest.raises(DataError) as e:
+        load_examples(path, tokenizer=t)
+    assert (e.value.line, e.value.field) == (2, field)
+    assert "does not render a message's name: it would be dropped" in str(e.value)
+
+
+def test_a_message_name_is_a_string(tmp_path, tok):
+    path = write_jsonl(tmp_path / "c.jsonl", [_named(user=3)])
+    with pytest.raises(DataError) as e:
+        load_examples(path, tokenizer=tok)
+    assert (e.value.field, e.value.problem) == ("messages[1].name", "expected a string, got 3")
+
+
+def test_a_trained_turns_name_in_its_header_is_refused(tmp_path):
+    """A template that writes the assistant's name in the turn's header: the generation prompt has no name, so the
+    model cannot be trained to write it; an earlier, untrained, turn may carry it."""
+    t = load_tokenizer()
+    t.chat_template = NAMED
+    earlier = {"id": "e", "messages": [*_named(assistant="clerk")["messages"], {"role": "user", "content": "again"},
+                                       {"role": "assistant", "content": "gamma"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [earlier, _named(assistant="clerk")])
+    with pytest.raises(DataError) as e:
+        load_examples(path, tokenizer=t)
+    assert (e.value.line, e.value.field) == (2, "messages[2].name")
+    assert "writes this assistant turn's name where its generation prompt has none" in str(e.value)

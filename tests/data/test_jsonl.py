@@ -251,3 +251,54 @@ def test_duplicate_id(tmp_path):
 def test_unrecognised_record(tmp_path):
     path = write_lines(tmp_path, [{"prompt": "p", "completion": "c"}])
     assert load_error(path).startswith(f"{path}:1: cannot tell the format from the keys ['completion', 'prompt']")
+
+
+# --- every bad line at once: each as it is refused alone, in line order ---------------------------------------------
+
+def test_every_bad_line_is_named_at_once_in_line_order(tmp_path):
+    """Bad JSON, a bad field and a line over the byte limit: each line's first problem, as it reads alone."""
+    rows = [text_record(id=str(i)) for i in range(6)]
+    rows[1] = text_record(item=42)
+    rows[3] = '{"system": "s", "item": "i" "target": "t"}'
+    rows[4] = text_record(target="x" * 400)
+    path = write_lines(tmp_path, rows)
+    with pytest.raises(DataError) as e:
+        load_examples(path, max_line_bytes=300)
+    assert str(e.value) == "\n".join([
+        f"{path}: 3 bad lines:",
+        f"  - {path}:2: field 'item': expected a string, got 42",
+        f"  - {path}:4: not valid JSON: Expecting ',' delimiter (column 29)",
+        (f"  - {path}:5: line longer than 300 bytes: 32 bytes per token of packing.token_budget, more than any "
+         "example that fits a pack (a missing newline joins lines)")])
+    assert [(x.line, x.field) for x in e.value.errors] == [(2, "item"), (4, None), (5, None)]
+    assert (e.value.line, e.value.field) == (2, "item")  # the first's, for a reader of one error
+
+
+def test_past_twenty_bad_lines_the_rest_are_counted(tmp_path):
+    path = write_lines(tmp_path, [text_record(target=i) for i in range(25)])
+    lines = load_error(path).splitlines()
+    assert lines[0] == f"{path}: 25 bad lines:"
+    assert lines[1:21] == [f"  - {path}:{i + 1}: field 'target': expected a string, got {i}" for i in range(20)]
+    assert lines[21:] == ["  ... and 5 more bad lines"]
+
+
+def test_bad_lines_found_rendering_are_named_with_those_found_parsing(tmp_path, concat_tok):
+    """A line the template renders badly (its P merges into the prompt), a line that does not parse, and a duplicate
+    id: all three, in line order, and the good lines are not blamed."""
+    path = write_lines(tmp_path, [text_record(id="a"), text_record(system="jur", item="u", target="x"),
+                                  text_record(item=[]), text_record(id="a")])
+    lines = load_error(path, tokenizer=concat_tok).splitlines()
+    assert lines[0] == f"{path}: 3 bad lines:"
+    assert lines[1].startswith(f"  - {path}:2: field 'system': the system turn's tokens are not a prefix")
+    assert lines[2] == f"  - {path}:3: field 'item': expected a string, got []"
+    assert lines[3] == f"  - {path}:4: field 'id': 'a' is also the id of line 1"
+
+
+def test_a_format_is_found_past_bad_first_lines(tmp_path):
+    rows = ["[1]", {"prefix_ids": [1], "item_ids": [], "target_ids": [2]}]
+    assert detect_format(write_lines(tmp_path, rows)) == "pretokenized"
+    path = write_lines(tmp_path, rows)
+    assert load_error(path) == f"{path}:1: expected a JSON object, got list"
+    path = write_lines(tmp_path, ["[1]", "{", {"prompt": "p"}])  # no line tells the format: each says why
+    lines = load_error(path).splitlines()
+    assert lines[0] == f"{path}: 3 bad lines:" and lines[3].startswith(f"  - {path}:3: cannot tell the format")

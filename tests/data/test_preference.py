@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from packtrain.config import ConfigError, config_from_dict
-from packtrain.data.example import DataError
+from packtrain.data.example import DataError, LineErrors
 from packtrain.data.jsonl import load_examples
 from packtrain.data.planner import plan_packs, plan_tree_packs
 from packtrain.data.preference import pair_examples
@@ -239,8 +239,66 @@ def test_a_pair_whose_answers_render_another_prompt_is_refused(differs):
         fields = {"prefix_ids": (1, 2), "item_ids": (3, 4), "target_ids": (5,) if name == "chosen" else (6,)}
         return SimpleNamespace(pair="p", side=name, line=7 if name == "rejected" else 6, **{**fields, **changed})
 
-    check_pairs([side("chosen"), side("rejected")], Path("pairs.jsonl"), {"chosen": "chosen", "rejected": "rejected"})
+    fields = {"chosen": "chosen", "rejected": "rejected"}
+    errors = LineErrors()
+    check_pairs([side("chosen"), side("rejected")], Path("pairs.jsonl"), fields, errors)
+    errors.raise_any()
+    check_pairs([side("chosen"), side("rejected", **{differs: (9, 9)})], Path("pairs.jsonl"), fields, errors)
     with pytest.raises(DataError, match="renders another prompt than chosen") as e:
-        check_pairs([side("chosen"), side("rejected", **{differs: (9, 9)})], Path("pairs.jsonl"),
-                    {"chosen": "chosen", "rejected": "rejected"})
-    assert "pairs.jsonl" in str(e.value) and "7" in str(e.value) and "rejected" in str(e.value)
+        errors.raise_any()
+    assert (e.value.source, e.value.line, e.value.field) == ("pairs.jsonl", 7, "rejected")
+
+
+# --- TRL's preference forms: read where they map exactly onto a chat pair, else refused with the mapping ------------
+
+ANSWERS = ([{"role": "assistant", "content": "toma"}], [{"role": "assistant", "content": "kelu"}])
+
+
+def _as_loaded(examples):
+    return [(e.id, e.prefix_ids, e.item_ids, e.target_ids, e.pair, e.side, e.weight) for e in examples]
+
+
+def test_trls_conversational_pairs_are_packtrains_chat_pairs(tmp_path):
+    """TRL's conversational form (prompt: the messages) and its implicit-prompt form (two whole conversations) give
+    the examples of packtrain's own chat pair."""
+    own = load_examples(write(tmp_path, [{"id": "q", "messages": CHAT_PROMPT, "chosen": "toma", "rejected": "kelu",
+                                          "weight": 2.0}], "own.jsonl"))
+    chosen, rejected = ANSWERS
+    trl = {"id": "q", "prompt": CHAT_PROMPT, "chosen": chosen, "rejected": rejected, "weight": 2.0}
+    implicit = {"id": "q", "chosen": CHAT_PROMPT + chosen, "rejected": CHAT_PROMPT + rejected, "weight": 2.0}
+    for name, row in (("trl.jsonl", trl), ("implicit.jsonl", implicit)):
+        assert _as_loaded(load_examples(write(tmp_path, [row], name))) == _as_loaded(own), name
+
+
+@pytest.mark.parametrize("row,field,words", [
+    ({"prompt": "code of falcon?", "chosen": "toma", "rejected": "kelu"}, "prompt",
+     "rename prompt to item and give the system prompt as system"),
+    ({"prompt": CHAT_PROMPT[1:], "chosen": ANSWERS[0], "rejected": ANSWERS[1]}, "prompt[0]",
+     'put {"role": "system", "content": ...} first'),
+    ({"chosen": "code of falcon? toma", "rejected": "code of falcon? kelu"}, "chosen",
+     "give the system prompt as system, the request as item, and only the two answers as chosen and rejected"),
+    ({"chosen": CHAT_PROMPT[1:] + ANSWERS[0], "rejected": CHAT_PROMPT[1:] + ANSWERS[1]}, "chosen[0]",
+     'put {"role": "system", "content": ...} first'),
+    ({"chosen": CHAT_PROMPT + ANSWERS[0], "rejected": [CHAT_PROMPT[0], {"role": "user", "content": "?"}, *ANSWERS[1]]},
+     "rejected[1]", "give the shared turns as messages and the two answers as chosen and rejected"),
+    ({"chosen": CHAT_PROMPT + ANSWERS[0], "rejected": CHAT_PROMPT + ANSWERS[1] * 2}, "rejected[2]",
+     "the same up to their last message"),
+    # a problem inside a converted record is named as the file names it
+    ({"prompt": [CHAT_PROMPT[0], {"role": "user", "content": 3}], "chosen": ANSWERS[0], "rejected": ANSWERS[1]},
+     "prompt[1].content", "expected a string"),
+    ({"chosen": CHAT_PROMPT + ANSWERS[0], "rejected": CHAT_PROMPT + [{"role": "assistant", "content": 3}]},
+     "rejected[2].content", "expected a string"),
+    ({"chosen": CHAT_PROMPT + ANSWERS[0], "rejected": CHAT_PROMPT + [{"role": "user", "content": "x"}]},
+     "rejected[2].role", "an answer is an assistant message"),
+])
+def test_trl_forms_that_do_not_map_are_refused_with_the_mapping(tmp_path, row, field, words):
+    path = write(tmp_path, [{"id": "ok", "prompt": CHAT_PROMPT, "chosen": ANSWERS[0], "rejected": ANSWERS[1]}, row])
+    with pytest.raises(DataError) as e:
+        load_examples(path)
+    assert (e.value.line, e.value.field) == (2, field), str(e.value)
+    assert words in str(e.value)
+
+
+def test_trls_prompt_completion_form_names_the_text_format(tmp_path):
+    with pytest.raises(DataError, match="TRL's prompt-completion form is packtrain's text format: system"):
+        load_examples(write(tmp_path, [{"prompt": "code of falcon?", "completion": "toma"}]))
