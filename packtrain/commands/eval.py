@@ -9,11 +9,13 @@ With ``--generate``: every example's answer generated (P prefilled once per prom
 and scored with ``generate.metric`` (:mod:`packtrain.run.task`; of a preference pair, the answer to its item
 generated once and scored against the chosen answer): one ``{"id", "prediction_ids", "prediction",
 "target", "stop", "score", "match"}`` line per example, the mismatches in ``FILE.errors.md``, and a summary line.
-``--adapter none`` runs the base model."""
+``--adapter none`` runs the base model. A config with ``model.adapter`` evaluates on the base with that adapter
+folded in (the run's own starting point): an adapter packtrain trained from another start, or from none, is refused."""
 
 from __future__ import annotations
 
 import json
+import sys
 import math
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from packtrain.rundir.disk import check_not_an_input, check_output_path, config_
 
 def run_eval(args) -> int:
     from packtrain.models.loading import read_adapter
+    from packtrain.models.start_adapter import check_trained_adapter
     from packtrain.run import eval_figures, reference
     from packtrain.run.evaluate import evaluate
     from packtrain.run.session import open_session
@@ -49,6 +52,8 @@ def run_eval(args) -> int:
         # the run's setup (packtrain/run/session.py) on the split evaluated, each pack one call; the task's scorer
         # checked before the model loads
         session = open_session(cfg, info, split, savings=False, task=args.generate, n_groups=1)
+        if adapter is not None:  # trained on top of a start adapter: evaluated on that start (model.adapter)
+            check_trained_adapter(adapter, session.start)
         session.build_model(adapter=adapter, training=False)
         lm, examples, kinds = session.lm, session.examples, session.kinds
         out = Path(args.out)
@@ -84,7 +89,8 @@ def _generate(cfg, session, out: Path, split: str, adapter: str) -> None:
 
     info = session.info
     task = session.task(session.examples, split)
-    bar = tqdm(total=None, desc="generate", unit="pack", disable=not (info.is_main and cfg.logging.progress))
+    bar = tqdm(total=None, desc="generate", unit="pack",  # a terminal only: a bar in a log file is one long line
+               disable=not (info.is_main and cfg.logging.progress and sys.stderr.isatty()))
     result = run_task(session.lm, task, session.kinds, info, progress=bar)
     bar.close()
     if info.is_main:

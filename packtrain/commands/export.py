@@ -1,8 +1,9 @@
 """`packtrain export OUTPUT_DIR (--merged DIR | --for vllm|sglang DIR)`: a run's adapter in the form a server loads
-(:mod:`packtrain.models.export`). The base is ``model.path`` of OUTPUT_DIR/config.yaml (a relative path is looked
+(:mod:`packtrain.models.exports`). The base is ``model.path`` of OUTPUT_DIR/config.yaml (a relative path is looked
 for from the current directory, OUTPUT_DIR and its parent; ``--base`` overrides it), or OUTPUT_DIR/base for a run
-whose base came from ``model.config``. The tokenizer and chat template are the run's (OUTPUT_DIR/tokenizer). The
-adapter directory is left as it is."""
+whose base came from ``model.config``. A run that started from a trained adapter (``model.adapter``, looked for as
+``model.path`` is) has it folded into that base first. The tokenizer and chat template are the run's
+(OUTPUT_DIR/tokenizer). The adapter directory is left as it is."""
 
 from __future__ import annotations
 
@@ -34,6 +35,23 @@ def _base_dir(output: Path, run: dict, override: str | None) -> Path:
     return _found(output, model["path"])
 
 
+def _start(output: Path, run: dict, base: Path, override: str | None):
+    """The run's ``model.adapter`` chain, checked against the base the export reads (for a ``model.config`` run's
+    OUTPUT_DIR/base, also against the config and seed it was made from); None without one."""
+    from packtrain.models.start_adapter import checkpoint_identity, config_identity, read_chain
+
+    model = run.get("model") or {}
+    if not model.get("adapter"):
+        return None
+    identities = [checkpoint_identity(base)]
+    if model.get("config") is not None and override is None:
+        identities.append(config_identity(model["config"], model.get("seed", 0)))
+    start = read_chain(_found(output, model["adapter"]), identities, f"the base {base}")
+    if start.note:
+        print(start.note)
+    return start
+
+
 def _run_files(output: Path, run: dict, base: Path):
     """The run's tokenizer, chat template and processor: OUTPUT_DIR/tokenizer, or for a run directory written before
     packtrain kept it there, the config's data.tokenizer / data.chat_template / data.processor (else the base's own
@@ -41,7 +59,7 @@ def _run_files(output: Path, run: dict, base: Path):
     from packtrain.data.chat import read_template
     from packtrain.data.images import BUNDLED_PROCESSOR
     from packtrain.data.jsonl import BUNDLED_TOKENIZER
-    from packtrain.models.export import RunFiles
+    from packtrain.models.exports import RunFiles
     from packtrain.rundir.tokenizer import run_files
 
     kept = run_files(output)
@@ -62,7 +80,7 @@ def _run_files(output: Path, run: dict, base: Path):
 
 
 def run_export(args) -> int:
-    from packtrain.models.export import adapter_name, export_for, export_merged
+    from packtrain.models.exports import adapter_name, export_for, export_merged
     from packtrain.models.serving import SERVERS
     from packtrain.rundir.disk import check_not_an_input, check_output_path
 
@@ -80,13 +98,16 @@ def run_export(args) -> int:
     if not (base / "config.json").is_file():
         raise ValueError(f"base {base}: not a local model directory (no config.json); give it with --base")
     adapter = Path(args.adapter) if args.adapter else output / "adapter"
+    start = _start(output, run, base, args.base)
     files = _run_files(output, run, base)
     inputs = [("the run's config", run_config), ("--adapter", adapter), ("the base", base),
+              *([("the run's model.adapter", start.top.dir)] if start else []),
               *((f"the run's {k}", p) for k, p in (("tokenizer", files.tokenizer), ("processor", files.processor))
                 if p is not None)]
     check_not_an_input(target, flag, inputs)
     if server is None:
-        export_merged(base, adapter, Path(target), files)
+        export_merged(base, adapter, Path(target), files, start=start)
     else:
-        export_for(server, base, adapter, Path(target), files, adapter_name(output), args.server_version)
+        export_for(server, base, adapter, Path(target), files, adapter_name(output), args.server_version,
+                   start=start)
     return 0

@@ -243,7 +243,8 @@ def _reduced_cfg(cfg, layers: int):
     partial = 0 < offloaded < layers
     raw = reduced_config(cfg, 2 if partial else 1)
     kinds = len(distinct_kinds(text_config(raw)))  # the first copy's layers
-    model = dataclasses.replace(cfg.model, config=raw, path=None, kernels="torch")
+    # the start adapter's weights change no shape: the reduced model is a random init of its own, without one
+    model = dataclasses.replace(cfg.model, config=raw, path=None, adapter=None, kernels="torch")
     train = dataclasses.replace(cfg.train, offload=kinds if offloaded else 0)
     return dataclasses.replace(cfg, model=model, train=train)
 

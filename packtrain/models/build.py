@@ -2,7 +2,8 @@
 
 No downloads: ``model.path`` must be a local transformers directory. A random model built from
 ``model.config`` is saved to ``OUTPUT/base/`` so any tool (peft, transformers) can load the base the adapter
-belongs to.
+belongs to. ``model.adapter`` (a trained adapter, the run's start) is folded into the base here, whatever builds it
+(:mod:`packtrain.models.start_adapter`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from torch import nn
 
 from packtrain.config import Config
 from packtrain.models import lora_compute
-from packtrain.models.loading import SafetensorsCheckpoint
+from packtrain.models.loading import SafetensorsCheckpoint, WeightMap, materialize, module_names, real_tensors
+from packtrain.models.start_adapter import StartAdapter, fold_base, read_start
 from packtrain.packed.families import (
     ROUTER,
     check_built_config,
@@ -42,14 +44,18 @@ def _finish(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def build_base_model(cfg: Config, save_to: Path | None = None, meta: bool = False) -> nn.Module:
-    """The base model in ``model.dtype``; from ``model.config`` it is seeded and saved to ``save_to``.
+def build_base_model(cfg: Config, save_to: Path | None = None, meta: bool = False,
+                     start: StartAdapter | None = None) -> nn.Module:
+    """The base model in ``model.dtype``; from ``model.config`` it is seeded and saved to ``save_to``. With
+    ``model.adapter`` (``start``: its chain, read already; else read here) the adapter is folded in: in place after
+    a ``model.config`` build (``save_to`` keeps the random init), while reading from ``model.path``.
 
     ``meta``: a ``model.path`` model is built without weights (parameters on the meta device, buffers computed
     on the CPU); :func:`packtrain.models.wrap.assemble` fills it after wrapping, each rank its own shards."""
     from transformers import AutoConfig
 
     dtype = DTYPES[cfg.model.dtype]
+    start = start if start is not None else read_start(cfg)
     if cfg.model.path is not None:
         path = cfg.resolve_path(cfg.model.path)
         if not (path / "config.json").is_file():
@@ -60,7 +66,9 @@ def build_base_model(cfg: Config, save_to: Path | None = None, meta: bool = Fals
         check_built_config(family, hf_config, f"{path / 'config.json'}")
         cls = model_class_for(hf_config.model_type)
         if meta:
-            return _finish(empty_model(cls, hf_config, dtype), dtype)
+            return fold_base(_finish(empty_model(cls, hf_config, dtype), dtype), start)
+        if start is not None:  # read as the sharded load reads, folding each tensor: one fold for every loader
+            return _filled(fold_base(_finish(empty_model(cls, hf_config, dtype), dtype), start), path)
         model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
         return _finish(model, dtype)
     if cfg.model.config is None:
@@ -79,7 +87,14 @@ def build_base_model(cfg: Config, save_to: Path | None = None, meta: bool = Fals
     model = _finish(cls(hf_config).to(dtype), dtype)
     if save_to is not None:
         model.save_pretrained(save_to)
-    return model
+    return fold_base(model, start)
+
+
+def _filled(model: nn.Module, path: Path) -> nn.Module:
+    """A meta-device ``model`` given its weights from the checkpoint at ``path`` on the CPU, whole."""
+    materialize(model, real_tensors(model), module_names(model), WeightMap(model, SafetensorsCheckpoint(path)),
+                torch.device("cpu"))
+    return model.eval()  # as from_pretrained returns it
 
 
 def empty_model(cls, hf_config, dtype: torch.dtype) -> nn.Module:

@@ -1,12 +1,15 @@
 """Exports of a run's adapter for the places users serve it, in the base checkpoint's own layout.
 
 - ``--merged DIR``: a copy of the base checkpoint where every tensor the adapter touches is replaced: W + scale * B @
-  A for a LoRA target (peft's ``get_delta_weight``, added in float32 or wider and cast back to the checkpoint's
-  dtype), the trained copy for a ``modules_to_save`` module.
+  A for a LoRA target (peft's ``get_delta_weight`` on the factors in their own dtype, float32 at least; added in
+  float32 or wider and cast back to the checkpoint's dtype), the trained copy for a ``modules_to_save`` module.
 - ``--for vllm DIR`` / ``--for sglang DIR``: ``DIR/adapter``, the LoRA part alone in peft's format with the module
   names of the checkpoint it is served on, and ``DIR/model``, that checkpoint with the trained ``modules_to_save``
   folded in (the servers refuse or drop them in an adapter: :mod:`packtrain.models.serving`); unchanged without
   them.
+- A run that started from a trained adapter (``model.adapter``) trained on the base with that adapter folded in:
+  both exports fold it (and the starts its record names) into the base first, by the same arithmetic
+  (:mod:`packtrain.models.start_adapter`).
 
 The base's shard files, key names and index are kept, so serving engines that read the original read the export;
 every shard without a changed tensor is copied byte for byte, and in the others every unchanged tensor keeps its
@@ -34,6 +37,7 @@ from packtrain.data.images import PROCESSOR_FILES
 from packtrain.data.jsonl import TOKENIZER_FILES
 from packtrain.models import serving
 from packtrain.models.loading import INDEX_FILE, SafetensorsCheckpoint, WeightMap, module_names, read_adapter
+from packtrain.models.start_adapter import Fold, StartAdapter, factor_dtype, merged, module_path, other_layout
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
@@ -92,6 +96,13 @@ def _peft_model(base: nn.Module, tensors: dict, where: Path) -> nn.Module:
     return model
 
 
+def _factor_dtype(tensors: dict) -> torch.dtype:
+    """The dtype the adapter's LoRA factors merge in: theirs, float32 at least (peft's autocast), so a float64 run's
+    factors are not rounded to float32 (peft casts them to the base layer's dtype: the meta base is built in it).
+    A run started from an adapter folds it by the same arithmetic (:class:`packtrain.models.start_adapter.Lora`)."""
+    return factor_dtype(t.dtype for k, t in tensors.items() if ".lora_" in k)
+
+
 @torch.no_grad()
 def adapter_changes(model: nn.Module, names: dict[nn.Module, str]):
     """(model parameter name -> a function giving the LoRA delta, name -> the trained modules_to_save tensor)."""
@@ -113,43 +124,13 @@ def adapter_changes(model: nn.Module, names: dict[nn.Module, str]):
     return deltas, replaced
 
 
-def _merge(w: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    wide = torch.promote_types(w.dtype, torch.float32)
-    return (w.to(wide) + delta.to(wide)).to(w.dtype)
-
-
-# The two layouts of Qwen3.5's language model: the text class's and the vision-language class's. A checkpoint stores its
-# class's; peft writes an adapter's keys in the text layout whichever class it trained (its transformers-v4 key
-# conversion), and reads them back either way, where vLLM reads them as they are.
-TEXT_PREFIX, VL_PREFIX = "model.", "model.language_model."
-_LANGUAGE_PARTS = ("layers.", "embed_tokens.", "norm.")
-PEFT_PREFIX = "base_model.model."
-
-
-def _other_layout(path: str) -> str | None:
-    """A module path of one layout in the other (None: the same in both, the head say)."""
-    if path.startswith(VL_PREFIX):
-        return TEXT_PREFIX + path[len(VL_PREFIX):]
-    if path.startswith(TEXT_PREFIX) and path[len(TEXT_PREFIX):].startswith(_LANGUAGE_PARTS):
-        return VL_PREFIX + path[len(TEXT_PREFIX):]
-    return None
-
-
-def _module_path(key: str) -> str:
-    """``base_model.model.<module>.lora_A.weight`` -> ``<module>`` (a routed-expert stack: peft's wrapper chain of
-    ``base_layer`` dropped); a trained module's tensor (``base_model.model.lm_head.weight``) -> its name."""
-    path = key.removeprefix(PEFT_PREFIX)
-    path = path.split(".lora_")[0]
-    while path.endswith(".base_layer"):
-        path = path[: -len(".base_layer")]
-    return path
-
-
 class _Base:
     """The base checkpoint as an export reads it: its config, model class on the meta device, module names and
-    where each parameter is stored."""
+    where each parameter is stored; and the run's start adapter (``model.adapter``), folded into every tensor it
+    changes before the run's own adapter."""
 
-    def __init__(self, base_dir: Path):
+    def __init__(self, base_dir: Path, start: StartAdapter | None = None, dtype: torch.dtype = torch.float32):
+        """``dtype``: the meta model's, which peft casts the adapter's factors to (:func:`_factor_dtype`)."""
         from transformers import AutoConfig
 
         from packtrain.models.build import empty_model, model_class_for
@@ -157,16 +138,18 @@ class _Base:
         self.dir = base_dir
         self.config = AutoConfig.from_pretrained(base_dir, local_files_only=True)
         self.vision_language = getattr(self.config, "vision_config", None) is not None
-        self.model = empty_model(model_class_for(self.config.model_type), self.config, torch.float32)
+        self.model = empty_model(model_class_for(self.config.model_type), self.config, dtype)
         self.names = module_names(self.model)
         self.checkpoint = SafetensorsCheckpoint(base_dir)
         self.weights = WeightMap(self.model, self.checkpoint)
+        self.fold = Fold(start.links, self.model) if start is not None else None
+        for name in self.fold.changes if self.fold else ():
+            self._stored_alone(name, "the run's model.adapter")
 
-    def adapter(self, adapter_dir: Path, log) -> tuple[dict, dict, nn.Module]:
-        """The adapter's config, its tensors named as this checkpoint names its modules (an adapter trained on the
-        text class and served on the vision-language checkpoint, or the reverse, is renamed), and the peft model
+    def adapter(self, adapter_dir: Path, tensors: dict, log) -> tuple[dict, dict, nn.Module]:
+        """The adapter's config, its ``tensors`` named as this checkpoint names its modules (an adapter trained on
+        the text class and served on the vision-language checkpoint, or the reverse, is renamed), and the peft model
         they make on this base."""
-        tensors = read_adapter(adapter_dir)
         config = read_json_object(adapter_dir / ADAPTER_CONFIG, "--adapter")
         names = self._stored_names(tensors)
         renamed = {names[k]: v for k, v in tensors.items()}
@@ -182,11 +165,11 @@ class _Base:
         stored |= {k[:i] for k in stored for i, c in enumerate(k) if c == "."}  # every module path
         out = {}
         for key in keys:
-            path = _module_path(key)
+            path = module_path(key)
             if path in stored:
                 out[key] = key
                 continue
-            other = _other_layout(path)
+            other = other_layout(path)
             if other is None or other not in stored:
                 raise ValueError(f"--adapter: its module {path} is not a module of the checkpoint {self.dir}"
                                  f"{f' (nor {other})' if other else ''}: an adapter of another model?")
@@ -197,11 +180,13 @@ class _Base:
         deltas, replaced = adapter_changes(model, self.names)
         deltas = deltas if lora else {}
         for name in [*deltas, *replaced]:
-            if name not in self.weights.direct:
-                raise ValueError(f"{self.dir}: the adapter changes {name}, which the checkpoint does not store as "
-                                 "one tensor of its own (tied or converted); cannot write it in the checkpoint's "
-                                 "layout")
+            self._stored_alone(name, "the adapter")
         return deltas, replaced
+
+    def _stored_alone(self, name: str, what: str) -> None:
+        if name not in self.weights.direct:
+            raise ValueError(f"{self.dir}: {what} changes {name}, which the checkpoint does not store as one tensor "
+                             "of its own (tied or converted); cannot write it in the checkpoint's layout")
 
     def write(self, tmp: Path, deltas: dict, replaced: dict, log) -> dict:
         """The checkpoint's shards into ``tmp`` with the changes applied; counts for the report."""
@@ -209,11 +194,13 @@ class _Base:
         from safetensors.torch import save_file
 
         source_of = {ckpt_key: name for name, ckpt_key in self.weights.direct.items()}
+        folded = self.fold.changes if self.fold is not None else {}
         shards = self.checkpoint.files()
         changed = copied = 0
         for i, shard in enumerate(shards, 1):
             keys = [k for k, f in self.checkpoint.file_of.items() if f == shard]
-            if not any(source_of.get(k) in deltas or source_of.get(k) in replaced for k in keys):
+            if not any(source_of.get(k) in deltas or source_of.get(k) in replaced or source_of.get(k) in folded
+                       for k in keys):
                 shutil.copyfile(shard, tmp / shard.name)  # nothing changes in this shard: byte for byte
                 copied += 1
             else:
@@ -222,8 +209,11 @@ class _Base:
                     tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - a safetensors handle
                 for key, w in tensors.items():
                     name = source_of.get(key)
+                    if name in folded:  # the start first: the run's adapter trained on top of it
+                        w = tensors[key] = self.fold.apply(name, w).contiguous()
+                        changed += name not in deltas and name not in replaced
                     if name in deltas:
-                        tensors[key] = _merge(w, deltas[name]())
+                        tensors[key] = merged(w, deltas[name]())
                         changed += 1
                     elif name in replaced:
                         new = replaced[name]
@@ -299,10 +289,13 @@ def _finish(tmp: Path, out: Path) -> None:
     tmp.rename(out)
 
 
-def export_merged(base_dir: Path, adapter_dir: Path, out: Path, run: RunFiles, log=print) -> dict:
-    """The merged checkpoint in ``out`` (which must not exist); returns counts for the report."""
-    base = _Base(base_dir)
-    _, _, model = base.adapter(adapter_dir, log)
+def export_merged(base_dir: Path, adapter_dir: Path, out: Path, run: RunFiles, log=print,
+                  start: StartAdapter | None = None) -> dict:
+    """The merged checkpoint in ``out`` (which must not exist); returns counts for the report. ``start``: the run's
+    ``model.adapter``, merged in first."""
+    tensors = read_adapter(adapter_dir)
+    base = _Base(base_dir, start, _factor_dtype(tensors))
+    _, _, model = base.adapter(adapter_dir, tensors, log)
     deltas, replaced = base.changes(model, lora=True)
     tmp = _new_dir(out, "--merged")
     report = base.write(tmp, deltas, replaced, log)
@@ -316,11 +309,13 @@ def export_merged(base_dir: Path, adapter_dir: Path, out: Path, run: RunFiles, l
 
 
 def export_for(server: str, base_dir: Path, adapter_dir: Path, out: Path, run: RunFiles, name: str,
-               version: str | None = None, log=print) -> dict:
+               version: str | None = None, log=print, start: StartAdapter | None = None) -> dict:
     """``out/adapter`` and ``out/model`` for ``server`` (vllm, sglang), refused naming each module the server
-    cannot apply; prints the lines that serve them."""
-    base = _Base(base_dir)
-    config, tensors, model = base.adapter(adapter_dir, log)
+    cannot apply; prints the lines that serve them. ``start``: the run's ``model.adapter``, folded into
+    ``out/model``."""
+    tensors = read_adapter(adapter_dir)
+    base = _Base(base_dir, start, _factor_dtype(tensors))
+    config, tensors, model = base.adapter(adapter_dir, tensors, log)
     modules = serving.AdapterModules.of_keys(tensors, config.get("modules_to_save"))
     verdict = serving.verdict(server, modules, version)
     if not verdict.serves:

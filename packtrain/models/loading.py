@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from packtrain.config.typed import read_json_object
+from packtrain.models.start_adapter import FOLD_ATTR
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -151,7 +152,9 @@ class _Converted:
 
 
 class WeightMap:
-    """Model parameter name -> where its value is in the checkpoint, from transformers' conversion mapping."""
+    """Model parameter name -> where its value is in the checkpoint, from transformers' conversion mapping. A start
+    adapter the model was given (``model.adapter``: :func:`packtrain.models.start_adapter.fold_base`) is folded into
+    every tensor read, slice by slice."""
 
     def __init__(self, model: nn.Module, checkpoint: SafetensorsCheckpoint):
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -159,6 +162,7 @@ class WeightMap:
 
         self.model = model
         self.checkpoint = checkpoint
+        self.fold = getattr(model, FOLD_ATTR, None)
         wanted = model.state_dict()  # meta tensors: names only
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
@@ -198,6 +202,10 @@ class WeightMap:
 
     def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         name = self._resolve(name)
+        tensor = self._read(name, index)
+        return self.fold.apply(name, tensor, index) if self.fold is not None else tensor
+
+    def _read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         if name in self.direct:
             return self.checkpoint.read(self.direct[name], index)
         group = self.converted[self.target_group[name]]

@@ -26,7 +26,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 from packtrain.config import Config
 from packtrain.config.tiles import AUTO, KEYS, inference_rows, offload_layers
-from packtrain.models.build import apply_lora
+from packtrain.models.build import adapters_on_cpu, apply_lora
 from packtrain.models.loading import (
     SafetensorsCheckpoint,
     WeightMap,
@@ -35,6 +35,7 @@ from packtrain.models.loading import (
     keep_heap_between_steps,
     materialize,
     module_names,
+    read_adapter,
     real_tensors,
 )
 from packtrain.models.offload import DEFAULT_CHUNK_BYTES, ChunkPool, OffloadChain, OffloadedCheckpoint
@@ -189,11 +190,26 @@ def root(model: nn.Module, cfg: Config) -> PackedLM:
 
 
 def with_adapter(base_model: nn.Module, cfg: Config, adapter: str | Path | None) -> nn.Module:
-    """``base_model`` with a new LoRA adapter (``"new"``), a trained one loaded frozen (a directory), or none."""
+    """``base_model`` with a new LoRA adapter (``"new"``), a trained one loaded frozen (a directory), or none.
+
+    On a meta-device base peft would load a trained adapter's tensors into meta tensors (a no-op, and the fill then
+    finds them missing): its layers are made on the CPU and loaded there (:class:`adapters_on_cpu`), kept through
+    the fill as the tensors that had values."""
     if adapter is None:
         return base_model
     if adapter == "new":
         return apply_lora(base_model, cfg)
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 
-    return PeftModel.from_pretrained(base_model, adapter, is_trainable=False)
+    if not is_meta(base_model):
+        return PeftModel.from_pretrained(base_model, adapter, is_trainable=False)
+    config = PeftConfig.from_pretrained(str(adapter))
+    config.inference_mode = True
+    with adapters_on_cpu(base_model) as cpu:
+        model = get_peft_model(base_model, config, autocast_adapter_dtype=True)
+        cpu.drop_copies()
+        result = set_peft_model_state_dict(model, read_adapter(Path(adapter)), low_cpu_mem_usage=True)
+    missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
+    if missing:
+        raise ValueError(f"--adapter: {adapter} lacks {len(missing)} adapter tensors of this model, e.g. {missing[0]}")
+    return model

@@ -2,19 +2,20 @@
 ``OUTPUT/reference.json``.
 
 The pass is an evaluation of the training plan (:func:`packtrain.run.evaluate.evaluate`: the same packed units,
-under no_grad, every rank its share, gathered on every rank) with the adapter disabled: the base model. An
-example's reference is its answer's summed token log-probability, ``-mean loss * target tokens``.
+under no_grad, every rank its share, gathered on every rank) with the adapter disabled: the base model
+(``model.adapter`` folded in). An example's reference is its answer's summed token log-probability, ``-mean loss *
+target tokens``.
 
 The file holds the table by example id and the digests of what it was computed from: the data (every training
 example's id, tokens and images, the images' contents too), the base (``model.config`` and its seed and dtype, or
-``model.path``'s config and weight files) and the tokenizer (its files, ``data.chat_template``,
-``data.template_kwargs``). A resumed run reads it instead of computing it again; one whose digests differ is
-refused, naming what changed (a stale reference would train silently wrong). Its contents are checked on read too:
-every example the plan trains holds a finite entry, and a digest of the table written beside it (``content``) still
-matches, so an edited or damaged table (a value set to -Infinity or NaN, an entry gone, values scaled) is refused,
-naming the entry or the digest, never trained on; a table written without that digest (an older packtrain's) is
-computed again. Rank 0 writes it atomically (a temporary, then a rename), so an interrupted pass leaves no file and
-the next start computes it again.
+``model.path``'s config and weight files; and ``model.adapter``'s files, folded into it) and the tokenizer (its
+files, ``data.chat_template``, ``data.template_kwargs``). A resumed run reads it instead of computing it again; one
+whose digests differ is refused, naming what changed (a stale reference would train silently wrong). Its contents
+are checked on read too: every example the plan trains holds a finite entry, and a digest of the table written
+beside it (``content``) still matches, so an edited or damaged table (a value set to -Infinity or NaN, an entry
+gone, values scaled) is refused, naming the entry or the digest, never trained on; a table written without that
+digest (an older packtrain's) is computed again. Rank 0 writes it atomically (a temporary, then a rename), so an
+interrupted pass leaves no file and the next start computes it again.
 """
 
 from __future__ import annotations
@@ -30,13 +31,11 @@ from pathlib import Path
 from packtrain.config import Config
 
 FILE = "reference.json"
-WEIGHT_SAMPLES = 8  # pieces of 64 KiB read from each weight file for the base's digest, spread over the file
-_PIECE = 1 << 16
 
 
 def data_digest(examples) -> str:
     """Every example's id, tokens (P, item, target, loss spans) and images: their paths, grids and contents (each
-    file's size and :data:`WEIGHT_SAMPLES` pieces of it, the whole of an image under 512 KiB: an image repainted at
+    file's size and sampled pieces of it, the whole of an image under 512 KiB: an image repainted at
     the same size and path is other data)."""
     h = hashlib.sha256()
     contents: dict[str, bytes] = {}  # an image several examples show is read once
@@ -52,37 +51,27 @@ def data_digest(examples) -> str:
 
 def _image_digest(path: Path) -> bytes:
     try:
-        return hashlib.sha256(f"{path.stat().st_size}:".encode() + _sampled(path)).digest()
+        from packtrain.models.start_adapter import sampled_bytes
+
+        return hashlib.sha256(f"{path.stat().st_size}:".encode() + sampled_bytes(path)).digest()
     except OSError as e:  # read when the examples were made; gone since: the digest says so
         return f"unreadable: {type(e).__name__}".encode()
 
 
 def base_digest(cfg: Config) -> str:
     """The base model: ``model.config`` with ``model.seed`` (a random init), or ``model.path``'s config.json and its
-    weight files (names, sizes and :data:`WEIGHT_SAMPLES` pieces of each: a checkpoint of 54 GB is not read whole);
-    and ``model.dtype``."""
+    weight files (names, sizes and sampled pieces of each: a checkpoint of 54 GB is not read whole); ``model.dtype``;
+    and ``model.adapter``'s files, the start folded into the base."""
+    from packtrain.models.start_adapter import adapter_digest, feed_checkpoint
+
     h = hashlib.sha256(repr(cfg.model.dtype).encode())
     if cfg.model.config is not None:
         h.update(json.dumps(cfg.model.config, sort_keys=True).encode() + repr(cfg.model.seed).encode())
-        return h.hexdigest()[:16]
-    folder = cfg.resolve_path(cfg.model.path)
-    for file in sorted(folder.iterdir()):
-        if file.name == "config.json":
-            h.update(file.read_bytes())
-        elif file.suffix in (".safetensors", ".bin", ".pt"):
-            h.update(f"{file.name}:{file.stat().st_size}".encode())
-            h.update(_sampled(file))
+    else:
+        feed_checkpoint(h, cfg.resolve_path(cfg.model.path))
+    if cfg.model.adapter is not None:  # the start folded into it: a reference of another start is another table
+        h.update(f"adapter:{adapter_digest(cfg.resolve_path(cfg.model.adapter))}".encode())
     return h.hexdigest()[:16]
-
-
-def _sampled(file: Path) -> bytes:
-    size = file.stat().st_size
-    out = bytearray()
-    with file.open("rb") as f:
-        for k in range(WEIGHT_SAMPLES):
-            f.seek(max(0, (size - _PIECE) * k // max(WEIGHT_SAMPLES - 1, 1)))
-            out += f.read(_PIECE)
-    return bytes(out)
 
 
 def tokenizer_digest(cfg: Config) -> str:
@@ -106,7 +95,7 @@ def digests(cfg: Config, examples) -> dict[str, str]:
     return {"data": data_digest(examples), "base": base_digest(cfg), "tokenizer": tokenizer_digest(cfg)}
 
 
-_CHANGED = {"data": "training data (data.train)", "base": "base model (model.path / model.config)",
+_CHANGED = {"data": "training data (data.train)", "base": "base model (model.path / model.config / model.adapter)",
             "tokenizer": "tokenizer (data.tokenizer, data.chat_template, data.template_kwargs)"}
 
 

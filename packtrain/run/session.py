@@ -44,6 +44,7 @@ class Session:
     lm: object | None = None
     backend: object | None = None
     base_copy: object | None = None
+    start: object | None = None  # model.adapter's chain, read and checked (packtrain.models.start_adapter)
 
     @property
     def run_cfg(self) -> Config:
@@ -60,22 +61,25 @@ class Session:
         """The base model (``model.path`` on the meta device, each rank filling its own shards; or ``model.config``
         at random, saved to ``save_base_to``), LoRA (``"new"``, or a trained ``adapter`` directory, frozen; None:
         the base alone), the patch, checkpointing and offload as chosen (``training``), FSDP under a launcher; then
-        the kinds' image loader for the examples' images. ``copy_base``: a copy of the base before anything touches
-        it, in ``base_copy`` (the bench's plain transformers + peft loop). ``backend`` and ``device``: kernels and a
-        device in place of ``model.kernels`` and the process's (``plan --measure`` runs CUDA's kernels on the CPU
-        under fake tensors)."""
+        the kinds' image loader for the examples' images. ``model.adapter`` is folded into the base, and the model
+        carries the record its adapter is saved with (``packtrain_base_record``: the base and the start).
+        ``copy_base``: a copy of the base before anything touches it, in ``base_copy`` (the bench's plain
+        transformers + peft loop). ``backend`` and ``device``: kernels and a device in place of ``model.kernels`` and
+        the process's (``plan --measure`` runs CUDA's kernels on the CPU under fake tensors)."""
         import copy
 
         from packtrain.models.build import build_base_model
+        from packtrain.models.start_adapter import record_for
         from packtrain.models.wrap import assemble
 
-        base = build_base_model(self.cfg, save_to=save_base_to, meta=meta)
+        base = build_base_model(self.cfg, save_to=save_base_to, meta=meta, start=self.start)
         if copy_base:
             self.base_copy = copy.deepcopy(base)
         device = device if device is not None else self.info.device
         shard = self.info is not None and self.info.enabled
         self.model, self.lm, self.backend = assemble(base, self.run_cfg, device, shard=shard, backend=backend,
                                                      adapter=adapter, training=training)
+        self.model.packtrain_base_record = record_for(self.cfg, self.start, save_base_to)
         images = image_loader(self.cfg, self.model, self.all_examples)
         self.kinds = dataclasses.replace(self.kinds, images=images)
 
@@ -87,6 +91,18 @@ class Session:
         examples = self.eval_examples if examples is None else examples
         return task_for(self.cfg, self.model, examples, self.scorer, self.task_tokenizer, self.kinds,
                         split or ("eval" if examples is self.eval_examples else self.split))
+
+
+def data_free_kinds(cfg: Config) -> Kinds:
+    """``plan --memory`` without data: the checks :func:`open_session` makes that need none (the model family, and
+    under ``generate.every`` the task metric), then the run's kinds, as a session makes them."""
+    from packtrain.packed.families import check_model
+    from packtrain.run.task import load_task_scorer
+
+    check_model(cfg)
+    if cfg.generate.every is not None:
+        load_task_scorer(cfg)
+    return Kinds.of(cfg)
 
 
 def open_session(cfg: Config, info: DistInfo | None, split: str = "train", with_eval: bool = False,
@@ -102,8 +118,16 @@ def open_session(cfg: Config, info: DistInfo | None, split: str = "train", with_
     from packtrain.packed.families import check_model
     from packtrain.run.task import task_start
 
+    start = None
     if model:
+        from packtrain.models.start_adapter import read_start
+
         check_model(cfg)  # an unsupported model family or layer type is refused before any data is read
+        start = read_start(cfg)  # and model.adapter: a missing, damaged or other base's adapter
+        if start is not None and (info is None or info.is_main):
+            print(start.describe())
+            if start.note:
+                print(start.note)
     examples = load_split(cfg, split) if examples is None else examples
     if examples is None:
         raise ValueError(f"data.{split}: not set")
@@ -117,7 +141,7 @@ def open_session(cfg: Config, info: DistInfo | None, split: str = "train", with_
     plan = kinds.plan(cfg, examples) if plan is None else plan
     session = Session(cfg, info, split, examples, plan, kinds, eval_examples,
                       kinds.plan(cfg, eval_examples) if eval_examples else None, scorer=scorer,
-                      task_tokenizer=tokenizer)
+                      task_tokenizer=tokenizer, start=start)
     if savings:
         _, session.choice = choose_savings(cfg, plan, examples, info, kinds)
     return session

@@ -34,7 +34,8 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from packtrain.distributed import DistInfo, barrier
-from packtrain.models.export import plain_modes
+from packtrain.models.exports import plain_modes
+from packtrain.models.start_adapter import RECORD
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE = "state.json"
@@ -71,7 +72,9 @@ WRAPPER = "_checkpoint_wrapped_module."
 
 
 def write_adapter(peft_model, directory: Path, trainable: dict) -> None:
-    """peft's ``save_pretrained`` with the full trainable tensors (peft names, see :func:`clean_name`).
+    """peft's ``save_pretrained`` with the full trainable tensors (peft names, see :func:`clean_name`), and beside
+    them the base and the start the adapter trained on (the model's ``packtrain_base_record``, as
+    :data:`packtrain.models.start_adapter.RECORD`), which a run that starts from it checks and follows.
 
     peft 0.21 picks the adapter's keys by walking the model's modules, whose names carry activation checkpointing's
     wrapper; handed unwrapped names it wrote an adapter of 0 tensors. So it gets the tensors under the names it
@@ -83,6 +86,9 @@ def write_adapter(peft_model, directory: Path, trainable: dict) -> None:
         tensors = load_file(str(path))
         save_file({k.replace(WRAPPER, ""): v for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
     _sorted_target_modules(Path(directory) / "adapter_config.json")
+    base = getattr(peft_model, "packtrain_base_record", None)
+    if base is not None:
+        (Path(directory) / RECORD).write_text(json.dumps(base, indent=2) + "\n")
     plain_modes(Path(directory))  # peft writes the weights 0600: a server run by another user could not read them
 
 

@@ -107,7 +107,8 @@ def config_inputs(cfg, config_path=None) -> list[tuple[str, Path | None]]:
     return [("the config", Path(config_path) if config_path is not None else None),
             ("data.train", cfg.resolve_path(d.train)), ("data.eval", cfg.resolve_path(d.eval)),
             ("data.chat_template", cfg.resolve_path(d.chat_template)), ("data.tokenizer", cfg.resolve_path(d.tokenizer)),
-            ("data.processor", cfg.resolve_path(d.processor)), ("model.path", cfg.resolve_path(cfg.model.path))]
+            ("data.processor", cfg.resolve_path(d.processor)), ("model.path", cfg.resolve_path(cfg.model.path)),
+            ("model.adapter", cfg.resolve_path(cfg.model.adapter))]
 
 
 def check_not_an_input(path, flag: str, inputs, writes: tuple[str, ...] = ()) -> None:

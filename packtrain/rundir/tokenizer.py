@@ -16,7 +16,7 @@ from packtrain.config import Config
 from packtrain.data.chat import read_template
 from packtrain.data.images import BUNDLED_PROCESSOR, PROCESSOR_FILES
 from packtrain.data.jsonl import TOKENIZER_FILES, chat_template_of, processor_dir, tokenizer_dir
-from packtrain.models.export import RunFiles, use_template
+from packtrain.models.exports import RunFiles, use_template
 
 FOLDER = "tokenizer"
 

@@ -1,4 +1,4 @@
-"""`packtrain eval`'s refusals before any model loads (packtrain/commands/evaluate.py), in this process: an
+"""`packtrain eval`'s refusals before any model loads (packtrain/commands/eval.py), in this process: an
 ``--adapter`` that is not a PEFT adapter directory, and a config with neither data.eval nor data.train. What it
 writes is checked through the CLI (tests/commands/test_train.py, test_generate_cli.py, test_pairs_cli.py). Named
 after the subcommand: tests/run/test_evaluate.py is packtrain/run/evaluate.py's, and a test file's name is in one
@@ -9,7 +9,7 @@ import argparse
 import pytest
 from cli_helpers import write_config
 
-from packtrain.commands.evaluate import run_eval
+from packtrain.commands.eval import run_eval
 
 
 def _args(config, adapter, out, generate=False):

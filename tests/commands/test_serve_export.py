@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 # routes transformers' CPU kernels (the reference forwards here), as every packtrain process does: with fla
 # installed they would otherwise reach fla's kernels, which fail uncompiled on CPU ("0 active drivers")
 import packtrain.packed.patch  # noqa: F401
-from packtrain.models.export import new_file_mode
+from packtrain.models.exports import new_file_mode
 
 CHATML = REPO / "data" / "demo" / "chatml.jinja"  # not the bundled tokenizer's own template
 GDN_AND_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "in_proj_qkv", "in_proj_z", "out_proj"]
