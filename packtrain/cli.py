@@ -49,8 +49,25 @@ def _add_config_args(p: argparse.ArgumentParser, optional: bool = False) -> None
                    help="override one config value (repeatable); the value is parsed as YAML")
 
 
+def _version() -> str:
+    """packtrain's version: the package's own ``__version__``, else its installed metadata."""
+    import packtrain
+
+    version = getattr(packtrain, "__version__", None)
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as installed
+
+        try:
+            version = installed("packtrain")
+        except PackageNotFoundError:
+            version = "unknown (not installed)"
+    return version
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="packtrain", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"packtrain {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="plan packs for a config's training data and print the statistics")
@@ -157,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {
     "plan": ("packtrain.commands.plan", "run_plan"),
     "train": ("packtrain.commands.train", "run_train"),
-    "eval": ("packtrain.commands.evaluate", "run_eval"),
+    "eval": ("packtrain.commands.eval", "run_eval"),
     "check-nodes": ("packtrain.commands.check_nodes", "run_check_nodes"),
     "smoke": ("packtrain.commands.smoke", "run_smoke"),
     "pretune-fla": ("packtrain.commands.pretune_fla", "run_pretune_fla"),
@@ -215,6 +232,8 @@ def _check_versions(command: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module, name = COMMANDS[args.command]
+    if hasattr(sys.stdout, "reconfigure"):  # a log file gets each line as it is printed, not 8 KiB at a time
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         _check_versions(args.command)
         _quiet_library_noise(args.command)

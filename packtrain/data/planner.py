@@ -32,7 +32,7 @@ from typing import Any
 from packtrain.config import WalkSpec
 from packtrain.data.attention_pairs import causal_pairs, node_pairs, pack_pairs, tree_pairs
 from packtrain.data.preference import pair_examples
-from packtrain.data.tree import continuations, example_keys, example_tree, key_tokens, tree_of_keys
+from packtrain.data.prefix_tree import continuations, example_keys, example_tree, key_tokens, tree_of_keys
 from packtrain.data.tree_packs import pack_tree
 from packtrain.data.walk_calls import WalkCalls, walk_calls
 
@@ -216,7 +216,7 @@ def plan_tree_packs(
     examples: Sequence[Any], token_budget: int, max_continuations: int, on_overflow: str = "error", seed: int = 0,
 ) -> Plan:
     """Packs for ``packing.mode: tree``: per prompt group, the prefix tree of its examples' continuations
-    (item + target, examples with other images apart: :func:`packtrain.data.tree.example_keys`) cut into packs
+    (item + target, examples with other images apart: :func:`packtrain.data.prefix_tree.example_keys`) cut into packs
     whose tree fits, ``len(P)`` + the pack tree's tokens <= ``token_budget`` and its distinct leaves <=
     ``max_continuations`` (the rule: :func:`packtrain.data.tree_packs.pack_tree`). A pack's ``positions`` is len(P) +
     its tree's tokens, ``pairs`` its tree's attention pairs. An example over the budget on its own goes by

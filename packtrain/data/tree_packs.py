@@ -1,6 +1,6 @@
 """A prefix tree's paths cut into packs (``packing.mode: tree``, :func:`pack_tree`): each pack is a set of the tree's
 subtrees of at most the budget's tokens and ``packing.max_continuations`` leaves, counted exactly; and the causal
-attention pairs a tree's tokens add. Pure Python, on the columns of :class:`packtrain.data.tree.Tree`."""
+attention pairs a tree's tokens add. Pure Python, on the columns of :class:`packtrain.data.prefix_tree.Tree`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from itertools import accumulate, compress
 from operator import eq, sub
 
 from packtrain.data.attention_pairs import node_pairs, tree_pairs
-from packtrain.data.tree import Tree
+from packtrain.data.prefix_tree import Tree
 
 
 def attention_pairs(prefix_len: int, tree: Tree) -> int:

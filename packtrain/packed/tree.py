@@ -1,7 +1,7 @@
 """A prefix tree of continuations in one buffer (``packing.mode: tree``): what continuations share beyond P is
 computed once, and every example still trains exactly as if it were alone.
 
-The continuations' tokens (item + target) form a radix tree (:func:`packtrain.data.tree.build_tree`): each example
+The continuations' tokens (item + target) form a radix tree (:func:`packtrain.data.prefix_tree.build_tree`): each example
 is a path from P through nodes. The buffer is ``[P, node 0, node 1, ...]`` in depth-first order (a parent before
 its children, every subtree contiguous). Segment ids are 0 on P and node + 1 on a node's tokens.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from packtrain.data.images import VisionSpec, mrope_positions
-from packtrain.data.tree import Tree, build_tree
+from packtrain.data.prefix_tree import Tree, build_tree
 from packtrain.packed.attention import _padded, _sdpa, cheapest_runs
 from packtrain.packed.gather import gather_rows
 from packtrain.packed.gdn import (
@@ -139,7 +139,7 @@ def build_tree_layout(prefix_ids: Sequence[int], continuations: Sequence[Continu
 
 def _salts(continuations: Sequence[Continuation], image_keys: Sequence | None) -> list:
     """build_tree's salts: continuations share only where their keys are equal (compared by their text form, which
-    orders any keys: e.g. :func:`packtrain.data.tree.tree_salt`); without keys text-only ones share freely and one
+    orders any keys: e.g. :func:`packtrain.data.prefix_tree.tree_salt`); without keys text-only ones share freely and one
     with images shares nothing."""
     if image_keys is not None:
         return [(1 if c.images else 0, str(key)) for c, key in zip(continuations, image_keys)]

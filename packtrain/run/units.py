@@ -475,7 +475,7 @@ class WalkKind(Kind):
 
 
 class TreeKind(Kind):
-    """A prompt group's examples as a prefix tree (``packing.mode: tree``, :mod:`packtrain.data.tree`): every run
+    """A prompt group's examples as a prefix tree (``packing.mode: tree``, :mod:`packtrain.data.prefix_tree`): every run
     of tokens that several continuations share is computed once (:mod:`packtrain.packed.tree`)."""
     name = "tree"
 
@@ -488,28 +488,28 @@ class TreeKind(Kind):
         return len(plan.prompts[unit.prompt]) + sum(self.segments(unit, plan, examples))
 
     def segments(self, unit, plan, examples):
-        """The tree's nodes, as the planner counts them (:func:`packtrain.data.tree.example_tree`)."""
-        from packtrain.data.tree import example_tree
+        """The tree's nodes, as the planner counts them (:func:`packtrain.data.prefix_tree.example_tree`)."""
+        from packtrain.data.prefix_tree import example_tree
 
         return [len(n.tokens) for n in example_tree([examples[e] for e in unit.examples]).nodes]
 
     def pairs(self, unit, plan, examples):
         """The tree's (:func:`packtrain.data.tree_packs.attention_pairs`): each token against P, its ancestors and
         its own node's earlier tokens."""
-        from packtrain.data.tree import example_tree
+        from packtrain.data.prefix_tree import example_tree
         from packtrain.data.tree_packs import attention_pairs
 
         return attention_pairs(len(plan.prompts[unit.prompt]), example_tree([examples[e] for e in unit.examples]))
 
     def leaves(self, unit, plan, examples):
-        from packtrain.data.tree import example_tree
+        from packtrain.data.prefix_tree import example_tree
 
         stop = example_tree([examples[e] for e in unit.examples]).stop
         return sum(end == i + 1 for i, end in enumerate(stop))  # a leaf's subtree is itself, as pack_tree counts
 
     def build(self, unit, plan, examples, images):
         """The pack's prefix tree; images: the buffer holds each shared one once, in the tree's order."""
-        from packtrain.data.tree import tree_salt
+        from packtrain.data.prefix_tree import tree_salt
         from packtrain.packed.tree import build_tree_layout
 
         prefix, chosen, spec = _unit_parts(unit, plan, examples, images)

@@ -1,7 +1,7 @@
 """The bench's timing (packtrain/bench/timing.py) with the variants' epochs stood in for: the interleaved order (one
 memory pass from released memory, the warm-up where each device wants it, the order rotated per repeat), a variant
 that runs out of memory or diverges left out of the rest, one run's time and peak memory, and the figures summarized
-from the runs. The real command: tests/bench/test_bench.py."""
+from the runs. The real command: tests/commands/test_bench.py."""
 
 import statistics
 from types import SimpleNamespace

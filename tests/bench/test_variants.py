@@ -1,7 +1,7 @@
 """The bench's variants (packtrain/bench/variants.py) in their parts: each variant's config overrides, a whole
 example and its labels for transformers' loss, the plain loop's gradient accumulation (each loss over the examples in
 its step), and the one initial adapter every run starts from. Every variant trained end to end:
-tests/bench/test_bench.py."""
+tests/commands/test_bench.py."""
 
 from types import SimpleNamespace
 

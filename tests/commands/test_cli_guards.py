@@ -325,3 +325,17 @@ def test_accelerates_activation_checkpointing_and_bf16_become_packtrains_keys(tm
 
     written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert written["train"]["activation_checkpointing"] is True and written["model"]["dtype"] == "bfloat16"
+
+
+def test_version_prints_packtrains_version_and_exits_0():
+    """`packtrain --version` was refused as an unknown flag (exit 2): it prints the package's version."""
+    import packtrain
+
+    proc = run_in_process("--version")
+    assert proc.stdout == f"packtrain {packtrain.__version__}\n" and proc.stderr == ""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        assert version("packtrain") == packtrain.__version__  # the installed metadata says the same
+    except PackageNotFoundError:
+        pass

@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from packtrain.data.attention_pairs import causal_pairs, node_pairs, pack_pairs, tree_pairs
-from packtrain.data.tree import build_tree
+from packtrain.data.prefix_tree import build_tree
 from packtrain.data.tree_packs import attention_pairs
 
 

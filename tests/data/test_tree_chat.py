@@ -33,7 +33,7 @@ from cli_helpers import SGD, assert_tree_trains_as_standalone, run_in_process, w
 
 from packtrain.data.jsonl import load_examples, load_tokenizer
 from packtrain.data.planner import plan_tree_packs
-from packtrain.data.tree import example_tree
+from packtrain.data.prefix_tree import example_tree
 
 VERSIONS = ["qwen3.5", "qwen3.6"]
 TOKENIZERS = ["bundled", "qwen-like"]

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from packtrain.data.tree import build_tree
+from packtrain.data.prefix_tree import build_tree
 from packtrain.data.tree_packs import attention_pairs, pack_tree
 
 

@@ -9,7 +9,7 @@ import pytest
 from packtrain.data.images import ImageRef
 from packtrain.data.jsonl import Example
 from packtrain.data.planner import plan_packs, plan_stats, plan_tree_packs
-from packtrain.data.tree import build_tree, example_tree
+from packtrain.data.prefix_tree import build_tree, example_tree
 from packtrain.data.tree_packs import attention_pairs
 
 

@@ -141,7 +141,7 @@ def test_a_tree_pack_costs_its_trees_positions_and_pairs():
 def test_plan_json_tree_costs_are_the_trees(tmp_path):
     from packtrain.data.jsonl import load_examples
     from packtrain.data.planner import plan_tree_packs
-    from packtrain.data.tree import example_tree
+    from packtrain.data.prefix_tree import example_tree
     from packtrain.data.tree_packs import attention_pairs
 
     out = json.loads(run_in_process("plan", write_config(tmp_path, packing={"mode": "tree"}), "--json").stdout)
