@@ -1,9 +1,25 @@
 """The memory estimate as ``plan --memory`` and a run's header print it: the terms table, the peak per phase beside
-``--measure``'s count, and one line per ``packing.context_grad``."""
+``--measure``'s count, and one line per ``packing.context_grad``; every line within :data:`WIDTH` columns (a term's
+label wraps under itself, the figures stay in their column)."""
 
 from __future__ import annotations
 
+import textwrap
+
 from packtrain.memory.estimate import GiB, MemoryEstimate
+
+WIDTH = 120  # a terminal's columns: what `plan` and a run's header print fits them
+
+
+def fit(line: str, indent: str | None = None, width: int = WIDTH) -> list[str]:
+    """``line`` as lines of at most ``width`` columns, broken between words; the lines after the first start with
+    ``indent`` (default: the line's own leading spaces and two more)."""
+    if len(line) <= width:
+        return [line]
+    text = line.lstrip(" ")
+    lead = line[:len(line) - len(text)]
+    return textwrap.wrap(text, width, initial_indent=lead, subsequent_indent=lead + "  " if indent is None else indent,
+                         break_on_hyphens=False, break_long_words=False)
 
 
 def format_phases(est: MemoryEstimate, measured=None) -> str:
@@ -21,8 +37,8 @@ def format_phases(est: MemoryEstimate, measured=None) -> str:
     lines.append(f"  {'peak':<32}{est.total() / GiB:>10.2f}" + (f"{measured.peak / GiB:>10.2f}" if measured else ""))
     if measured is not None:
         lines.append(f"  {'host (checkpointed inputs)':<32}{est.total('host') / GiB:>10.2f}{measured.host / GiB:>10.2f}")
-        lines += [f"  measured: {note}" for note in measured.notes]
-    lines.append("  savings: " + "; ".join(est.savings.describe()))
+        lines += [row for note in measured.notes for row in fit(f"  measured: {note}")]
+    lines += fit("  savings: " + "; ".join(est.savings.describe()))
     return "\n".join(lines)
 
 
@@ -40,22 +56,25 @@ def format_modes(estimates: dict[str, MemoryEstimate]) -> str:
 
 
 def format_table(est: MemoryEstimate) -> str:
-    def gib(n: int) -> str:
-        return f"{n / GiB:8.2f}"
+    """The terms, each a row of its GiB (``~``: approximate) and its label, a term's parts indented below it; the
+    host's terms and the ones compared (not held) after the device's total."""
+    def rows(gib: float | None, label: str, mark: str = " ", depth: int = 0) -> list[str]:
+        figure = "" if gib is None else f"{gib:.2f}"
+        head = f"  {figure:>8} {mark} " + "  " * depth
+        return fit(head + label, " " * len(head) + "  ")
 
-    width = max(len(t.label) + 2 * t.depth for t in est.terms) + 4
-    lines = [est.title, f"  {'on each GPU':<{width}}{'GiB':>8}"]
+    lines = [est.title, f"  {'GiB':>8}   on each GPU"]
     for t in est.terms:
         if t.where == "device":
-            mark = "~" if t.approx else " "
-            lines.append(f"  {'  ' * t.depth}{t.label:<{width - 2 * t.depth}}{gib(t.bytes)} {mark}")
-    lines.append(f"  {'total on the device':<{width}}{gib(est.total('device'))}")
+            lines += rows(t.bytes / GiB, t.label, "~" if t.approx else " ", t.depth)
+    lines += rows(est.total("device") / GiB, "total on the device")
     host = [t for t in est.terms if t.where == "host"]
     if host:
-        lines.append(f"  {'in host memory (per rank)':<{width}}")
-        lines += [f"  {t.label:<{width}}{gib(t.bytes)}" for t in host]
+        lines += rows(None, "in host memory (per rank)")
+        for t in host:
+            lines += rows(t.bytes / GiB, t.label, depth=1)
     for t in est.terms:
         if t.where == "compare":
-            lines.append(f"  {t.label:<{width}}{gib(t.bytes)}  ({t.bytes / 1e9:.1f} GB)")
+            lines += rows(t.bytes / GiB, f"{t.label} ({t.bytes / 1e9:.1f} GB)")
     lines.append("  ~ approximate (kernel-dependent); `packtrain smoke` measures the real peak")
     return "\n".join(lines)

@@ -34,6 +34,7 @@ from packtrain.config import MAX_POSITIONS
 from packtrain.config.tiles import AUTO, KEYS, TILE_ROWS, offload_layers
 from packtrain.memory import estimate as memory
 from packtrain.memory.budget import Budget
+from packtrain.memory.describe import WIDTH, fit
 from packtrain.memory.estimate import OFFLOAD_CHUNK_BYTES, GiB, StepSavings, UnitShape
 from packtrain.memory.step_time import step_seconds
 from packtrain.models.text_config import config_dict_of, text_config
@@ -94,17 +95,31 @@ class Choice:
         if b.host_per_node is not None and c.host_per_node > b.host_per_node:
             over.append(f"the offload pools of a node take {c.host_per_node / GiB:.2f} GiB of its "
                         f"{b.host_per_node / GiB:.2f} GiB of host memory")
-        return (f"warning: {what} fits the largest unit: " + "; ".join(over) + " (closest: "
-                + describe(c.savings, self.layers) + "); lower packing.token_budget, or see `packtrain plan --memory`")
+        return (f"warning: {what} fits the largest unit: " + "; ".join(over)
+                + "; lower packing.token_budget, or see `packtrain plan --memory`")
+
+    def traded(self) -> bool:
+        """Whether the choice traded step time for memory: some combination of the savings does not fit."""
+        return not all(c.fits for c in self.candidates)
 
     def lines(self) -> list[str]:
-        """The candidates considered (every combination of the auto savings), the chosen one marked."""
-        head = (f"memory savings by need: {self.budget.describe()}; "
-                + (f"given: {', '.join(f'train.{k} {v}' for k, v in self.given.items())}" if self.given
-                   else "every saving auto"))
+        """The choice as `plan --memory` and a run's header print it (within the header's indent of two): when
+        every combination fits, one line, the fastest being taken; else every combination considered, the chosen
+        one marked."""
+        given = (f"given: {', '.join(f'train.{k} {v}' for k, v in self.given.items())}" if self.given
+                 else "every saving auto")
+        b, n = self.budget, len(self.candidates)
+        if not self.traded():
+            most = max(c.device_bytes for c in self.candidates) / GiB
+            each = "per GPU" if b.device == "cuda" else "per rank"
+            room = (f"at most {most:.2f} of {b.device_bytes / GiB:.2f} GiB {each}" if b.device_bytes is not None
+                    else "device memory unknown")
+            which = f"all {n} combinations fit" if n > 1 else "the one combination fits"
+            given = f"; {given}" if self.given else ""
+            return fit(f"memory savings by need: {which} ({room}), the fastest taken{given}", width=WIDTH - 2)
         columns = (f"  {'':2}{'checkpointing':<14}{'offload':>9}{'loss rows':>11}{'MLP rows':>10}"
                    f"{'norm rows':>11}{'device GiB':>12}{'host/node GiB':>15}{'step cost':>11}")
-        rows = [head, columns]
+        rows = [*fit(f"memory savings by need: {b.describe()}; {given}", width=WIDTH - 2), columns]
         order = sorted(self.candidates, key=lambda c: (not c.fits, c.relative_cost, c.device_bytes))
         for c in order:
             s = c.savings
@@ -328,16 +343,19 @@ def max_token_budget(cfg, shape: UnitShape, world_size: int, budget: Budget, gib
 
 
 def format_budget(b: dict, layers: int) -> str:
+    """The largest budget's lines: the budget, its estimate, and the pack and savings it was estimated with."""
     s = StepSavings(**b["savings"])
     head = (f"largest packing.token_budget fitting {b['gpu_memory_gib']:g} GiB per GPU less the "
-            f"{b['reserve_bytes'] / GiB:.2f} GiB reserve ({b['device_budget_bytes'] / GiB:.2f} GiB; the estimate with "
-            f"{describe(s, layers)}; P of {b['prefix']:,} tokens and continuations of the largest pack's mean, "
-            f"{b['continuation_positions']:,.0f} positions and {b['continuation_targets']:,.0f} target tokens each, "
-            "as many as fit)")
+            f"{b['reserve_bytes'] / GiB:.2f} GiB reserve ({b['device_budget_bytes'] / GiB:.2f} GiB): ")
     if b["token_budget"] is None:
-        return f"{head}: none (P with one continuation needs {b['estimate_bytes'] / GiB:.2f} GiB)"
-    line = (f"{head}: {b['token_budget']:,} positions, {b['continuations']} continuations "
-            f"({b['estimate_bytes'] / GiB:.2f} GiB, peak in {b['peak_phase']})")
-    if b["continuations"] > b["max_continuations"]:
-        line += f"; needs packing.max_continuations >= {b['continuations']} (now {b['max_continuations']})"
-    return line
+        lines = [f"{head}none", f"  P with one continuation needs {b['estimate_bytes'] / GiB:.2f} GiB"]
+    else:
+        found = (f"  {b['continuations']} continuations, {b['estimate_bytes'] / GiB:.2f} GiB (peak in "
+                 f"{b['peak_phase']})")
+        if b["continuations"] > b["max_continuations"]:
+            found += f"; needs packing.max_continuations >= {b['continuations']} (now {b['max_continuations']})"
+        lines = [f"{head}{b['token_budget']:,} positions", *fit(found)]
+    lines += fit(f"  estimated with {describe(s, layers)}")
+    lines += fit(f"  P of {b['prefix']:,} tokens and as many continuations as fit, each of the largest pack's mean: "
+                 f"{b['continuation_positions']:,.0f} positions, {b['continuation_targets']:,.0f} target tokens")
+    return "\n".join(lines)

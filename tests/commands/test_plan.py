@@ -77,8 +77,9 @@ def test_table_output(tmp_path):
         "  (attention pairs: query-key pairs of causal attention, per full-attention layer and head)",
         "",
         # one pack per step on one rank: nobody waits; no model config: positions are the cost
-        "steps at world size 1 (1 pack per step; train.balance cost): utilisation (mean / largest rank cost per "
-        "step, epoch 0) cost 1.000, round_robin 1.000; distinct prompts per step 1.0 vs 1.0",
+        "steps at world size 1 (1 pack per step; train.balance cost)",
+        "  utilisation (mean / largest rank cost per step, epoch 0) cost 1.000, round_robin 1.000",
+        "  distinct prompts per step: cost 1.0, round_robin 1.0",
         "  cost model: 1 per position + 0 per attention pair (train.cost_per_position, train.cost_per_pair)",
         "serve: vllm yes, sglang yes, merged yes",  # lora.target_modules' default: q, k, v, o, gate_proj
     ]
@@ -224,6 +225,77 @@ def test_missing_train_data(tmp_path):
     config.write_text("packing:\n  token_budget: 100\n")
     result = run_plan(config)
     assert_one_clear_error(result, f"invalid config in {config}:\n  - data.train: not set (the training data to plan)")
+
+
+# --- plan --memory without the data: the largest pack the config allows -----------------------------------------------
+
+def test_plan_memory_needs_no_data(tmp_path):
+    """`plan --memory CONFIG` whose data file is missing stopped on it, though the estimate needs none: it sizes
+    packing.token_budget's pack and says so in one line; plain `plan` still reads the data (and refuses without
+    it), and --measure, which runs the step on the data's largest pack, refuses too."""
+    missing = tmp_path / "nowhere.jsonl"
+    config = cli_helpers.write_config(tmp_path, data={"train": str(missing), "eval": None})
+    out = run_plan(config, "--memory")
+    assert out.returncode == 0, out.stderr
+    said = out.stdout[:out.stdout.index("\nserve: ")]  # one line, wrapped where the path is long
+    assert " ".join(said.split()) == (f"no data ({missing} not found): estimating the pack of "
+                                      "packing.token_budget positions that needs the most memory")
+    assert "memory per GPU for the largest pack: 208 positions, 3 continuations, 208 target tokens" in out.stdout
+    assert "total on the device" in out.stdout and "each packing.context_grad" in out.stdout
+    mem = _strict_json(run_plan(config, "--memory", "--json", "--gpu-memory", "8").stdout)["memory"]
+    assert mem["unit"] == {"from": "packing.token_budget", "no_data": f"{missing} not found", "prefix": 0,
+                           "positions": 208, "continuations": 3, "target_tokens": 208}
+    assert mem["max_token_budget"] > 208
+    assert_one_clear_error(run_plan(config), f"{missing}: file not found")
+    refused = run_plan(config, "--memory", "--measure")
+    assert refused.returncode == 2 and "--measure runs the training step on the data's largest pack" in refused.stderr
+    unset = tmp_path / "unset.yaml"
+    unset.write_text("# packtrain plan unset.yaml\n" + config.read_text().replace(f"train: {missing}", "train: null"))
+    assert run_plan(unset, "--memory").stdout.startswith("no data (data.train not set): ")
+
+
+@pytest.mark.parametrize("packing", [{"mode": "shared_prefix"}, {"mode": "standalone"}, {"mode": "tree"},
+                                     {"continuation_groups": 2}, {"context_grad": "frozen"}],
+                         ids=["shared_prefix", "standalone", "tree", "groups", "frozen"])
+def test_the_estimate_without_data_bounds_the_datas(tmp_path, packing):
+    """Without data the pack sized is the budget's of the most memory: at least the estimate of the data's largest
+    unit under each packing mode, the same savings chosen (every one fits). Under continuation groups that is a P
+    of nearly the whole budget (P's graph is kept whole while each group runs): no P held less than the data's."""
+    config = cli_helpers.write_config(tmp_path, packing=packing)
+    with_data = _strict_json(run_plan(config, "--memory", "--json").stdout)["memory"]
+    no_data = _strict_json(run_plan(config, "--memory", "--json", "--set",
+                                    f"data.train={tmp_path / 'gone.jsonl'}").stdout)["memory"]
+    assert with_data["unit"]["from"] == "data" and no_data["unit"]["from"] == "packing.token_budget"
+    assert no_data["savings"] == with_data["savings"]
+    assert no_data["total_device_bytes"] >= with_data["total_device_bytes"]
+    assert no_data["unit"]["positions"] == 208 >= with_data["unit"]["positions"]
+
+
+def test_without_data_groups_size_the_largest_p_where_it_holds_more():
+    """The 27B in 8 continuation groups: P's graph, kept whole while each group runs, outweighs every target's
+    logits (the loss in chunks), so the pack sized is a P of all but one position per continuation; in whole packs,
+    no P."""
+    def unit(*sets):
+        out = run_plan(REPO / "configs" / "qwen3.6-27b.yaml", "--memory", "--json", *sets)
+        assert out.returncode == 0, out.stderr
+        return _strict_json(out.stdout)["memory"]["unit"]
+
+    assert unit("--set", "packing.continuation_groups=8")["prefix"] == 150_000 - 90
+    assert unit()["prefix"] == 0
+
+
+# --- the checks train makes at start ----------------------------------------------------------------------------------
+
+def test_plan_refuses_the_task_metric_train_refuses(tmp_path):
+    """`generate.metric: jsonn` under generate.every: train refuses it at start, plan ran; now plan refuses it with
+    train's message (with the data and, under --memory, without)."""
+    config = cli_helpers.write_config(tmp_path, generate={"metric": "jsonn", "every": 2})
+    train = cli_helpers.refused(run_in_process("train", config, check=False))
+    message = train.strip().splitlines()[-1].removeprefix("packtrain train: error: ")
+    assert message.startswith("generate.metric: 'jsonn' is not a metric")
+    assert_one_clear_error(run_plan(config), message)
+    assert_one_clear_error(run_plan(config, "--memory", "--set", f"data.train={tmp_path / 'gone.jsonl'}"), message)
+    assert run_plan(config, "--set", "generate.metric=json").returncode == 0
 
 
 def _strict_json(text: str):

@@ -166,8 +166,8 @@ def test_a_turn_without_reasoning_is_tokenized_as_generated(tmp_path, toks, temp
     cfg = write_config(tmp_path, data={"train": data, "eval": None, "chat_template": str(path),
                                        "tokenizer": str(QWEN_LIKE)}, packing={"token_budget": 2400})
     assert json.loads(run_in_process("plan", cfg, "--json").stdout)["whole_differs"] == 1
-    assert ("  tokens     1 example tokenized as generated (the prompt, then the target apart) differ from the "
-            "whole render tokenized at once") in run_in_process("plan", cfg).stdout
+    assert ("  tokens     1 example tokenized as generated (prompt, then target) differs from the whole render "
+            "tokenized at once") in run_in_process("plan", cfg).stdout
 
 
 def test_all_refuses_a_turn_the_next_prompt_tokenizes_otherwise(tmp_path, toks, templates):

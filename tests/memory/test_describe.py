@@ -4,7 +4,7 @@ marked), each phase beside the measured count, and one line per context mode."""
 
 from types import SimpleNamespace
 
-from packtrain.memory.describe import format_modes, format_phases, format_table
+from packtrain.memory.describe import fit, format_modes, format_phases, format_table
 from packtrain.memory.estimate import GiB, MemoryEstimate, Term
 
 
@@ -20,15 +20,37 @@ def _estimate(phases=None, checkpointed=1.0):
 def test_the_table_lists_device_terms_then_host_and_compared_ones():
     assert format_table(_estimate()).splitlines() == [
         "estimate for a pack",
-        "  on each GPU                 GiB",
-        "  weights                    2.00  ",
-        "    of which adapters        0.50  ",
-        "  checkpointed inputs        1.00 ~",
-        "  total on the device        3.00",  # the parts of a term are not added again
-        "  in host memory (per rank)",
-        "  offloaded inputs           3.00",
-        "  full logits                0.93  (1.0 GB)",
+        "       GiB   on each GPU",
+        "      2.00   weights",
+        "      0.50     of which adapters",
+        "      1.00 ~ checkpointed inputs",
+        "      3.00   total on the device",  # the parts of a term are not added again
+        "             in host memory (per rank)",
+        "      3.00     offloaded inputs",
+        "      0.93   full logits (1.0 GB)",
         "  ~ approximate (kernel-dependent); `packtrain smoke` measures the real peak"]
+
+
+def test_a_long_label_wraps_under_itself_and_the_figures_keep_their_column():
+    """The figures come first: a label of any length wraps within 120 columns (a 27B's 500-column term put the GiB
+    column off the terminal), each part of a term below its own label."""
+    label = "the norm's backward in tiles of 8,192 rows: " + ", ".join(["6 x 41,943,040 float32"] * 8)
+    est = MemoryEstimate([Term("w", "weights", 2 * GiB), Term("norm", label, GiB, depth=1, approx=True)], "t", {},
+                         SimpleNamespace(describe=list))
+    lines = format_table(est).splitlines()
+    assert max(map(len, lines)) <= 120 and len(lines) > 6
+    assert lines[3].startswith("      1.00 ~   the norm's backward in tiles of 8,192 rows: 6 x 41,943,040")
+    assert all(line.startswith(" " * 17) and not line.startswith(" " * 18) for line in lines[4:-2])
+    assert " ".join(line.strip() for line in lines[3:-2]) == f"1.00 ~   {label}"
+    assert lines[-2] == "      2.00   total on the device"
+
+
+def test_every_line_fits_and_a_wrapped_line_keeps_its_words():
+    line = "  savings: " + "; ".join(f"saving {k}: {'x' * k}" for k in range(30))
+    lines = fit(line)
+    assert len(lines) > 1 and all(len(x) <= 120 for x in lines) and lines[0].startswith("  savings: saving 0")
+    assert all(x.startswith("    ") for x in lines[1:]) and " ".join(x.strip() for x in lines) == line.strip()
+    assert fit("short") == ["short"]
 
 
 def test_each_phase_beside_the_measured_count():
