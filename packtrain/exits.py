@@ -21,6 +21,12 @@ class RunStopped(RuntimeError):
         self.quiet = quiet  # another rank says the same: print nothing here
 
 
+class Finished(RunStopped):
+    """``--resume`` of a run that has trained all its steps: nothing to do, said in one line."""
+
+    exit_code = 0
+
+
 class NonFiniteError(RunStopped):
     exit_code = NONFINITE_EXIT
 

@@ -74,7 +74,7 @@ def run_dump_stacks(args) -> int:
             print(dump_header(None, pid, "packtrain dump-stacks") + native_stacks(pid))
         return 0
     cfg = load_config(args.config, args.overrides)
-    out = Path(cfg.output_dir)
+    out = cfg.output_path
     host = socket.gethostname()
     entries = [e for e in registered_ranks(out) if e["host"] == host and _alive(e["pid"])
                and (not args.pid or e["pid"] in args.pid)]

@@ -74,7 +74,7 @@ def run_pretune_fla(args) -> int:
     if not tuned:
         raise ValueError("no fla kernel was autotuned during the update (were they tuned from a cache?)")
     gpu = torch.cuda.get_device_name()
-    out = Path(args.out) if args.out else Path(cfg.output_dir) / "fla-configs" / re.sub(r"[^0-9A-Za-z]+", "_", gpu)
+    out = Path(args.out) if args.out else cfg.output_path / "fla-configs" / re.sub(r"[^0-9A-Za-z]+", "_", gpu)
     written = fla_tune.write_fla_configs(out, tuned, gpu, triton.__version__)
     print(f"pretune-fla: one update of {one.packs[0].positions:,} positions (P cut to {args.prompt_tokens} tokens) on {gpu}")
     print(format_tuned(tuned, plain))

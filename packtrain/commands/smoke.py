@@ -12,7 +12,6 @@ waiting in a collective until the launcher's timeout; its own output names the p
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from packtrain.config import load_config
 from packtrain.distributed import apply_launcher_settings, init_distributed, shutdown
@@ -63,7 +62,7 @@ def run_smoke(args) -> int:
         print("\n".join(savings_lines(session.choice)))
     cfg = session.run_cfg
     one, unit = harness.one_pack(plan, examples, session.kinds, cfg.train.max_positions)
-    out = Path(cfg.output_dir) / "smoke"
+    out = cfg.output_path / "smoke"
     probe = harness.PeakMemory(info.device)
     phases = []
     state = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +27,9 @@ class ModelConfig:
     path: str | None = None  # a local transformers directory (no downloads)
     config: dict | None = None  # or a transformers config dict, randomly initialised from `seed`
     seed: int = 0
+    # A trained PEFT adapter directory (an SFT run's OUTPUT/adapter, say) folded into the base: the run trains a new
+    # LoRA on base + this adapter, as if model.path were its `packtrain export --merged` (packtrain/models/start_adapter.py)
+    adapter: str | None = None
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     # Kernels for the packed forward: torch (CPU reference, also runs on CUDA) or fla (CUDA: fla + FlexAttention;
     # CPU only under TRITON_INTERPRET=1). `auto` picks fla on CUDA when fla imports, else torch; always printed.
@@ -144,7 +148,12 @@ class TrainConfig:
     rpo_alpha: float = 0.0
     epochs: int = 2
     max_steps: int | None = None
-    packs_per_step: int = 1  # global: packs of one optimizer step across all ranks
+    # Packs each rank trains per optimizer step (TRL's and axolotl's per-device batch): a step holds packs_per_rank
+    # x the world size packs, so every rank works
+    packs_per_rank: int = 1
+    # Or the step's packs over all ranks together (global, the same steps at any world size: what a resume on
+    # another world size keeps); fewer than the ranks leaves ranks idle (warned at start). null: packs_per_rank
+    packs_per_step: int | None = None
     seed: int = 0
     save_every: int = 100
     eval_every: int | None = None
@@ -205,7 +214,10 @@ class GenerateConfig:
 
 @dataclass
 class LoggingConfig:
-    progress: bool = True
+    progress: bool = True  # a progress bar, on a terminal only (stderr a TTY)
+    # Without the bar (a log file, a cluster job, progress false): one plain line every N steps (and at the first and
+    # the last): step, loss, lr, positions/s, tokens seen, elapsed and ETA. null: none
+    every: int | None = 10
     wandb: Literal["off", "offline", "online"] = "off"
     wandb_project: str = "packtrain"
 
@@ -240,14 +252,28 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
     output_dir: str = "runs/default"
-    # Directory of the YAML file: relative data/model paths are resolved against it.
+    # Directory of the YAML file: every relative path of the config (PATHS: data, model, output_dir) is resolved
+    # against it, whatever the working directory.
     base_dir: str = field(default=".", metadata={"internal": True})
 
     def resolve_path(self, p: str | None) -> Path | None:
         if p is None:
             return None
         path = Path(p).expanduser()
-        return path if path.is_absolute() else (Path(self.base_dir) / path)
+        return path if path.is_absolute() else Path(os.path.normpath((Path(self.base_dir) / path).absolute()))
+
+    @property
+    def output_path(self) -> Path:
+        """``output_dir`` resolved against the config file's directory, as every other path is (said relative to the
+        working directory where it lies below it: ``runs/demo/adapter`` in what a run prints)."""
+        path = self.resolve_path(self.output_dir)
+        return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+
+    def packs_per_step(self, world: int) -> int:
+        """The packs of one optimizer step at ``world`` ranks: ``train.packs_per_step`` where given, else
+        ``train.packs_per_rank`` on every rank."""
+        t = self.train
+        return t.packs_per_step if t.packs_per_step is not None else t.packs_per_rank * world
 
     def walk_spec(self) -> WalkSpec | None:
         """The walk's settings, None unless packing.on_overflow is walk."""
@@ -256,10 +282,25 @@ class Config:
             return None
         return WalkSpec(w.chunk, None if w.horizon == "all" else w.horizon)
 
-    def to_dict(self) -> dict:
+    def to_dict(self, resolved: bool = False) -> dict:
+        """The config as YAML holds it; ``resolved``: every path of :data:`PATHS` absolute, so that the dict
+        written to a run directory (its ``config.yaml``) runs again from anywhere."""
         d = dataclasses.asdict(self)
         d.pop("base_dir")
+        if resolved:
+            for dotted in PATHS:
+                *parents, key = dotted.split(".")
+                where = d
+                for part in parents:
+                    where = where[part]
+                if key in where and where[key] is not None:
+                    where[key] = str(self.resolve_path(where[key]))
         return d
+
+
+# Every key of the config that names a file or directory: relative ones resolve against the config file's directory.
+PATHS = ("model.path", "model.adapter", "data.train", "data.eval", "data.tokenizer", "data.processor",
+         "data.chat_template", "output_dir")
 
 
 # Bounds checked after types: (dotted path, predicate, message).
@@ -281,13 +322,15 @@ _BOUNDS = [
     ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two numbers in [0, 1)"),
     ("train.epochs", lambda v: v >= 1, "must be at least 1"),
     ("train.max_steps", lambda v: v is None or v >= 1, "must be at least 1 (or null)"),
-    ("train.packs_per_step", lambda v: v >= 1, "must be at least 1"),
+    ("train.packs_per_rank", lambda v: v >= 1, "must be at least 1"),
+    ("train.packs_per_step", lambda v: v is None or v >= 1, "must be at least 1 (or null: train.packs_per_rank)"),
     ("train.save_every", lambda v: v >= 1, "must be at least 1"),
     ("train.eval_every", lambda v: v is None or v >= 1, "must be at least 1 (or null)"),
     ("generate.max_new_tokens", lambda v: v >= 1, "must be at least 1"),
     ("generate.temperature", lambda v: v >= 0, "must be >= 0 (0: greedy)"),
     ("generate.top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
     ("generate.every", lambda v: v is None or v >= 1, "must be at least 1 (or null)"),
+    ("logging.every", lambda v: v is None or v >= 1, "must be at least 1 (or null: no step lines)"),
     ("generate.examples", lambda v: v is None or v >= 1, "must be at least 1 (or null: all)"),
     ("ops.hang_timeout", lambda v: v is None or v > 0, "must be positive (or null: no watchdog)"),
     ("ops.hang_abort", lambda v: v is None or v > 0, "must be positive (or null: never abort)"),
@@ -375,8 +418,13 @@ def _validate(cfg: Config) -> list[str]:
     if cfg.train.objective != "dpo" and cfg.train.rpo_alpha:
         problems.append(f"train.rpo_alpha: weighs the chosen answers' cross-entropy under train.objective dpo, not "
                         f"{cfg.train.objective} (set 0)")
+    if cfg.train.packs_per_step is not None and cfg.train.packs_per_rank != 1:
+        problems.append(f"train.packs_per_rank, train.packs_per_step: give one (packs per rank, or the step's packs "
+                        f"over all ranks), got {cfg.train.packs_per_rank} and {cfg.train.packs_per_step}")
     if cfg.model.path is not None and cfg.model.config is not None:
         problems.append("model: give either model.path or model.config, not both")
+    if cfg.model.adapter is not None and cfg.model.path is None and cfg.model.config is None:
+        problems.append("model.adapter: is folded into the base of model.path or model.config, and neither is set")
     if cfg.lora.target_parameters and cfg.lora.dropout > 0:
         problems.append(f"lora.dropout: must be 0 with lora.target_parameters (peft cannot drop out the input of a "
                         f"targeted parameter), got {cfg.lora.dropout!r}")

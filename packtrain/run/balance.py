@@ -15,7 +15,8 @@ The steps of epoch e, from the plan alone (every rank computes the same one):
 
 1. the packs in the epoch's seeded order (:func:`packtrain.data.planner.epoch_order`), then sorted by cost,
    descending (stable: the shuffle breaks ties);
-2. steps of ``train.packs_per_step`` packs taken down that list. A step of neighbours in cost would hold few
+2. steps of :meth:`~packtrain.config.Config.packs_per_step` packs (``train.packs_per_rank`` x the world size, or
+   ``train.packs_per_step``) taken down that list. A step of neighbours in cost would hold few
    prompts (a prompt's full packs cost the same), so a step keeps at least :data:`DIVERSITY` of the distinct prompts
    a round-robin step of this epoch has on average: past that many repeats, a pack of a prompt already in the step
    waits for the next step while another prompt's pack takes the slot;
@@ -23,8 +24,10 @@ The steps of epoch e, from the plan alone (every rank computes the same one):
 4. in each step, the packs to ranks: costliest first, each to the least loaded rank that has room (every rank gets
    the step's packs / world, the first ranks one more when it does not divide).
 
-Which packs form a step does not depend on the world size (only step 4 does), so 1 rank and 64 ranks train the
-same steps. ``round_robin`` is the order of ``epoch_order`` cut into steps, rank r taking slots r, r+world, ...
+Given the step's packs (``train.packs_per_step``), which packs form a step does not depend on the world size (only
+step 4 does), so 1 rank and 64 ranks train the same steps; with ``train.packs_per_rank`` a step grows with the
+ranks, as a per-device batch does. ``round_robin`` is the order of ``epoch_order`` cut into steps, rank r taking
+slots r, r+world, ...
 """
 
 from __future__ import annotations
@@ -137,6 +140,23 @@ def distinct_prompts(steps: list[list[list[int]]], plan: Plan) -> float:
     return sum(counts) / len(counts) if counts else 0.0
 
 
+def idle_ranks(cfg: Config, world: int) -> str | None:
+    """The warning for ``train.packs_per_step`` at ``world`` ranks, None when every rank works: fewer packs per step
+    than ranks leaves ranks idle at every step (a rank with no pack runs a dummy unit: the same update, at the cost
+    of a GPU); a count that does not divide among the ranks leaves some waiting for part of every step."""
+    per_step = cfg.train.packs_per_step
+    if per_step is None or per_step % world == 0:
+        return None
+    fix = (f"set train.packs_per_rank (packs each rank trains per step: {per_step // world or 1} gives "
+           f"{(per_step // world or 1) * world} per step) in place of train.packs_per_step, or packs_per_step to a "
+           f"multiple of {world}")
+    if per_step < world:
+        return (f"WARNING: train.packs_per_step {per_step} over {world} ranks leaves {world - per_step} of them idle "
+                f"at every step (utilisation at most {per_step / world:.2f}): {fix}")
+    return (f"warning: train.packs_per_step {per_step} does not divide among {world} ranks: {world - per_step % world} "
+            f"of them wait out part of every step; {fix}")
+
+
 def steps_per_epoch(plan: Plan, packs_per_step: int) -> int:
     return math.ceil(len(plan.packs) / packs_per_step)
 
@@ -160,8 +180,8 @@ class StepPlan:
     def for_run(cls, cfg: Config, plan: Plan, examples, world: int) -> StepPlan:
         """The steps ``packtrain train`` runs on ``plan`` at ``world`` ranks (``train.*``, the config's cost model)."""
         t = cfg.train
-        return cls(plan, pack_costs(plan, examples, CostModel.for_config(cfg)), t.packs_per_step, t.seed, world,
-                   t.balance)
+        return cls(plan, pack_costs(plan, examples, CostModel.for_config(cfg)), cfg.packs_per_step(world), t.seed,
+                   world, t.balance)
 
     def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
         """Epoch ``epoch``'s steps, each a list over ranks of pack indices."""

@@ -58,9 +58,22 @@ def header(trainer) -> list[str]:
                      f"in {t.out / 'generations'}/step-N.jsonl, mismatches in step-N.errors.md")
     lines += memory_lines(t)
     trainable = sum(p.numel() for p in t.params)
-    lines.append(f"  {t.total_steps} steps ({t.steps_per_epoch} per epoch, {cfg.train.packs_per_step} "
-                 f"packs per step), {trainable:,} trainable parameters, output {t.out}")
+    lines.append(f"  {t.total_steps} step{'s' * (t.total_steps != 1)} ({t.steps_per_epoch} per epoch, "
+                 f"{packs_per_step(cfg, t.info.world_size)}"
+                 f"), {trainable:,} trainable parameters, output {t.out}")
+    if t.idle_warning is not None:
+        lines.append(f"  {t.idle_warning}")
+    given = t.overrides.describe()
+    if given is not None:
+        lines.append(f"  {given}")
     return lines
+
+
+def packs_per_step(cfg, world: int) -> str:
+    """``2 packs per step (1 per rank)``, or ``1 pack per step`` at one rank."""
+    n = cfg.packs_per_step(world)
+    per_rank = f" ({cfg.train.packs_per_rank} per rank)" if cfg.train.packs_per_step is None and world > 1 else ""
+    return f"{n} pack{'s' * (n != 1)} per step{per_rank}"
 
 
 def _at_step_0(metrics_path, split: str, key: str) -> float | None:
@@ -89,7 +102,8 @@ def savings_lines(choice) -> list[str]:
     """A choice's lines as the run header prints them (train, smoke, bench)."""
     c = choice.chosen
     first = (f"  memory: {savings.describe(c.savings, choice.layers)}: about {c.device_bytes / memory.GiB:.1f} GiB "
-             f"per GPU at the largest unit (the estimate, peak in {c.peak_phase}), step cost {c.relative_cost:.3f} "
+             f"{'per GPU' if choice.budget.device == 'cuda' else 'per rank'} at the largest unit (the estimate, peak "
+             f"in {c.peak_phase}), step cost {c.relative_cost:.3f} "
              "of the step without savings")
     lines = [first]
     lines += [f"  {line}" for line in choice.lines()]

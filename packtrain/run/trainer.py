@@ -2,11 +2,12 @@
 
     examples -> planner -> packs -> per-rank units -> unit runner -> loss -> backward -> AdamW/SGD
 
-An optimizer step takes ``train.packs_per_step`` packs (global across ranks). Each unit's ``loss_sum`` (sum of
-per-example mean target cross-entropies) is scaled by 1 / (examples in the whole step) and FSDP sums the ranks'
-gradients, so the update is the mean of per-example losses whatever the split into packs, micro-steps, modes or
-ranks (:func:`packtrain.run.units.step_scale`). The step itself is :class:`packtrain.run.step.Step`, the one the bench
-and the harness run too; the units run in :mod:`packtrain.run.units`. What runs between steps (evaluation, task
+An optimizer step takes ``train.packs_per_rank`` packs on every rank (or ``train.packs_per_step`` over all ranks).
+Each unit's ``loss_sum`` (sum of per-example mean target cross-entropies) is scaled by 1 / (examples in the whole
+step) and FSDP sums the ranks' gradients, so the update is the mean of per-example losses whatever the split into
+packs, micro-steps, modes or ranks (:func:`packtrain.run.units.step_scale`). The step itself is
+:class:`packtrain.run.step.Step`, the one the bench and the harness run too; the units run in
+:mod:`packtrain.run.units`. What runs between steps (evaluation, task
 generation, checkpoints) and when is the run's cadence, :mod:`packtrain.run.cadence`.
 """
 
@@ -29,19 +30,22 @@ from packtrain.distributed import DistInfo, agree, barrier, init_distributed, lo
 from packtrain.exits import NonFiniteError, PeerLost, Preempted
 from packtrain.ops.nodes import check_same_config, check_same_plan
 from packtrain.ops.runtime import RunOps
-from packtrain.run import finite, reference
+from packtrain.run import balance, finite, reference
 from packtrain.run.balance import StepPlan
 from packtrain.run.cadence import Beating, Cadence, Checkpoints, Evaluation, Generation, Records
 from packtrain.run.header import footer, header
 from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
 from packtrain.run.optim import build_optimizer, build_scheduler
+from packtrain.run.progress import Progress
 from packtrain.run.session import open_session
 from packtrain.run.signals import StopSignals
 from packtrain.run.step import Step
 from packtrain.run.units import unit_shape
 from packtrain.rundir import checkpoint as ckpt
 from packtrain.rundir import directory as rundir
+from packtrain.rundir import overrides
 from packtrain.rundir import resume as resuming
+from packtrain.rundir.overrides import RunOverrides
 from packtrain.rundir.tokenizer import save_run_tokenizer
 
 
@@ -84,14 +88,17 @@ class Counters:
     """The run's counters: what a checkpoint saves of the run's progress (state.json), and what a resume restores."""
     step: int = 0  # optimizer steps done
     nonfinite_skips: int = 0  # steps skipped without an update for a NaN/inf loss or gradient norm
+    tokens_seen: int = 0  # positions of the packs trained so far (P once per pack)
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: bool = False, log=print, overwrite: bool = False):
+    def __init__(self, cfg: Config, resume: bool = False, log=print, overwrite: bool = False,
+                 overrides: RunOverrides | None = None):
         self.cfg = cfg
         self.log = log
+        self.overrides = overrides or RunOverrides()  # the --set overrides it runs with, recorded for a resume
         self.info: DistInfo = init_distributed(cfg.train.device, cfg.ops.collective_timeout)
-        self.out = Path(cfg.output_dir)
+        self.out = cfg.output_path
         # every rank runs the same config on the same data, or none starts: checked before anything is written
         check_same_config(cfg, self.info)
         # and what the config asks of the data (the plan, the steps, the budget), refused before anything is written
@@ -101,7 +108,7 @@ class Trainer:
         # check-nodes (refuses mismatched ranks before step 0), hang watchdog, SIGUSR1 stacks, wandb; it goes
         # before the model build and resume, which already run collectives
         self.ops = RunOps(cfg, self.info, self.out, log=log)
-        self.signals = StopSignals()
+        self.signals = StopSignals(announce=self.info.is_main)
         self.signals.install()  # from here SIGTERM/SIGINT only set a flag, acted on at a step boundary
         try:
             self.ops.start()
@@ -130,6 +137,9 @@ class Trainer:
         self.run_cfg = s.run_cfg
         if self.run_cfg.train.offload:
             check_node_pool(self.run_cfg, self.plan, self.train_examples, self.info.world_size, s.kinds)
+        self.idle_warning = balance.idle_ranks(cfg, self.info.world_size)  # said before the header and in it
+        if self.idle_warning is not None and self.info.is_main:
+            self.log(self.idle_warning)
         self.steps = StepPlan.for_run(cfg, self.plan, self.train_examples, self.info.world_size)
         self.steps_per_epoch = self.steps.steps_per_epoch
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
@@ -144,13 +154,15 @@ class Trainer:
         s = self.session
         s.build_model(save_base_to=base_dir if self.info.is_main else None)
         self.model, self.lm, self.backend, self.kinds = s.model, s.lm, s.backend, s.kinds
-        if self.kinds.objective.paired and cfg.train.dpo_reference == "precompute":
-            table = self._reference_table(cfg)
-            self.kinds = dataclasses.replace(self.kinds, objective=self.kinds.objective.with_table(table))
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
         if s.scorer is not None:
             self.task = s.task()
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
+        if self.info.is_main:  # what the run is, before its first long pass (the dpo reference)
+            self._log(header(self))
+        if self.kinds.objective.paired and cfg.train.dpo_reference == "precompute":
+            table = self._reference_table(cfg)
+            self.kinds = dataclasses.replace(self.kinds, objective=self.kinds.objective.with_table(table))
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         # Each rank draws its own dropout masks; train.seed fixes them (and a checkpoint stores every rank's state).
@@ -173,9 +185,16 @@ class Trainer:
             latest, state = found
             self.cadence.resume(state.get("owed", []), latest)
         if self.info.is_main:
-            (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False) + self._chosen_note())
+            (self.out / "config.yaml").write_text(self._config_yaml(cfg))
+            overrides.write(self.out, self.overrides)
             # the tokenizer and chat template the run trains with, which its exports carry
             save_run_tokenizer(cfg, self.out, getattr(self.model.config, "vision_config", None) is not None)
+
+    def _config_yaml(self, cfg: Config) -> str:
+        """OUTPUT/config.yaml: the run's config as it ran (its --set overrides applied, every path absolute), so that
+        ``packtrain train OUTPUT/config.yaml --resume`` (or ``eval``, ``export``) runs it again from anywhere."""
+        return ("# the config this run trains with: its --set overrides applied, every path absolute\n"
+                + yaml.safe_dump(cfg.to_dict(resolved=True), sort_keys=False) + self._chosen_note())
 
     def _chosen(self) -> dict:
         """The memory savings this run trains with (the config's ``auto`` resolved), {} when none were chosen."""
@@ -282,26 +301,24 @@ class Trainer:
 
     def _train(self) -> dict:
         c, cadence = self.counters, self.cadence
-        if self.info.is_main:
-            self._log(header(self))
         # a signal during setup stops here, before any work (the step's own agreement takes the flag from here on)
         self.stop_agreed = bool(agree([int(self.signals.requested)], self.info)[0])
         if self.stop_agreed:
             self._stop_preempted()
         cadence.start(c.step)
         checked = False  # whether the loss reaches the adapters: checked on this process's first step that can show it
-        bar = tqdm(total=self.total_steps, initial=c.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (self.info.is_main and self.cfg.logging.progress))
+        progress = Progress(self.info.is_main, self.cfg.logging.progress, self.cfg.logging.every, self.total_steps,
+                            c.step, log=self.log)
         while c.step < self.total_steps:
             epoch, index = divmod(c.step, self.steps_per_epoch)
             record, verified = self._train_step(epoch, self.steps.pack_ids(epoch, index), not checked)
             checked = checked or verified
-            self._log_step(record, bar)
+            self._log_step(record, progress)
             if self.stop_agreed and c.step < self.total_steps:
-                bar.close()
+                progress.close()
                 self._stop_preempted()
             cadence.after(c.step)
-        bar.close()
+        progress.close()
         cadence.end(c.step)
         self._save_final()
         return self._summary()
@@ -328,13 +345,11 @@ class Trainer:
         for line in lines:
             self.log(line)
 
-    def _log_step(self, record: dict, bar) -> None:
+    def _log_step(self, record: dict, progress: Progress) -> None:
         self.metrics.write(record)
         self.ops.step_done(record)
-        loss = "skipped" if record["loss"] is None else f"{record['loss']:.4f}"
-        bar.set_postfix(loss=loss, lr=f"{record['lr']:.2e}",
-                        pos_s=f"{record['positions'] / max(record['seconds'], 1e-9):.0f}")
-        bar.update(1)
+        self.counters.tokens_seen += record["positions"]
+        progress.step(record, self.counters.tokens_seen)
 
     # -- one step -----------------------------------------------------------------------------------------------
     def _train_step(self, epoch: int, pack_ids: list[int], check_gradients: bool) -> tuple[dict, bool]:
@@ -373,7 +388,8 @@ class Trainer:
         if step == 0:
             raise Preempted(f"{stopped}: nothing trained yet, nothing to save; run again", quiet=not self.info.is_main)
         written = self.cadence.checkpoints.stopping(step)
-        raise Preempted(f"{stopped}: checkpoint {written} written; continue with `packtrain train CONFIG --resume`",
+        raise Preempted(f"{stopped}: checkpoint {written} written; continue with `packtrain train CONFIG --resume` "
+                        f"(its --set overrides are recorded in {self.out / overrides.FILE} and kept)",
                         quiet=not self.info.is_main)
 
     # -- saving and resuming ------------------------------------------------------------------------------------
@@ -382,8 +398,10 @@ class Trainer:
         writes): the counters, and what a resume checks it is the same run."""
         c = self.counters
         return {"epoch": c.step // self.steps_per_epoch, "plan": self.fingerprint, "weights": self.weight_digest,
-                "world_size": self.info.world_size, "mode": self.kinds.mode, "total_steps": self.total_steps,
-                "nonfinite_skips": c.nonfinite_skips, "owed": self.cadence.owed(c.step), "config": self.cfg.to_dict(),
+                "world_size": self.info.world_size, "packs_per_step": self.steps.per_step, "mode": self.kinds.mode,
+                "total_steps": self.total_steps,
+                "nonfinite_skips": c.nonfinite_skips, "tokens_seen": c.tokens_seen, "owed": self.cadence.owed(c.step),
+                "config": self.cfg.to_dict(resolved=True),
                 "savings": self._chosen()}
 
     def _save_final(self) -> None:
@@ -404,8 +422,8 @@ class Trainer:
             log(f"resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
             return None
         latest, state, damaged = found
-        resuming.check_same_run(state, self.cfg.to_dict(), self.fingerprint, self.total_steps, latest, log,
-                                self.weight_digest)
+        resuming.check_same_run(state, self.cfg.to_dict(resolved=True), self.fingerprint, self.total_steps, latest, log,
+                                self.weight_digest, self.steps.per_step)
         resuming.check_steps(self.out, state["step"], latest, self.total_steps, self.info)
         resuming.set_aside(damaged, latest, self.info, log)  # accepted: only now does anything move
         return latest, state
@@ -413,7 +431,8 @@ class Trainer:
     def _resume(self, latest: Path, state: dict) -> None:
         log = self.log if self.info.is_main else (lambda *a: None)
         ckpt.load_checkpoint(latest, self.lm, self.optimizer, self.scheduler, self.info)
-        self.counters = Counters(step=state["step"], nonfinite_skips=state["nonfinite_skips"])
+        self.counters = Counters(step=state["step"], nonfinite_skips=state["nonfinite_skips"],
+                                 tokens_seen=state.get("tokens_seen", 0))
         self.ops.progress(f"resumed from {latest.name}")
         log(f"resume: continuing from {latest} (step {self.counters.step}, written with world size "
             f"{state['world_size']}, now {self.info.world_size})")

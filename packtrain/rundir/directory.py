@@ -40,7 +40,7 @@ LOCK = "packtrain.lock"
 NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # flock refused by the filesystem
 # What `--overwrite` removes: everything `train` writes into OUTPUT (nothing else there is touched).
 OUTPUTS = ("adapter", "checkpoints", "metrics.jsonl", "loss.png", "config.yaml", "base", "tokenizer", "hang", "ops",
-           "generations", "wandb-run-id", "reference.json")
+           "generations", "wandb-run-id", "reference.json", "overrides.json")
 
 
 # Folders of OUTPUTS that a user may put files of their own in: --overwrite removes only the files packtrain writes

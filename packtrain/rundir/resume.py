@@ -8,7 +8,8 @@ The newest checkpoint can be damaged (a disk that filled up, a copy cut short), 
   tried. Every rank receives rank 0's choice. Only once the resume is accepted (:func:`check_same_run`,
   :func:`check_steps`) are the damaged ones renamed to ``checkpoints/damaged-step-N`` (:func:`set_aside`: evidence,
   out of the way of the steps the run writes again); a refused resume moves nothing.
-- :func:`check_steps`: a resume never goes back, and never starts a finished run again. A run whose newest valid
+- :func:`check_steps`: a resume never goes back, and never starts a finished run again: a run whose final adapter is
+  from its last step is reported finished (exit 0, nothing trained). A run whose newest valid
   checkpoint, or whose final adapter, is past the config's total of steps (``train.max_steps`` lowered) is refused
   naming both numbers: continuing would have trained nothing and replaced the final adapter with an earlier one,
   with exit 0. A run with a final adapter and no checkpoint (``train.save_every`` over its steps) is refused in one
@@ -31,15 +32,19 @@ from pathlib import Path
 import torch.distributed as dist
 
 from packtrain.distributed import DistInfo
+from packtrain.exits import Finished
 from packtrain.rundir.checkpoint import CheckpointDamaged, checkpoints, final_adapter_step, verify_checkpoint
 from packtrain.rundir.directory import RunDirError
 
 # Dotted prefixes whose values fix the sequence of updates; the longest matching entry of TRAJECTORY / FREE wins.
 # The training data is compared by its tokens (the plan fingerprint), not by path: data.train, data.format and
 # data.tokenizer may change (a moved file, the same tokenizer elsewhere) as long as every token is the same.
-TRAJECTORY = ("model", "data.processor", "packing", "lora", "optim", "train.seed", "train.packs_per_step",
-              "train.max_positions", "train.balance", "train.cost_per_position", "train.cost_per_pair",
-              "train.objective", "train.dpo_beta", "train.dpo_loss_type", "train.rpo_alpha")
+# The packs per step are compared as the run used them (train.packs_per_rank x the world size, or
+# train.packs_per_step): the same count from the other key, or from packs_per_rank at another world size, is the same
+# run.
+TRAJECTORY = ("model", "data.processor", "packing", "lora", "optim", "train.seed", "train.max_positions",
+              "train.balance", "train.cost_per_position", "train.cost_per_pair", "train.objective", "train.dpo_beta",
+              "train.dpo_loss_type", "train.rpo_alpha")
 # Same updates, computed elsewhere or differently: kernels and device change float rounding, not the run.
 FREE = ("model.kernels",)
 
@@ -80,9 +85,24 @@ def compare(saved: dict, now: dict, saved_steps: int, now_steps: int) -> tuple[l
     return refused, allowed
 
 
+def saved_packs_per_step(state: dict) -> int:
+    """The packs per step of the run that wrote ``state``; a checkpoint written before train.packs_per_rank has
+    only the global train.packs_per_step in its config."""
+    if "packs_per_step" in state:
+        return state["packs_per_step"]
+    t = state["config"]["train"]
+    return t.get("packs_per_step") or t.get("packs_per_rank", 1) * state["world_size"]
+
+
 def check_same_run(state: dict, cfg_dict: dict, plan_fingerprint: str, total_steps: int, ckpt: Path,
-                   log, weights_fingerprint: str | None = None) -> None:
+                   log, weights_fingerprint: str | None = None, packs_per_step: int | None = None) -> None:
     refused, allowed = compare(state["config"], cfg_dict, state["total_steps"], total_steps)
+    saved = saved_packs_per_step(state)
+    if packs_per_step is not None and saved != packs_per_step:
+        refused.append(f"packs per step: {saved} (written at world size {state['world_size']}) -> {packs_per_step} "
+                       f"(train.packs_per_rank x the world size, or train.packs_per_step): the steps would hold other "
+                       f"packs; set train.packs_per_step: {saved} (in place of train.packs_per_rank) to continue this "
+                       "run at this world size")
     # a checkpoint from before the weights' fingerprint has none: its weights cannot be compared
     if state.get("weights") is not None and state["weights"] != weights_fingerprint:
         refused.append('training data: the examples\' or pairs\' "weight" values differ from the run that wrote the '
@@ -110,6 +130,10 @@ def check_steps(out: Path, resumed_step: int, ckpt: Path | None, total_steps: in
     if info.enabled:
         dist.broadcast_object_list(final, src=0)
     final, finished = final[0]
+    if final == total_steps and resumed_step <= total_steps:
+        raise Finished(f"{out} is finished: its final adapter {Path(out) / 'adapter'} is from step {final} of "
+                       f"{total_steps}; nothing to train (to train further, raise train.max_steps or train.epochs)",
+                       quiet=not info.is_main)
     if ckpt is None and finished:
         trained = f"step {final}" if final is not None else "its last step"
         raise RunDirError(f"resume refused: {out} holds a finished run (its final adapter {Path(out) / 'adapter'} is "

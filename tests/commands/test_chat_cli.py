@@ -200,7 +200,8 @@ def test_vlm_eval_losses_equal_transformers_and_peft(tmp_path, template):
                  *(x for key, i in zip(("image", "vision_start", "vision_end"), ids)
                    for x in ("--set", f"model.config.{key}_token_id={i}")),
                  *(x for k, v in SGD.items() for x in ("--set", f"optim.{k}={'null' if v is None else v}")),
-                 "--set", "train.epochs=1", "--set", "train.packs_per_step=100"]  # one step: all the data
+                 "--set", "train.epochs=1", "--set", "train.packs_per_rank=1",
+                 "--set", "train.packs_per_step=100"]  # one step: all the data
     cfg = str(REPO / "configs" / "vlm_demo.yaml")
     run_in_process("train", cfg, *sets)
     run_in_process("eval", cfg, *sets, "--adapter", tmp_path / "run" / "adapter", "--out", tmp_path / "e.jsonl")

@@ -88,7 +88,8 @@ def test_a_resumed_dpo_run_gives_the_uninterrupted_adapter(straight, tmp_path):
     out = tmp_path / "resumed"
     run_in_process("train", cfg, "--set", f"output_dir={out}", "--set", "train.max_steps=3")
     table = (out / "reference.json").read_text()
-    resumed = run_in_process("train", cfg, "--set", f"output_dir={out}", "--resume")
+    # the first run's max_steps given again as the config's (the run recorded it: without this it is finished)
+    resumed = run_in_process("train", cfg, "--set", f"output_dir={out}", "--set", "train.max_steps=null", "--resume")
     assert "continuing from" in resumed.stdout and "step-2" in resumed.stdout, resumed.stdout  # the last step: no checkpoint
     assert f"dpo reference: 18 log-probabilities read from {out / 'reference.json'}" in resumed.stdout
     assert (out / "reference.json").read_text() == table

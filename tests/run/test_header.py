@@ -49,12 +49,12 @@ def test_a_figure_missing_at_either_end_has_no_line(tmp_path):
         *OUTPUTS, f"metrics: {metrics}"]
 
 
-def _choice(warning):
+def _choice(warning, device="cuda"):
     chosen = SimpleNamespace(savings=SimpleNamespace(checkpointing=True, offload_layers=2, loss_rows=1024,
                                                      mlp_rows=0, norm_rows=512),
                              device_bytes=int(3.25 * GiB), peak_phase="backward", relative_cost=1.3125)
     return SimpleNamespace(chosen=chosen, layers=8, lines=lambda: ["-> candidate a", "   candidate b"],
-                           warning=lambda: warning)
+                           warning=lambda: warning, budget=SimpleNamespace(device=device))
 
 
 def test_the_savings_lines_give_the_chosen_estimate_each_candidate_and_a_warning_when_there_is_one():
@@ -63,3 +63,5 @@ def test_the_savings_lines_give_the_chosen_estimate_each_candidate_and_a_warning
              "backward), step cost 1.312 of the step without savings")
     assert savings_lines(_choice(None)) == [first, "  -> candidate a", "     candidate b"]
     assert savings_lines(_choice("warning: it does not fit"))[-1] == "  warning: it does not fit"
+    # on the CPU the estimate is a rank's (its process's memory), there is no GPU
+    assert savings_lines(_choice(None, "cpu"))[0] == first.replace("per GPU", "per rank")

@@ -12,13 +12,15 @@ from packtrain.rundir.resume import compare, is_trajectory
 
 @pytest.mark.parametrize("key,trajectory", [
     ("optim.lr", True), ("optim.name", True), ("lora.r", True), ("model.dtype", True), ("model.config", True),
-    ("packing.token_budget", True), ("packing.mode", True), ("train.seed", True), ("train.packs_per_step", True),
+    ("packing.token_budget", True), ("packing.mode", True), ("train.seed", True),
     ("data.processor", True), ("train.objective", True), ("train.dpo_beta", True), ("train.rpo_alpha", True),
     ("train.dpo_loss_type", True),
     ("model.kernels", False), ("train.max_steps", False), ("train.epochs", False), ("train.save_every", False),
     ("train.eval_every", False), ("train.keep_checkpoints", False), ("train.max_nonfinite_skips", False),
     ("train.device", False), ("logging.progress", False), ("ops.hang_timeout", False), ("output_dir", False),
     ("data.train", False),  # data is compared by its tokens (the plan fingerprint), not by path
+    # compared as the count the run used (packs_per_rank x world size, or packs_per_step): check_same_run
+    ("train.packs_per_step", False), ("train.packs_per_rank", False),
 ])
 def test_which_keys_fix_the_trajectory(key, trajectory):
     assert is_trajectory(key) is trajectory
@@ -50,7 +52,8 @@ def test_another_lr_seed_split_rank_or_optimizer_is_refused_naming_each(tmp_path
                           "--set", "train.max_steps=5", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     err = proc.stderr
-    for line in ("optim.lr: 0.001 -> 0.5", "train.seed: 0 -> 3", "train.packs_per_step: 1 -> 2", "lora.r: 4 -> 2",
+    for line in ("optim.lr: 0.001 -> 0.5", "train.seed: 0 -> 3", "packs per step: 1 (written at world size 1) -> 2",
+                 "lora.r: 4 -> 2",
                  "optim.name: 'adamw' -> 'sgd'"):
         assert line in err, (line, err)
     assert "max_steps" not in err  # allowed: not among the refusals
@@ -65,9 +68,11 @@ def test_another_lr_seed_split_rank_or_optimizer_is_refused_naming_each(tmp_path
     assert json.loads((run / "checkpoints/step-2/state.json").read_text())["step"] == 2
 
 
-def test_a_finished_run_without_a_checkpoint_is_refused_not_restarted(tmp_path, trained):
+def test_a_finished_run_without_a_checkpoint_is_reported_finished_not_restarted(tmp_path, trained):
     # save_every 100 over the run's 3 steps: the run finished with its adapter and no checkpoint. Before, --resume said
-    # "no checkpoint ...; starting from step 0", compared no config, trained again and replaced the adapter (exit 0)
+    # "no checkpoint ...; starting from step 0", compared no config, trained again and replaced the adapter (exit 0);
+    # now it says the run is finished (exit 0, nothing trained), whatever it was given; with more steps asked for it
+    # is refused: there is no checkpoint to continue from
     import shutil
 
     finished = trained()
@@ -77,6 +82,13 @@ def test_a_finished_run_without_a_checkpoint_is_refused_not_restarted(tmp_path, 
     before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     proc = run_in_process("train", finished.config, "--set", f"output_dir={run}", "--resume",
                           "--set", "optim.lr=0.5", "--set", "lora.r=4", check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.splitlines()
+    assert line == (f"packtrain train: {run} is finished: its final adapter {run / 'adapter'} is from step 3 of 3; "
+                    "nothing to train (to train further, raise train.max_steps or train.epochs)"), line
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing touched
+    proc = run_in_process("train", finished.config, "--set", f"output_dir={run}", "--resume",
+                          "--set", "train.max_steps=5", "--set", "train.epochs=5", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     (line,) = proc.stderr.splitlines()
     assert line.startswith(f"packtrain train: error: resume refused: {run} holds a finished run (its final adapter "
