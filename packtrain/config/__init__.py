@@ -264,10 +264,12 @@ class Config:
 
     @property
     def output_path(self) -> Path:
-        """``output_dir`` resolved against the config file's directory, as every other path is (said relative to the
-        working directory where it lies below it: ``runs/demo/adapter`` in what a run prints)."""
+        """``output_dir`` resolved against the config file's directory, as every other path is; a relative one is
+        said relative to the working directory where it lies below it (``runs/demo/adapter`` in what a run prints)."""
         path = self.resolve_path(self.output_dir)
-        return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+        if Path(self.output_dir).expanduser().is_absolute() or not path.is_relative_to(Path.cwd()):
+            return path
+        return path.relative_to(Path.cwd())
 
     def packs_per_step(self, world: int) -> int:
         """The packs of one optimizer step at ``world`` ranks: ``train.packs_per_step`` where given, else

@@ -9,6 +9,7 @@ from pathlib import Path
 from packtrain.data.planner import plan_stats
 from packtrain.memory import estimate as memory
 from packtrain.memory import savings
+from packtrain.memory.describe import fit
 from packtrain.models import serving
 from packtrain.models.lora_compute import describe as describe_lora
 from packtrain.packed.families import describe as describe_model
@@ -66,7 +67,7 @@ def header(trainer) -> list[str]:
     given = t.overrides.describe()
     if given is not None:
         lines.append(f"  {given}")
-    return lines
+    return [part for line in lines for part in fit(line)]  # a terminal's 120 columns
 
 
 def packs_per_step(cfg, world: int) -> str:

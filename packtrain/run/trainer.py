@@ -28,6 +28,7 @@ from packtrain.config import Config
 from packtrain.data.planner import plan_fingerprint, weights_fingerprint
 from packtrain.distributed import DistInfo, agree, barrier, init_distributed, lost_peer
 from packtrain.exits import NonFiniteError, PeerLost, Preempted
+from packtrain.memory.describe import fit
 from packtrain.ops.nodes import check_same_config, check_same_plan
 from packtrain.ops.runtime import RunOps
 from packtrain.run import balance, finite, reference
@@ -139,7 +140,7 @@ class Trainer:
             check_node_pool(self.run_cfg, self.plan, self.train_examples, self.info.world_size, s.kinds)
         self.idle_warning = balance.idle_ranks(cfg, self.info.world_size)  # said before the header and in it
         if self.idle_warning is not None and self.info.is_main:
-            self.log(self.idle_warning)
+            self._log(fit(self.idle_warning))
         self.steps = StepPlan.for_run(cfg, self.plan, self.train_examples, self.info.world_size)
         self.steps_per_epoch = self.steps.steps_per_epoch
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
