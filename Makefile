@@ -4,17 +4,24 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-$(STAMP): pyproject.toml
+# What training on CPU needs: the pinned CPU torch and packtrain (no triton, no fla: the demo's venv).
+RUNTIME := $(VENV)/.installed-runtime
+$(RUNTIME): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# the pinned CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	# fla + triton: CI runs fla's kernels on CPU under Triton's interpreter (tests/packed/kernels/test_fla_interpreter*.py)
+	$(BIN)/pip install -q -e .
+	touch $(RUNTIME)
+
+# The tests add pytest and fla + triton: CI runs fla's kernels on CPU under Triton's interpreter
+# (tests/packed/kernels/test_fla_interpreter*.py)
+$(STAMP): $(RUNTIME)
 	$(BIN)/pip install -q -e '.[dev,fla]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(BIN)/packtrain train configs/demo.yaml --overwrite  # a second `make demo` starts over
 
 # in file order (pyproject.toml's addopts turn pytest-randomly off); `make test-shuffled SEED=N`: the same suite in
