@@ -246,7 +246,7 @@ class _Base:
                 copied.append(f.name)
         folders = [run.tokenizer or self.dir] + ([run.processor or self.dir] if self.vision_language else [])
         for folder, names in zip(folders, [tokenizer_names, PROCESSOR_FILES]):
-            for name in names:
+            for name in sorted(names):  # one order on every run (a set's follows the hash seed)
                 if (folder / name).is_file() and not (tmp / name).exists():
                     shutil.copyfile(folder / name, tmp / name)
                     copied.append(name)
@@ -256,6 +256,7 @@ class _Base:
             copied.append(extra.name + "/")
         if run.chat_template is not None:
             use_template(tmp, run.chat_template)
+            copied = [name for name in copied if (tmp / name.rstrip("/")).exists()]  # the replaced template is gone
             if "chat_template.jinja" not in copied:
                 copied.append("chat_template.jinja")
         return copied

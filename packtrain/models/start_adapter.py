@@ -49,8 +49,9 @@ UNFOLDED = {"use_dora": "DoRA", "lora_bias": "LoRA biases", "target_parameters":
 # -- the one merge arithmetic (the exports' too) -------------------------------------------------------------------
 
 def merged(w: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """``w + delta``, added in float32 or wider and cast back to ``w``'s dtype."""
-    wide = torch.promote_types(w.dtype, torch.float32)
+    """``w + delta``, added in the wider of the two dtypes (float32 at least) and cast back to ``w``'s dtype once: a
+    float64 delta on a float32 checkpoint is not rounded to float32 before the sum."""
+    wide = torch.promote_types(torch.promote_types(w.dtype, delta.dtype), torch.float32)
     return (w.to(wide) + delta.to(wide)).to(w.dtype)
 
 
