@@ -53,6 +53,11 @@ def straight(tmp_path_factory):
     out = run_in_process("train", cfg, "--set", f"output_dir={tmp / 'straight'}")
     assert "dpo (sigmoid, beta 0.5)" in out.stdout, out.stdout
     assert "log-probabilities of the base model (adapter disabled)" in out.stdout, out.stdout
+    # what the run is comes first, then its first long pass (it came before the header: issue 57)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("packtrain train: ")
+    header_end = next(i for i, line in enumerate(lines) if " trainable parameters," in line)
+    assert next(i for i, line in enumerate(lines) if line.startswith("dpo reference: ")) > header_end
     return cfg, tmp / "straight"
 
 
