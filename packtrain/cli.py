@@ -219,10 +219,19 @@ COLLECTIVE = ("train", "eval", "smoke", "pretune-fla", "bench")
 VERSIONS_SHOWN = ("check-nodes", "dump-stacks")
 
 
+def _world_size() -> int:
+    """The launcher's WORLD_SIZE (1 without one), refused in one line naming it when it is not a whole number."""
+    text = os.environ.get("WORLD_SIZE", "1") or "1"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE: expected a whole number of ranks (the launcher sets it), got {text!r}") from None
+
+
 def _check_versions(command: str) -> None:
     """Refuse a dependency version outside the tested ranges (:mod:`packtrain.versions`) before any work, and before
     transformers is imported."""
-    if command in VERSIONS_SHOWN or (command in COLLECTIVE and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1):
+    if command in VERSIONS_SHOWN or (command in COLLECTIVE and _world_size() > 1):
         return
     from packtrain.versions import check_versions
 

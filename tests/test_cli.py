@@ -340,3 +340,12 @@ def test_plan_leaves_transformers_logging_alone(transformers_logging):
     cli._quiet_library_noise("plan")
     assert [list(x.filters) for x in (root, *root.handlers)] == before
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+
+
+def test_a_world_size_that_is_no_number_is_refused_naming_it(monkeypatch, capsys):
+    from packtrain.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "x")
+    assert main(["train", "nowhere.yaml"]) == 2
+    assert capsys.readouterr().err.strip() == ("packtrain train: error: WORLD_SIZE: expected a whole number of ranks "
+                                               "(the launcher sets it), got 'x'")

@@ -19,7 +19,7 @@ whose lengths are drawn uniformly from ``cont_tokens`` (inclusive); the target i
   reference forward, the adapter disabled, is timed with it) on preference pairs: one P of 1,024 tokens, 8 pairs,
   each an item and two answers (chosen, rejected) sharing P and the item; variants tree (P once, each pair's item
   once), shared_prefix (P once, a pair two continuations) and standalone (a pair alone, two sequences), each one
-  optimizer step per epoch. Its goal: the tree's speedup over standalone pairs >= 0.9 of their position ratio.
+  optimizer step per epoch. It shows the tree's speedup over standalone pairs beside their position ratio.
 
 With ``turns``, each of a prompt's ``continuations`` is a conversation of that many turns (drawn uniformly), each
 turn ``cont_tokens`` long (its first half the user's, its second the answer): turn k is an example whose item is

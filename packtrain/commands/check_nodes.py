@@ -13,8 +13,8 @@ from packtrain.ops.nodes import check_nodes
 
 def run_check_nodes(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    info = init_distributed(cfg.train.device, cfg.ops.collective_timeout, refuse_versions=False)
-    try:
+    try:  # a failure inside init_distributed, once its group is up, still destroys the group
+        info = init_distributed(cfg.train.device, cfg.ops.collective_timeout, refuse_versions=False)
         check_nodes(info, cfg=cfg)
     finally:
         shutdown()
