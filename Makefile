@@ -94,6 +94,6 @@ test-shuffled: $(STAMP)
 
 # the in-process tier: no test that starts processes (ranks, signals, kills, the launcher; pyproject.toml's markers)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not process"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "not process"
 
 .PHONY: install demo test test-shuffled test-fast test-floor test-ceiling ceiling serve-venv test-serve

@@ -91,7 +91,10 @@ MESSAGE_KEYS = {"system": ("role", "content", "name"), "user": ("role", "content
 _UNKNOWN_HINTS = {"enable_thinking": "template switches go in data.template_kwargs, for every example",
                   "preserve_thinking": "template switches go in data.template_kwargs, for every example",
                   "thinking": "a turn's reasoning goes in reasoning_content", "reasoning": "a turn's reasoning goes "
-                  "in reasoning_content"}
+                  "in reasoning_content",
+                  **dict.fromkeys(("prompt", "completion"), "TRL's prompt-completion form maps as: chat, messages = the "
+                                  "prompt's messages then the completion's assistant message; text, system = the "
+                                  "system prompt (P), item = prompt, target = completion")}
 # A JSON line holding an example that fits a pack of B tokens has fewer than this many bytes per token of B: text
 # averages about 4 bytes per token, JSON-escaped CJK (\\uXXXX) about 9, pre-tokenized ids ("12345, ") up to 8.
 LINE_BYTES_PER_TOKEN = 32
@@ -155,7 +158,7 @@ def _records(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[in
             if not line.strip():
                 continue
             try:
-                record = _strict_json(line, path, line_no, "")
+                record = _strict_json(line.rstrip(b"\r\n"), path, line_no, "")  # a cut line: "Unterminated string"
             except UnicodeDecodeError:
                 record = DataError(path, line_no, None, "not valid UTF-8")
             except json.JSONDecodeError as e:
@@ -408,7 +411,8 @@ def _content(value: Any, role: str, field: str, source: Path, line: int, images:
             raise DataError(source, line, field, "the system message must be a string: P stays text-only")
         return _string(value, field, source, line)
     if not isinstance(value, list) or not value:
-        raise DataError(source, line, field, "expected a string or a non-empty list of parts")
+        raise DataError(source, line, field, f"expected a string or a non-empty list of parts, got "
+                                             f"{json.dumps(value)[:60]}")
     parts = []
     for j, part in enumerate(value):
         where = f"{field}[{j}]"
@@ -551,6 +555,8 @@ def _chat_conversation(record: dict, line: int, source: Path) -> Conversation:
             if role == "tool" and not isinstance(m.get("content"), str):
                 raise DataError(source, line, f"{where}.content", "expected a string (JSON-encode a structured tool "
                                                                   f"result), got {json.dumps(m.get('content'))[:60]}")
+            if "content" not in m:
+                raise DataError(source, line, f"{where}.content", f"missing (a {role} message needs its content)")
             out["content"] = _content(m.get("content"), role, f"{where}.content", source, line, images)
             for key in ("name", "tool_call_id"):
                 if role == "tool" and isinstance(m.get(key), str):

@@ -131,9 +131,10 @@ def check_steps(out: Path, resumed_step: int, ckpt: Path | None, total_steps: in
         dist.broadcast_object_list(final, src=0)
     final, finished = final[0]
     if final == total_steps and resumed_step <= total_steps:
+        further = ("raise train.max_steps or train.epochs" if ckpt is not None else
+                   "start a new run from its adapter (model.adapter): it saved no checkpoint to continue from")
         raise Finished(f"{out} is finished: its final adapter {Path(out) / 'adapter'} is from step {final} of "
-                       f"{total_steps}; nothing to train (to train further, raise train.max_steps or train.epochs)",
-                       quiet=not info.is_main)
+                       f"{total_steps}; nothing to train (to train further, {further})", quiet=not info.is_main)
     if ckpt is None and finished:
         trained = f"step {final}" if final is not None else "its last step"
         raise RunDirError(f"resume refused: {out} holds a finished run (its final adapter {Path(out) / 'adapter'} is "

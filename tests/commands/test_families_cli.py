@@ -95,7 +95,8 @@ def test_vision_language_moe_trains_on_images(tmp_path):
     assert "model: qwen3_5_moe (Qwen3_5MoeForConditionalGeneration" in proc.stdout, proc.stdout
     # the run header says which servers will apply this adapter, before the run
     assert ("serve: vllm yes (--enable-mixed-moe-lora-format), sglang no (experts, in_proj_qkv), merged yes; merger "
-            "(modules_to_save) folded into the served model by packtrain export --for") in proc.stdout
+            "(modules_to_save) folded into the served model by packtrain export --for") in " ".join(
+                proc.stdout.split())  # wrapped at 120 columns
     adapter = adapter_of(tmp_path / "run")
     assert any("experts" in k for k in adapter) and any("merger" in k for k in adapter)
 

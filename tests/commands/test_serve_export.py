@@ -51,7 +51,7 @@ def text_run(tmp_path_factory):
 
 def test_the_run_header_names_the_servers(text_run):
     assert ("serve: vllm yes, sglang no (in_proj_qkv, in_proj_z), merged yes; lm_head (modules_to_save) folded into "
-            "the served model by packtrain export --for") in text_run["train"]
+            "the served model by packtrain export --for") in " ".join(text_run["train"].split())  # wrapped at 120
 
 
 def test_the_vllm_export_computes_what_the_run_computes(text_run):

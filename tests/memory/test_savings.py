@@ -193,7 +193,9 @@ def test_the_run_header_prints_the_candidates(tmp_path):
     out = run_in_process("train", write_config(tmp_path, train={"max_steps": 1}, data={"eval": None})).stdout
     lines = out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("  memory savings by need: "))
-    assert lines[at - 1].startswith("  memory: no checkpointing, loss whole, MLP whole, norms whole: about ")
+    memory = next(i for i, line in enumerate(lines) if line.startswith("  memory: "))
+    assert memory < at and lines[memory].startswith("  memory: no checkpointing, loss whole, MLP whole, norms whole: "
+                                                    "about ")
     # the tiny model: every candidate fits, so one line says so (no saving taken: the fastest step), not 16 rows
     assert re.fullmatch(r"  memory savings by need: all 16 combinations fit \(at most [\d.]+ of [\d.]+ GiB per "
                         r"rank\), the fastest taken", lines[at]), lines[at]

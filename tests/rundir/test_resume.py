@@ -85,7 +85,8 @@ def test_a_finished_run_without_a_checkpoint_is_reported_finished_not_restarted(
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     (line,) = proc.stderr.splitlines()
     assert line == (f"packtrain train: {run} is finished: its final adapter {run / 'adapter'} is from step 3 of 3; "
-                    "nothing to train (to train further, raise train.max_steps or train.epochs)"), line
+                    "nothing to train (to train further, start a new run from its adapter (model.adapter): it saved "
+                    "no checkpoint to continue from)"), line
     assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing touched
     proc = run_in_process("train", finished.config, "--set", f"output_dir={run}", "--resume",
                           "--set", "train.max_steps=5", "--set", "train.epochs=5", check=False)
