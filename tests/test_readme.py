@@ -64,3 +64,19 @@ def test_the_objectives_page_preference_config_is_a_valid_dpo_config():
     t = cfg.train
     assert (t.objective, t.dpo_beta, t.dpo_loss_type, t.dpo_reference) == ("dpo", 0.1, "sigmoid", "precompute")
     assert cfg.packing.mode == "tree"
+
+
+def test_the_quickstart_gives_each_commands_time_and_the_demo_needs_no_gpu_packages():
+    """A newcomer reads how long each quickstart command takes on 2 cores, with the fast tier beside the suite; and
+    `make demo` builds a venv without triton and fla (training on CPU needs neither), which `make test` adds."""
+    quickstart = (REPO / "README.md").read_text().split("## Quickstart", 1)[1].split("```bash\n", 1)[1].split("```")[0]
+    commands = {line.split("#")[0].strip(): line.split("#", 1)[1] for line in quickstart.splitlines() if "#" in line}
+    assert list(commands) == ["make demo", "make test-fast", "make test"]
+    for command, says in commands.items():
+        assert re.search(r"\d+(\.\d+)? (s|min) on 2 cores", says), (command, says)
+    makefile = (REPO / "Makefile").read_text()
+    (demo,) = re.findall(r"^demo: (\S+)$", makefile, flags=re.MULTILINE)
+    variable = demo.strip("$()")
+    (recipe,) = re.findall(rf"^\$\({variable}\): .*?\n((?:\t.*\n)+)", makefile, flags=re.MULTILINE)
+    installs = [line for line in recipe.splitlines() if "pip install" in line]
+    assert installs and not any("fla" in line or "triton" in line or "[" in line for line in installs), recipe
