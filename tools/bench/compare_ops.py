@@ -24,14 +24,15 @@ import torch
 from torch.profiler import profile
 
 from packtrain.bench.presets import Shape, generate_examples, get_preset
-from packtrain.bench.variants import Models, Workload, whole_example
+from packtrain.bench.variants import VARIANTS, Models, Workload, whole_example
 from packtrain.config import config_from_dict
 from packtrain.distributed import DistInfo
 from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.packed import attention
 from packtrain.packed.lm import PackCall
 from packtrain.run.step import rank_units
-from packtrain.run.units import Kinds, build, choose_savings, plan_for
+from packtrain.run.session import open_session
+from packtrain.run.units import build
 
 
 def main() -> None:
@@ -51,22 +52,27 @@ def main() -> None:
     preset.config["packing"]["token_budget"] = args.prefix_tokens + shape.continuations * shape.cont_tokens[1]
     cfg = config_from_dict(preset.config, source="tools/bench/compare_ops.py")
     examples = generate_examples(shape, text_config(config_dict_of(cfg))["vocab_size"], 0)
-    plan = plan_for(cfg, examples)
-    cfg, _ = choose_savings(cfg, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")))  # as bench chooses them
-    work = Workload.of(cfg, examples, plan, torch.device("cpu"))
+    # the run's setup, as bench makes it: the plan and the savings train would take
+    session = open_session(cfg, DistInfo(0, 1, 0, torch.device("cpu")), "train", examples=examples)
+    examples = session.examples
+    work = Workload.of(session)
     models = Models(work)
     lm = models.lms["shared_prefix"]
-    packed, alone = Kinds.named("shared_prefix"), Kinds.named("standalone")
-    (unit,) = rank_units(plan, work.steps[0], packed, 0, 1)
-    layout = build(unit, plan, examples, packed).work
-    singles = [build(u, plan, examples, alone).work for u in rank_units(plan, work.steps[0], alone, 0, 1)]
+    packed = work.for_variant(VARIANTS["shared_prefix"])
+    (unit,) = [u for ids in packed.steps for u in rank_units(packed.plan, ids, packed.session.kinds, 0, 1)][:1]
+    layout = build(unit, packed.plan, packed.examples, packed.session.kinds).work
+    examples = [packed.examples[i] for i in unit.examples]  # the pack's: every loop below runs these
+    alone = work.for_variant(VARIANTS["standalone"])
+    singles = [alone.session.kinds.pack.call(build(u, alone.plan, alone.examples, alone.session.kinds).work)
+               for ids in alone.steps for u in rank_units(alone.plan, ids, alone.session.kinds, 0, 1)
+               if set(u.examples) <= set(unit.examples)]
 
     def pack():
         lm(PackCall(layout)).loss_sum.backward()
 
     def standalone():
         for single in singles:
-            lm(PackCall(single)).loss_sum.backward()
+            models.lms["standalone"](single).loss_sum.backward()
 
     def plain():
         for ex in examples:
