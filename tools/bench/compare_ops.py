@@ -30,8 +30,8 @@ from packtrain.distributed import DistInfo
 from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.packed import attention
 from packtrain.packed.lm import PackCall
-from packtrain.run.step import rank_units
 from packtrain.run.session import open_session
+from packtrain.run.step import rank_units
 from packtrain.run.units import build
 
 
