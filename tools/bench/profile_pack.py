@@ -30,8 +30,9 @@ from packtrain.distributed import DistInfo
 from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.packed.lm import PackCall
 from packtrain.run.harness import PeakMemory
+from packtrain.run.session import open_session
 from packtrain.run.step import rank_units
-from packtrain.run.units import Kinds, build, choose_savings, plan_for
+from packtrain.run.units import Kinds, build
 
 KINDS = [  # (label, op names); the first match wins, the rest is "elementwise, copies, indexing"
     ("linear layers and LoRA (mm)", ("aten::mm", "aten::addmm")),
@@ -63,9 +64,10 @@ def main() -> None:
         n * h for n, _, h in getattr(shape, "extra", ()))
     cfg = config_from_dict(preset.config, source="tools/bench/profile_pack.py")
     examples = generate_examples(shape, text_config(config_dict_of(cfg))["vocab_size"], 0)
-    plan = plan_for(cfg, examples)
-    cfg, _ = choose_savings(cfg, plan, examples, DistInfo(0, 1, 0, torch.device("cpu")))  # as bench chooses them
-    work = Workload.of(cfg, examples, plan, torch.device("cpu"))
+    # the run's setup, as bench makes it: the plan and the savings train would take
+    session = open_session(cfg, DistInfo(0, 1, 0, torch.device("cpu")), "train", examples=examples)
+    plan, examples = session.plan, session.examples
+    work = Workload.of(session)
     models = Models(work)
     setup = Kinds.named("shared_prefix", args.groups)
     (unit,) = rank_units(plan, work.steps[0], setup, 0, 1)
