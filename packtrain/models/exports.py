@@ -22,6 +22,7 @@ time plus the adapter; the base model is only ever built on the meta device, to 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -275,17 +276,21 @@ def use_template(folder: Path, template: str) -> None:
             config.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
-def _new_dir(out: Path, flag: str) -> Path:
+@contextlib.contextmanager
+def _staged(out: Path, flag: str):
+    """A folder beside ``out`` (which must not exist) to write the export into, renamed to ``out`` when the block
+    ends and removed when it raises (a refusal or an error leaves nothing behind)."""
     if out.exists():
         raise ValueError(f"{flag}: {out} already exists (choose a new directory)")
     tmp = out.parent / f".tmp-{out.name}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    return tmp
-
-
-def _finish(tmp: Path, out: Path) -> None:
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     plain_modes(tmp)
     tmp.rename(out)
 
@@ -298,10 +303,9 @@ def export_merged(base_dir: Path, adapter_dir: Path, out: Path, run: RunFiles, l
     base = _Base(base_dir, start, _factor_dtype(tensors))
     _, _, model = base.adapter(adapter_dir, tensors, log)
     deltas, replaced = base.changes(model, lora=True)
-    tmp = _new_dir(out, "--merged")
-    report = base.write(tmp, deltas, replaced, log)
-    report["files"] = base.side_files(tmp, run)
-    _finish(tmp, out)
+    with _staged(out, "--merged") as tmp:
+        report = base.write(tmp, deltas, replaced, log)
+        report["files"] = base.side_files(tmp, run)
     log(f"packtrain export: {out}: {report['changed_tensors']} tensors merged, {report['shards']} shards "
         f"({report['shards_copied_unchanged']} copied unchanged), {report['carried_over_not_loaded']} tensors the "
         f"model class does not load carried over ({base.weights.extra_summary() or 'none'}); copied "
@@ -326,20 +330,19 @@ def export_for(server: str, base_dir: Path, adapter_dir: Path, out: Path, run: R
     ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
     lines = _serve_lines(server, out, name, ranks, verdict, sorted(modules.lora))  # a rank vLLM refuses: before
     _, replaced = base.changes(model, lora=False)
-    tmp = _new_dir(out, "--for")
-    (tmp / "model").mkdir()
-    report = base.write(tmp / "model", {}, replaced, log)
-    report["files"] = base.side_files(tmp / "model", run)
-    # the LoRA part alone: the servers refuse (vLLM) or drop (SGLang) modules_to_save in an adapter
-    lora = {k: v for k, v in tensors.items() if ".lora_" in k}
-    adapter_config = {**config, "modules_to_save": None, "inference_mode": True,
-                      "base_model_name_or_path": str(out.resolve() / "model")}
-    (tmp / "adapter").mkdir()
-    from safetensors.torch import save_file
+    with _staged(out, "--for") as tmp:
+        (tmp / "model").mkdir()
+        report = base.write(tmp / "model", {}, replaced, log)
+        report["files"] = base.side_files(tmp / "model", run)
+        # the LoRA part alone: the servers refuse (vLLM) or drop (SGLang) modules_to_save in an adapter
+        lora = {k: v for k, v in tensors.items() if ".lora_" in k}
+        adapter_config = {**config, "modules_to_save": None, "inference_mode": True,
+                          "base_model_name_or_path": str(out.resolve() / "model")}
+        (tmp / "adapter").mkdir()
+        from safetensors.torch import save_file
 
-    save_file(lora, str(tmp / "adapter" / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (tmp / "adapter" / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
-    _finish(tmp, out)
+        save_file(lora, str(tmp / "adapter" / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / "adapter" / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
     folded = f", {', '.join(verdict.folded)} folded into {out / 'model'}" if verdict.folded else ""
     log(f"packtrain export: {out / 'adapter'}: {len(lora)} LoRA tensors ({', '.join(sorted(modules.lora))}){folded}; "
         f"{out / 'model'}: {report['shards']} shards ({report['shards_copied_unchanged']} copied unchanged), "
