@@ -49,7 +49,7 @@ class Pack:
     # its query-key pairs of causal attention, per layer and head (data/attention_pairs.py): a flat pack's (a walked
     # example's, of its whole sequence), a tree pack's its tree's (every token reads P, its ancestors and its node's
     # earlier ones)
-    pairs: int
+    attention_pairs: int
     walk: WalkCalls | None = None  # an over-budget example walked on top of P (packing.on_overflow=walk)
 
 
@@ -275,11 +275,11 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
             salts = None if salts is None else [salts[k] for k in keep]
         tree = tree_of_keys(keys, salts, continuations(group))
         cut = pack_tree(tree, token_budget - p, max_continuations, _by_id(examples, fitting))
-        cut = [(tuple(map(fitting.__getitem__, tp.paths)), tp.positions, tp.pairs) for tp in cut]
+        cut = [(tuple(map(fitting.__getitem__, tp.paths)), tp.positions, tp.attention_pairs) for tp in cut]
         if partner:
             cut = _rejoin_pairs(cut, examples, partner, token_budget - p, max_continuations)
         for members, positions, pairs in cut:
-            pack = Pack(len(prompts), members, p + positions, pairs=tree_pairs(p, positions, pairs))
+            pack = Pack(len(prompts), members, p + positions, attention_pairs=tree_pairs(p, positions, pairs))
             packs.append(pack)
             lengths.setdefault(pack.prompt, []).extend(len(examples[i].item_ids) + len(examples[i].target_ids)
                                                    for i in pack.examples)
@@ -287,7 +287,7 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
     if not packs:
         raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
     plan = Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed)
-    positions, pairs = sum(pack.positions for pack in packs), sum(pack.pairs for pack in packs)
+    positions, pairs = sum(pack.positions for pack in packs), sum(pack.attention_pairs for pack in packs)
     if partner:  # a pair is one entry of two continuations flat: plan them flat (pair data is not millions; a pair
         # whose tree fits but whose two answers flat do not is left out of shared_prefix's figures, and where no pair
         # fits flat there are none: the tree's plan stands, whatever shared_prefix could not do)
@@ -297,7 +297,8 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
         except PlanError:
             flat = None
         plan.figures = {} if flat is None else _flat_figures(
-            len(flat.packs), sum(q.positions for q in flat.packs), sum(q.pairs for q in flat.packs), positions, pairs)
+            len(flat.packs), sum(q.positions for q in flat.packs), sum(q.attention_pairs for q in flat.packs),
+            positions, pairs)
     else:
         plan.figures = _against_flat(plan, lengths, positions, pairs)
     return plan
@@ -391,9 +392,9 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
     sequence once, chunk by chunk (the same positions and pairs in both columns); it is counted apart from the packs
     (``walked``, ``walk_chunks``) and not in the per-pack or budget figures.
 
-    A pack's packed pairs are its own (``Pack.pairs``: a tree pack's every token reads P, its ancestors and its own
-    node's earlier tokens), and a tree plan's figures gain shared_prefix's (``Plan.figures``, the tree planner's:
-    the same examples planned flat, ``positions_shared_prefix``, ``attention_pairs_shared_prefix``,
+    A pack's packed pairs are its own (``Pack.attention_pairs``: a tree pack's every token reads P, its ancestors and
+    its own node's earlier tokens), and a tree plan's figures gain shared_prefix's (``Plan.figures``, the tree
+    planner's: the same examples planned flat, ``positions_shared_prefix``, ``attention_pairs_shared_prefix``,
     ``packs_shared_prefix`` and the ratios of shared_prefix's over the tree's).
     """
     positions_standalone = pairs_standalone = 0
@@ -402,7 +403,7 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         cs = [len(examples[i].item_ids) + len(examples[i].target_ids) for i in pack.examples]
         positions_standalone += p * len(cs) + sum(cs)
         pairs_standalone += sum(causal_pairs(p + c) for c in cs)
-    pairs_packed = sum(pack.pairs for pack in plan.packs)
+    pairs_packed = sum(pack.attention_pairs for pack in plan.packs)
     walks = [pack for pack in plan.packs if pack.walk is not None]
     per_pack = [len(pack.examples) for pack in plan.packs if pack.walk is None]
     walk_positions = sum(pack.positions for pack in walks)

@@ -22,7 +22,7 @@ def attention_pairs(prefix_len: int, tree: Tree) -> int:
 class TreePack:
     paths: tuple[int, ...]  # path indices, by their last node in depth-first order (ties: ``tie``)
     positions: int  # tokens of the pack's tree (after P)
-    pairs: int  # sum of node_pairs over the pack's tree (P's keys not counted)
+    attention_pairs: int  # sum of node_pairs over the pack's tree (P's keys not counted)
     leaves: int  # distinct leaves of the pack's tree
 
 

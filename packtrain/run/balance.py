@@ -49,15 +49,16 @@ LOOKAHEAD = 4
 
 
 def pack_attention_pairs(plan: Plan, examples) -> list[int]:
-    """Each pack's attention pairs, by pack index (the planner's :attr:`~packtrain.data.planner.Pack.pairs`)."""
-    return [p.pairs for p in plan.packs]
+    """Each pack's attention pairs, by pack index (the planner's
+    :attr:`~packtrain.data.planner.Pack.attention_pairs`)."""
+    return [p.attention_pairs for p in plan.packs]
 
 
 def pack_costs(plan: Plan, examples, model: CostModel) -> list[float]:
     """Each pack's cost, by pack index: the cost model's FLOPs of its positions and its attention pairs (a walked
     example: its whole sequence, as one continuation; a tree pack: its tree's positions and pairs); its head rows
     left out (:mod:`packtrain.models.cost`)."""
-    return [model.flops(p.positions, p.pairs) for p in plan.packs]
+    return [model.flops(p.positions, p.attention_pairs) for p in plan.packs]
 
 
 def _similar_cost_steps(plan: Plan, order: list[int], costs: list[float], per_step: int,

@@ -35,9 +35,9 @@ def one_pack(plan: Plan, examples, kinds: Kinds, max_positions: int | None = Non
     if pack.examples != unit.examples:  # several units in a pack (examples alone): the largest one's examples
         own = sum(causal_pairs(examples[e].len_continuation) for e in unit.examples)
     else:  # a pack's (or a tree's) pairs past P's keys
-        own = pack.pairs - causal_pairs(p) - p * after
+        own = pack.attention_pairs - causal_pairs(p) - p * after
     pack = dataclasses.replace(pack, prompt=0, examples=unit.examples, positions=len(prompt) + after,
-                               pairs=tree_pairs(len(prompt), after, own))
+                               attention_pairs=tree_pairs(len(prompt), after, own))
     one = dataclasses.replace(plan, packs=[pack], prompts=[prompt], skipped=[])
     (unit,) = kinds.units(pack)
     return one, unit

@@ -248,7 +248,7 @@ class Kind:
         """The equal-call rule for this kind: ``rank``'s units padded to the most any rank has."""
         return pad_slots(per_rank, rank, _dummy_of)
 
-    def pairs(self, unit: Unit, plan: Plan, examples) -> int:
+    def attention_pairs(self, unit: Unit, plan: Plan, examples) -> int:
         """The unit's query-key pairs of causal attention per layer and head
         (:mod:`packtrain.data.attention_pairs`): P's own, and each continuation's against P and itself."""
         from packtrain.data.attention_pairs import pack_pairs
@@ -351,7 +351,7 @@ class StandaloneKind(Kind):
         """One example alone: ``concat(P, C)``, the model's own forward's sequence."""
         return _alone(unit, plan, examples, images)
 
-    def pairs(self, unit, plan, examples):
+    def attention_pairs(self, unit, plan, examples):
         """Each example's whole sequence, P included (a pair's two answers: both sequences)."""
         from packtrain.data.attention_pairs import causal_pairs
 
@@ -493,7 +493,7 @@ class TreeKind(Kind):
 
         return [len(n.tokens) for n in example_tree([examples[e] for e in unit.examples]).nodes]
 
-    def pairs(self, unit, plan, examples):
+    def attention_pairs(self, unit, plan, examples):
         """The tree's (:func:`packtrain.data.tree_packs.attention_pairs`): each token against P, its ancestors and
         its own node's earlier tokens."""
         from packtrain.data.prefix_tree import example_tree
@@ -605,7 +605,7 @@ def unit_shape(cfg: Config, plan: Plan, examples, kinds: Kinds | None = None) ->
     lengths = unit.kind.segments(unit, plan, examples)
     return UnitShape(len(plan.prompts[unit.prompt]), lengths, [target_count(examples[e]) for e in unit.examples],
                      unit.kind.group_positions(lengths), unit.kind.shares_prefix,
-                     unit.kind.leaves(unit, plan, examples), unit.kind.pairs(unit, plan, examples))
+                     unit.kind.leaves(unit, plan, examples), unit.kind.attention_pairs(unit, plan, examples))
 
 
 def choose_savings(cfg: Config, plan: Plan, examples, info, kinds: Kinds | None = None):

@@ -66,10 +66,10 @@ def test_several_prompts_interleaved():
     assert plan.prompts == [pa, pb]  # ordered by P's ids, not by first appearance
     # P a leaves room 8: a3 (5), then a2 (4) does not fit and opens a pack, a1 (3) fills the first exactly.
     assert plan.packs == [
-        Pack(prompt=0, examples=(4, 0), positions=2 + 5 + 3, pairs=_pairs(2, 5, 3)),
-        Pack(prompt=0, examples=(2,), positions=2 + 4, pairs=_pairs(2, 4)),
-        Pack(prompt=1, examples=(3, 1), positions=3 + 4 + 3, pairs=_pairs(3, 4, 3)),
-        Pack(prompt=1, examples=(5,), positions=3 + 2, pairs=_pairs(3, 2)),
+        Pack(prompt=0, examples=(4, 0), positions=2 + 5 + 3, attention_pairs=_pairs(2, 5, 3)),
+        Pack(prompt=0, examples=(2,), positions=2 + 4, attention_pairs=_pairs(2, 4)),
+        Pack(prompt=1, examples=(3, 1), positions=3 + 4 + 3, attention_pairs=_pairs(3, 4, 3)),
+        Pack(prompt=1, examples=(5,), positions=3 + 2, attention_pairs=_pairs(3, 2)),
     ]
 
 
@@ -80,8 +80,8 @@ def test_prompts_of_the_same_length_are_two_ps():
     examples = [ex("a1", 2, pa), ex("b1", 2, pb), ex("a2", 3, tuple(t for t in pa)), ex("b2", 3, pb)]
     plan = plan_packs(examples, token_budget=20, max_continuations=90)
     assert plan.prompts == [pa, pb]
-    assert plan.packs == [Pack(prompt=0, examples=(2, 0), positions=3 + 3 + 2, pairs=_pairs(3, 3, 2)),
-                          Pack(prompt=1, examples=(3, 1), positions=3 + 3 + 2, pairs=_pairs(3, 3, 2))]
+    assert plan.packs == [Pack(prompt=0, examples=(2, 0), positions=3 + 3 + 2, attention_pairs=_pairs(3, 3, 2)),
+                          Pack(prompt=1, examples=(3, 1), positions=3 + 3 + 2, attention_pairs=_pairs(3, 3, 2))]
     for pack in plan.packs:
         assert all(examples[i].prefix_ids == plan.prompts[pack.prompt] for i in pack.examples)
 

@@ -19,7 +19,7 @@ def counted(paths) -> tuple[int, int, int]:
 
 
 def table(packs) -> list[tuple[tuple[int, ...], int, int, int]]:
-    return [(p.paths, p.positions, p.pairs, p.leaves) for p in packs]
+    return [(p.paths, p.positions, p.attention_pairs, p.leaves) for p in packs]
 
 
 FOUR = [(1, 2, 3, 4), (1, 2, 3, 5, 6), (1, 2, 7, 8, 9), (1, 2, 7, 8, 10, 11)]
@@ -73,7 +73,7 @@ def test_every_pack_is_the_tree_of_its_paths(seed):
     assert sorted(i for p in packs for i in p.paths) == list(range(len(paths)))
     for p in packs:
         mine = [paths[i] for i in p.paths]
-        assert (p.positions, p.pairs, p.leaves) == counted(mine)
+        assert (p.positions, p.attention_pairs, p.leaves) == counted(mine)
         assert p.positions <= capacity and p.leaves <= max_leaves
         assert list(p.paths) == sorted(p.paths, key=lambda i: (paths[i], i))
 

@@ -208,7 +208,7 @@ def test_every_pack_is_the_tree_of_its_examples(seed):
         prefix = len(plan.prompts[pack.prompt])
         tree = example_tree([examples[i] for i in pack.examples])
         assert pack.positions == prefix + tree.positions <= budget
-        assert pack.pairs == attention_pairs(prefix, tree)
+        assert pack.attention_pairs == attention_pairs(prefix, tree)
         assert sum(not n.children for n in tree.nodes) <= max_cont
 
 

@@ -134,7 +134,7 @@ def test_a_tree_pack_costs_its_trees_positions_and_pairs():
     [pack] = plan_tree_packs(examples, 100, 90).packs
     # after P (2): "3" (start 0), "4 9" (start 1, a's end), "9" (start 3, c's), "5 9" (start 1, b's): 6 tokens,
     # each reading P, the tokens before it on its path and itself
-    assert (pack.positions, pack.pairs) == (8, 3 + (1 * 2 + 1) + (2 * 3 + 3) + (1 * 5 + 1) + (2 * 3 + 3))
+    assert (pack.positions, pack.attention_pairs) == (8, 3 + (1 * 2 + 1) + (2 * 3 + 3) + (1 * 5 + 1) + (2 * 3 + 3))
     assert pack_costs(plan_tree_packs(examples, 100, 90), examples, MODEL) == [100.0 * 8 + 1.0 * 30]
 
 

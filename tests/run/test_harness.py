@@ -62,8 +62,8 @@ def test_the_one_pack_plans_pairs_are_counted_for_the_cut_prompt(tmp_path):
     lengths = [examples[e].len_continuation for e in unit.examples]
     assert len(lengths) > 1  # several continuations, so each one's own pairs count apart
     p = len(plan.prompts[unit.prompt])
-    assert full.packs[0].pairs == p * (p + 1) // 2 + sum(p * c + c * (c + 1) // 2 for c in lengths)
-    assert short.packs[0].pairs == 15 + sum(5 * c + c * (c + 1) // 2 for c in lengths)
+    assert full.packs[0].attention_pairs == p * (p + 1) // 2 + sum(p * c + c * (c + 1) // 2 for c in lengths)
+    assert short.packs[0].attention_pairs == 15 + sum(5 * c + c * (c + 1) // 2 for c in lengths)
     assert short.packs[0].positions == 5 + sum(lengths) and short.skipped == []
 
 
