@@ -74,9 +74,26 @@ def plain_modes(folder: Path) -> None:
             path.chmod(mode)
 
 
-def _peft_model(base: nn.Module, tensors: dict, where: Path) -> nn.Module:
-    """The adapter of ``where`` (its config; ``tensors``, its weights) on the meta-device base (adapter weights
-    real, on the CPU), as peft would load it."""
+# the adapter config's entries that may name a module by its whole path
+_MODULE_PATTERNS = ("rank_pattern", "alpha_pattern")
+
+
+def _config_in_layout(config: dict, moved: dict[str, str]) -> dict:
+    """The adapter config with every module named by its whole path in the other layout (``moved``: old path ->
+    new) renamed, in ``target_modules`` (a list) and the keys of ``rank_pattern`` and ``alpha_pattern``: left as they
+    were, peft would target nothing there, or give the module the default rank (a shape error on load)."""
+    out = dict(config)
+    if isinstance(config.get("target_modules"), list):
+        out["target_modules"] = [moved.get(m, m) for m in config["target_modules"]]
+    for key in _MODULE_PATTERNS:
+        if isinstance(config.get(key), dict):
+            out[key] = {moved.get(m, m): v for m, v in config[key].items()}
+    return out
+
+
+def _peft_model(base: nn.Module, tensors: dict, where: Path, config: dict) -> nn.Module:
+    """The adapter of ``where`` (``config``: its config, in the base's layout; ``tensors``, its weights) on the
+    meta-device base (adapter weights real, on the CPU), as peft would load it."""
     from peft import LoraConfig, PeftConfig, get_peft_model, set_peft_model_state_dict
 
     from packtrain.models.build import adapters_on_cpu
@@ -86,6 +103,11 @@ def _peft_model(base: nn.Module, tensors: dict, where: Path) -> nn.Module:
         raise ValueError(f"--adapter: {where} holds a {type(peft_config).__name__}, only LoRA exports")
     if peft_config.use_dora or peft_config.lora_bias:
         raise ValueError(f"--adapter: {where} uses DoRA or LoRA biases, which these exports do not support")
+    if isinstance(config.get("target_modules"), list):
+        peft_config.target_modules = set(config["target_modules"])
+    for key in _MODULE_PATTERNS:
+        if isinstance(config.get(key), dict):
+            setattr(peft_config, key, dict(config[key]))
     peft_config.inference_mode = True
     with adapters_on_cpu(base) as cpu:  # peft would move the loaded adapter to the base's (meta) device too
         model = get_peft_model(base, peft_config, autocast_adapter_dtype=True)
@@ -154,10 +176,12 @@ class _Base:
         config = read_json_object(adapter_dir / ADAPTER_CONFIG, "--adapter")
         names = self._stored_names(tensors)
         renamed = {names[k]: v for k, v in tensors.items()}
-        if any(a != b for a, b in names.items()):
+        moved = {module_path(k): module_path(v) for k, v in names.items() if k != v}
+        if moved:
             layout = "vision-language" if self.vision_language else "text"
             log(f"packtrain export: the adapter's module names put in the {layout} layout of {self.dir}")
-        return config, renamed, _peft_model(self.model, renamed, adapter_dir)
+            config = _config_in_layout(config, moved)
+        return config, renamed, _peft_model(self.model, renamed, adapter_dir, config)
 
     def _stored_names(self, keys) -> dict[str, str]:
         """Each adapter key -> the same key naming its module as this checkpoint stores it (what a server reads:

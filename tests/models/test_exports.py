@@ -212,6 +212,23 @@ def test_a_vision_language_layout_adapter_merges_into_a_text_checkpoint(base, tm
     assert all(torch.equal(served[k], tensors[k]) for k in tensors)
 
 
+def test_whole_module_paths_of_the_adapter_config_follow_the_rename(base, tmp_path):
+    """An adapter of the vision-language layout whose config names its modules by their whole paths
+    (target_modules, and rank_pattern / alpha_pattern keys): renamed with the tensors, so peft targets the module
+    at its rank and alpha (left as they were, peft targeted nothing there and gave the default rank: a shape
+    error). The merge uses alpha / r = 3 / 6, and the served adapter's config names the checkpoint's modules."""
+    vl_q = Q.replace("model.", "model.language_model.", 1)
+    tensors = _adapter(tmp_path / "a", {Q: 6}, target_modules=[vl_q], rank_pattern={vl_q: 6}, alpha_pattern={vl_q: 3})
+    vl = {k.replace(PEFT + "model.", PEFT + "model.language_model."): v for k, v in tensors.items()}
+    save_file(vl, str(tmp_path / "a" / exports.ADAPTER_WEIGHTS))
+    exports.export_merged(base(), tmp_path / "a", tmp_path / "m", exports.RunFiles(None), log=_quiet)
+    expected = (_tensors(base())[f"{Q}.weight"].double() + _delta(tensors, Q, 3 / 6)).float()
+    torch.testing.assert_close(_tensors(tmp_path / "m")[f"{Q}.weight"], expected, rtol=0, atol=1e-6)
+    exports.export_for("vllm", base(), tmp_path / "a", tmp_path / "v", exports.RunFiles(None), "x", log=_quiet)
+    served = json.loads((tmp_path / "v" / "adapter" / exports.ADAPTER_CONFIG).read_text())
+    assert (served["target_modules"], served["rank_pattern"], served["alpha_pattern"]) == ([Q], {Q: 6}, {Q: 3})
+
+
 # -- the checkpoint's layout -----------------------------------------------------------------------------------------
 
 def test_the_shards_index_and_untouched_bytes_are_kept(base, tmp_path):
