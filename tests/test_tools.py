@@ -73,7 +73,8 @@ def _in_process(path, *args: str) -> tuple[int | None, str]:
 ])
 def test_the_bench_tools_on_packtrains_step_run_at_a_tiny_shape(script, args, says):
     """The two profilers that build the bench's workload from packtrain's own setup (``open_session``, the variants'
-    plans) run to their tables; both had fallen behind that setup's API and failed at their start."""
+    plans, :func:`packtrain.bench.variants.one_pack_workload`) run to their tables; both had fallen behind that
+    setup's API and failed at their start."""
     code, out = _in_process(TOOLS / script, *args)
     assert code is None and all(s in out for s in says), out[-2000:]
 

@@ -36,15 +36,19 @@ from dataclasses import dataclass
 import torch
 from peft import get_peft_model
 
-from packtrain.config import Config
+from packtrain.bench.presets import generate_examples, get_preset
+from packtrain.config import Config, config_from_dict
 from packtrain.data.planner import Plan
+from packtrain.distributed import DistInfo
 from packtrain.models.build import lora_config
+from packtrain.models.text_config import config_dict_of, text_config
 from packtrain.models.wrap import root
 from packtrain.run.balance import StepPlan
 from packtrain.run.evaluate import evaluate, mean_loss
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.session import Session, open_session
-from packtrain.run.step import Step
+from packtrain.run.step import Step, rank_units
+from packtrain.run.units import build
 
 
 class PackedVariant:
@@ -254,3 +258,25 @@ def plain_epoch(models: Models, work: Workload, max_steps: int | None = None) ->
 
 def run_variant(name: str, models: Models, work: Workload, max_steps: int | None = None) -> list[float]:
     return VARIANTS[name].epoch(models, work, max_steps)
+
+
+def one_pack_workload(shape, source: str) -> tuple[Workload, Models]:
+    """The profiling tools' setup (tools/bench: compare_ops, profile_pack, conv_taps): the cpu preset's config with a
+    token budget that holds each prompt of ``shape`` (:class:`packtrain.bench.presets.Shape`) with all its
+    continuations in one pack, its generated examples set up as `packtrain train` sets them up on one CPU rank (the
+    plan, the savings), and the bench's models. ``source`` names the config's origin in its errors."""
+    preset = get_preset("cpu")
+    preset.config["packing"]["token_budget"] = shape.prefix_tokens + shape.continuations * shape.cont_tokens[1] + sum(
+        n * longest for n, _, longest in shape.extra)
+    cfg = config_from_dict(preset.config, source=source)
+    examples = generate_examples(shape, text_config(config_dict_of(cfg))["vocab_size"], 0)
+    work = Workload.of(open_session(cfg, DistInfo(0, 1, 0, torch.device("cpu")), "train", examples=examples))
+    return work, Models(work)
+
+
+def first_unit(work: Workload, variant: str):
+    """(the unit, what it runs on) of the first pack ``variant`` trains in its first step, on one rank."""
+    own = work.for_variant(VARIANTS[variant])
+    kinds = own.session.kinds
+    unit = rank_units(own.plan, own.steps[0], kinds, 0, 1)[0]
+    return unit, build(unit, own.plan, own.examples, kinds).work

@@ -23,14 +23,10 @@ from collections import defaultdict
 import torch
 from torch.profiler import profile
 
-from packtrain.bench.presets import Shape, generate_examples, get_preset
-from packtrain.bench.variants import VARIANTS, Models, Workload, whole_example
-from packtrain.config import config_from_dict
-from packtrain.distributed import DistInfo
-from packtrain.models.text_config import config_dict_of, text_config
+from packtrain.bench.presets import Shape
+from packtrain.bench.variants import VARIANTS, first_unit, one_pack_workload, whole_example
 from packtrain.packed import attention
 from packtrain.packed.lm import PackCall
-from packtrain.run.session import open_session
 from packtrain.run.step import rank_units
 from packtrain.run.units import build
 
@@ -48,20 +44,10 @@ def main() -> None:
     torch.set_num_threads(1)
     lo, _, hi = args.cont_tokens.partition(":")
     shape = Shape(1, args.prefix_tokens, args.continuations, (int(lo), int(hi or lo)))
-    preset = get_preset("cpu")
-    preset.config["packing"]["token_budget"] = args.prefix_tokens + shape.continuations * shape.cont_tokens[1]
-    cfg = config_from_dict(preset.config, source="tools/bench/compare_ops.py")
-    examples = generate_examples(shape, text_config(config_dict_of(cfg))["vocab_size"], 0)
-    # the run's setup, as bench makes it: the plan and the savings train would take
-    session = open_session(cfg, DistInfo(0, 1, 0, torch.device("cpu")), "train", examples=examples)
-    examples = session.examples
-    work = Workload.of(session)
-    models = Models(work)
+    work, models = one_pack_workload(shape, "tools/bench/compare_ops.py")
     lm = models.lms["shared_prefix"]
-    packed = work.for_variant(VARIANTS["shared_prefix"])
-    (unit,) = [u for ids in packed.steps for u in rank_units(packed.plan, ids, packed.session.kinds, 0, 1)][:1]
-    layout = build(unit, packed.plan, packed.examples, packed.session.kinds).work
-    examples = [packed.examples[i] for i in unit.examples]  # the pack's: every loop below runs these
+    unit, layout = first_unit(work, "shared_prefix")
+    examples = [work.examples[i] for i in unit.examples]  # the pack's: every loop below runs these
     alone = work.for_variant(VARIANTS["standalone"])
     singles = [alone.session.kinds.pack.call(build(u, alone.plan, alone.examples, alone.session.kinds).work)
                for ids in alone.steps for u in rank_units(alone.plan, ids, alone.session.kinds, 0, 1)

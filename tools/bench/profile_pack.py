@@ -22,15 +22,11 @@ from collections import defaultdict
 import torch
 from torch.profiler import profile
 
-from packtrain.bench.presets import Shape, generate_examples, get_preset
+from packtrain.bench.presets import Shape
 from packtrain.bench.timing import memory_in_use, release_memory
-from packtrain.bench.variants import Models, Workload
-from packtrain.config import config_from_dict
-from packtrain.distributed import DistInfo
-from packtrain.models.text_config import config_dict_of, text_config
+from packtrain.bench.variants import one_pack_workload
 from packtrain.packed.lm import PackCall
 from packtrain.run.harness import PeakMemory
-from packtrain.run.session import open_session
 from packtrain.run.step import rank_units
 from packtrain.run.units import Kinds, build
 
@@ -58,17 +54,8 @@ def main() -> None:
         from packtrain.commands.bench import parse_extra
 
         shape = Shape(*shape.__dict__.values(), extra=tuple(parse_extra(e) for e in args.extra))
-    preset = get_preset("cpu")
-    # the whole shape in one pack
-    preset.config["packing"]["token_budget"] = args.prefix_tokens + shape.continuations * shape.cont_tokens[1] + sum(
-        n * h for n, _, h in getattr(shape, "extra", ()))
-    cfg = config_from_dict(preset.config, source="tools/bench/profile_pack.py")
-    examples = generate_examples(shape, text_config(config_dict_of(cfg))["vocab_size"], 0)
-    # the run's setup, as bench makes it: the plan and the savings train would take
-    session = open_session(cfg, DistInfo(0, 1, 0, torch.device("cpu")), "train", examples=examples)
-    plan, examples = session.plan, session.examples
-    work = Workload.of(session)
-    models = Models(work)
+    work, models = one_pack_workload(shape, "tools/bench/profile_pack.py")
+    plan, examples = work.plan, work.examples
     setup = Kinds.named("shared_prefix", args.groups)
     (unit,) = rank_units(plan, work.steps[0], setup, 0, 1)
     if args.groups > 1:
