@@ -261,9 +261,9 @@ def run_variant(name: str, models: Models, work: Workload, max_steps: int | None
 
 
 def one_pack_workload(shape, source: str) -> tuple[Workload, Models]:
-    """The profiling tools' setup (tools/bench: compare_ops, profile_pack, conv_taps): the cpu preset's config with a
-    token budget that holds each prompt of ``shape`` (:class:`packtrain.bench.presets.Shape`) with all its
-    continuations in one pack, its generated examples set up as `packtrain train` sets them up on one CPU rank (the
+    """The profiling tools' setup (tools/bench: compare_ops, profile_pack): the cpu preset's config with a token
+    budget that holds each prompt of ``shape`` (:class:`packtrain.bench.presets.Shape`) with all its continuations
+    in one pack, its generated examples set up as `packtrain train` sets them up on one CPU rank (the
     plan, the savings), and the bench's models. ``source`` names the config's origin in its errors."""
     preset = get_preset("cpu")
     preset.config["packing"]["token_budget"] = shape.prefix_tokens + shape.continuations * shape.cont_tokens[1] + sum(
