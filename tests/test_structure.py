@@ -302,7 +302,7 @@ def test_the_type_check_sees_an_isinstance_on_a_call():
 SETUP_CALLS = {"load_split": "packtrain.data.jsonl", "plan_for": "packtrain.run.units",
                "choose_savings": "packtrain.run.units", "image_loader": "packtrain.run.units",
                "build_base_model": "packtrain.models.build", "assemble": "packtrain.models.wrap",
-               "task_for": "packtrain.run.task", "task_start": "packtrain.run.task", "Kinds.of": "packtrain.run.units",
+               "task_for": "packtrain.run.task", "task_start": "packtrain.run.session", "Kinds.of": "packtrain.run.units",
                "Kinds.named": "packtrain.run.units"}
 SETUP_HOME = "packtrain.run.session"
 

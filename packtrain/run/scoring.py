@@ -14,6 +14,7 @@ function is a :class:`ScorerError` before the model loads):
 
 Scorers see the texts after :func:`strip_thinking` when ``generate.strip_thinking`` is on; the caller strips them.
 :func:`summarize` and :func:`errors_markdown` turn the scored rows into the eval's numbers and its error report.
+:func:`check_text` refuses a metric that scores text where there is no tokenizer.
 """
 
 from __future__ import annotations
@@ -250,3 +251,10 @@ def _fenced(text: str) -> list[str]:
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * max(3, longest + 1)
     return [fence, text, fence]
+
+
+def check_text(scorer: Scorer, tokenizer) -> None:
+    """Only the exact metric works on ids alone (pretokenized data without a tokenizer); checked at start."""
+    if tokenizer is None and scorer.spec != "exact":
+        raise ScorerError(f"generate.metric: {scorer.spec!r} scores text, and there is no tokenizer for this "
+                          "pretokenized data (set data.tokenizer, or use the exact metric, which compares ids)")

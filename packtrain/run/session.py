@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from packtrain.config import Config, support
-from packtrain.data.jsonl import load_split
+from packtrain.data.jsonl import detect_format, load_split, load_tokenizer
 from packtrain.data.planner import Plan
+from packtrain.run.scoring import Scorer, check_text, load_scorer
 from packtrain.run.units import Kinds, choose_savings, image_loader
 
 if TYPE_CHECKING:  # `plan` opens a session without torch: no process group, no savings, no model
@@ -97,7 +98,6 @@ def data_free_kinds(cfg: Config) -> Kinds:
     """``plan --memory`` without data: the checks :func:`open_session` makes that need none (the model family, and
     under ``generate.every`` the task metric), then the run's kinds, as a session makes them."""
     from packtrain.packed.families import check_model
-    from packtrain.run.task import load_task_scorer
 
     check_model(cfg)
     if cfg.generate.every is not None:
@@ -116,7 +116,6 @@ def open_session(cfg: Config, info: DistInfo | None, split: str = "train", with_
     data), in place of reading it, and ``plan`` their plan, made already; ``model`` False: no model is built or
     sized (``plan`` of the data alone), so none is asked for."""
     from packtrain.packed.families import check_model
-    from packtrain.run.task import task_start
 
     start = None
     if model:
@@ -132,7 +131,9 @@ def open_session(cfg: Config, info: DistInfo | None, split: str = "train", with_
     if examples is None:
         raise ValueError(f"data.{split}: not set")
     eval_examples = load_split(cfg, "eval") if with_eval else None
-    scorer, tokenizer = task_start(cfg, "eval" if with_eval else split) if task else (None, None)
+    scorer = tokenizer = None
+    if task:
+        scorer, tokenizer = task_start(cfg, "eval" if with_eval else split)
     kinds = Kinds.of(cfg, n_groups=n_groups)
     _check_images(cfg, kinds, examples + (eval_examples or []))
     kinds.check(examples, f"data.{split}")
@@ -156,3 +157,29 @@ def _check_images(cfg: Config, kinds: Kinds, examples: list) -> None:
     refused = support.refusals(dataclasses.replace(support.Combination.of(cfg, images=True), groups=kinds.n_groups))
     if refused:
         raise ValueError(f"{pictured.source}: {refused[0]}")
+
+
+# The task metric's start: torch-free, so `packtrain plan` checks it without importing the model code
+def load_task_scorer(cfg) -> Scorer:
+    """``generate.metric`` loaded at startup, the config file's directory and the working directory searched
+    first for a ``python:`` scorer's module."""
+    return load_scorer(cfg.generate.metric, [cfg.base_dir, "."])
+
+
+def task_tokenizer(cfg, fmt: str | None):
+    """The tokenizer that turns ids into text: the data's (``data.tokenizer``, else the model directory's, else, for
+    text and chat, the bundled one); None for pretokenized data with no tokenizer directory."""
+    path = cfg.resolve_path(cfg.data.tokenizer or cfg.model.path)
+    if path is not None and (path / "tokenizer.json").is_file():
+        return load_tokenizer(path)
+    if fmt == "pretokenized":
+        return None
+    return load_tokenizer(None)
+
+
+def task_start(cfg, split: str = "eval") -> tuple[Scorer, object | None]:
+    """What the task metric needs before the model loads, checked at start: (the scorer, the tokenizer or None)."""
+    fmt = cfg.data.format or detect_format(cfg.resolve_path(getattr(cfg.data, split)))
+    scorer, tokenizer = load_task_scorer(cfg), task_tokenizer(cfg, fmt)
+    check_text(scorer, tokenizer)
+    return scorer, tokenizer

@@ -21,7 +21,7 @@ from pathlib import Path
 from packtrain.data.planner import Plan
 from packtrain.distributed import DistInfo
 from packtrain.run.generate import Generated, GenerateSpec, generate, stop_ids
-from packtrain.run.scoring import Scorer, ScorerError, errors_markdown, load_scorer, strip_thinking, summarize
+from packtrain.run.scoring import Scorer, check_text, errors_markdown, strip_thinking, summarize
 from packtrain.run.units import Kinds
 
 
@@ -40,42 +40,6 @@ class Task:
 class TaskResult:
     rows: list[dict]  # every example scored, in example order (with the item and prompt the error report reads)
     summary: dict  # examples, exact, exact_match, mean_score, unparsed, skipped, tokens, seconds, tokens_per_second
-
-
-def load_task_scorer(cfg) -> Scorer:
-    """``generate.metric`` loaded at startup, the config file's directory and the working directory searched
-    first for a ``python:`` scorer's module."""
-    return load_scorer(cfg.generate.metric, [cfg.base_dir, "."])
-
-
-def task_tokenizer(cfg, fmt: str | None):
-    """The tokenizer that turns ids into text: the data's (``data.tokenizer``, else the model directory's, else, for
-    text and chat, the bundled one); None for pretokenized data with no tokenizer directory."""
-    from packtrain.data.jsonl import load_tokenizer
-
-    path = cfg.resolve_path(cfg.data.tokenizer or cfg.model.path)
-    if path is not None and (path / "tokenizer.json").is_file():
-        return load_tokenizer(path)
-    if fmt == "pretokenized":
-        return None
-    return load_tokenizer(None)
-
-
-def check_text(scorer: Scorer, tokenizer) -> None:
-    """Only the exact metric works on ids alone (pretokenized data without a tokenizer); checked at start."""
-    if tokenizer is None and scorer.spec != "exact":
-        raise ScorerError(f"generate.metric: {scorer.spec!r} scores text, and there is no tokenizer for this "
-                          "pretokenized data (set data.tokenizer, or use the exact metric, which compares ids)")
-
-
-def task_start(cfg, split: str = "eval") -> tuple[Scorer, object | None]:
-    """What the task metric needs before the model loads, checked at start: (the scorer, the tokenizer or None)."""
-    from packtrain.data.jsonl import detect_format
-
-    fmt = cfg.data.format or detect_format(cfg.resolve_path(getattr(cfg.data, split)))
-    scorer, tokenizer = load_task_scorer(cfg), task_tokenizer(cfg, fmt)
-    check_text(scorer, tokenizer)
-    return scorer, tokenizer
 
 
 def task_for(cfg, model, examples: list, scorer: Scorer, tokenizer, kinds, split: str = "eval") -> Task:

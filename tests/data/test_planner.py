@@ -5,8 +5,10 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from packtrain.data.jsonl import Example
 from packtrain.data.planner import Pack, PlanError, epoch_order, plan_packs, plan_stats
@@ -132,6 +134,14 @@ def test_planning_imports_neither_torch_nor_transformers():
             "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+    # `packtrain plan` itself, on a config with a task metric (generate.every: its scorer and tokenizer are checked)
+    # and over two ranks: the tokenizer needs transformers, nothing needs torch (6 s of imports, 1.5 s without)
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+    code = ("import sys; from packtrain.cli import main; main(['plan', sys.argv[1], '--world-size', '2']); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(demo)], capture_output=True, text=True, check=True).stdout
+    assert yaml.safe_load(demo.read_text())["generate"]["every"]  # the premise: the demo checks its task metric
+    assert out.splitlines()[-1] == "False", out[-2000:]
 
 
 def test_overflow_is_an_error_naming_file_line_and_id():

@@ -10,17 +10,16 @@ import pytest
 from packtrain.config import config_from_dict
 from packtrain.run import task as task_module
 from packtrain.run.generate import Generated, GenerateSpec
-from packtrain.run.scoring import Scorer, ScorerError
+from packtrain.run.scoring import Scorer, ScorerError, check_text
+from packtrain.run.session import task_tokenizer
 from packtrain.run.task import (
     Task,
     check_positions,
-    check_text,
     describe,
     errors_path_for,
     public_row,
     run_task,
     score_row,
-    task_tokenizer,
     write_task,
 )
 
