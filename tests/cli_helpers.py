@@ -242,20 +242,26 @@ def _fork_server():
     global _ranks_context
     if _ranks_context is None:
         import multiprocessing
+        from multiprocessing import forkserver
 
         _ranks_context = multiprocessing.get_context("forkserver")
         _ranks_context.set_forkserver_preload(_RANK_PRELOAD)
+        # PASSIVE: a thread of a rank run at 2 threads that waits for work sleeps rather than spins (OpenMP reads it
+        # once, where torch loads: in the server); spinning threads on the suite's two busy cores took 3x the time
+        with _environment({"OMP_WAIT_POLICY": "PASSIVE"}):
+            forkserver.ensure_running()
     return _ranks_context
 
 
 def _rank_main(rank: int, world: int, port: int, args: list[str], env: dict, script: str | None, out: str,
-               err: str) -> None:
-    """One rank, as torchrun starts it (the same environment variables), its output in two files."""
+               err: str, threads: int) -> None:
+    """One rank, as torchrun starts it (the same environment variables), its output in two files, on ``threads``
+    torch threads."""
     import torch
 
     os.environ.update({**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     with open(out, "w") as fo, open(err, "w") as fe:
         os.dup2(fo.fileno(), 1)
         os.dup2(fe.fileno(), 2)
@@ -338,20 +344,22 @@ class Ranks:
 
 
 def start_ranks(nproc: int, *args: str, env: dict | None = None, script: str | None = None,
-                world: int | None = None) -> Ranks:
+                world: int | None = None, threads: int = 1) -> Ranks:
     """`packtrain ARGS` (or the Python ``script``, ARGS its sys.argv) on ``nproc`` ranks over gloo, in the background:
     each rank a process forked from a server with packtrain imported (:func:`_fork_server`), in the environment
     torchrun gives a rank (torchrun itself: tests/test_distributed.py's launch script). ``world``: the world size the
-    ranks are told (default ``nproc``; more: ranks that never start)."""
+    ranks are told (default ``nproc``; more: ranks that never start). ``threads``: each rank's torch threads (a
+    fork of the server, which never ran a parallel region, runs as many as it is set to)."""
     import tempfile
 
     ctx = _fork_server()
     port = free_port()
     folder = tempfile.mkdtemp(prefix="ranks-")
-    full_env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads), **(env or {})}
     argv = [str(a) for a in args]
     procs = [ctx.Process(target=_rank_main, args=(r, world or nproc, port, argv, full_env, script,
-                                                  os.path.join(folder, f"out-{r}"), os.path.join(folder, f"err-{r}")))
+                                                  os.path.join(folder, f"out-{r}"), os.path.join(folder, f"err-{r}"),
+                                                  threads))
              for r in range(nproc)]
     for p in procs:
         p.start()
@@ -359,9 +367,9 @@ def start_ranks(nproc: int, *args: str, env: dict | None = None, script: str | N
 
 
 def run_ranks(nproc: int, *args: str, env: dict | None = None, check: bool = True, timeout: float = 240,
-              script: str | None = None, world: int | None = None) -> subprocess.CompletedProcess:
+              script: str | None = None, world: int | None = None, threads: int = 1) -> subprocess.CompletedProcess:
     """:func:`start_ranks`, waited for (killed past ``timeout`` seconds): a CompletedProcess, with ``returncodes``."""
-    ranks = start_ranks(nproc, *args, env=env, script=script, world=world)
+    ranks = start_ranks(nproc, *args, env=env, script=script, world=world, threads=threads)
     try:
         out, err = ranks.communicate(timeout)
     except subprocess.TimeoutExpired:

@@ -6,10 +6,11 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import REPO, free_port, metrics_of, run_cli, run_in_process, run_ranks, write_config
+from cli_helpers import REPO, free_port, metrics_of, run_in_process, run_ranks, write_config
 
 from packtrain import faults
 
@@ -63,9 +64,10 @@ def test_a_log_file_gets_plain_lines_and_a_resume_keeps_the_overrides(tmp_path):
     cfg = write_config(tmp_path, train={"epochs": 10, "packs_per_step": 2, "save_every": 5}, data={"eval": None},
                        logging={"progress": True, "every": 5})
     run = tmp_path / "run"
-    # stdout and stderr are pipes, as `> log 2>&1` makes them: no bar, one plain line every 5 steps
-    first = run_cli("train", str(cfg), "--set", "train.max_steps=18", env={faults.SIGTERM_IN_STEP: "8"},
-                    check=False)
+    # stdout and stderr are files, as `> log 2>&1` makes them (a process of its own: run_ranks' one rank): no bar,
+    # one plain line every 5 steps
+    first = run_ranks(1, "train", str(cfg), "--set", "train.max_steps=18", env={faults.SIGTERM_IN_STEP: "8"},
+                      check=False)
     assert first.returncode == 75, first.stderr[-2000:]
     log = first.stdout + first.stderr
     assert "\r" not in log
@@ -101,9 +103,9 @@ def test_relative_paths_resolve_against_the_config_file_and_its_run_config_runs_
     raw["data"]["train"] = "train.jsonl"  # beside the config
     raw["output_dir"] = "runs/first"
     cfg.write_text(yaml.safe_dump(raw))
-    run_cli("train", str(cfg))  # from the repository root, another directory
+    run_in_process("train", cfg)  # from the working directory (the repository's root), another directory
     run = folder / "runs" / "first"
-    assert (run / "adapter").is_dir() and not (REPO / "runs" / "first").exists()
+    assert (run / "adapter").is_dir() and not (Path.cwd() / "runs" / "first").exists()
     written = yaml.safe_load((run / "config.yaml").read_text())
     assert written["output_dir"] == str(run) and written["data"]["train"] == str(folder / "train.jsonl")
     # the run directory's config.yaml, moved elsewhere, runs again as it is

@@ -3,6 +3,7 @@ the tree packs' costs), a stopped and resumed tree run equals the uninterrupted 
 packing.mode is refused, and `eval --generate` under tree decodes the tree plan's packs and generates what
 transformers' own generate does."""
 
+import functools
 import json
 
 import pytest
@@ -14,7 +15,6 @@ from cli_helpers import (
     assert_equal_adapters,
     metrics_of,
     refused,
-    run_cli,
     run_in_process,
     run_ranks,
     train_losses,
@@ -41,16 +41,17 @@ def test_a_tree_run_at_two_threads_is_the_same_run_every_time(tmp_path, config):
     sets = [f"--set={s}" for s in ("train.max_steps=3", "train.save_every=1", "data.eval=null", "generate.every=null",
                                    "packing.mode=tree", "train.dpo_reference=per_step")]  # per_step: sft ignores it
     straight, run = tmp_path / "straight", tmp_path / "run"
-    # two threads; PASSIVE: a thread waiting for work sleeps rather than spins, which on the suite's two busy cores
-    # took 3x the time (the threads still add in parallel: the runs before the fix differed so too)
-    two = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    # each run a fresh process forked from the suite's rank server at two torch threads (cli_helpers.start_ranks:
+    # its OpenMP threads wait passively, as spinning ones on the suite's two busy cores took 3x the time; the
+    # threads still add in parallel: the runs before the fix differed so too)
     args = ["train", str(REPO / "configs" / config), *sets]
-    run_cli(*args, "--set", f"output_dir={straight}", env=two)
-    run_cli(*args, "--set", f"output_dir={tmp_path / 'again'}", env=two)  # a second uninterrupted run
+    alone = functools.partial(run_ranks, 1, threads=2)
+    alone(*args, "--set", f"output_dir={straight}")
+    alone(*args, "--set", f"output_dir={tmp_path / 'again'}")  # a second uninterrupted run
     assert_equal_adapters(adapter_of(straight), adapter_of(tmp_path / "again"))
-    stopped = run_cli(*args, "--set", f"output_dir={run}", env={**two, SIGTERM_IN_STEP: "2"}, check=False)
+    stopped = alone(*args, "--set", f"output_dir={run}", env={SIGTERM_IN_STEP: "2"}, check=False)
     assert stopped.returncode == PREEMPTED_EXIT, stopped.stderr[-3000:]
-    run_cli(*args, "--set", f"output_dir={run}", "--resume", env=two)
+    alone(*args, "--set", f"output_dir={run}", "--resume")
     assert_equal_adapters(adapter_of(straight), adapter_of(run))
     assert len(train_losses(run)) == 3 and train_losses(run) == train_losses(straight)
 
