@@ -1,5 +1,9 @@
 # Two entry points for a fresh machine with only Python: `make demo` and `make test`.
 PY ?= python3
+# Python caches compiled modules (and pytest its rewritten test modules) even where the environment says not to: a
+# fresh interpreter, and each test worker collecting the suite, then compiles packtrain and the tests once, not
+# every time (PYTHONDONTWRITEBYTECODE=1 cost each worker about 5 s of collection)
+export PYTHONDONTWRITEBYTECODE :=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

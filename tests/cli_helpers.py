@@ -222,17 +222,36 @@ def peak_rss_cli(*runs: list[str], env: dict | None = None, check: bool = True
     return results
 
 
+_next_port = None
+
+
 def free_port() -> int:
+    """A port no other test worker hands out: each xdist worker takes its own range below the kernel's ephemeral
+    ports (20000 + 4000 x its number), in turn, skipping one that is bound."""
+    import itertools
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    global _next_port
+    if _next_port is None:
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+        _next_port = itertools.cycle(range(20000 + 4000 * worker, 24000 + 4000 * worker))
+    for port in _next_port:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
-# What a rank imports before it reads its arguments: loaded once, in the fork server, not in every rank.
+# What a rank imports as it runs a command (its arguments read, its model built and wrapped by peft, its loss plot
+# drawn): loaded once, in the fork server, not in every rank (a 1-rank run of the demo's first 3 steps took 1.8 s
+# with the first six alone, 1.0 s with all); none of them imports fla (tests/packed/kernels/test_hf_route.py)
 _RANK_PRELOAD = ["cli_helpers", "packtrain.cli", "packtrain.commands.train", "packtrain.commands.check_nodes",
-                 "packtrain.run.trainer", "packtrain.packed.patch"]
+                 "packtrain.run.trainer", "packtrain.packed.patch", "packtrain.packed.lm", "packtrain.models.build",
+                 "packtrain.models.wrap", "packtrain.models.offload", "packtrain.commands.eval",
+                 "packtrain.commands.export", "packtrain.commands.smoke", "peft", "matplotlib.figure",
+                 "matplotlib.backends.backend_agg"]
 _ranks_context = None
 
 

@@ -67,15 +67,22 @@ def trained(tmp_path_factory):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """`make test` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup --no-loadscope-reorder``): a
-    test file is one unit of work (its module fixtures built once), and every ``process`` test is in one unit, so
-    one worker runs them one at a time, as a single pytest process does: two of them at once would contend for the
-    ports their ranks bind (``cli_helpers.free_port``) and double the processes on the cores. Under xdist the
-    process tests come first, so that the longest unit (about 40% of the suite's time) starts at once; without
-    xdist the order is the files'. A test marked ``xdist_group("process")`` itself (one sharing a process test's
-    module fixture) runs in that unit too."""
+    test file is one unit of work (its module fixtures built once), and the files of ``process`` tests are dealt
+    into two units, ``process-0`` and ``process-1`` (alternately, in name order), each of which one worker runs one
+    test at a time. Under xdist the process tests come first, so that the two longest units (together about 40% of
+    the suite's time) start at once, one on each worker; without xdist the order is the files'. Two process tests
+    at once do not share a port: each worker hands out its own range (``cli_helpers.free_port``). A test marked
+    ``xdist_group("process")`` itself (one sharing a process test's module fixture) runs in its file's unit."""
+    process_files = sorted({item.nodeid.split("::", 1)[0] for item in items
+                            if item.get_closest_marker("process") is not None})
+    half = {f: f"process-{i % 2}" for i, f in enumerate(process_files)}
     for item in items:
+        file = item.nodeid.split("::", 1)[0]
         process = item.get_closest_marker("process") is not None
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group("process" if process else item.nodeid.split("::", 1)[0]))
+        marker = item.get_closest_marker("xdist_group")
+        if marker is None:
+            item.add_marker(pytest.mark.xdist_group(half[file] if process else file))
+        elif marker.args[0] == "process":  # in front of the test's own marker: the closest one
+            item.add_marker(pytest.mark.xdist_group(half.get(file, "process-0")), append=False)
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != "process")
+        items.sort(key=lambda item: not item.get_closest_marker("xdist_group").args[0].startswith("process"))
