@@ -183,42 +183,48 @@ def run_cli(*args: str, env: dict | None = None, check: bool = True) -> subproce
     return _checked(proc, args, check)
 
 
-# Starts `packtrain ARGS` and reports its peak resident set as wait4 counts it. A child of the test process would
-# carry the test process's own high-water mark: exec records the replaced address space's peak in the child's
-# ru_maxrss, and a fork's (or vfork's) address space is the test process's, over 1 GiB late in the suite. A child of
-# this small interpreter carries only this interpreter's few MiB.
-_PEAK_RSS_LAUNCHER = """
-import os, subprocess, sys
-child = subprocess.Popen([sys.executable, "-m", "packtrain", *sys.argv[1:]])
-_, status, usage = os.wait4(child.pid, 0)
+# A rank forked from the suite's rank server that forks `packtrain ARGS` and reports its peak resident set as wait4
+# counts it. A child of the test process would carry the test process's own high-water mark (a fork's address space
+# is its parent's, over 1 GiB late in the suite); the rank server's is its imports' alone, the same for every run,
+# so differences between runs are the runs' own. No interpreter start and no import: each run costs its work only.
+_PEAK_RSS_RANK = """
+import os, sys, traceback
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        from packtrain.cli import main
+        code = main(sys.argv[1:]) or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+_, status, usage = os.wait4(pid, 0)
 print(f"peak-rss-kib {usage.ru_maxrss}", file=sys.stderr)
 sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-def peak_rss_cli(*runs: list[str], env: dict | None = None, check: bool = True
+def peak_rss_cli(*runs: list[str], env: dict | None = None, check: bool = True, threads: int = 1
                  ) -> list[tuple[subprocess.CompletedProcess, int]]:
-    """Several `packtrain ARGS` at once, each as :func:`run_cli` runs one, and each process's peak resident set in
-    bytes as the kernel counted it for that process alone (``wait4``'s ``ru_maxrss``, taken by a small launcher
-    process: see ``_PEAK_RSS_LAUNCHER``)."""
-    import tempfile
-
-    with contextlib.ExitStack() as files:
-        started = []
-        for args in runs:
-            out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
-            child = subprocess.Popen([sys.executable, "-c", _PEAK_RSS_LAUNCHER, *args], stdout=out, stderr=err,
-                                     text=True, env=_cli_env(env), cwd=REPO)
-            started.append((args, child, out, err))
-        results = []
-        for args, child, out, err in started:
-            child.wait()
-            out.seek(0)
-            err.seek(0)
-            stderr = err.read()
-            stderr, _, peak = stderr.rstrip("\n").rpartition("peak-rss-kib ")
-            proc = subprocess.CompletedProcess(child.args, child.returncode, out.read(), stderr)
-            results.append((_checked(proc, args, check), int(peak) * 1024))  # kilobytes on Linux
+    """Several `packtrain ARGS` at once, each a process of its own, and each process's peak resident set in bytes as
+    the kernel counted it for that process alone (``wait4``'s ``ru_maxrss``, taken by its parent: see
+    ``_PEAK_RSS_RANK``)."""
+    started = [(args, start_ranks(1, *args, env=env, script=_PEAK_RSS_RANK, threads=threads)) for args in runs]
+    results = []
+    for args, ranks in started:
+        try:
+            out, err = ranks.communicate(600)
+        except subprocess.TimeoutExpired:
+            ranks.kill()
+            raise AssertionError(f"packtrain {' '.join(map(str, args))} ran past 600 s") from None
+        err, _, peak = err.rstrip("\n").rpartition("peak-rss-kib ")
+        proc = subprocess.CompletedProcess(["packtrain", *args], ranks.returncode, out, err)
+        _checked(proc, args, check)
+        results.append((proc, int(peak) * 1024 if peak else 0))  # kilobytes on Linux
     return results
 
 
@@ -275,9 +281,13 @@ def _fork_server():
 def _rank_main(rank: int, world: int, port: int, args: list[str], env: dict, script: str | None, out: str,
                err: str, threads: int) -> None:
     """One rank, as torchrun starts it (the same environment variables), its output in two files, on ``threads``
-    torch threads."""
+    torch threads. What the rank inherits from the server (packtrain and its imports) lives as long as the rank: out
+    of the garbage collector's reach (conftest.py's pytest_collection_finish does the same in the test workers)."""
+    import gc
+
     import torch
 
+    gc.freeze()
     os.environ.update({**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(threads)
