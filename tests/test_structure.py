@@ -424,7 +424,7 @@ TESTED_MODULES = [
     "commands/dump_stacks", "commands/eval", "commands/export", "commands/plan", "commands/pretune_fla",
     "commands/smoke", "commands/train", "config", "config/support", "config/templates", "config/tiles", "config/typed",
     "data/attention_pairs", "data/chat", "data/example", "data/images", "data/jsonl", "data/planner", "data/preference",
-    "data/prefix_tree", "data/tree_packs", "data/walk_calls", "distributed", "exits", "faults", "memory/budget",
+    "data/prefix_tree", "data/scored", "data/tree_packs", "data/walk_calls", "distributed", "exits", "faults", "memory/budget",
     "memory/describe", "memory/estimate", "memory/fla_shapes", "memory/flex_shapes", "memory/measure", "memory/savings",
     "memory/step_time", "models/build", "models/cost", "models/exports", "models/loading", "models/lora_compute",
     "models/offload", "models/parameters", "models/serving", "models/start_adapter", "models/text_config",

@@ -88,6 +88,11 @@ class Example:
     # pair's two examples share P and the item and differ in their targets (the answers).
     pair: str = ""
     side: str = ""
+    # A scored group's completion (train.objective grpo): the group's id (the record's), the completion's reward and
+    # the sampler's log-probabilities of its target tokens (None: on-policy); "" for any other example
+    group: str = ""
+    reward: float = 0.0
+    logprobs: tuple[float, ...] | None = None
 
     @property
     def continuation_ids(self) -> tuple[int, ...]:

@@ -73,6 +73,7 @@ from packtrain.data.preference import (
     trl_pair,
     weight_of,
 )
+from packtrain.data.scored import GROUP_KEYS, check_logprobs, group_completions, group_logprobs, group_rewards, is_group
 
 FORMATS = ("text", "chat", "pretokenized")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
@@ -333,6 +334,8 @@ def _example_id(record: dict, line: int, source: Path) -> str:
 
 
 def _pretokenized(record: dict, line: int, source: Path, vocab_size: int | None, prefixes: dict) -> list[Example]:
+    if is_group(record):
+        return _pretokenized_group(record, line, source, vocab_size, prefixes)
     paired = is_pair(record)
     _keys_of(record, "pretokenized", paired, source, line)
     targets = pair_fields(record, "pretokenized", source, line) if paired else ("target_ids",)
@@ -350,6 +353,35 @@ def _pretokenized(record: dict, line: int, source: Path, vocab_size: int | None,
         return [Example(id_, prefix, ids["item_ids"], ids["target_ids"], str(source), line, weight=weight)]
     return [Example(f"{id_}:{side}", prefix, ids["item_ids"], ids[name], str(source), line, weight=weight, pair=id_,
                     side=side) for side, name in zip(SIDES, targets)]
+
+
+def _pretokenized_group(record: dict, line: int, source: Path, vocab_size: int | None,
+                        prefixes: dict) -> list[Example]:
+    """A scored group's K completions as K examples sharing P and the item (:mod:`packtrain.data.scored`)."""
+    completions = group_completions(record, "pretokenized", source, line)
+    _known_keys(record, GROUP_KEYS["pretokenized"], "a pretokenized scored group", "", source, line)
+    rewards = group_rewards(record, len(completions), source, line)
+    logprobs = group_logprobs(record, len(completions), source, line)
+    prefix_ids = _token_ids(_field(record, "prefix_ids", "pretokenized", source, line), "prefix_ids", source, line,
+                            vocab_size)
+    item = _field(record, "item_ids", "pretokenized", source, line)
+    item_ids = () if item == [] else _token_ids(item, "item_ids", source, line, vocab_size)
+    prefix = prefixes.setdefault(prefix_ids, prefix_ids)
+    id_ = _example_id(record, line, source)
+    out = []
+    for i, value in enumerate(completions):
+        ids = _token_ids(value, f"completion_ids[{i}]", source, line, vocab_size)
+        if logprobs is not None:
+            check_logprobs(logprobs[i], len(ids), i, source, line)
+        out.append(Example(f"{id_}:{i}", prefix, item_ids, ids, str(source), line, group=id_, reward=rewards[i],
+                           logprobs=None if logprobs is None else logprobs[i]))
+    return out
+
+
+def _no_group_yet(record: dict, source: Path, line: int) -> None:
+    if is_group(record):
+        raise DataError(source, line, "completions", "scored groups are read from pretokenized data so far (text and "
+                                                     "chat groups: issue 59, in progress)")
 
 
 def _keys_of(record: dict, fmt: str, paired: bool, source: Path, line: int) -> None:
@@ -380,6 +412,7 @@ def _image_path(value: Any, field: str, source: Path, line: int) -> str:
 
 
 def _text_conversations(record: dict, line: int, source: Path) -> list[Conversation]:
+    _no_group_yet(record, source, line)
     trl_pair(record, source, line)  # TRL's plain-text forms are refused with the mapping (its others are chat)
     _keys_of(record, "text", is_pair(record), source, line)
     return _sides(record, "text", source, line, lambda target: _text_conversation(record, line, source, target))
@@ -475,6 +508,7 @@ def _order_problem(role: str, previous: dict) -> str | None:
 
 
 def _chat_conversations(record: dict, line: int, source: Path) -> list[Conversation]:
+    _no_group_yet(record, source, line)
     trl = trl_pair(record, source, line)
     if trl is not None:  # TRL's form, as packtrain's chat pair; its fields named as the file names them
         converted, file_field = trl

@@ -74,6 +74,11 @@ class Objective:
 
     def check(self, examples: Sequence, split: str = "data.train") -> None:
         """Refuse data the objective cannot train on, naming the first example that shows it."""
+        group = next((ex for ex in examples if getattr(ex, "group", "")), None)
+        if group is not None:
+            raise ValueError(f"{_at(group)}: {split} holds scored groups (completions and rewards), which "
+                             f"train.objective {self.name} would train on as plain examples; they are for "
+                             "train.objective grpo (issue 59, in progress: not yet trainable)")
         pair = next((ex for ex in examples if getattr(ex, "pair", "")), None)
         if pair is not None:
             raise ValueError(f"{_at(pair)}: {split} holds preference pairs (chosen and rejected): set "

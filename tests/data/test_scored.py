@@ -1,0 +1,74 @@
+"""Scored groups (packtrain/data/scored.py) read from pretokenized JSONL: K completions become K examples sharing P
+and the item, with their rewards and the sampler's log-probabilities; every bad group is refused naming the file,
+the line and the field; until grpo trains, every objective refuses them rather than train on them as examples."""
+
+import json
+
+import pytest
+
+from packtrain.data.example import DataError
+from packtrain.data.jsonl import load_examples
+from packtrain.run.objective import Dpo, Sft
+
+GOOD = {"id": "q1", "prefix_ids": [5, 6, 7], "item_ids": [8], "completion_ids": [[9, 10], [11], [12, 13, 14]],
+        "rewards": [1, 0.0, 0.5], "logprobs": [[-0.1, -2.0], [-0.5], [0, -1.5, -0.25]]}
+
+
+def _load(tmp_path, *records):
+    path = tmp_path / "groups.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path, load_examples(path, "pretokenized")
+
+
+def test_a_group_is_k_examples_sharing_p_and_the_item(tmp_path):
+    _, examples = _load(tmp_path, GOOD, {k: v for k, v in {**GOOD, "id": "q2"}.items() if k != "logprobs"})
+    assert [ex.id for ex in examples] == ["q1:0", "q1:1", "q1:2", "q2:0", "q2:1", "q2:2"]
+    assert {ex.group for ex in examples} == {"q1", "q2"}
+    assert all(ex.prefix_ids == (5, 6, 7) and ex.item_ids == (8,) for ex in examples)
+    assert [ex.target_ids for ex in examples[:3]] == [(9, 10), (11,), (12, 13, 14)]
+    assert [ex.reward for ex in examples[:3]] == [1.0, 0.0, 0.5]
+    assert examples[0].logprobs == (-0.1, -2.0) and examples[2].logprobs == (0.0, -1.5, -0.25)
+    assert all(ex.logprobs is None for ex in examples[3:])  # on-policy: the current policy's, detached
+    assert examples[0].prefix_ids is examples[5].prefix_ids  # one P, shared
+
+
+@pytest.mark.parametrize("change,field,says", [
+    ({"completion_ids": [[9, 10]]}, "completion_ids", "2 or more completions"),
+    ({"completion_ids": "9 10"}, "completion_ids", "a list of completions"),
+    ({"completion_ids": [[9], []], "rewards": [1, 0], "logprobs": None}, "completion_ids[1]", "empty"),
+    ({"rewards": [1, 0]}, "rewards", "one number per completion (3), got 2 rewards"),
+    ({"rewards": [1, True, 0]}, "rewards[1]", "a finite number"),
+    ({"logprobs": [[-0.1, -2.0], [-0.5]]}, "logprobs", "one list per completion (3)"),
+    ({"logprobs": [[-0.1], [-0.5], [0, -1.5, -0.25]]}, "logprobs[0]", "1 log-probabilities for completion 0's 2"),
+    ({"logprobs": [[-0.1, 0.5], [-0.5], [0, -1.5, -0.25]]}, "logprobs[0][1]", "at most 0"),
+    ({"target_ids": [1]}, "target_ids", "not target_ids too"),
+    ({"chosen_ids": [1]}, "chosen_ids", "not chosen_ids too"),
+    ({"completion": [1]}, "completion", None),  # an unknown key, named
+])
+def test_a_bad_group_is_refused_naming_file_line_and_field(tmp_path, change, field, says):
+    record = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
+    with pytest.raises(DataError) as e:
+        _load(tmp_path, GOOD, record)
+    err = e.value
+    assert err.line == 2 and err.field == field and err.source.endswith("groups.jsonl"), str(err)
+    assert says is None or says in str(err), str(err)
+
+
+def test_a_missing_reward_list_is_named(tmp_path):
+    record = {k: v for k, v in GOOD.items() if k != "rewards"}
+    with pytest.raises(DataError, match="field 'rewards': missing"):
+        _load(tmp_path, record)
+
+
+def test_text_and_chat_groups_are_refused_until_they_are_read(tmp_path):
+    path = tmp_path / "text.jsonl"
+    path.write_text(json.dumps({"system": "S", "item": "I", "completions": ["a", "b"], "rewards": [1, 0]}) + "\n")
+    with pytest.raises(DataError, match="pretokenized data so far"):
+        load_examples(path, "text")
+
+
+@pytest.mark.parametrize("objective", [Sft(), Dpo()])
+def test_no_objective_trains_groups_as_plain_examples(tmp_path, objective):
+    _, examples = _load(tmp_path, GOOD)
+    with pytest.raises(ValueError, match="scored groups|preference pairs"):
+        objective.check(examples)
