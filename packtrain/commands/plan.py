@@ -60,6 +60,8 @@ def format_table(stats: dict, title: str) -> str:
               " " * 13) if s["whole_differs"] else []),
         *([f"  pairs      {s['preference_pairs']:,} preference pairs, each pair's two answers in one pack"]
           if s.get("preference_pairs") else []),
+        *([f"  groups     {s['scored_groups']:,} scored groups, each group's completions in one pack"]
+          if s.get("scored_groups") else []),
         *([f"  weights    {s['weighted']:,} example{'s' * (s['weighted'] != 1)} weighted other than 1"]
           if s.get("weighted") else []),
         f"  prompts    {s['prompts']:,}",

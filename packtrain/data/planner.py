@@ -32,6 +32,7 @@ from typing import Any
 from packtrain.config import WalkSpec
 from packtrain.data.attention_pairs import causal_pairs, node_pairs, pack_pairs, tree_pairs
 from packtrain.data.preference import pair_examples
+from packtrain.data.scored import group_examples
 from packtrain.data.prefix_tree import continuations, example_keys, example_tree, key_tokens, tree_of_keys
 from packtrain.data.tree_packs import pack_tree
 from packtrain.data.walk_calls import WalkCalls, walk_calls
@@ -123,17 +124,26 @@ def _over_budget(ex: Any, index: int, prefix_len: int, length: int, token_budget
                      "packing.on_overflow=skip")
 
 
-def _pair_over_budget(ex: Any, index: int, prefix_len: int, length: int, token_budget: int) -> PlanError:
-    return PlanError(f"{_where(ex, index)}: its preference pair needs {prefix_len + length} positions (P {prefix_len} + "
-                     f"both answers' continuations {length}, in one pack), over packing.token_budget={token_budget}; "
-                     "raise the budget or set packing.on_overflow=skip")
+def _family_over_budget(ex: Any, index: int, prefix_len: int, length: int, token_budget: int) -> PlanError:
+    what = ("scored group needs", "all its completions'") if getattr(ex, "group", "") else \
+        ("preference pair needs", "both answers'")
+    return PlanError(f"{_where(ex, index)}: its {what[0]} {prefix_len + length} positions (P {prefix_len} + {what[1]} "
+                     f"continuations {length}, in one pack), over packing.token_budget={token_budget}; raise the "
+                     "budget or set packing.on_overflow=skip")
 
 
-def _partners(examples: Sequence[Any]) -> dict[int, int]:
-    """Each preference-pair example's index -> its other answer's (empty without pairs)."""
+def _families(examples: Sequence[Any], max_continuations: int) -> dict[int, tuple[int, ...]]:
+    """Each example of a preference pair or a scored group -> the indices of its family, the one that leads it first
+    (the chosen answer, completion 0); empty without pairs and groups. A family always goes into one pack, so one with
+    more members than ``max_continuations`` is refused."""
     out = {}
-    for c, r in pair_examples(examples):
-        out[c], out[r] = r, c
+    for members in [*pair_examples(examples), *group_examples(examples)]:
+        if len(members) > max_continuations:
+            ex = examples[members[0]]
+            raise PlanError(f"{_where(ex, members[0])}: its scored group's {len(members)} completions go into one pack, "
+                            f"over packing.max_continuations={max_continuations}: raise it to {len(members)} or more")
+        for i in members:
+            out[i] = members
     return out
 
 
@@ -162,22 +172,22 @@ def plan_packs(
     prompts: list[tuple[int, ...]] = []
     skipped: list[int] = []
     groups = _group_by_prompt(examples)
-    partner = _partners(examples)
+    family = _families(examples, max_continuations)
     for prefix in sorted(groups):
         capacity = token_budget - len(prefix)
         fitting, walked = [], []
         for i in groups[prefix]:
             ex = examples[i]
-            if i in partner:  # a preference pair: its two answers go into one pack together, from its chosen one
-                if ex.side == "chosen":
-                    both = (i, partner[i])
-                    length = sum(len(examples[j].item_ids) + len(examples[j].target_ids) for j in both)
+            if i in family:  # a pair's two answers (a group's completions) go into one pack together, from its leader
+                members = family[i]
+                if members[0] == i:
+                    length = sum(len(examples[j].item_ids) + len(examples[j].target_ids) for j in members)
                     if length <= capacity:
-                        fitting.append((-length, ex.item_ids, ex.target_ids, str(getattr(ex, "id", "")), both))
+                        fitting.append((-length, ex.item_ids, ex.target_ids, str(getattr(ex, "id", "")), members))
                     elif on_overflow == "skip":
-                        skipped.extend(both)
+                        skipped.extend(members)
                     else:
-                        raise _pair_over_budget(ex, i, len(prefix), length, token_budget)
+                        raise _family_over_budget(ex, i, len(prefix), length, token_budget)
                 continue
             length = len(ex.item_ids) + len(ex.target_ids)
             if length <= capacity:
@@ -201,7 +211,7 @@ def plan_packs(
         fitting.sort()
         order = [key[-1] for key in fitting]
         lengths = [-key[0] for key in fitting]
-        counts = [len(entry) for entry in order] if partner else None
+        counts = [len(entry) for entry in order] if family else None
         for b in _best_fit_decreasing(lengths, capacity, max_continuations, counts):
             chosen = tuple(i for j in b for i in order[j])
             cont = [len(examples[i].item_ids) + len(examples[i].target_ids) for i in chosen]
@@ -249,11 +259,11 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
     skipped: list[int] = []
     lengths: dict[int, list[int]] = {}  # the planned continuations' lengths per prompt, for shared_prefix's figures
     groups = _group_by_prompt(examples)
-    partner = _partners(examples)
+    family = _families(examples, max_continuations)
     for prefix in sorted(groups):
         p, fitting = len(prefix), groups[prefix]
-        if partner:  # a pair whose two answers' tree is over the budget: refused, or both skipped
-            over = _pairs_over(examples, fitting, partner, p, token_budget, on_overflow)
+        if family:  # a pair (a group) whose tree is over the budget: refused, or all its members skipped
+            over = _families_over(examples, fitting, family, p, token_budget, on_overflow)
             skipped += over
             fitting = [i for i in fitting if i not in set(over)]
             if not fitting:
@@ -276,8 +286,8 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
         tree = tree_of_keys(keys, salts, continuations(group))
         cut = pack_tree(tree, token_budget - p, max_continuations, _by_id(examples, fitting))
         cut = [(tuple(map(fitting.__getitem__, tp.paths)), tp.positions, tp.attention_pairs) for tp in cut]
-        if partner:
-            cut = _rejoin_pairs(cut, examples, partner, token_budget - p, max_continuations)
+        if family:
+            cut = _rejoin_families(cut, examples, family, token_budget - p, max_continuations)
         for members, positions, pairs in cut:
             pack = Pack(len(prompts), members, p + positions, attention_pairs=tree_pairs(p, positions, pairs))
             packs.append(pack)
@@ -288,7 +298,7 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
         raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
     plan = Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed)
     positions, pairs = sum(pack.positions for pack in packs), sum(pack.attention_pairs for pack in packs)
-    if partner:  # a pair is one entry of two continuations flat: plan them flat (pair data is not millions; a pair
+    if family:  # a pair is one entry of two continuations flat (a group of K): plan them flat (pair data is not millions; a pair
         # whose tree fits but whose two answers flat do not is left out of shared_prefix's figures, and where no pair
         # fits flat there are none: the tree's plan stands, whatever shared_prefix could not do)
         planned = [examples[i] for pack in packs for i in pack.examples]
@@ -304,45 +314,52 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
     return plan
 
 
-def _pairs_over(examples: Sequence[Any], members: list[int], partner: dict[int, int], prefix_len: int,
-                token_budget: int, on_overflow: str) -> list[int]:
-    """The examples of the pairs among ``members`` whose pair tree (item -> {chosen, rejected}) is over the budget
-    (``on_overflow`` skip; error: refused, naming the pair)."""
+def _families_over(examples: Sequence[Any], members: list[int], family: dict[int, tuple[int, ...]], prefix_len: int,
+                   token_budget: int, on_overflow: str) -> list[int]:
+    """The examples of the pairs (groups) among ``members`` whose tree (item -> {chosen, rejected}, item -> K
+    completions) is over the budget (``on_overflow`` skip; error: refused, naming the pair or group)."""
     over = []
     for i in members:
-        if i in partner and examples[i].side == "chosen":
-            both = [examples[i], examples[partner[i]]]
-            size = example_tree(both).positions
+        if i in family and family[i][0] == i:
+            size = example_tree([examples[j] for j in family[i]]).positions
             if prefix_len + size > token_budget:
                 if on_overflow != "skip":
-                    raise _pair_over_budget(both[0], i, prefix_len, size, token_budget)
-                over += [i, partner[i]]
+                    raise _family_over_budget(examples[i], i, prefix_len, size, token_budget)
+                over += family[i]
     return over
 
 
-def _rejoin_pairs(cut: list[tuple[tuple[int, ...], int, int]], examples: Sequence[Any], partner: dict[int, int],
-                  capacity: int, max_leaves: int) -> list[tuple[tuple[int, ...], int, int]]:
-    """The tree packs ``cut`` (members, tree tokens, node pairs) with every preference pair in one pack. A pair's
-    answers share their item's node, a subtree of its own under P (``tree_salt``), which the cutter keeps whole;
-    only a pair that shares no token at all (an empty item, answers that start apart) can land in two packs: its
-    rejected answer joins its chosen one's pack where the tree still fits, else the pair takes a pack of its own."""
+def _rejoin_families(cut: list[tuple[tuple[int, ...], int, int]], examples: Sequence[Any],
+                     family: dict[int, tuple[int, ...]], capacity: int,
+                     max_leaves: int) -> list[tuple[tuple[int, ...], int, int]]:
+    """The tree packs ``cut`` (members, tree tokens, node pairs) with every preference pair (scored group) in one
+    pack. A pair's answers share their item's node, a subtree of its own under P (``tree_salt``), which the cutter
+    keeps whole; only a family that shares no token at all (an empty item, answers that start apart) can land in
+    several packs: its other members join its leader's pack where the tree still fits, else the family takes a
+    pack of its own."""
     where = {i: k for k, (members, _, _) in enumerate(cut) for i in members}
     members = [list(m) for m, _, _ in cut]
     changed = set()
-    for i, k in list(where.items()):
-        j = partner.get(i)
-        if j is None or examples[i].side != "chosen" or where[j] == k:
+    for i in list(where):
+        whole = family.get(i)
+        if whole is None or whole[0] != i or all(where[j] == where[i] for j in whole):
             continue
-        members[where[j]].remove(j)
-        changed |= {k, where[j]}
-        trial = _tree_figures([examples[e] for e in members[k] + [j]])
+        k = where[i]
+        others = [j for j in whole[1:] if where[j] != k]
+        for j in others:
+            members[where[j]].remove(j)
+            changed.add(where[j])
+        changed.add(k)
+        trial = _tree_figures([examples[e] for e in members[k] + others])
         if trial[0] <= capacity and trial[2] <= max_leaves:
-            members[k].append(j)
-            where[j] = k
+            members[k] += others
+            for j in others:
+                where[j] = k
         else:
-            members[k].remove(i)
-            members.append([i, j])
-            where[i] = where[j] = len(members) - 1
+            members[k] = [e for e in members[k] if e not in whole]
+            members.append(list(whole))
+            for j in whole:
+                where[j] = len(members) - 1
             changed.add(len(members) - 1)
     out = []
     for k, m in enumerate(members):
@@ -418,8 +435,10 @@ def plan_stats(plan: Plan, examples: Sequence[Any]) -> dict:
         "target_tokens": sum(target_count(ex) for ex in planned),
         # examples whose prompt and target, tokenized apart as at generation, are other tokens than the whole render
         "whole_differs": sum(bool(getattr(ex, "whole_differs", False)) for ex in planned),
-        # preference pairs (both answers of each in one pack) and examples whose weight is not 1
+        # preference pairs (both answers of each in one pack), scored groups (all completions of each in one pack)
+        # and examples whose weight is not 1
         "preference_pairs": sum(getattr(ex, "side", "") == "chosen" for ex in planned),
+        "scored_groups": len({ex.group for ex in planned if getattr(ex, "group", "")}),
         "weighted": sum(getattr(ex, "weight", 1.0) != 1.0 for ex in planned),
         "skipped": len(plan.skipped),
         "walked": len(walks),

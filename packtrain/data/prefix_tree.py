@@ -213,16 +213,16 @@ def image_salt(ex) -> tuple:
 
 def tree_salt(ex) -> tuple:
     """What keeps an example's path apart from others' with equal tokens: its images (:func:`image_salt`), and its
-    preference pair: a pair's two answers are a subtree of their own under P (item -> {chosen, rejected}), which
-    fits a pack whenever the pair does, so the pack cutter never parts them."""
-    pair = getattr(ex, "pair", "")
-    return image_salt(ex) + ((("pair", pair),) if pair else ())
+    preference pair or scored group: a pair's two answers (a group's K completions) are a subtree of their own under P
+    (item -> {chosen, rejected}), which fits a pack whenever the pair does, so the pack cutter never parts them."""
+    pair, group = getattr(ex, "pair", ""), getattr(ex, "group", "")
+    return image_salt(ex) + ((("pair", pair),) if pair else ()) + ((("group", group),) if group else ())
 
 
 def example_keys(examples: Sequence) -> tuple[list[bytes], list[tuple] | None]:
     """Examples' paths, each one's continuation (item + target), as keys (path_key), and their salts (tree_salt;
-    None when no example has images or a pair: the same tree, sorted faster)."""
-    salted = any(getattr(ex, "images", ()) or getattr(ex, "pair", "") for ex in examples)
+    None when no example has images, a pair or a group: the same tree, sorted faster)."""
+    salted = any(getattr(ex, "images", ()) or getattr(ex, "pair", "") or getattr(ex, "group", "") for ex in examples)
     salts = [tree_salt(ex) for ex in examples] if salted else None
     return _keys([ex.item_ids for ex in examples], [ex.target_ids for ex in examples]), salts
 

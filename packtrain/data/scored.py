@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from packtrain.data.example import DataError
@@ -29,6 +30,16 @@ GROUP_KEYS = {"text": ("id", "system", "item", "completions", "rewards", "logpro
 COMPLETIONS = {"text": "completions", "chat": "completions", "pretokenized": "completion_ids"}
 _SINGLE = {"text": ("target", "chosen", "rejected"), "chat": ("target", "chosen", "rejected"),
            "pretokenized": ("target_ids", "chosen_ids", "rejected_ids")}
+
+
+def group_examples(examples: Sequence) -> list[tuple[int, ...]]:
+    """The indices of every scored group's completions among ``examples``, completion 0 first, in the order of their
+    groups' first completions."""
+    where: dict[str, list[int]] = {}
+    for i, ex in enumerate(examples):
+        if getattr(ex, "group", ""):
+            where.setdefault(ex.group, []).append(i)
+    return [tuple(members) for members in where.values()]
 
 
 def is_group(record: dict) -> bool:

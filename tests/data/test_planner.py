@@ -199,6 +199,7 @@ def test_stats_of_a_small_plan():
         "target_tokens": 3,  # one target token each
         "whole_differs": 0,  # pretokenized: no render to differ from
         "preference_pairs": 0,
+        "scored_groups": 0,
         "weighted": 0,
         "skipped": 0,
         "walked": 0,

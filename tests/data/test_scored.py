@@ -3,11 +3,15 @@ and the item, with their rewards and the sampler's log-probabilities; every bad 
 the line and the field; until grpo trains, every objective refuses them rather than train on them as examples."""
 
 import json
+import random
+from types import SimpleNamespace
 
 import pytest
 
 from packtrain.data.example import DataError
 from packtrain.data.jsonl import load_examples
+from packtrain.data.planner import PlanError, plan_packs, plan_stats, plan_tree_packs
+from packtrain.data.scored import group_examples
 from packtrain.run.objective import Dpo, Sft
 
 GOOD = {"id": "q1", "prefix_ids": [5, 6, 7], "item_ids": [8], "completion_ids": [[9, 10], [11], [12, 13, 14]],
@@ -72,3 +76,48 @@ def test_no_objective_trains_groups_as_plain_examples(tmp_path, objective):
     _, examples = _load(tmp_path, GOOD)
     with pytest.raises(ValueError, match="scored groups|preference pairs"):
         objective.check(examples)
+
+
+def _groups(n: int = 30, seed: int = 0) -> list:
+    """Scored groups of 2..6 completions over two prompts, some with an empty item and completions that start apart
+    (nothing in common: the tree cutter could part them), shuffled."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(n):
+        prefix = (1, 2, 3) if g % 2 else (4, 5)
+        item = () if g % 3 == 0 else tuple(rng.randrange(10, 20) for _ in range(rng.randrange(1, 6)))
+        for k in range(rng.randrange(2, 7)):
+            answer = (100 + k,) + tuple(rng.randrange(20, 90) for _ in range(rng.randrange(0, 8)))
+            out.append(SimpleNamespace(id=f"g{g}:{k}", prefix_ids=prefix, item_ids=item, target_ids=answer,
+                                       group=f"g{g}", pair="", side="", images=(), spans=(), weight=1.0))
+    rng.shuffle(out)
+    return out
+
+
+@pytest.mark.parametrize("planner", [plan_packs, plan_tree_packs])
+@pytest.mark.parametrize("budget,most", [(40, 6), (60, 8), (25, 6), (300, 90)])
+def test_a_groups_completions_are_always_in_one_pack(planner, budget, most):
+    examples = _groups()
+    plan = planner(examples, budget, most, on_overflow="skip")
+    where = {e: k for k, pack in enumerate(plan.packs) for e in pack.examples}
+    groups = group_examples(examples)
+    assert sorted(i for g in groups for i in g) == list(range(len(examples)))
+    for members in groups:
+        if members[0] in where:
+            assert {where.get(i) for i in members} == {where[members[0]]}  # planned whole
+        else:
+            assert set(members) <= set(plan.skipped)  # or skipped whole
+    for pack in plan.packs:
+        assert pack.positions <= budget and len(pack.examples) <= most
+    assert sum(len(p.examples) for p in plan.packs) + len(plan.skipped) == len(examples)
+    if budget == 300:
+        assert not plan.skipped and plan_stats(plan, examples)["scored_groups"] == len(groups)
+
+
+@pytest.mark.parametrize("planner", [plan_packs, plan_tree_packs])
+def test_a_group_over_the_budget_or_the_continuations_is_named(planner):
+    examples = _groups(n=4)
+    with pytest.raises(PlanError, match="scored group needs .* in one pack"):
+        planner(examples, 12, 8)
+    with pytest.raises(PlanError, match=r"completions go into one pack, over packing.max_continuations=3: raise it"):
+        planner(examples, 300, 3)
