@@ -124,9 +124,12 @@ class Conversation:
     images: list[tuple[str, str]] = field(default_factory=list)  # (resolved path, field) in order of appearance
     tools: list[dict] | None = None
     images_through: list[int] = field(default_factory=list)  # images in messages[: i + 1], per message i
-    weight: float = 1.0  # what its examples carry (Example.weight, .pair, .side)
+    weight: float = 1.0  # what its examples carry (Example.weight, .pair, .side, .group, .reward, .logprobs)
     pair: str = ""
     side: str = ""
+    group: str = ""  # a scored group's completion: the group's id, its reward and the sampler's log-probabilities
+    reward: float = 0.0
+    logprobs: tuple[float, ...] | None = None
     messages_field: str = "messages"  # what the file calls the messages (TRL's pairs: prompt, or chosen)
 
     def message_field(self, k: int) -> str:

@@ -73,7 +73,15 @@ from packtrain.data.preference import (
     trl_pair,
     weight_of,
 )
-from packtrain.data.scored import GROUP_KEYS, check_logprobs, group_completions, group_logprobs, group_rewards, is_group
+from packtrain.data.scored import (
+    GROUP_KEYS,
+    check_groups,
+    check_logprobs,
+    group_completions,
+    group_logprobs,
+    group_rewards,
+    is_group,
+)
 
 FORMATS = ("text", "chat", "pretokenized")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
@@ -378,12 +386,6 @@ def _pretokenized_group(record: dict, line: int, source: Path, vocab_size: int |
     return out
 
 
-def _no_group_yet(record: dict, source: Path, line: int) -> None:
-    if is_group(record):
-        raise DataError(source, line, "completions", "scored groups are read from pretokenized data so far (text and "
-                                                     "chat groups: issue 59, in progress)")
-
-
 def _keys_of(record: dict, fmt: str, paired: bool, source: Path, line: int) -> None:
     """A key outside the format's (a preference pair's, when ``paired``) is refused, naming it."""
     what = f"a {fmt} preference pair" if paired else f"a {fmt} example"
@@ -404,6 +406,21 @@ def _sides(record: dict, fmt: str, source: Path, line: int, conversation) -> lis
     return out
 
 
+def _completions(record: dict, fmt: str, source: Path, line: int, conversation) -> list[Conversation]:
+    """A scored group's K conversations (``conversation(field, value)`` makes the one of completion ``field``, whose
+    value is ``value``), with their group, rewards and the sampler's log-probabilities."""
+    completions = group_completions(record, fmt, source, line)
+    _known_keys(record, GROUP_KEYS[fmt], f"a {fmt} scored group", "", source, line)
+    rewards = group_rewards(record, len(completions), source, line)
+    logprobs = group_logprobs(record, len(completions), source, line)
+    out = []
+    for k, value in enumerate(completions):
+        c = conversation(f"completions[{k}]", value)
+        out.append(dataclasses.replace(c, id=f"{c.id}:{k}", group=c.id, reward=rewards[k],
+                                       logprobs=None if logprobs is None else logprobs[k]))
+    return out
+
+
 def _image_path(value: Any, field: str, source: Path, line: int) -> str:
     if not isinstance(value, str) or not value.strip():
         raise DataError(source, line, field, f"expected an image path, got {json.dumps(value)[:60]}")
@@ -412,7 +429,9 @@ def _image_path(value: Any, field: str, source: Path, line: int) -> str:
 
 
 def _text_conversations(record: dict, line: int, source: Path) -> list[Conversation]:
-    _no_group_yet(record, source, line)
+    if is_group(record):
+        return _completions(record, "text", source, line,
+                            lambda name, value: _text_conversation({**record, name: value}, line, source, name))
     trl_pair(record, source, line)  # TRL's plain-text forms are refused with the mapping (its others are chat)
     _keys_of(record, "text", is_pair(record), source, line)
     return _sides(record, "text", source, line, lambda target: _text_conversation(record, line, source, target))
@@ -508,8 +527,8 @@ def _order_problem(role: str, previous: dict) -> str | None:
 
 
 def _chat_conversations(record: dict, line: int, source: Path) -> list[Conversation]:
-    _no_group_yet(record, source, line)
-    trl = trl_pair(record, source, line)
+    grouped = is_group(record)
+    trl = None if grouped else trl_pair(record, source, line)
     if trl is not None:  # TRL's form, as packtrain's chat pair; its fields named as the file names them
         converted, file_field = trl
         try:
@@ -518,17 +537,19 @@ def _chat_conversations(record: dict, line: int, source: Path) -> list[Conversat
             raise DataError(source, line, file_field(e.field), e.problem) from None
         return [dataclasses.replace(c, system_field=file_field(c.system_field), target_field=file_field(c.target_field),
                                     messages_field=file_field("messages")) for c in conversations]
-    paired = is_pair(record)
-    _keys_of(record, "chat", paired, source, line)
-    if not paired:
+    paired = not grouped and is_pair(record)
+    if not grouped:
+        _keys_of(record, "chat", paired, source, line)
+    if not paired and not grouped:
         return _sides(record, "chat", source, line, lambda _: _chat_conversation(record, line, source))
     prompt = _field(record, "messages", "chat", source, line)
     if not isinstance(prompt, list) or not prompt:
         raise DataError(source, line, "messages", "expected the prompt turns: a list of a system message and the "
                                                   "turns before the answer")
 
-    def side(name: str) -> Conversation:
-        answer = chat_answer(record[name], name, source, line)
+    def side(name: str, value: Any = None) -> Conversation:
+        """The conversation of the answer ``name`` (its value ``value``, else the record's ``name``)."""
+        answer = chat_answer(record[name] if value is None else value, name, source, line)
         try:
             c = _chat_conversation({**record, "messages": [*prompt, answer]}, line, source)
         except DataError as e:  # the answer's problem is named by its own field
@@ -539,6 +560,8 @@ def _chat_conversations(record: dict, line: int, source: Path) -> list[Conversat
         c.target_field = name
         return c
 
+    if grouped:
+        return _completions(record, "chat", source, line, side)
     return _sides(record, "chat", source, line, side)
 
 
@@ -660,10 +683,12 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
     else:
         parse = _text_conversations if fmt == "text" else _chat_conversations
         conversations = parsed(lambda record, line: parse(record, line, path))
-        paired = next((c for c in conversations if c.pair), None)
+        paired = next((c for c in conversations if c.pair or c.group), None)
         if paired is not None and train_on != "last":
-            raise DataError(path, paired.line, None, f"a preference pair trains its two answers: data.train_on "
-                                                     f"{train_on} is not built for pairs (use train_on: last)")
+            what = ("a scored group trains its completions", "groups") if paired.group else \
+                ("a preference pair trains its two answers", "pairs")
+            raise DataError(path, paired.line, None, f"{what[0]}: data.train_on {train_on} is not built for "
+                                                     f"{what[1]} (use train_on: last)")
         examples = []
         if conversations:  # a file of bad lines only is refused as such, without the tokenizer
             if tokenizer is None or isinstance(tokenizer, (str, Path)):
@@ -675,6 +700,7 @@ def load_examples(path: str | Path, fmt: str | None = None, tokenizer=None, proc
             examples = tokenize(conversations, tokenizer, path, errors, processor, train_on, template_kwargs,
                                 chat_template)
     check_pairs(examples, path, dict(zip(SIDES, SIDE_FIELDS[fmt])), errors)
+    check_groups(examples, path, fmt, errors)
     seen: dict[str, int] = {}
     for ex in examples:
         if ex.id in seen:

@@ -1,5 +1,5 @@
-"""Scored groups: one request with K sampled completions and their rewards (``train.objective: grpo``, issue 59;
-in progress: the pretokenized format is read, text and chat are next).
+"""Scored groups: one request with K sampled completions and their rewards (``train.objective: grpo``, issue 59,
+in progress).
 
 Per format (:data:`GROUP_KEYS`):
 
@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from packtrain.data.example import DataError
+from packtrain.data.example import DataError, LineErrors
 
 GROUP_KEYS = {"text": ("id", "system", "item", "completions", "rewards", "logprobs", "images"),
               "chat": ("id", "messages", "tools", "completions", "rewards", "logprobs"),
@@ -97,6 +97,26 @@ def group_logprobs(record: dict, k: int, source: Path, line: int) -> list[tuple[
                                 f"expected a log-probability (a finite number, at most 0), got {json.dumps(x)[:60]}")
         out.append(tuple(float(x) for x in per))
     return out
+
+
+def check_groups(examples: Sequence, source: Path, fmt: str, errors: LineErrors) -> None:
+    """Each group's completions share P and the item (a chat template could read a completion into either), and
+    each one's log-probabilities count its target tokens once tokenized; a group that does not is its line's error
+    in ``errors``."""
+    first: dict[str, object] = {}
+    for ex in examples:
+        if not getattr(ex, "group", ""):
+            continue
+        k = ex.id.rsplit(":", 1)[1]
+        lead = first.setdefault(ex.group, ex)
+        if ex.prefix_ids != lead.prefix_ids or ex.item_ids != lead.item_ids:
+            errors.add(DataError(source, ex.line, f"{COMPLETIONS[fmt]}[{k}]", "renders another prompt than "
+                                 f"{COMPLETIONS[fmt]}[0] (the chat template reads the completion into P or the "
+                                 "item): a group's completions share P and the item"))
+        elif ex.logprobs is not None and len(ex.logprobs) != len(ex.target_ids):
+            errors.add(DataError(source, ex.line, f"logprobs[{k}]", f"{len(ex.logprobs)} log-probabilities for "
+                                 f"completion {k}'s {len(ex.target_ids)} tokens (as the chat template renders and the "
+                                 "tokenizer splits it, its end-of-turn tokens included): one per token"))
 
 
 def check_logprobs(logprobs: tuple[float, ...], tokens: int, i: int, source: Path, line: int) -> None:

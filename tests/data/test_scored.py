@@ -64,11 +64,78 @@ def test_a_missing_reward_list_is_named(tmp_path):
         _load(tmp_path, record)
 
 
-def test_text_and_chat_groups_are_refused_until_they_are_read(tmp_path):
-    path = tmp_path / "text.jsonl"
-    path.write_text(json.dumps({"system": "S", "item": "I", "completions": ["a", "b"], "rewards": [1, 0]}) + "\n")
-    with pytest.raises(DataError, match="pretokenized data so far"):
-        load_examples(path, "text")
+SYSTEM = "You are a careful clerk. Answer with the code only."
+
+
+def _write(tmp_path, name, *records):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_text_and_chat_groups_are_each_completion_as_its_own_example(tmp_path):
+    """Completion k of a text or chat group is the example the same record with that completion as its target gives;
+    chat takes an assistant message or its content."""
+    answers = ["toma", "kelu", "rasa sipo"]
+    text = load_examples(_write(tmp_path, "t.jsonl", {"id": "q", "system": SYSTEM, "item": "falcon?",
+                                                      "completions": answers, "rewards": [1, 0, 0]}), "text")
+    alone = load_examples(_write(tmp_path, "a.jsonl", *({"system": SYSTEM, "item": "falcon?", "target": a}
+                                                        for a in answers)), "text")
+    prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "falcon?"}]
+    chat = load_examples(_write(tmp_path, "c.jsonl", {"id": "q", "messages": prompt, "rewards": [1, 0, 0],
+                                                      "completions": ["toma", {"role": "assistant", "content": "kelu"},
+                                                                      {"content": "rasa sipo"}]}), "chat")
+    for group in (text, chat):
+        assert [ex.id for ex in group] == ["q:0", "q:1", "q:2"] and {ex.group for ex in group} == {"q"}
+        assert [ex.reward for ex in group] == [1.0, 0.0, 0.0] and all(ex.logprobs is None for ex in group)
+        assert [(ex.prefix_ids, ex.item_ids, ex.target_ids) for ex in group] == \
+            [(ex.prefix_ids, ex.item_ids, ex.target_ids) for ex in alone]
+    counts = [len(ex.target_ids) for ex in alone]
+    logprobs = [[-0.5] * n for n in counts]
+    again = load_examples(_write(tmp_path, "l.jsonl", {"id": "q", "system": SYSTEM, "item": "falcon?",
+                                                       "completions": answers, "rewards": [1, 0, 0],
+                                                       "logprobs": logprobs}), "text")
+    assert [ex.logprobs for ex in again] == [tuple(x) for x in logprobs]
+    logprobs[2] = logprobs[2][:-1]  # the end-of-turn token left out: named with the count the tokenizer gives
+    with pytest.raises(DataError) as e:
+        load_examples(_write(tmp_path, "b.jsonl", {"id": "q", "system": SYSTEM, "item": "falcon?",
+                                                   "completions": answers, "rewards": [1, 0, 0],
+                                                   "logprobs": logprobs}), "text")
+    assert e.value.field == "logprobs[2]" and f"{counts[2] - 1} log-probabilities for completion 2's {counts[2]} " \
+        "tokens" in str(e.value)
+
+
+@pytest.mark.parametrize("fmt,record,field,says", [
+    ("text", {"system": SYSTEM, "item": "x", "completions": ["a", ""], "rewards": [1, 0]}, "completions[1]", "empty"),
+    ("text", {"system": SYSTEM, "item": "x", "completions": ["a", 3], "rewards": [1, 0]}, "completions[1]",
+     "expected a string"),
+    ("text", {"system": SYSTEM, "item": "x", "completions": ["a", "b"], "rewards": [1, "x"]}, "rewards[1]",
+     "a finite number"),
+    ("text", {"system": SYSTEM, "item": "x", "completions": ["a", "b"], "rewards": [1, 0], "target": "a"}, "target",
+     "not target too"),
+    ("text", {"system": SYSTEM, "completions": ["a", "b"], "rewards": [1, 0]}, "item", "missing"),
+    ("chat", {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}],
+              "completions": ["a", {"role": "user", "content": "b"}], "rewards": [1, 0]}, "completions[1].role",
+     "an answer is an assistant message"),
+    ("chat", {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}],
+              "completions": ["a"], "rewards": [1]}, "completions", "2 or more completions"),
+    ("chat", {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}],
+              "completions": ["a", "b"], "rewards": [1, 0], "chosen": "a"}, "chosen", "not chosen too"),
+])
+def test_a_bad_text_or_chat_group_is_refused_naming_file_line_and_field(tmp_path, fmt, record, field, says):
+    good = {"system": SYSTEM, "item": "x", "target": "a"} if fmt == "text" else \
+        {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"},
+                      {"role": "assistant", "content": "a"}]}
+    with pytest.raises(DataError) as e:
+        load_examples(_write(tmp_path, "g.jsonl", good, record), fmt)
+    assert (e.value.line, e.value.field) == (2, field) and says in str(e.value), str(e.value)
+
+
+def test_groups_train_their_last_turn_only(tmp_path):
+    prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]
+    path = _write(tmp_path, "g.jsonl", {"messages": prompt, "completions": ["a", "b"], "rewards": [1, 0]})
+    with pytest.raises(DataError, match="a scored group trains its completions: data.train_on all is not built"):
+        load_examples(path, "chat", train_on="all")
 
 
 @pytest.mark.parametrize("objective", [Sft(), Dpo()])
