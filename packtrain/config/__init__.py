@@ -135,7 +135,8 @@ class TrainConfig:
     # What the loss is (packtrain/run/objective.py): sft, each example's mean target cross-entropy; weighted, that
     # times the example's "weight"; dpo, per preference pair -log sigmoid(dpo_beta * ((logp_c - ref_c) - (logp_r -
     # ref_r))), logp the summed log-probabilities of an answer, ref the base model's (the adapter disabled)
-    objective: Literal["sft", "dpo", "weighted"] = "sft"
+    # grpo: a GRPO-family update on scored groups (the rl section)
+    objective: Literal["sft", "dpo", "weighted", "grpo"] = "sft"
     dpo_beta: float = 0.1
     # sigmoid: the DPO loss above; ipo: (margin - 1 / (2 * dpo_beta))^2 on per-token mean log-probabilities (TRL's)
     dpo_loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
@@ -213,6 +214,27 @@ class GenerateConfig:
 
 
 @dataclass
+class RlConfig:
+    """``train.objective: grpo``: a GRPO-family update on scored groups (packtrain/run/rl.py; the names are TRL's
+    GRPOConfig's). Online sampling (``num_generations``, ``temperature``, ``top_p``) is not built yet."""
+    # grpo: the mean over the step's completions of each one's token mean; dr_grpo: the step's summed token terms /
+    # (completions x max_completion_length); dapo and cispo: the step's summed token terms / its tokens. cispo's term:
+    # -min(ratio, epsilon_high), detached, x A x log p
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "cispo"] = "dapo"
+    # token: each token's own ratio; sequence: GSPO's exp(mean of the completion's log-ratios) for all its tokens
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    # group: A = (r - the group's mean) / (its std, Bessel-corrected, + 1e-4); none: r - the group's mean
+    scale_rewards: Literal["group", "none"] = "group"
+    epsilon: float = 0.2  # the ratio's clip below 1 - epsilon
+    epsilon_high: float | None = None  # ... and above 1 + epsilon_high (None: epsilon); cispo's ceiling itself
+    # The k3 estimate of the KL to the reference (the base, the adapter disabled: a no-grad forward of each unit
+    # before its training forward), times beta, added per token. 0: no reference forward
+    beta: float = 0.0
+    max_completion_length: int = 256  # dr_grpo's divisor
+    num_generations: int | None = None  # online sampling: not built yet (scored groups from the data only)
+
+
+@dataclass
 class LoggingConfig:
     progress: bool = True  # a progress bar, on a terminal only (stderr a TTY)
     # Without the bar (a log file, a cluster job, progress false): one plain line every N steps (and at the first and
@@ -249,6 +271,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    rl: RlConfig = field(default_factory=RlConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
     output_dir: str = "runs/default"
@@ -317,6 +340,10 @@ _BOUNDS = [
     ("lora.r", lambda v: v >= 1, "must be at least 1"),
     ("train.dpo_beta", lambda v: v > 0, "must be positive"),
     ("train.rpo_alpha", lambda v: v >= 0, "must be >= 0 (0: DPO alone)"),
+    ("rl.epsilon", lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    ("rl.epsilon_high", lambda v: v is None or v >= 0, "must be >= 0 (or null: rl.epsilon)"),
+    ("rl.beta", lambda v: v >= 0, "must be >= 0 (0: no KL term)"),
+    ("rl.max_completion_length", lambda v: v >= 1, "must be at least 1"),
     ("lora.dropout", lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
     ("optim.lr", lambda v: v > 0, "must be positive"),
     ("optim.max_grad_norm", lambda v: v > 0, "must be positive (or null: no clipping)"),
@@ -420,6 +447,9 @@ def _validate(cfg: Config) -> list[str]:
     if cfg.train.objective != "dpo" and cfg.train.rpo_alpha:
         problems.append(f"train.rpo_alpha: weighs the chosen answers' cross-entropy under train.objective dpo, not "
                         f"{cfg.train.objective} (set 0)")
+    if cfg.rl.num_generations is not None:
+        problems.append("rl.num_generations: online sampling is not built yet (issue 59): train on scored groups "
+                        "from the data (completions and rewards), and leave it null")
     if cfg.train.packs_per_step is not None and cfg.train.packs_per_rank != 1:
         problems.append(f"train.packs_per_rank, train.packs_per_step: give one (packs per rank, or the step's packs "
                         f"over all ranks), got {cfg.train.packs_per_rank} and {cfg.train.packs_per_step}")

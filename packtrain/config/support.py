@@ -19,7 +19,7 @@ class Combination:
     context_grad: str  # packing.context_grad: full | kv_only | frozen
     walk: bool  # packing.on_overflow walk
     groups: int  # packing.continuation_groups
-    objective: str  # train.objective: sft | weighted | dpo
+    objective: str  # train.objective: sft | weighted | dpo | grpo
     max_continuations: int = 90
     images: bool = False  # the data holds images (known once it is read)
 
@@ -59,6 +59,8 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda c: c.objective == "dpo" and c.max_continuations < 2,
          "train.objective dpo: packing.max_continuations must be at least 2 (a pair's two answers are in one pack), "
          "got {max_continuations}"),
+    Rule(lambda c: c.objective == "grpo" and c.groups > 1,
+         "train.objective grpo: packing.continuation_groups {groups} is not built for it (set 1)"),
     Rule(lambda c: c.images and c.groups > 1,
          "has images, and packing.continuation_groups > 1 takes text-only data (set packing.continuation_groups: 1)"),
 )

@@ -377,4 +377,4 @@ def _example(r: _Render, ids: dict, t: _Template, source: Path, pad_id, grids, p
     item, target = tuple(cont[:first]), tuple(cont[first:])
     explicit = tuple(spans) if spans != [(first, len(cont))] else ()
     return Example(r.id, prefix, item, target, str(source), c.line, refs, explicit, len(spans), whole_differs,
-                   c.weight, c.pair, c.side, c.group, c.reward, c.logprobs)
+                   c.weight, c.pair, c.side, c.group, c.reward, c.logprobs, c.group_rewards)

@@ -88,11 +88,13 @@ class Example:
     # pair's two examples share P and the item and differ in their targets (the answers).
     pair: str = ""
     side: str = ""
-    # A scored group's completion (train.objective grpo): the group's id (the record's), the completion's reward and
-    # the sampler's log-probabilities of its target tokens (None: on-policy); "" for any other example
+    # A scored group's completion (train.objective grpo): the group's id (the record's), the completion's reward, every
+    # completion's of the group (its advantage needs them all) and the sampler's log-probabilities of its target
+    # tokens (None: on-policy); "" for any other example
     group: str = ""
     reward: float = 0.0
     logprobs: tuple[float, ...] | None = None
+    group_rewards: tuple[float, ...] = ()
 
     @property
     def continuation_ids(self) -> tuple[int, ...]:
@@ -130,6 +132,7 @@ class Conversation:
     group: str = ""  # a scored group's completion: the group's id, its reward and the sampler's log-probabilities
     reward: float = 0.0
     logprobs: tuple[float, ...] | None = None
+    group_rewards: tuple[float, ...] = ()
     messages_field: str = "messages"  # what the file calls the messages (TRL's pairs: prompt, or chosen)
 
     def message_field(self, k: int) -> str:

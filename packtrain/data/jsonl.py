@@ -382,7 +382,7 @@ def _pretokenized_group(record: dict, line: int, source: Path, vocab_size: int |
         if logprobs is not None:
             check_logprobs(logprobs[i], len(ids), i, source, line)
         out.append(Example(f"{id_}:{i}", prefix, item_ids, ids, str(source), line, group=id_, reward=rewards[i],
-                           logprobs=None if logprobs is None else logprobs[i]))
+                           group_rewards=rewards, logprobs=None if logprobs is None else logprobs[i]))
     return out
 
 
@@ -416,7 +416,7 @@ def _completions(record: dict, fmt: str, source: Path, line: int, conversation) 
     out = []
     for k, value in enumerate(completions):
         c = conversation(f"completions[{k}]", value)
-        out.append(dataclasses.replace(c, id=f"{c.id}:{k}", group=c.id, reward=rewards[k],
+        out.append(dataclasses.replace(c, id=f"{c.id}:{k}", group=c.id, reward=rewards[k], group_rewards=rewards,
                                        logprobs=None if logprobs is None else logprobs[k]))
     return out
 

@@ -76,6 +76,8 @@ class LossOutput:
     per_example: torch.Tensor  # [N] detached per-example losses
     target_tokens: torch.Tensor  # [N]
     live: torch.Tensor | None = None  # [N] the per-example losses with their gradient (packtrain.run.objective)
+    # [M] each target token's log-probability with its gradient, example after example (grpo's token terms)
+    token_logp: torch.Tensor | None = None
 
     @property
     def num_examples(self) -> int:
@@ -101,7 +103,7 @@ def examples_loss(lm, layout, hidden: torch.Tensor, positions: torch.Tensor,
         # gradients) so that every rank makes the same FSDP calls and the trainer's step goes on
         loss_sum = anchored(loss_sum, hidden[0, 1:])
     return LossOutput(loss_sum=loss_sum, per_example=per_example.detach(), target_tokens=layout.target_counts,
-                      live=per_example)
+                      live=per_example, token_logp=-token_loss)
 
 
 def concat_outputs(outs: list[LossOutput]) -> LossOutput:
@@ -109,4 +111,6 @@ def concat_outputs(outs: list[LossOutput]) -> LossOutput:
     return LossOutput(loss_sum=sum((o.loss_sum for o in outs[1:]), outs[0].loss_sum),
                       per_example=torch.cat([o.per_example for o in outs]),
                       target_tokens=torch.cat([o.target_tokens for o in outs]),
-                      live=torch.cat([o.live for o in outs]))
+                      live=torch.cat([o.live for o in outs]),
+                      token_logp=None if any(o.token_logp is None for o in outs)
+                      else torch.cat([o.token_logp for o in outs]))

@@ -7,6 +7,7 @@ objective    a unit's loss                                                      
 sft          sum of each example's mean target cross-entropy                         its examples
 weighted     sum of ``weight`` times each example's mean target cross-entropy        its examples
 dpo          per preference pair, ``-log sigmoid(beta * ((lc - rc) - (lr - rr)))``   its pairs
+grpo         per completion, its weight times its summed token terms (``rl``)        its completions, or tokens
 ===========  ======================================================================  ==========================
 
 Under dpo, ``l`` is an answer's summed token log-probability under the policy (``lc`` chosen, ``lr`` rejected) and
@@ -20,6 +21,12 @@ over pairs holds on any split into packs, units or ranks.
 The reference comes from a table computed before training (``dpo_reference: precompute``,
 :mod:`packtrain.run.reference`), or from a no-grad forward of each unit just before its training forward
 (``per_step``: the unit then issues twice its calls).
+
+Under grpo (:mod:`packtrain.run.rl`), each completion of a scored group is an example, its advantage from its group's
+rewards, its token terms from its tokens' log-probabilities (the ratio against the sampler's ``logprobs`` where the
+data has them, else the current ones detached), and its weight ``1 / its tokens`` (``rl.loss_type`` grpo), ``1 /
+rl.max_completion_length`` (dr_grpo) or 1 (dapo, cispo); the step divides by its completions (grpo, dr_grpo) or its
+tokens (dapo, cispo). A completion's loss needs nothing of its siblings but their rewards, so any split holds.
 
 What an objective is needs no torch (``plan`` reads it); the losses import it where they run.
 """
@@ -39,6 +46,34 @@ if TYPE_CHECKING:
 
     from packtrain.config import Config
     from packtrain.packed.loss import LossOutput
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo")
+LEVELS = ("token", "sequence")
+SCALES = ("group", "none")
+
+
+@dataclass(frozen=True)
+class RlSpec:
+    """The update's settings (the config's ``rl`` section)."""
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    scale_rewards: str = "group"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon
+    beta: float = 0.0
+    max_completion_length: int | None = None  # dr_grpo's length; the longest completion's where None
+
+    def __post_init__(self):
+        for name, value, allowed in (("loss_type", self.loss_type, LOSS_TYPES),
+                                     ("importance_sampling_level", self.importance_sampling_level, LEVELS),
+                                     ("scale_rewards", self.scale_rewards, SCALES)):
+            if value not in allowed:
+                raise ValueError(f"rl.{name}: {value!r} is not one of {', '.join(allowed)}")
+
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
 
 @dataclass(frozen=True)
 class Objective:
@@ -65,9 +100,13 @@ class Objective:
         """The objective reading its reference log-probabilities from ``table`` (None: from no table)."""
         return self
 
-    def items(self, n_examples: int) -> int:
-        """What the step's mean is over, of ``n_examples`` examples."""
-        return n_examples
+    def measure(self, examples: Sequence) -> float:
+        """What the step's mean is over, of ``examples`` (the step's, or a skipped unit's)."""
+        return len(examples)
+
+    def moves(self, ex) -> bool:
+        """``ex`` can have a gradient (the check that the loss reaches the adapters waits for a step with one)."""
+        return ex.weight != 0
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -77,8 +116,8 @@ class Objective:
         group = next((ex for ex in examples if getattr(ex, "group", "")), None)
         if group is not None:
             raise ValueError(f"{_at(group)}: {split} holds scored groups (completions and rewards), which "
-                             f"train.objective {self.name} would train on as plain examples; they are for "
-                             "train.objective grpo (issue 59, in progress: not yet trainable)")
+                             f"train.objective {self.name} would train on as plain examples: set train.objective: "
+                             "grpo")
         pair = next((ex for ex in examples if getattr(ex, "pair", "")), None)
         if pair is not None:
             raise ValueError(f"{_at(pair)}: {split} holds preference pairs (chosen and rejected): set "
@@ -161,8 +200,8 @@ class Dpo(Objective):
     def with_table(self, table: Mapping[str, float] | None) -> Dpo:
         return dataclasses.replace(self, table=table)
 
-    def items(self, n_examples: int) -> int:
-        return n_examples // 2
+    def measure(self, examples: Sequence) -> float:
+        return len(examples) // 2
 
     def describe(self) -> str:
         ref = ("precomputed before step 0 (OUTPUT/reference.json)" if self.reference == "precompute"
@@ -172,6 +211,7 @@ class Dpo(Objective):
                f"base model (adapter disabled), {ref}"
 
     def check(self, examples: Sequence, split: str = "data.train") -> None:
+        _no_groups(examples, split, self.name)
         single = next((ex for ex in examples if not getattr(ex, "pair", "")), None)
         if single is not None:
             raise ValueError(f"{_at(single)}: train.objective dpo trains on preference pairs (chosen and "
@@ -242,7 +282,94 @@ class Dpo(Objective):
         return log_probs(out.live, out.target_tokens).to(torch.float64)
 
 
-OBJECTIVES: dict[str, type[Objective]] = {o.name: o for o in (Sft, Weighted, Dpo)}  # train.objective's values
+@dataclass(frozen=True)
+class Grpo(Objective):
+    """``train.objective: grpo``: the GRPO family's update on scored groups (:mod:`packtrain.run.rl`)."""
+    name: ClassVar[str] = "grpo"
+    spec: RlSpec = RlSpec()
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Grpo:
+        r = cfg.rl
+        return cls(RlSpec(r.loss_type, r.importance_sampling_level, r.scale_rewards, r.epsilon, r.epsilon_high,
+                          r.beta, r.max_completion_length))
+
+    @property
+    def per_step(self) -> bool:
+        """The reference forward runs before each unit's training forward where the KL term needs it."""
+        return self.spec.beta > 0
+
+    def measure(self, examples: Sequence) -> float:
+        """The step's completions (grpo, dr_grpo) or their tokens (dapo, cispo)."""
+        if self.spec.loss_type in ("grpo", "dr_grpo"):
+            return len(examples)
+        return sum(len(ex.target_ids) for ex in examples)
+
+    def moves(self, ex) -> bool:
+        return self.spec.beta > 0 or len(set(ex.group_rewards)) > 1
+
+    def describe(self) -> str:
+        s = self.spec
+        clip = f"cap {s.high:g}" if s.loss_type == "cispo" else f"clip [{1 - s.epsilon:g}, {1 + s.high:g}]"
+        over = "completions" if s.loss_type in ("grpo", "dr_grpo") else "tokens"
+        kl = (f"; KL (k3) x {s.beta:g} to the base model (adapter disabled), a no-grad forward of each unit before "
+              "its training forward") if s.beta else ""
+        return (f"grpo ({s.loss_type}, {s.importance_sampling_level}-level ratio, {clip}, rewards scaled "
+                f"{'by the group std' if s.scale_rewards == 'group' else 'not'}): averaged over the step's {over}{kl}")
+
+    def check(self, examples: Sequence, split: str = "data.train") -> None:
+        single = next((ex for ex in examples if not getattr(ex, "group", "")), None)
+        if single is not None:
+            raise ValueError(f"{_at(single)}: train.objective grpo trains on scored groups (completions and "
+                             f"rewards), and this {split} example has {'a preference pair' if single.pair else 'one target'}")
+        if split == "data.train" and examples and not any(self.moves(ex) for ex in examples):
+            raise ValueError(f"{examples[0].source or 'the data'}: every scored group of {split} has equal rewards "
+                             "(advantage 0) and rl.beta is 0, so no step would train anything")
+
+    def terms(self, examples: Sequence) -> Terms:
+        """Per completion: its advantage, its weight, and the sampler's log-probabilities (or None)."""
+        from packtrain.run.rl import group_advantages
+
+        advantages = []
+        for ex in examples:
+            rewards = ex.group_rewards
+            advantages.append(float(group_advantages(rewards, self.spec.scale_rewards)[rewards.index(ex.reward)]))
+        s = self.spec
+        weights = tuple(1.0 / len(ex.target_ids) if s.loss_type == "grpo" else
+                        1.0 / s.max_completion_length if s.loss_type == "dr_grpo" else 1.0 for ex in examples)
+        return Terms(weights, advantages=tuple(advantages), old=tuple(ex.logprobs for ex in examples))
+
+    def loss(self, out: LossOutput, terms: Terms, reference: torch.Tensor | None = None) -> torch.Tensor:
+        """``reference``: the unit's tokens' reference log-probabilities from its per_step forward."""
+        import torch
+
+        from packtrain.run.rl import token_terms
+
+        logp = out.token_logp.to(torch.float64)
+        lengths = out.target_tokens.to(logp.device)
+        old = None
+        if any(o is not None for o in terms.old):
+            old = torch.cat([logp.detach()[a:b] if o is None else torch.tensor(o, dtype=torch.float64,
+                                                                                  device=logp.device)
+                             for o, a, b in zip(terms.old, *_bounds(lengths))])
+        advantages = torch.tensor(terms.advantages, dtype=torch.float64, device=logp.device)
+        t = token_terms(logp, lengths, advantages, self.spec, old, reference)
+        sums = torch.segment_reduce(t.loss, "sum", lengths=lengths, axis=0)
+        return (sums * torch.tensor(terms.weights, dtype=torch.float64, device=logp.device)).sum()
+
+    def reference_log_probs(self, lm, forward) -> torch.Tensor | None:
+        """The unit's tokens' log-probabilities under the base model (the adapter disabled, no gradient), where
+        ``rl.beta`` > 0."""
+        if not self.per_step:
+            return None
+        import torch
+
+        with torch.no_grad(), adapters_disabled(lm):
+            out = forward()
+        return out.token_logp.to(torch.float64)
+
+
+OBJECTIVES: dict[str, type[Objective]] = {o.name: o for o in (Sft, Weighted, Dpo, Grpo)}  # train.objective's values
 
 
 @dataclass(frozen=True)
@@ -253,12 +380,20 @@ class Terms:
     weights: tuple[float, ...]
     pairs: tuple[tuple[int, int], ...] = ()
     reference: tuple[float, ...] | None = None
+    advantages: tuple[float, ...] = ()  # grpo: per completion
+    old: tuple[tuple[float, ...] | None, ...] = ()  # grpo: the sampler's log-probabilities per completion (or None)
 
     def subset(self, positions: Sequence[int]) -> Terms:
         """The terms of the unit's examples at ``positions`` (a group of a pack: weighted only)."""
-        if self.pairs:
-            raise RuntimeError("a preference pair's loss needs both its answers in one graph")
+        if self.pairs or self.advantages:
+            raise RuntimeError("a preference pair's (a scored group's) loss is not built for continuation groups")
         return Terms(tuple(self.weights[i] for i in positions) if self.weights else ())
+
+
+def _bounds(lengths: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Each example's [start, end) among the unit's target tokens, from their counts."""
+    ends = lengths.cumsum(0).tolist()
+    return [0, *ends[:-1]], ends
 
 
 def log_probs(mean_losses: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -276,6 +411,13 @@ def adapters_disabled(lm):
                            "model has no adapter (peft)")
     with disable():
         yield
+
+
+def _no_groups(examples: Sequence, split: str, name: str) -> None:
+    group = next((ex for ex in examples if getattr(ex, "group", "")), None)
+    if group is not None:
+        raise ValueError(f"{_at(group)}: {split} holds scored groups (completions and rewards), which "
+                         f"train.objective {name} does not train on: set train.objective: grpo")
 
 
 def _some_weight(examples: Sequence, split: str) -> None:

@@ -29,33 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo")
-LEVELS = ("token", "sequence")
-SCALES = ("group", "none")
+from packtrain.run.objective import RlSpec
+
 STD_EPSILON = 1e-4  # TRL's, added to the group's standard deviation
-
-
-@dataclass(frozen=True)
-class RlSpec:
-    """The update's settings (the config's ``rl`` section)."""
-    loss_type: str = "dapo"
-    importance_sampling_level: str = "token"
-    scale_rewards: str = "group"
-    epsilon: float = 0.2
-    epsilon_high: float | None = None  # None: epsilon
-    beta: float = 0.0
-    max_completion_length: int | None = None  # dr_grpo's length; the longest completion's where None
-
-    def __post_init__(self):
-        for name, value, allowed in (("loss_type", self.loss_type, LOSS_TYPES),
-                                     ("importance_sampling_level", self.importance_sampling_level, LEVELS),
-                                     ("scale_rewards", self.scale_rewards, SCALES)):
-            if value not in allowed:
-                raise ValueError(f"rl.{name}: {value!r} is not one of {', '.join(allowed)}")
-
-    @property
-    def high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 def group_advantages(rewards: Sequence[float], scale: str = "group") -> torch.Tensor:

@@ -7,9 +7,9 @@ Rank r takes packs r, r+world, ... of the step's list and makes their units (:me
 which stamps each unit's kind), padded by the equal-call rule (:func:`packtrain.run.units.pad_units`): every rank
 issues the same sequence of calls. Each rank runs its packs first, then its walks.
 
-Each unit's ``loss_sum`` is scaled by 1 / (examples in the whole step, all ranks) and FSDP sums the ranks'
-gradients, so the update is the mean of per-example losses whatever the split into packs, units or ranks
-(:func:`packtrain.run.units.step_scale`). Skips (``train.max_positions``, ``train.skippable_errors``) are decided per
+Each unit's ``loss_sum`` is scaled by 1 / (examples in the whole step, all ranks: the objective's measure of them,
+its pairs under dpo, its tokens under grpo's dapo) and FSDP sums the ranks' gradients, so the update is the mean of
+per-example losses whatever the split into packs, units or ranks (:func:`packtrain.run.units.step_scale`). Skips (``train.max_positions``, ``train.skippable_errors``) are decided per
 unit and agreed before any collective of the step (:func:`packtrain.distributed.agree`), so every rank skips the
 same units; a skipped unit's examples leave the step's count.
 """
@@ -73,7 +73,8 @@ class Prepared:
     examples: int  # the step's examples, all ranks, without the skipped ones
     skipped_examples: int  # all ranks
     started: float  # time.perf_counter() as the step began
-    weighted: bool = True  # an example of the step has a weight other than 0 (all 0: no gradient, rightly)
+    weighted: bool = True  # an example of the step can have a gradient (all weights 0: none, rightly)
+    measure: float = 0.0  # what the step's mean is over (Objective.measure), all ranks, without the skipped ones
 
 
 @dataclass
@@ -107,21 +108,23 @@ class Step:
         fake-tensor mode, then :meth:`update` runs under it.)"""
         t0 = time.perf_counter()
         units = rank_units(self.plan, pack_ids, self.kinds, self.info.rank, self.info.world_size)
-        built, skip, skipped_examples = self._build(units)
+        built, skip, skipped_examples, skipped_measure = self._build(units)
         n_examples = step_examples(self.plan, pack_ids) - skipped_examples
-        weighted = any(self.examples[e].weight != 0 for i in pack_ids for e in self.plan.packs[i].examples)
-        return Prepared(built, skip, n_examples, skipped_examples, t0, weighted)
+        step = [self.examples[e] for i in pack_ids for e in self.plan.packs[i].examples]
+        weighted = any(map(self.kinds.objective.moves, step))
+        measure = self.kinds.objective.measure(step) - skipped_measure
+        return Prepared(built, skip, n_examples, skipped_examples, t0, weighted, measure)
 
     def update(self, ready: Prepared, number: int, check_gradients: bool = False) -> StepResult:
         """Forward and backward of the prepared units, then clip, agree on finiteness and update."""
-        totals = self._run_units(ready.built, ready.skip, ready.examples, number)
+        totals = self._run_units(ready.built, ready.skip, ready.examples, ready.measure, number)
         # a step whose examples all weigh 0 has no gradient, rightly: the check waits for one that has
-        return self._finish(totals, ready.examples, number, check_gradients and ready.weighted, sum(ready.skip),
-                            ready.skipped_examples, ready.started)
+        return self._finish(totals, ready.examples, ready.measure, number, check_gradients and ready.weighted,
+                            sum(ready.skip), ready.skipped_examples, ready.started)
 
-    def _build(self, units: list[Unit]) -> tuple[list, list[bool], int]:
+    def _build(self, units: list[Unit]) -> tuple[list, list[bool], int, float]:
         """Build every unit and agree with all ranks, before any collective of the step, which units to skip.
-        Returns (built units, skip flags, examples skipped across all ranks)."""
+        Returns (built units, skip flags, examples skipped across all ranks, their measure)."""
         codes, built, errors = [], [], []
         for unit in units:
             code, ready = OK, None
@@ -141,17 +144,20 @@ class Step:
                 raise errors[0]
             raise RuntimeError("another rank failed while preparing this step (its error is in its log)")
         skip = [c == SKIP for c in agreed]
-        mine = sum(len(u.real_examples) for u, s in zip(units, skip) if s)
-        skipped = int(all_reduce_sum(torch.tensor([mine], dtype=torch.int64, device=self.info.device), self.info)[0])
-        return built, skip, skipped
+        gone = [self.examples[e] for u, s in zip(units, skip) if s for e in u.real_examples]
+        mine = torch.tensor([len(gone), self.kinds.objective.measure(gone)], dtype=torch.float64,
+                            device=self.info.device)
+        skipped, measure = all_reduce_sum(mine, self.info).tolist()
+        return built, skip, int(skipped), measure
 
-    def _run_units(self, built: list, skip: list[bool], n_examples: int, number: int) -> torch.Tensor:
+    def _run_units(self, built: list, skip: list[bool], n_examples: int, measure: float, number: int
+                   ) -> torch.Tensor:
         """Forward and backward of this rank's units; returns [sum of per-example losses, positions] over every
         rank."""
         info = self.info
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         if n_examples > 0:
-            scale = step_scale(self.kinds.objective.items(n_examples))
+            scale = step_scale(measure)
             if self._nan_at == number + 1:
                 scale = math.nan
             for ready, skipped in zip(built, skip):
@@ -161,11 +167,11 @@ class Step:
         all_reduce_sum(totals, info)
         return totals
 
-    def _finish(self, totals: torch.Tensor, n_examples: int, number: int, check_gradients: bool, skipped: int,
-                skipped_examples: int, t0: float) -> StepResult:
+    def _finish(self, totals: torch.Tensor, n_examples: int, measure: float, number: int, check_gradients: bool,
+                skipped: int, skipped_examples: int, t0: float) -> StepResult:
         """Clip, agree on finiteness, step the optimizer (or skip the update), step the schedule."""
         grad_norm, lr = 0.0, self.scheduler.get_last_lr()[0]
-        loss = float(totals[0]) / self.kinds.objective.items(n_examples) if n_examples else None
+        loss = float(totals[0]) / measure if n_examples else None
         if n_examples > 0:
             max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)

@@ -31,6 +31,7 @@ def test_a_group_is_k_examples_sharing_p_and_the_item(tmp_path):
     assert all(ex.prefix_ids == (5, 6, 7) and ex.item_ids == (8,) for ex in examples)
     assert [ex.target_ids for ex in examples[:3]] == [(9, 10), (11,), (12, 13, 14)]
     assert [ex.reward for ex in examples[:3]] == [1.0, 0.0, 0.5]
+    assert all(ex.group_rewards == (1.0, 0.0, 0.5) for ex in examples)
     assert examples[0].logprobs == (-0.1, -2.0) and examples[2].logprobs == (0.0, -1.5, -0.25)
     assert all(ex.logprobs is None for ex in examples[3:])  # on-policy: the current policy's, detached
     assert examples[0].prefix_ids is examples[5].prefix_ids  # one P, shared
@@ -88,6 +89,7 @@ def test_text_and_chat_groups_are_each_completion_as_its_own_example(tmp_path):
     for group in (text, chat):
         assert [ex.id for ex in group] == ["q:0", "q:1", "q:2"] and {ex.group for ex in group} == {"q"}
         assert [ex.reward for ex in group] == [1.0, 0.0, 0.0] and all(ex.logprobs is None for ex in group)
+        assert all(ex.group_rewards == (1.0, 0.0, 0.0) for ex in group)
         assert [(ex.prefix_ids, ex.item_ids, ex.target_ids) for ex in group] == \
             [(ex.prefix_ids, ex.item_ids, ex.target_ids) for ex in alone]
     counts = [len(ex.target_ids) for ex in alone]

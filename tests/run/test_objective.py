@@ -43,8 +43,9 @@ def test_the_pair_losses_are_the_formulas():
 
 
 def test_the_step_mean_is_over_pairs_under_dpo_and_examples_else():
-    assert Dpo().items(10) == 5
-    assert Sft().items(10) == Weighted().items(10) == 10
+    ten = [_ex(f"e{i}") for i in range(10)]
+    assert Dpo().measure(ten) == 5
+    assert Sft().measure(ten) == Weighted().measure(ten) == 10
 
 
 def test_a_unit_with_half_a_pair_is_refused_and_a_table_gives_its_reference():
