@@ -111,6 +111,19 @@ class Objective:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def data_figures(self, examples: Sequence) -> dict:
+        """What the step's figures (metrics.jsonl) say of its ``examples`` alone."""
+        return {}
+
+    def tally(self) -> list[float]:
+        """What this rank's losses since the last call counted (summed over the ranks, then read by
+        :meth:`step_figures`); the count starts again."""
+        return []
+
+    def step_figures(self, tallies: list[float]) -> dict:
+        """The step's figures from its tallies summed over the ranks."""
+        return {}
+
     def check(self, examples: Sequence, split: str = "data.train") -> None:
         """Refuse data the objective cannot train on, naming the first example that shows it."""
         group = next((ex for ex in examples if getattr(ex, "group", "")), None)
@@ -287,6 +300,8 @@ class Grpo(Objective):
     """``train.objective: grpo``: the GRPO family's update on scored groups (:mod:`packtrain.run.rl`)."""
     name: ClassVar[str] = "grpo"
     spec: RlSpec = RlSpec()
+    # this rank's tokens, clipped tokens and summed KL estimates since the last tally (the losses' figures)
+    counts: list = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0], compare=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Grpo:
@@ -307,6 +322,31 @@ class Grpo(Objective):
 
     def moves(self, ex) -> bool:
         return self.spec.beta > 0 or len(set(ex.group_rewards)) > 1
+
+    def data_figures(self, examples: Sequence) -> dict:
+        """The step's rewards (mean, and std over its completions), the fraction of its groups whose rewards are all
+        equal (advantage 0: only the KL moves them), and its completions' mean length in tokens."""
+        if not examples:
+            return {}
+        rewards = [ex.reward for ex in examples]
+        mean = sum(rewards) / len(rewards)
+        groups = {ex.group: ex.group_rewards for ex in examples}
+        return {"reward_mean": mean, "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+                "equal_reward_groups": sum(len(set(g)) == 1 for g in groups.values()) / len(groups),
+                "completion_length": sum(len(ex.target_ids) for ex in examples) / len(examples)}
+
+    def tally(self) -> list[float]:
+        out = list(self.counts)
+        self.counts[:] = [0.0, 0.0, 0.0]
+        return out
+
+    def step_figures(self, tallies: list[float]) -> dict:
+        """The fraction of the step's tokens whose clip (cispo: cap) took their gradient, and (beta > 0) the mean k3
+        estimate of the KL to the reference per token."""
+        tokens, clipped, kl = tallies
+        if not tokens:
+            return {}
+        return {"clip_fraction": clipped / tokens, **({"kl": kl / tokens} if self.spec.beta else {})}
 
     def describe(self) -> str:
         s = self.spec
@@ -354,6 +394,9 @@ class Grpo(Objective):
                              for o, a, b in zip(terms.old, *_bounds(lengths))])
         advantages = torch.tensor(terms.advantages, dtype=torch.float64, device=logp.device)
         t = token_terms(logp, lengths, advantages, self.spec, old, reference)
+        self.counts[0] += t.loss.numel()
+        self.counts[1] += float(t.clipped.sum())
+        self.counts[2] += 0.0 if t.kl is None else float(t.kl.sum())
         sums = torch.segment_reduce(t.loss, "sum", lengths=lengths, axis=0)
         return (sums * torch.tensor(terms.weights, dtype=torch.float64, device=logp.device)).sum()
 
@@ -385,8 +428,10 @@ class Terms:
 
     def subset(self, positions: Sequence[int]) -> Terms:
         """The terms of the unit's examples at ``positions`` (a group of a pack: weighted only)."""
-        if self.pairs or self.advantages:
-            raise RuntimeError("a preference pair's (a scored group's) loss is not built for continuation groups")
+        if self.pairs:
+            raise RuntimeError("a preference pair's loss needs both its answers in one graph")
+        if self.advantages:
+            raise RuntimeError("train.objective grpo is not built for continuation groups")
         return Terms(tuple(self.weights[i] for i in positions) if self.weights else ())
 
 

@@ -1,4 +1,4 @@
-"""GRPO-family updates on scored completions (issue 59, work in progress: the math, not yet an objective).
+"""GRPO-family updates on scored completions: the math of ``train.objective: grpo`` (packtrain.run.objective.Grpo).
 
 A *group* is one item's K completions, each with a reward. The update follows TRL's GRPOTrainer where its names
 exist (``loss_type``, ``importance_sampling_level``, ``scale_rewards``, ``epsilon``, ``epsilon_high``, ``beta``):
@@ -18,6 +18,9 @@ exist (``loss_type``, ``importance_sampling_level``, ``scale_rewards``, ``epsilo
   token terms (:func:`completion_weights`), so a unit's part of it needs only the step's counts, and the step's
   loss is the same whatever its split into packs, units and ranks.
 
+``spec`` is the update's settings, :class:`packtrain.run.objective.RlSpec` (defined there, without torch, so that
+``plan`` reads the objective without importing this module).
+
 Completions lie as in a packed layout's targets: their token rows together, completion after completion
 (``lengths`` gives each one's count).
 """
@@ -28,8 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from packtrain.run.objective import RlSpec
 
 STD_EPSILON = 1e-4  # TRL's, added to the group's standard deviation
 
@@ -45,7 +46,7 @@ def group_advantages(rewards: Sequence[float], scale: str = "group") -> torch.Te
     return advantages
 
 
-def completion_weights(lengths: Sequence[int], spec: RlSpec, step_completions: int, step_tokens: int,
+def completion_weights(lengths: Sequence[int], spec, step_completions: int, step_tokens: int,
                        longest: int | None = None) -> torch.Tensor:
     """Each completion's weight in the step's loss (float64, [n]): what its summed token terms are multiplied by.
     ``step_completions`` and ``step_tokens`` count the whole step (every pack on every rank); ``longest`` is
@@ -70,7 +71,7 @@ class TokenTerms:
     kl: torch.Tensor | None  # [M] detached k3 estimate, None without a reference
 
 
-def token_terms(logp: torch.Tensor, lengths: torch.Tensor, advantages: torch.Tensor, spec: RlSpec,
+def token_terms(logp: torch.Tensor, lengths: torch.Tensor, advantages: torch.Tensor, spec,
                 old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None) -> TokenTerms:
     """The token terms of completions laid one after another: ``logp`` [M] the policy's log-probabilities of the
     sampled tokens (with gradient), ``lengths`` [n] each completion's token count, ``advantages`` [n]; ``old_logp``

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +59,7 @@ class StepResult:
     stop: bool = False
     seconds: float = 0.0
     gradients_checked: bool = False  # the check that the loss reaches the adapters ran (and passed) in this step
+    figures: dict = field(default_factory=dict)  # the objective's own (Objective.step_figures), all ranks
 
     @property
     def updated(self) -> bool:
@@ -75,6 +76,7 @@ class Prepared:
     started: float  # time.perf_counter() as the step began
     weighted: bool = True  # an example of the step can have a gradient (all weights 0: none, rightly)
     measure: float = 0.0  # what the step's mean is over (Objective.measure), all ranks, without the skipped ones
+    data_figures: dict = field(default_factory=dict)  # the objective's figures of the step's examples
 
 
 @dataclass
@@ -113,14 +115,17 @@ class Step:
         step = [self.examples[e] for i in pack_ids for e in self.plan.packs[i].examples]
         weighted = any(map(self.kinds.objective.moves, step))
         measure = self.kinds.objective.measure(step) - skipped_measure
-        return Prepared(built, skip, n_examples, skipped_examples, t0, weighted, measure)
+        return Prepared(built, skip, n_examples, skipped_examples, t0, weighted, measure,
+                        self.kinds.objective.data_figures(step))
 
     def update(self, ready: Prepared, number: int, check_gradients: bool = False) -> StepResult:
         """Forward and backward of the prepared units, then clip, agree on finiteness and update."""
         totals = self._run_units(ready.built, ready.skip, ready.examples, ready.measure, number)
         # a step whose examples all weigh 0 has no gradient, rightly: the check waits for one that has
-        return self._finish(totals, ready.examples, ready.measure, number, check_gradients and ready.weighted,
-                            sum(ready.skip), ready.skipped_examples, ready.started)
+        result = self._finish(totals, ready.examples, ready.measure, number, check_gradients and ready.weighted,
+                              sum(ready.skip), ready.skipped_examples, ready.started)
+        result.figures = {**ready.data_figures, **self.kinds.objective.step_figures(totals[2:].tolist())}
+        return result
 
     def _build(self, units: list[Unit]) -> tuple[list, list[bool], int, float]:
         """Build every unit and agree with all ranks, before any collective of the step, which units to skip.
@@ -152,9 +157,11 @@ class Step:
 
     def _run_units(self, built: list, skip: list[bool], n_examples: int, measure: float, number: int
                    ) -> torch.Tensor:
-        """Forward and backward of this rank's units; returns [sum of per-example losses, positions] over every
-        rank."""
+        """Forward and backward of this rank's units; returns [sum of per-example losses, positions, the objective's
+        tallies (Objective.tally)] over every rank."""
         info = self.info
+        objective = self.kinds.objective
+        objective.tally()  # whatever an earlier pass left (a reference table's, an evaluation's) is not this step's
         totals = torch.zeros(2, dtype=torch.float64, device=info.device)
         if n_examples > 0:
             scale = step_scale(measure)
@@ -164,6 +171,7 @@ class Step:
                 if not skipped:
                     r = run_unit(self.lm, ready, self.kinds, info.device, scale)
                     totals += torch.tensor([r.loss_sum, r.positions], dtype=torch.float64, device=info.device)
+        totals = torch.cat([totals, torch.tensor(objective.tally(), dtype=torch.float64, device=info.device)])
         all_reduce_sum(totals, info)
         return totals
 

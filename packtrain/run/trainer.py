@@ -366,7 +366,8 @@ class Trainer:
         return {"step": c.step, "epoch": epoch, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                 "examples": r.examples, "packs": len(pack_ids), "positions": r.positions, "skipped": r.skipped,
                 "skipped_examples": r.skipped_examples, "nonfinite": r.nonfinite, "nonfinite_skips": c.nonfinite_skips,
-                "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.info.device)}, r.gradients_checked
+                "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.info.device), **r.figures}, \
+            r.gradients_checked
 
     def _skip_nonfinite(self, loss: float | None, grad_norm: float) -> None:
         """No update for a NaN/inf step: skipped while train.max_nonfinite_skips allows, else the run stops."""

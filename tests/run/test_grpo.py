@@ -224,9 +224,47 @@ def test_the_mean_is_over_the_steps_completions_or_tokens_on_any_split(models, f
     # each group a pack of its own: the largest group needs 41 positions flat, 28 as a tree
     one, split = _plan(mode, examples), _plan(mode, examples, token_budget=41 if mode == "shared_prefix" else 30)
     assert len(one.packs) == 2 and len(split.packs) == 4
-    for spec in (RlSpec("grpo", "token", "group", 0.2, 0.28, 0.04, MAX_LEN), RlSpec("dapo", "sequence", "none")):
+    with without_float32_casts(monkeypatch):
+        examples = _sampled(forwards, model, "text", examples, seed=1)  # a case where both levels clip some tokens
+    for spec in (RlSpec("grpo", "token", "group", 0.2, 0.28, 0.04, MAX_LEN), RlSpec("dapo", "sequence", "none", 0.05)):
+        seen = []
         with without_float32_casts(monkeypatch):
             loss, grad = _reference(forwards, model, "text", examples, spec)
             split_loss, split_change = _packed_step(model, mode, examples, split, Grpo(spec), world=2,
-                                                    monkeypatch=monkeypatch)
+                                                    monkeypatch=monkeypatch, seen=seen)
         _check(split_loss, split_change, loss, grad, f"{spec.loss_type} over {len(split.packs)} packs on two ranks")
+        clipped, kl = _figures(forwards, examples, spec)
+        for r in seen:  # every rank's figures are the whole step's
+            assert r.figures["clip_fraction"] == pytest.approx(clipped, rel=1e-12) and clipped > 0, spec
+            assert ("kl" in r.figures) == bool(spec.beta)
+            if spec.beta:
+                assert r.figures["kl"] == pytest.approx(kl, rel=1e-9) and kl > 0
+
+
+def _figures(forwards, examples, spec):
+    """(the fraction of the step's tokens whose clip took their gradient, the mean k3 KL estimate per token),
+    written from TRL's definitions on the completions alone: a token is clipped where its ratio is out of
+    [1 - epsilon, 1 + epsilon_high] on the side its advantage points to."""
+    logp, ref = forwards[("text", tuple((ex.prefix_ids, ex.item_ids, ex.target_ids) for ex in examples))]
+    clipped = tokens = kl = 0.0
+    for ex, lp, rf in zip(examples, logp, ref):
+        lp = lp.detach()
+        a = float(group_advantages(ex.group_rewards, spec.scale_rewards)[ex.group_rewards.index(ex.reward)])
+        log_ratio = lp - torch.tensor(ex.logprobs, dtype=torch.float64)
+        if spec.importance_sampling_level == "sequence":
+            log_ratio = log_ratio.mean().expand_as(lp)
+        ratio = torch.exp(log_ratio)
+        clipped += float((((ratio < 1 - spec.epsilon) & (a < 0)) | ((ratio > 1 + spec.high) & (a > 0))).sum())
+        kl += float((torch.exp(rf - lp) - (rf - lp) - 1).sum())
+        tokens += len(lp)
+    return clipped / tokens, kl / tokens
+
+
+def test_the_data_figures_are_the_steps_rewards_groups_and_lengths():
+    examples, _ = _groups(GROUPS)
+    figures = Grpo().data_figures(examples)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.25, 1.0, 0.25, 0.0, 0.5, 0.5], dtype=torch.float64)
+    assert figures["reward_mean"] == pytest.approx(float(rewards.mean()))
+    assert figures["reward_std"] == pytest.approx(float(rewards.std(unbiased=False)))
+    assert figures["equal_reward_groups"] == 0.25  # the last group's two 0.5s
+    assert figures["completion_length"] == pytest.approx((4 + 6 + 3 + 5 + 3 + 3 + 5 + 4 + 2 + 4 + 2) / 11)

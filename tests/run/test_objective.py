@@ -192,12 +192,12 @@ def _plan(mode, examples, token_budget=10_000, max_continuations=64):
     return Kinds.named(mode).plan(cfg, examples)
 
 
-def _packed_step(model, mode, examples, plan, objective, pixels=None, world=1, monkeypatch=None):
+def _packed_step(model, mode, examples, plan, objective, pixels=None, world=1, monkeypatch=None, seen=None):
     """One optimizer step of all the plan's packs (packtrain.run.step.Step, SGD at LR) on ``world`` ranks (threads
     with tests/run/test_step.py's collectives, installed by ``monkeypatch``; each rank a copy of ``model``): (the
     step's loss on each rank, the gradient it applied: the parameters' change / LR, summed over the ranks as FSDP
-    sums them). ``model`` is left as it was. Under precompute the reference table comes first
-    (packtrain.run.reference.compute, as the trainer runs it)."""
+    sums them; each rank's StepResult appended to ``seen``). ``model`` is left as it was. Under precompute the
+    reference table comes first (packtrain.run.reference.compute, as the trainer runs it)."""
     from test_step import Ranks
 
     from packtrain.distributed import DistInfo
@@ -233,6 +233,8 @@ def _packed_step(model, mode, examples, plan, objective, pixels=None, world=1, m
             if isinstance(r, Exception):
                 raise r
     change = {n: sum((before[n] - dict(m.named_parameters())[n].detach()) / LR for m in models) for n in before}
+    if seen is not None:
+        seen.extend(results)
     return [r.loss for r in results], change
 
 

@@ -8,7 +8,8 @@ import itertools
 import pytest
 import torch
 
-from packtrain.run.rl import RlSpec, completion_weights, group_advantages, token_terms, unit_loss
+from packtrain.run.objective import RlSpec
+from packtrain.run.rl import completion_weights, group_advantages, token_terms, unit_loss
 
 LENGTHS = [5, 3, 7, 4, 6, 2]  # two groups of three completions
 REWARDS = [[1.0, 0.0, 0.5], [0.2, 0.2, 0.9]]
