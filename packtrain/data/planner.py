@@ -32,8 +32,8 @@ from typing import Any
 from packtrain.config import WalkSpec
 from packtrain.data.attention_pairs import causal_pairs, node_pairs, pack_pairs, tree_pairs
 from packtrain.data.preference import pair_examples
-from packtrain.data.scored import group_examples
 from packtrain.data.prefix_tree import continuations, example_keys, example_tree, key_tokens, tree_of_keys
+from packtrain.data.scored import group_examples
 from packtrain.data.tree_packs import pack_tree
 from packtrain.data.walk_calls import WalkCalls, walk_calls
 
@@ -140,8 +140,9 @@ def _families(examples: Sequence[Any], max_continuations: int) -> dict[int, tupl
     for members in [*pair_examples(examples), *group_examples(examples)]:
         if len(members) > max_continuations:
             ex = examples[members[0]]
-            raise PlanError(f"{_where(ex, members[0])}: its scored group's {len(members)} completions go into one pack, "
-                            f"over packing.max_continuations={max_continuations}: raise it to {len(members)} or more")
+            raise PlanError(f"{_where(ex, members[0])}: its scored group's {len(members)} completions go into one "
+                            f"pack, over packing.max_continuations={max_continuations}: raise it to {len(members)} or "
+                            "more")
         for i in members:
             out[i] = members
     return out
@@ -298,9 +299,9 @@ def _plan_tree_groups(examples: Sequence[Any], token_budget: int, max_continuati
         raise PlanError(f"no example fits packing.token_budget={token_budget} ({len(skipped)} skipped)")
     plan = Plan(packs, prompts, sorted(skipped), token_budget, max_continuations, seed)
     positions, pairs = sum(pack.positions for pack in packs), sum(pack.attention_pairs for pack in packs)
-    if family:  # a pair is one entry of two continuations flat (a group of K): plan them flat (pair data is not millions; a pair
-        # whose tree fits but whose two answers flat do not is left out of shared_prefix's figures, and where no pair
-        # fits flat there are none: the tree's plan stands, whatever shared_prefix could not do)
+    if family:  # a pair is one entry of two continuations flat (a group of K): plan them flat (pair data is not
+        # millions; a pair whose tree fits but whose two answers flat do not is left out of shared_prefix's figures,
+        # and where no pair fits flat there are none: the tree's plan stands, whatever shared_prefix could not do)
         planned = [examples[i] for pack in packs for i in pack.examples]
         try:
             flat = plan_packs(planned, token_budget, max_continuations, on_overflow="skip")

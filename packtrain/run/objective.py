@@ -360,8 +360,9 @@ class Grpo(Objective):
     def check(self, examples: Sequence, split: str = "data.train") -> None:
         single = next((ex for ex in examples if not getattr(ex, "group", "")), None)
         if single is not None:
+            what = "a preference pair" if single.pair else "one target"
             raise ValueError(f"{_at(single)}: train.objective grpo trains on scored groups (completions and "
-                             f"rewards), and this {split} example has {'a preference pair' if single.pair else 'one target'}")
+                             f"rewards), and this {split} example has {what}")
         if split == "data.train" and examples and not any(self.moves(ex) for ex in examples):
             raise ValueError(f"{examples[0].source or 'the data'}: every scored group of {split} has equal rewards "
                              "(advantage 0) and rl.beta is 0, so no step would train anything")

@@ -42,11 +42,14 @@ class Progress:
 
     def step(self, record: dict, tokens_seen: int) -> None:
         loss = "skipped" if record["loss"] is None else f"{record['loss']:.4f}"
+        rl = {k: f"{record[k]:.{d}}" for k, d in (("reward_mean", 3), ("clip_fraction", 3), ("kl", "2e"))
+              if k in record}
         self.window_positions += record["positions"]
         self.window_seconds += record["seconds"]
         if not self.bar.disable:
             self.bar.set_postfix(loss=loss, lr=f"{record['lr']:.2e}",
-                                 pos_s=f"{record['positions'] / max(record['seconds'], 1e-9):.0f}")
+                                 pos_s=f"{record['positions'] / max(record['seconds'], 1e-9):.0f}",
+                                 **{_SHORT[k]: v for k, v in rl.items()})
             self.bar.update(1)
             return
         step = record["step"]
@@ -55,10 +58,17 @@ class Progress:
         elapsed = time.perf_counter() - self.began
         eta = elapsed / (step - self.start) * (self.total - step)
         rate = self.window_positions / max(self.window_seconds, 1e-9)
-        self.log(f"step {step}/{self.total} (epoch {record['epoch'] + 1}): loss {loss}, lr {record['lr']:.2e}, "
+        figures = "".join(f"{_SHORT[k]} {v}, " for k, v in rl.items())
+        self.log(f"step {step}/{self.total} (epoch {record['epoch'] + 1}): loss {loss}, {figures}"
+                 f"lr {record['lr']:.2e}, "
                  f"{rate:,.0f} positions/s, {tokens_seen:,} tokens seen, {clock(elapsed)} elapsed, "
                  f"ETA {clock(eta)}")
         self.window_positions, self.window_seconds = 0, 0.0
 
     def close(self) -> None:
         self.bar.close()
+
+
+# grpo's figures in the progress line (packtrain.run.objective.Grpo: the step's reward, clip fraction and KL)
+_SHORT = {"reward_mean": "reward", "clip_fraction": "clipped", "kl": "kl"}
+

@@ -9,7 +9,8 @@ issues the same sequence of calls. Each rank runs its packs first, then its walk
 
 Each unit's ``loss_sum`` is scaled by 1 / (examples in the whole step, all ranks: the objective's measure of them,
 its pairs under dpo, its tokens under grpo's dapo) and FSDP sums the ranks' gradients, so the update is the mean of
-per-example losses whatever the split into packs, units or ranks (:func:`packtrain.run.units.step_scale`). Skips (``train.max_positions``, ``train.skippable_errors``) are decided per
+per-example losses whatever the split into packs, units or ranks (:func:`packtrain.run.units.step_scale`). Skips
+(``train.max_positions``, ``train.skippable_errors``) are decided per
 unit and agreed before any collective of the step (:func:`packtrain.distributed.agree`), so every rank skips the
 same units; a skipped unit's examples leave the step's count.
 """
