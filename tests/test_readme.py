@@ -66,6 +66,19 @@ def test_the_objectives_page_preference_config_is_a_valid_dpo_config():
     assert cfg.packing.mode == "tree"
 
 
+def test_the_objectives_page_grpo_settings_are_the_defaults_they_say():
+    """docs/objectives.md's rl block loads as a packtrain config and its values are the rl section's defaults (the
+    block documents them)."""
+    import yaml
+
+    from packtrain.config import RlConfig, config_from_dict
+
+    found = [b for b in _yaml_blocks(REPO / "docs" / "objectives.md") if "objective: grpo" in b]
+    assert len(found) == 1
+    cfg = config_from_dict(yaml.safe_load(found[0]))
+    assert cfg.train.objective == "grpo" and cfg.rl == RlConfig()
+
+
 def test_the_quickstart_gives_each_commands_time_and_the_demo_needs_no_gpu_packages():
     """A newcomer reads how long each quickstart command takes on 2 cores, with the fast tier beside the suite; and
     `make demo` builds a venv without triton and fla (training on CPU needs neither), which `make test` adds."""
