@@ -56,13 +56,15 @@ def _parse(line: str) -> dict | None:
 def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
     """Train loss per step and eval loss at each evaluation (under weighted also the eval's weighted loss); below it
     a panel for each of: the reward accuracy on data.eval's pairs at each evaluation (train.objective dpo), the task's
-    mean score at each generation line (``generate.every``). One PNG."""
+    mean score at each generation line (``generate.every``), and under grpo each step's mean reward, its clip
+    fraction and its KL. One PNG."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     if not metrics_path.exists():
         return None
     train, evals, weighted, accuracy, scores = [], [], [], [], []
+    rl = {"reward_mean": [], "clip_fraction": [], "kl": []}  # grpo's step figures
     for line in metrics_path.read_text(errors="replace").splitlines():
         rec = _parse(line) or {}
         if rec.get("split") == "generate":
@@ -70,13 +72,21 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
                 scores.append((rec["step"], rec["mean_score"]))
         elif rec.get("loss") is not None:  # a step whose every unit was skipped has no loss
             (evals if rec.get("split") == "eval" else train).append((rec["step"], rec["loss"]))
+            for key, points in rl.items():
+                if rec.get("split") is None and rec.get(key) is not None:
+                    points.append((rec["step"], rec[key]))
             if rec.get("split") == "eval" and rec.get("weighted_loss") is not None:
                 weighted.append((rec["step"], rec["weighted_loss"]))
             if rec.get("split") == "eval" and rec.get("reward_accuracy") is not None:
                 accuracy.append((rec["step"], rec["reward_accuracy"]))
     panels = [p for p in (("reward accuracy", accuracy, "D-", "tab:purple",
-                           "eval: reward accuracy (share of pairs whose implicit reward prefers chosen)"),
-                          ("task score", scores, "s-", "tab:green", "task: mean score on data.eval")) if p[1]]
+                           "eval: reward accuracy (share of pairs whose implicit reward prefers chosen)", True),
+                          ("task score", scores, "s-", "tab:green", "task: mean score on data.eval", True),
+                          ("reward", rl["reward_mean"], "-", "tab:orange", "train: the step's mean reward", False),
+                          ("clipped", rl["clip_fraction"], "-", "tab:red",
+                           "train: share of the step's tokens the clip took", True),
+                          ("KL", rl["kl"], "-", "tab:brown", "train: mean k3 KL to the reference per token", False))
+              if p[1]]
     # a Figure on the Agg canvas, not pyplot: no figure manager, no global state
     height = 4 + 2.5 * len(panels)
     fig = Figure(figsize=(7, height))
@@ -87,8 +97,8 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
     axes = fig.subplots(1 + len(panels), 1, sharex=True, squeeze=False)
     ax = axes[0, 0]
     if train:
-        ax.plot(*zip(*train), label="train (mean per-example loss)" if not accuracy else "train (mean DPO loss)",
-                lw=1)
+        what = "mean DPO loss" if accuracy else "GRPO loss" if rl["reward_mean"] else "mean per-example loss"
+        ax.plot(*zip(*train), label=f"train ({what})", lw=1)
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval" if not accuracy else "eval (mean DPO loss over pairs)", lw=1.5)
     if weighted:
@@ -96,10 +106,11 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    for (ylabel, points, style, color, label), panel in zip(panels, axes[1:, 0]):
+    for (ylabel, points, style, color, label, unit), panel in zip(panels, axes[1:, 0]):
         panel.plot(*zip(*points), style, color=color, label=label, lw=1.5)
         panel.set_ylabel(ylabel)
-        panel.set_ylim(-0.02, 1.02)
+        if unit:  # a share, from 0 to 1 (a reward or a KL takes the range of its points)
+            panel.set_ylim(-0.02, 1.02)
         panel.grid(alpha=0.3)
         panel.legend()
     axes[-1, 0].set_xlabel("optimizer step")

@@ -94,6 +94,28 @@ def test_the_loss_plot_gains_a_reward_accuracy_panel_under_dpo(tmp_path):
     assert two[1] == one[1] and two[0] > 1.5 * one[0]  # a second panel below the losses
 
 
+def test_the_loss_plot_gains_grpos_reward_clip_and_kl_panels(tmp_path):
+    """Under grpo each step's record carries its mean reward, clip fraction and (beta > 0) KL: a panel each, below
+    the losses; a reward outside [0, 1] is drawn on its own scale."""
+    import matplotlib.image
+
+    from packtrain.run.metrics import plot_losses
+
+    lines = [{"step": s, "loss": 0.1 * s} for s in (1, 2, 3)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    one = matplotlib.image.imread(plot_losses(metrics, tmp_path / "one.png")).shape
+    for x, reward in zip(lines, (-3.0, 2.5, 7.0)):
+        x |= {"reward_mean": reward, "clip_fraction": 0.01 * x["step"]}
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    three = matplotlib.image.imread(plot_losses(metrics, tmp_path / "three.png")).shape
+    for x in lines:
+        x["kl"] = 0.002 * x["step"]
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    four = matplotlib.image.imread(plot_losses(metrics, tmp_path / "four.png")).shape
+    assert three[1] == one[1] == four[1] and three[0] > 2 * one[0] and four[0] > three[0]  # two panels, then three
+
+
 def test_no_metrics_file_draws_no_plot(tmp_path):
     assert plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png") is None
     assert not (tmp_path / "loss.png").exists()
