@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time shared-prefix (each packing.context_grad) vs prefix trees vs standalone vs "
                        "a plain transformers + peft loop on the same examples; table, bench.json and bench.png")
     _add_config_args(p, optional=True)
-    p.add_argument("--preset", choices=["tiny", "cpu", "gpu", "tree", "dpo"], help="config and data shape (default cpu; with CONFIG: "
+    p.add_argument("--preset", choices=["tiny", "cpu", "gpu", "tree", "dpo", "rl"],
+                   help="config and data shape (default cpu; with CONFIG: "
                    "only the data shape, repeats and threads)")
     p.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.png (default runs/bench)")
     p.add_argument("--repeats", type=whole(1, 10**6), help="timed epochs per variant (the median is reported)")

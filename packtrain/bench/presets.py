@@ -20,12 +20,17 @@ whose lengths are drawn uniformly from ``cont_tokens`` (inclusive); the target i
   each an item and two answers (chosen, rejected) sharing P and the item; variants tree (P once, each pair's item
   once), shared_prefix (P once, a pair two continuations) and standalone (a pair alone, two sequences), each one
   optimizer step per epoch. It shows the tree's speedup over standalone pairs beside their position ratio.
+- ``rl``: the ``cpu`` model under ``train.objective: grpo`` (rl's defaults: dapo, no KL) on scored groups: one P of
+  2,048 tokens, 4 items each with K = 8 sampled completions (rewards 0 or 1, drawn); variants tree (P once, each
+  item once), shared_prefix (P once, each completion with its item) and standalone (each completion alone: what
+  standalone GRPO computes), each one optimizer step per epoch.
 
 With ``turns``, each of a prompt's ``continuations`` is a conversation of that many turns (drawn uniformly), each
 turn ``cont_tokens`` long (its first half the user's, its second the answer): turn k is an example whose item is
 turns 0..k-1 and turn k's first half, and whose target is turn k's answer, as ``each`` makes them. With ``pairs``,
 each continuation is a preference pair: an item of the first half of its ``cont_tokens`` and two answers (chosen,
-rejected) of the second half's length each, other random tokens.
+rejected) of the second half's length each, other random tokens; with ``group`` K, a scored group: the item and K
+completions of that length each, rewarded 0 or 1 at random (a group of equal rewards redrawn).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class Shape:
     extra: tuple[tuple[int, int, int], ...] = ()
     turns: tuple[int, int] | None = None  # (fewest, most) turns per conversation; None: one turn each
     pairs: bool = False  # each continuation a preference pair (an item and two answers)
+    group: int = 0  # > 0: each continuation a scored group of that many completions (an item and K answers)
 
     def describe(self) -> str:
         def lengths(lo, hi):
@@ -60,6 +66,9 @@ class Shape:
             return (f"{self.prompts} prompt(s) of {self.prefix_tokens:,} tokens x {self.continuations} conversations "
                     f"of {lengths(*self.turns)} turns of {lengths(*self.cont_tokens)} tokens{more}, every turn an "
                     "example")
+        if self.group:
+            return (f"{self.prompts} prompt(s) of {self.prefix_tokens:,} tokens x {self.continuations} scored groups "
+                    f"of {self.group} completions, each item + completion {lengths(*self.cont_tokens)} tokens{more}")
         if self.pairs:
             return (f"{self.prompts} prompt(s) of {self.prefix_tokens:,} tokens x {self.continuations} preference "
                     f"pairs of {lengths(*self.cont_tokens)} tokens (an item and two answers of half that each){more}")
@@ -102,6 +111,13 @@ def _config(model: dict, dtype: str, kernels: str, budget: int, checkpointing: b
                   "device": device},
         "logging": {"progress": False},
     }
+
+
+def _grpo(config: dict) -> dict:
+    """``config`` under train.objective grpo (rl's defaults: dapo, on-policy, no KL term)."""
+    config["train"] |= {"objective": "grpo"}
+    config["packing"] |= {"max_continuations": 90}
+    return config
 
 
 def _dpo(config: dict) -> dict:
@@ -159,6 +175,9 @@ PRESETS = {
     "dpo": Preset("dpo", _dpo(_config(CPU_MODEL, "float32", "torch", 8192, packs_per_step=64)),
                   Shape(1, 1024, 8, (56, 72), pairs=True), repeats=3, warmup=True,
                   variants=("tree", "shared_prefix", "standalone"), threads=1),
+    "rl": Preset("rl", _grpo(_config(CPU_MODEL, "float32", "torch", 8192, packs_per_step=64)),
+                 Shape(1, 2048, 4, (56, 72), group=8), repeats=3, warmup=True,
+                 variants=("tree", "shared_prefix", "standalone"), threads=1),
 }
 
 
@@ -188,6 +207,14 @@ def generate_examples(shape: Shape, vocab: int, seed: int = 0) -> list[Example]:
         prefix = tokens(shape.prefix_tokens)
         bounds = [(lo, hi) for count, lo, hi in ranges for _ in range(count)]
         for c, (lo, hi) in enumerate(bounds):
+            if shape.group:
+                n = rng.randint(lo, hi)
+                item, rewards = tokens(n - n // 2), [0.0]
+                while len(set(rewards)) < 2:
+                    rewards = [float(rng.random() < 0.5) for _ in range(shape.group)]
+                examples += [Example(f"p{p}-c{c}:{k}", prefix, item, tokens(n // 2), group=f"p{p}-c{c}",
+                                     reward=rewards[k], group_rewards=tuple(rewards)) for k in range(shape.group)]
+                continue
             if shape.pairs:
                 n = rng.randint(lo, hi)
                 item = tokens(n - n // 2)

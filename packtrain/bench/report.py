@@ -34,9 +34,9 @@ def speedups(result: dict, clock: str = "seconds") -> tuple[dict, dict, dict]:
 
 
 def versus(result: dict, fast: str, slow: str, clock: str = "seconds") -> dict | None:
-    """``fast`` against ``slow`` (the dpo preset: the tree against standalone pairs): the time ratio slow / fast,
-    the position ratio slow / fast, and the first over the second (1.0: as fast as its positions say); None unless
-    both ran."""
+    """``fast`` against ``slow`` (the dpo and rl presets: the tree against standalone pairs or completions): the time
+    ratio slow / fast, the position ratio slow / fast, and the first over the second (1.0: as fast as its positions
+    say); None unless both ran."""
     a, b = result["variants"].get(fast, {}), result["variants"].get(slow, {})
     if clock not in a or clock not in b:
         return None
@@ -78,9 +78,10 @@ def format_table(result: dict) -> str:
             lines.append("  of ratio (CPU time): " + "; ".join(f"{v:.2f} vs {n}" for n, v in fraction.items()))
     clocks = [("seconds", "wall")] + ([] if m["cuda"] else [("cpu_seconds", "CPU time")])
     for clock, label in clocks:
-        pairs = versus(r, "tree", "standalone", clock) if r.get("preset") == "dpo" else None
+        what = {"dpo": "pairs", "rl": "completions"}.get(r.get("preset"))
+        pairs = versus(r, "tree", "standalone", clock) if what else None
         if pairs is not None:
-            lines.append(f"  tree vs standalone pairs ({label}): {pairs['speedup']:.2f}x faster, position ratio "
+            lines.append(f"  tree vs standalone {what} ({label}): {pairs['speedup']:.2f}x faster, position ratio "
                          f"{pairs['position_ratio']:.2f}x: {pairs['of_ratio']:.2f} of the ratio")
     lines += [
         "  x shared: the variant's time / shared_prefix's (how much faster shared-prefix is); of ratio: that / the",

@@ -124,9 +124,13 @@ def write_run_config(out: Path, cfg, examples) -> Path:
     import yaml
 
     from packtrain.data.preference import pair_examples
+    from packtrain.data.scored import group_examples
 
     rows = [{"id": ex.id, "prefix_ids": list(ex.prefix_ids), "item_ids": list(ex.item_ids),
-             "target_ids": list(ex.target_ids)} for ex in examples if not ex.pair]
+             "target_ids": list(ex.target_ids)} for ex in examples if not ex.pair and not ex.group]
+    rows += [{"id": examples[g[0]].group, "prefix_ids": list(examples[g[0]].prefix_ids),
+              "item_ids": list(examples[g[0]].item_ids), "completion_ids": [list(examples[k].target_ids) for k in g],
+              "rewards": [examples[k].reward for k in g]} for g in group_examples(examples)]
     rows += [{"id": examples[c].pair, "prefix_ids": list(examples[c].prefix_ids),
               "item_ids": list(examples[c].item_ids), "chosen_ids": list(examples[c].target_ids),
               "rejected_ids": list(examples[r].target_ids)} for c, r in pair_examples(examples)]
@@ -218,7 +222,7 @@ def run_bench(args) -> int:
     }
     result["speedup"], result["speedup_over_position_ratio"], result["final_loss_rel_diff"] = speedups(result)
     result["cpu_speedup"], result["cpu_speedup_over_position_ratio"], _ = speedups(result, "cpu_seconds")
-    if preset.name == "dpo" and args.config is None:
+    if preset.name in ("dpo", "rl") and args.config is None:
         result["tree_vs_standalone"] = {clock: versus(result, "tree", "standalone", clock)
                                         for clock in ("seconds", "cpu_seconds")}
     out = Path(args.out)

@@ -179,3 +179,24 @@ def test_dpo_preset_shortened_compares_tree_shared_prefix_and_standalone_pairs(t
     assert "tree vs standalone pairs (wall): " in proc.stdout and "goal" not in proc.stdout
     assert {"prefix_ids", "item_ids", "chosen_ids", "rejected_ids"} <= set(json.loads(
         (out / "train.jsonl").read_text().splitlines()[0]))  # `packtrain train DIR/config.yaml` trains the pairs
+
+
+def test_rl_preset_shortened_compares_tree_shared_prefix_and_standalone_completions(tmp_path):
+    """`packtrain bench --preset rl`, shortened: scored groups of 8 completions sharing P and their item, the three
+    variants on the same GRPO update (equal final losses), the tree's positions below shared_prefix's below
+    standalone's (each item once, not once per completion), the tree-vs-standalone figure in bench.json and the
+    table, and DIR/train.jsonl in the scored-group format that `packtrain train DIR/config.yaml` reads."""
+    out = tmp_path / "bench"
+    proc = run_in_process("bench", "--preset", "rl", "--prefix-tokens", "48", "--continuations", "2",
+                          "--cont-tokens", "8:10", "--repeats", "1", "--no-warmup", "--out", out)
+    result = json.loads((out / "bench.json").read_text())
+    v = result["variants"]
+    assert list(v) == ["tree", "shared_prefix", "standalone"] and result["plan"]["examples"] == 16
+    groups = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert len(groups) == 2 and all(len(g["completion_ids"]) == 8 and len(set(g["rewards"])) == 2 for g in groups)
+    assert v["standalone"]["positions"] == result["plan"]["positions_standalone"]
+    assert v["tree"]["positions"] <= v["shared_prefix"]["positions"] - 7 * sum(len(g["item_ids"]) for g in groups)
+    assert max(_rel(v[n]["final_loss"], v["shared_prefix"]["final_loss"]) for n in v) < 1e-5
+    versus = result["tree_vs_standalone"]["seconds"]
+    assert versus["position_ratio"] == v["standalone"]["positions"] / v["tree"]["positions"] > 2
+    assert "tree vs standalone completions (wall): " in proc.stdout
