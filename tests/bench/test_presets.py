@@ -74,5 +74,6 @@ def test_a_preset_is_handed_out_as_a_copy():
     preset.config["train"]["seed"] = 9
     assert PRESETS["tiny"].config["model"]["config"]["hidden_size"] == 32 and PRESETS["tiny"].config["train"]["seed"] == 0
     assert get_preset("dpo").config["train"]["objective"] == "dpo"
-    with pytest.raises(ValueError, match=r"^--preset: unknown preset 'huge' \(known: tiny, cpu, gpu, tree, dpo\)$"):
+    assert get_preset("rl").config["train"]["objective"] == "grpo"
+    with pytest.raises(ValueError, match=r"^--preset: unknown preset 'huge' \(known: tiny, cpu, gpu, tree, dpo, rl\)$"):
         get_preset("huge")
