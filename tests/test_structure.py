@@ -435,8 +435,8 @@ TESTED_MODULES = [
     "packed/loss", "packed/pack_pass", "packed/patch", "packed/prefix", "packed/recompute", "packed/rng", "packed/rows",
     "packed/rowsparse", "packed/tree", "packed/walk", "run/balance", "run/cadence", "run/eval_figures", "run/evaluate",
     "run/finite", "run/generate", "run/harness", "run/header", "run/metrics", "run/objective", "run/optim",
-    "run/progress", "run/reference", "run/rl", "run/scoring", "run/session", "run/signals", "run/step", "run/task", "run/trainer",
-    "run/units", "rundir/checkpoint", "rundir/directory", "rundir/disk", "rundir/overrides", "rundir/resume",
+    "run/progress", "run/reference", "run/rl", "run/rollouts", "run/scoring", "run/session", "run/signals", "run/step",
+    "run/task", "run/trainer", "run/units", "rundir/checkpoint", "rundir/directory", "rundir/disk", "rundir/overrides", "rundir/resume",
     "rundir/tokenizer", "versions",
 ]
 

@@ -216,7 +216,7 @@ class GenerateConfig:
 @dataclass
 class RlConfig:
     """``train.objective: grpo``: a GRPO-family update on scored groups (packtrain/run/rl.py; the names are TRL's
-    GRPOConfig's). Online sampling (``num_generations``, ``temperature``, ``top_p``) is not built yet."""
+    GRPOConfig's): on scored groups from the data, or sampled online (``num_generations``; packtrain/run/rollouts.py)."""
     # grpo: the mean over the step's completions of each one's token mean; dr_grpo: the step's summed token terms /
     # (completions x max_completion_length); dapo and cispo: the step's summed token terms / its tokens. cispo's term:
     # -min(ratio, epsilon_high), detached, x A x log p
@@ -230,8 +230,13 @@ class RlConfig:
     # The k3 estimate of the KL to the reference (the base, the adapter disabled: a no-grad forward of each unit
     # before its training forward), times beta, added per token. 0: no reference forward
     beta: float = 0.0
-    max_completion_length: int = 256  # dr_grpo's divisor
-    num_generations: int | None = None  # online sampling: not built yet (scored groups from the data only)
+    max_completion_length: int = 256  # dr_grpo's divisor; online, the most tokens a completion samples
+    # Online: K completions sampled per item each step (P prefilled once), scored by generate.metric against the
+    # record's target, written to OUTPUT/rollouts/step-N.jsonl; data.train then holds requests with targets. None:
+    # the data's scored groups
+    num_generations: int | None = None
+    temperature: float = 1.0  # online sampling's temperature (> 0)
+    top_p: float = 1.0  # ... and its nucleus
 
 
 @dataclass
@@ -344,6 +349,10 @@ _BOUNDS = [
     ("rl.epsilon_high", lambda v: v is None or v >= 0, "must be >= 0 (or null: rl.epsilon)"),
     ("rl.beta", lambda v: v >= 0, "must be >= 0 (0: no KL term)"),
     ("rl.max_completion_length", lambda v: v >= 1, "must be at least 1"),
+    ("rl.num_generations", lambda v: v is None or v >= 2,
+     "must be at least 2 (a group's advantage compares its completions), or null: the data's scored groups"),
+    ("rl.temperature", lambda v: v > 0, "must be > 0 (the completions of a group must differ)"),
+    ("rl.top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
     ("lora.dropout", lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
     ("optim.lr", lambda v: v > 0, "must be positive"),
     ("optim.max_grad_norm", lambda v: v > 0, "must be positive (or null: no clipping)"),
@@ -447,9 +456,9 @@ def _validate(cfg: Config) -> list[str]:
     if cfg.train.objective != "dpo" and cfg.train.rpo_alpha:
         problems.append(f"train.rpo_alpha: weighs the chosen answers' cross-entropy under train.objective dpo, not "
                         f"{cfg.train.objective} (set 0)")
-    if cfg.rl.num_generations is not None:
-        problems.append("rl.num_generations: online sampling is not built yet (issue 59): train on scored groups "
-                        "from the data (completions and rewards), and leave it null")
+    if cfg.rl.num_generations is not None and cfg.train.objective != "grpo":
+        problems.append(f"rl.num_generations: samples completions for train.objective grpo, not "
+                        f"{cfg.train.objective} (leave it null)")
     if cfg.train.packs_per_step is not None and cfg.train.packs_per_rank != 1:
         problems.append(f"train.packs_per_rank, train.packs_per_step: give one (packs per rank, or the step's packs "
                         f"over all ranks), got {cfg.train.packs_per_rank} and {cfg.train.packs_per_step}")

@@ -386,6 +386,12 @@ def _pretokenized_group(record: dict, line: int, source: Path, vocab_size: int |
     return out
 
 
+def pretokenized_group(record: dict, line: int, source: Path, prefixes: dict) -> list[Example]:
+    """A pretokenized scored group's examples, as a file's line gives them (online GRPO's rollouts,
+    :mod:`packtrain.run.rollouts`)."""
+    return _pretokenized_group(record, line, source, None, prefixes)
+
+
 def _keys_of(record: dict, fmt: str, paired: bool, source: Path, line: int) -> None:
     """A key outside the format's (a preference pair's, when ``paired``) is refused, naming it."""
     what = f"a {fmt} preference pair" if paired else f"a {fmt} example"

@@ -52,6 +52,7 @@ class GenerateSpec:
 class Generated:
     ids: tuple[int, ...]  # up to and excluding the stop token
     stop: str  # "eos" (a stop token) | "length" (max_new_tokens)
+    stop_id: int | None = None  # the stop token drawn ("eos")
 
 
 def stop_ids(model, tokenizer=None) -> frozenset[int]:
@@ -164,13 +165,14 @@ def decode_rows(lm, layout, state, prefix_len: int, items: list[tuple[object, in
     generators = {e: example_generator(spec.seed, ids[e]) if sampled else None for e in order}
     tokens: dict[int, list[int]] = {e: [] for e in order}
     stops: dict[int, str] = {}
+    stop_token: dict[int, int] = {}
     alive = list(order)  # the example of each row
     for step in range(spec.max_new_tokens):
         picked = choose(logits, spec, [generators[e] for e in alive]).tolist() if alive else []
         keep = []
         for b, (e, t) in enumerate(zip(alive, picked)):
             if t in spec.stop_ids:
-                stops[e] = "eos"
+                stops[e], stop_token[e] = "eos", t
             else:
                 tokens[e].append(t)
                 if len(tokens[e]) == spec.max_new_tokens:
@@ -188,4 +190,4 @@ def decode_rows(lm, layout, state, prefix_len: int, items: list[tuple[object, in
             rows = rows.select(torch.zeros(1, dtype=torch.long, device=info.device))
             alive, last = [], torch.zeros(1, dtype=torch.long, device=info.device)
         logits = lm(DecodeCall(rows, last))
-    return {e: Generated(tuple(tokens[e]), stops[e]) for e in order}
+    return {e: Generated(tuple(tokens[e]), stops[e], stop_token.get(e)) for e in order}

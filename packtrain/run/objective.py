@@ -300,6 +300,7 @@ class Grpo(Objective):
     """``train.objective: grpo``: the GRPO family's update on scored groups (:mod:`packtrain.run.rl`)."""
     name: ClassVar[str] = "grpo"
     spec: RlSpec = RlSpec()
+    samples: int = 0  # rl.num_generations: K completions sampled per request each step (0: the data's groups)
     # this rank's tokens, clipped tokens and summed KL estimates since the last tally (the losses' figures)
     counts: list = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0], compare=False, repr=False)
 
@@ -307,7 +308,12 @@ class Grpo(Objective):
     def from_config(cls, cfg: Config) -> Grpo:
         r = cfg.rl
         return cls(RlSpec(r.loss_type, r.importance_sampling_level, r.scale_rewards, r.epsilon, r.epsilon_high,
-                          r.beta, r.max_completion_length))
+                          r.beta, r.max_completion_length), r.num_generations or 0)
+
+    @property
+    def online(self) -> bool:
+        """The completions are sampled during the run (:mod:`packtrain.run.rollouts`): the data holds requests."""
+        return self.samples > 0
 
     @property
     def per_step(self) -> bool:
@@ -358,6 +364,13 @@ class Grpo(Objective):
                 f"{'by the group std' if s.scale_rewards == 'group' else 'not'}): averaged over the step's {over}{kl}")
 
     def check(self, examples: Sequence, split: str = "data.train") -> None:
+        if self.online:  # requests with their targets (what generate.metric scores the samples against)
+            super().check(examples, split)
+            pictured = next((ex for ex in examples if getattr(ex, "images", ())), None)
+            if pictured is not None:
+                raise ValueError(f"{_at(pictured)}: rl.num_generations samples text requests only (a rollouts file "
+                                 "is pretokenized): train on scored groups with images from the data instead")
+            return
         single = next((ex for ex in examples if not getattr(ex, "group", "")), None)
         if single is not None:
             what = "a preference pair" if single.pair else "one target"

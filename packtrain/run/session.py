@@ -179,6 +179,8 @@ def task_tokenizer(cfg, fmt: str | None):
 
 def task_start(cfg, split: str = "eval") -> tuple[Scorer, object | None]:
     """What the task metric needs before the model loads, checked at start: (the scorer, the tokenizer or None)."""
+    if getattr(cfg.data, split) is None:  # online GRPO's rewards without data.eval: the training requests'
+        split = "train"
     fmt = cfg.data.format or detect_format(cfg.resolve_path(getattr(cfg.data, split)))
     scorer, tokenizer = load_task_scorer(cfg), task_tokenizer(cfg, fmt)
     check_text(scorer, tokenizer)

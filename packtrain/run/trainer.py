@@ -31,11 +31,12 @@ from packtrain.exits import NonFiniteError, PeerLost, Preempted
 from packtrain.memory.describe import fit
 from packtrain.ops.nodes import check_same_config, check_same_plan
 from packtrain.ops.runtime import RunOps
-from packtrain.run import balance, finite, reference
+from packtrain.run import balance, finite, reference, rollouts
 from packtrain.run.balance import StepPlan
 from packtrain.run.cadence import Beating, Cadence, Checkpoints, Evaluation, Generation, Records
 from packtrain.run.header import footer, header
 from packtrain.run.metrics import MetricsLog, peak_memory_bytes, plot_losses
+from packtrain.run.objective import Sft
 from packtrain.run.optim import build_optimizer, build_scheduler
 from packtrain.run.progress import Progress
 from packtrain.run.session import open_session
@@ -128,13 +129,16 @@ class Trainer:
         self.skippable = tuple(_exception_class(name) for name in cfg.train.skippable_errors)
         # the run's setup (packtrain/run/session.py): splits, checks, plan, the savings for the largest unit on this
         # device agreed by every rank; generate.every: a bad generate.metric fails here, before the model is built
+        # rl.num_generations: the samples' rewards are generate.metric's too
         s = self.session = open_session(cfg, self.info, "train", with_eval=True,
-                                        task=cfg.generate.every is not None)
+                                        task=cfg.generate.every is not None or cfg.rl.num_generations is not None)
         self.train_examples, self.eval_examples = s.examples, s.eval_examples
         self.plan, self.eval_plan, self.savings = s.plan, s.eval_plan, s.choice
         self.fingerprint = plan_fingerprint(self.plan, self.train_examples)  # every token of the plan: once
         self.weight_digest = weights_fingerprint(self.plan, self.train_examples)
         check_same_plan(self.fingerprint, self.info)
+        if s.kinds.objective.online:  # each step's groups, sampled from the plan's requests (packtrain.run.rollouts)
+            rollouts.check_room(cfg, s.kinds, self.plan, self.train_examples)
         self.run_cfg = s.run_cfg
         if self.run_cfg.train.offload:
             check_node_pool(self.run_cfg, self.plan, self.train_examples, self.info.world_size, s.kinds)
@@ -156,8 +160,12 @@ class Trainer:
         s.build_model(save_base_to=base_dir if self.info.is_main else None)
         self.model, self.lm, self.backend, self.kinds = s.model, s.lm, s.backend, s.kinds
         self.task = None  # generate.every: the held-out examples generated and scored (packtrain.run.task)
-        if s.scorer is not None:
+        if cfg.generate.every is not None:
             self.task = s.task()
+        self.online = None  # rl.num_generations: each step's groups sampled, scored and written
+        if self.kinds.objective.online:
+            self.online = rollouts.Online(cfg, self.plan, self.train_examples, self.kinds, self.info, self.out,
+                                          s.scorer, s.task_tokenizer)
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         if self.info.is_main:  # what the run is, before its first long pass (the dpo reference)
             self._log(header(self))
@@ -258,8 +266,9 @@ class Trainer:
         checkpoints."""
         records = Records(self.metrics, self.ops, self.info, cfg.logging.progress)
         evaluations = []
-        if self.eval_plan is not None:
-            evaluations.append(Evaluation(self.lm, self.eval_plan, self.eval_examples, self.kinds, records,
+        if self.eval_plan is not None:  # online grpo's held-out requests: their targets' cross-entropy, as sft's
+            kinds = dataclasses.replace(self.kinds, objective=Sft()) if self.online is not None else self.kinds
+            evaluations.append(Evaluation(self.lm, self.eval_plan, self.eval_examples, kinds, records,
                                           self.steps_per_epoch, cfg.train.eval_every))
         if self.task is not None:
             evaluations.append(Generation(self.lm, self.task, self.kinds, records, self.out, cfg.generate.every))
@@ -357,7 +366,14 @@ class Trainer:
         """One optimizer step on the packs ``pack_ids`` (the schedule's, :class:`~packtrain.run.balance.StepPlan`):
         the step's verdicts acted on; its record, and whether it checked that the loss reaches the adapters."""
         c = self.counters
-        r = self.step.run(pack_ids, c.step, check_gradients)
+        step, sampled = self.step, {}
+        if self.online is not None:  # the step's groups: sampled now, written, planned as the run's packs
+            records, sampled = self.online.sample(self.lm, self.model, pack_ids, c.step)
+            path = self.online.write(records, c.step + 1)
+            groups = rollouts.group_examples(records, path)
+            plan = self.kinds.plan(self.cfg, groups)
+            step, pack_ids = dataclasses.replace(self.step, plan=plan, examples=groups), list(range(len(plan.packs)))
+        r = step.run(pack_ids, c.step, check_gradients)
         if r.nonfinite:  # no update was made: skipped, or the run stops here
             self._skip_nonfinite(r.loss, r.grad_norm)
             r.loss = r.grad_norm = None
@@ -366,7 +382,8 @@ class Trainer:
         return {"step": c.step, "epoch": epoch, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                 "examples": r.examples, "packs": len(pack_ids), "positions": r.positions, "skipped": r.skipped,
                 "skipped_examples": r.skipped_examples, "nonfinite": r.nonfinite, "nonfinite_skips": c.nonfinite_skips,
-                "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.info.device), **r.figures}, \
+                "seconds": r.seconds, "peak_memory_bytes": peak_memory_bytes(self.info.device), **r.figures,
+                **sampled}, \
             r.gradients_checked
 
     def _skip_nonfinite(self, loss: float | None, grad_norm: float) -> None:
