@@ -258,6 +258,15 @@ def run_plan(args) -> int:
     examples, plan = session.examples, session.plan
     stats = plan_stats(plan, examples)
     steps = step_figures(cfg, plan, examples, args.world_size)
+    online = None
+    if session.kinds.objective.online:  # rl.num_generations: the samples' packs, each step's (at most)
+        from packtrain.run.balance import StepPlan
+        from packtrain.run.rollouts import check_room, epoch_positions
+
+        check_room(cfg, session.kinds, plan, examples)
+        online = epoch_positions(cfg, session.kinds, plan, examples,
+                                 StepPlan.for_run(cfg, plan, examples, args.world_size))
+        stats["online"] = online
     report = None
     if args.memory:
         measure = None
@@ -277,6 +286,10 @@ def run_plan(args) -> int:
         print(json.dumps(stats, allow_nan=False))  # JSON has no NaN: the flags and config are finite
         return 0
     print(format_table(stats, f"plan for {_shown(cfg.resolve_path(cfg.data.train))}"))
+    if online is not None:
+        from packtrain.run.rollouts import describe_positions
+
+        print("\n".join(fit("  " + describe_positions(online, cfg.packing.mode), " " * 13)))
     print()
     print(format_steps(steps))
     print("\n".join(fit(serving.describe(serve))))

@@ -96,6 +96,11 @@ class Objective:
         """Each unit runs a reference forward before its training forward (dpo's)."""
         return False
 
+    @property
+    def online(self) -> bool:
+        """Each step samples its examples from the data's requests (grpo's ``rl.num_generations``)."""
+        return False
+
     def with_table(self, table: Mapping[str, float] | None) -> Objective:
         """The objective reading its reference log-probabilities from ``table`` (None: from no table)."""
         return self

@@ -29,13 +29,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from packtrain.data.planner import PlanError, plan_packs
-from packtrain.distributed import DistInfo
-from packtrain.run.generate import GenerateSpec, generate, stop_ids
-from packtrain.run.task import Task, check_positions, score_row
+
+if TYPE_CHECKING:  # `packtrain plan` reads this module's figures without torch
+    from packtrain.distributed import DistInfo
+    from packtrain.run.generate import GenerateSpec
 
 DIR = "rollouts"
 
@@ -74,6 +74,31 @@ def check_room(cfg, kinds, plan, examples) -> None:
                              f"tokens do not fit one pack with their request: {error}") from None
 
 
+def epoch_positions(cfg, kinds, plan, examples, steps) -> dict:
+    """Epoch 0's training positions when every completion runs to ``rl.max_completion_length``: each step's groups
+    planned by the run's planner (a tree: P once per pack, each item once, then its K completions) against the same
+    completions each as its own sequence (standalone sampling's P + item + completion, K times per request).
+    ``steps``: the run's :class:`~packtrain.run.balance.StepPlan`."""
+    k, length = cfg.rl.num_generations, cfg.rl.max_completion_length
+    packed = alone = requests = 0
+    for i in range(steps.steps_per_epoch):
+        step = [examples[e] for p in steps.pack_ids(0, i) for e in plan.packs[p].examples]
+        groups = [g for ex in step for g in worst_case_group(ex, k, length)]
+        requests += len(step)
+        packed += sum(p.positions for p in kinds.plan(cfg, groups).packs)
+        alone += sum(len(g.prefix_ids) + g.len_continuation for g in groups)
+    return {"requests": requests, "num_generations": k, "max_completion_length": length,
+            "positions_standalone": alone, "positions_packed": packed, "position_ratio": alone / packed}
+
+
+def describe_positions(f: dict, mode: str) -> str:
+    """``plan``'s line for :func:`epoch_positions`."""
+    return (f"online     {f['requests']:,} requests x {f['num_generations']} completions of up to "
+            f"{f['max_completion_length']:,} tokens an epoch: {f['positions_packed']:,} positions in {mode} packs "
+            f"vs {f['positions_standalone']:,} as standalone samples ({f['position_ratio']:.1f}x, at most; "
+            "sampled each step)")
+
+
 @dataclass
 class Online:
     """What each online step samples with: the run's requests and how to score them."""
@@ -87,12 +112,19 @@ class Online:
     tokenizer: object | None
 
     def spec(self, model, number: int) -> GenerateSpec:
+        from packtrain.run.generate import GenerateSpec, stop_ids
+
         r = self.cfg.rl
         return GenerateSpec(r.max_completion_length, stop_ids(model, self.tokenizer), r.temperature, r.top_p,
                             step_seed(self.cfg.train.seed, number))
 
     def sample(self, lm, model, pack_ids: list[int], number: int) -> tuple[list[dict], dict]:
         """Step ``number``'s groups (0-based), as the records of its rollouts file, and its sampling figures."""
+        import torch.distributed as dist
+
+        from packtrain.run.generate import generate
+        from packtrain.run.task import Task, check_positions, score_row
+
         t0 = time.perf_counter()
         k = self.cfg.rl.num_generations
         requests = [self.examples[e] for i in pack_ids for e in self.plan.packs[i].examples]

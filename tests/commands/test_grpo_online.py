@@ -24,7 +24,7 @@ from cli_helpers import (
     write_config,
 )
 
-from packtrain.data.jsonl import load_tokenizer
+from packtrain.data.jsonl import load_examples, load_tokenizer
 from packtrain.exits import Preempted
 from packtrain.faults import SIGTERM_IN_STEP
 
@@ -146,3 +146,20 @@ def test_scored_groups_in_the_data_of_an_online_run_are_refused(tmp_path):
     cfg = online_config(tmp_path, data={"train": str(groups)})
     err = refused(run_in_process("train", cfg, check=False))
     assert "holds scored groups" in err and "groups.jsonl" in err, err
+
+
+def test_plan_shows_the_samples_positions_in_tree_packs_against_standalone_sampling(tmp_path):
+    cfg = online_config(tmp_path)
+    out = run_in_process("plan", cfg).stdout
+    assert "x 4 completions of up to 6 tokens an epoch" in " ".join(out.split()), out
+    figures = json.loads(run_in_process("plan", cfg, "--json").stdout)["online"]
+    examples = load_examples(tmp_path / "train.jsonl", "text")
+    assert figures["requests"] == len(examples)
+    alone = sum(K * (len(ex.prefix_ids) + len(ex.item_ids) + LENGTH) for ex in examples)
+    assert figures["positions_standalone"] == alone
+    # P at most once per request and at least once per prompt; each item once, then its K completions
+    once = sum(len(ex.item_ids) + K * LENGTH for ex in examples)
+    prompts = {ex.prefix_ids for ex in examples}
+    most = once + sum(len(ex.prefix_ids) for ex in examples)
+    assert once + sum(map(len, prompts)) <= figures["positions_packed"] <= most
+    assert figures["position_ratio"] == pytest.approx(alone / figures["positions_packed"])

@@ -269,3 +269,43 @@ def test_the_data_figures_are_the_steps_rewards_groups_and_lengths():
     assert figures["reward_std"] == pytest.approx(float(rewards.std(unbiased=False)))
     assert figures["equal_reward_groups"] == 0.25  # the last group's two 0.5s
     assert figures["completion_length"] == pytest.approx((4 + 6 + 3 + 5 + 3 + 3 + 5 + 4 + 2 + 4 + 2) / 11)
+
+
+def _planted(kind):
+    """rl.token_terms with one fault: the advantage's sign flipped, the clip dropped, or the k3 KL estimated on the
+    wrong side (exp(log p - ref) - (log p - ref) - 1: the KL of the reference to the policy)."""
+    from packtrain.run import rl
+
+    original = rl.token_terms
+
+    def terms(logp, lengths, advantages, spec, old=None, ref=None):
+        if kind == "sign":
+            return original(logp, lengths, -advantages, spec, old, ref)
+        if kind == "clip":
+            return original(logp, lengths, advantages, dataclasses.replace(spec, epsilon=0.999, epsilon_high=1e9), old,
+                            ref)
+        t = original(logp, lengths, advantages, dataclasses.replace(spec, beta=0.0), old, ref)
+        delta = logp - ref.to(logp.dtype)
+        k3 = torch.exp(delta) - delta - 1
+        return dataclasses.replace(t, loss=t.loss + spec.beta * k3, kl=k3.detach())
+
+    return terms
+
+
+@pytest.mark.parametrize("kind", ["sign", "clip", "kl"])
+def test_a_flipped_advantage_a_dropped_clip_and_a_kl_on_the_wrong_side_are_each_caught(models, forwards, kind,
+                                                                                       monkeypatch):
+    from packtrain.run import rl
+
+    spec = RlSpec("grpo", "token", "group", 0.2, 0.28, 0.04, MAX_LEN)
+    model = models("text")
+    examples, _ = _groups(GROUPS)
+    with without_float32_casts(monkeypatch):
+        examples = _sampled(forwards, model, "text", examples, seed=1)  # some ratios outside [0.8, 1.28]
+        loss, grad = _reference(forwards, model, "text", examples, spec)
+        losses, change = _packed_step(model, "tree", examples, _plan("tree", examples), Grpo(spec))
+        _check(losses, change, loss, grad, "the step as built")
+        monkeypatch.setattr(rl, "token_terms", _planted(kind))
+        losses, change = _packed_step(model, "tree", examples, _plan("tree", examples), Grpo(spec))
+    with pytest.raises(AssertionError):
+        _check(losses, change, loss, grad, f"planted: {kind}")
