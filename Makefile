@@ -28,6 +28,11 @@ install: $(STAMP)
 demo: $(RUNTIME)
 	$(BIN)/packtrain train configs/demo.yaml --overwrite  # a second `make demo` starts over
 
+# the RL demo (configs/rl_demo.yaml) starts from the SFT demo's adapter: `make demo` first when it is not there
+rl-demo: $(RUNTIME)
+	test -f runs/demo/adapter/adapter_model.safetensors || $(MAKE) demo
+	$(BIN)/packtrain train configs/rl_demo.yaml --overwrite
+
 # in file order (pyproject.toml's addopts turn pytest-randomly off); `make test-shuffled SEED=N`: the same suite in
 # an order shuffled by N (files, and the tests in each), which passes as well
 test: $(STAMP)
@@ -100,4 +105,4 @@ test-shuffled: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "not process"
 
-.PHONY: install demo test test-shuffled test-fast test-floor test-ceiling ceiling serve-venv test-serve
+.PHONY: install demo rl-demo test test-shuffled test-fast test-floor test-ceiling ceiling serve-venv test-serve

@@ -143,6 +143,7 @@ class TrainConfig:
     # The reference log-probabilities: precompute, one pass over the training data before step 0, cached in the
     # run directory (OUTPUT/reference.json, checked against the data, the base and the tokenizer); per_step, a
     # no-grad forward of each unit with the adapter disabled, before its training forward
+    # dpo, and grpo's KL (rl.beta > 0) on the data's scored groups (online grpo: per_step only)
     dpo_reference: Literal["precompute", "per_step"] = "precompute"
     # dpo only: adds rpo_alpha times the chosen answer's mean target cross-entropy to each pair's loss (TRL's
     # rpo_alpha, the NLL term of RPO, arXiv 2404.19733): the chosen answers are also learnt as targets. 0: DPO alone
@@ -216,7 +217,8 @@ class GenerateConfig:
 @dataclass
 class RlConfig:
     """``train.objective: grpo``: a GRPO-family update on scored groups (packtrain/run/rl.py; the names are TRL's
-    GRPOConfig's): on scored groups from the data, or sampled online (``num_generations``; packtrain/run/rollouts.py)."""
+    GRPOConfig's): on scored groups from the data, or sampled online (``num_generations``;
+    packtrain/run/rollouts.py)."""
     # grpo: the mean over the step's completions of each one's token mean; dr_grpo: the step's summed token terms /
     # (completions x max_completion_length); dapo and cispo: the step's summed token terms / its tokens. cispo's term:
     # -min(ratio, epsilon_high), detached, x A x log p

@@ -101,6 +101,16 @@ class Objective:
         """Each step samples its examples from the data's requests (grpo's ``rl.num_generations``)."""
         return False
 
+    @property
+    def precomputes(self) -> bool:
+        """The trainer computes the reference table before step 0 (``train.dpo_reference: precompute``)."""
+        return False
+
+    @property
+    def per_token_reference(self) -> bool:
+        """The reference table holds each target token's log-probability (grpo's), not each answer's sum (dpo's)."""
+        return False
+
     def with_table(self, table: Mapping[str, float] | None) -> Objective:
         """The objective reading its reference log-probabilities from ``table`` (None: from no table)."""
         return self
@@ -215,6 +225,10 @@ class Dpo(Objective):
         reference forward)."""
         return self.reference == "per_step" or self.table is None
 
+    @property
+    def precomputes(self) -> bool:
+        return self.reference == "precompute"
+
     def with_table(self, table: Mapping[str, float] | None) -> Dpo:
         return dataclasses.replace(self, table=table)
 
@@ -306,6 +320,9 @@ class Grpo(Objective):
     name: ClassVar[str] = "grpo"
     spec: RlSpec = RlSpec()
     samples: int = 0  # rl.num_generations: K completions sampled per request each step (0: the data's groups)
+    reference: str = "per_step"  # beta > 0 on the data's groups: train.dpo_reference (online: per_step only)
+    # precompute: each completion's reference token log-probabilities, by id (None until computed)
+    table: Mapping[str, tuple[float, ...]] | None = None
     # this rank's tokens, clipped tokens and summed KL estimates since the last tally (the losses' figures)
     counts: list = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0], compare=False, repr=False)
 
@@ -313,7 +330,8 @@ class Grpo(Objective):
     def from_config(cls, cfg: Config) -> Grpo:
         r = cfg.rl
         return cls(RlSpec(r.loss_type, r.importance_sampling_level, r.scale_rewards, r.epsilon, r.epsilon_high,
-                          r.beta, r.max_completion_length), r.num_generations or 0)
+                          r.beta, r.max_completion_length), r.num_generations or 0,
+                   "per_step" if r.num_generations else cfg.train.dpo_reference)
 
     @property
     def online(self) -> bool:
@@ -322,8 +340,20 @@ class Grpo(Objective):
 
     @property
     def per_step(self) -> bool:
-        """The reference forward runs before each unit's training forward where the KL term needs it."""
-        return self.spec.beta > 0
+        """The reference forward runs before each unit's training forward where the KL term needs it: under
+        ``per_step``, online, and under ``precompute`` until the table is given (as dpo's)."""
+        return self.spec.beta > 0 and (self.reference == "per_step" or self.table is None)
+
+    @property
+    def precomputes(self) -> bool:
+        return self.spec.beta > 0 and self.reference == "precompute" and not self.online
+
+    @property
+    def per_token_reference(self) -> bool:
+        return True
+
+    def with_table(self, table: Mapping[str, tuple[float, ...]] | None) -> Grpo:
+        return dataclasses.replace(self, table=table)
 
     def measure(self, examples: Sequence) -> float:
         """The step's completions (grpo, dr_grpo) or their tokens (dapo, cispo)."""
@@ -363,8 +393,9 @@ class Grpo(Objective):
         s = self.spec
         clip = f"cap {s.high:g}" if s.loss_type == "cispo" else f"clip [{1 - s.epsilon:g}, {1 + s.high:g}]"
         over = "completions" if s.loss_type in ("grpo", "dr_grpo") else "tokens"
-        kl = (f"; KL (k3) x {s.beta:g} to the base model (adapter disabled), a no-grad forward of each unit before "
-              "its training forward") if s.beta else ""
+        how = ("precomputed per token before step 0 (OUTPUT/reference.json)" if self.precomputes
+               else "a no-grad forward of each unit before its training forward")
+        kl = f"; KL (k3) x {s.beta:g} to the base model (adapter disabled), {how}" if s.beta else ""
         return (f"grpo ({s.loss_type}, {s.importance_sampling_level}-level ratio, {clip}, rewards scaled "
                 f"{'by the group std' if s.scale_rewards == 'group' else 'not'}): averaged over the step's {over}{kl}")
 
@@ -396,7 +427,18 @@ class Grpo(Objective):
         s = self.spec
         weights = tuple(1.0 / len(ex.target_ids) if s.loss_type == "grpo" else
                         1.0 / s.max_completion_length if s.loss_type == "dr_grpo" else 1.0 for ex in examples)
-        return Terms(weights, advantages=tuple(advantages), old=tuple(ex.logprobs for ex in examples))
+        reference = None
+        if s.beta > 0 and self.table is not None:
+            reference = []
+            for ex in examples:
+                entry = self.table.get(ex.id)
+                if entry is None or len(entry) != len(ex.target_ids):
+                    raise RuntimeError(f"the reference table has no entry of {len(ex.target_ids)} token "
+                                       f"log-probabilities for completion {ex.id!r}")
+                reference.extend(entry)
+            reference = tuple(reference)
+        return Terms(weights, reference=reference, advantages=tuple(advantages),
+                     old=tuple(ex.logprobs for ex in examples))
 
     def loss(self, out: LossOutput, terms: Terms, reference: torch.Tensor | None = None) -> torch.Tensor:
         """``reference``: the unit's tokens' reference log-probabilities from its per_step forward."""
@@ -412,6 +454,8 @@ class Grpo(Objective):
                                                                                   device=logp.device)
                              for o, a, b in zip(terms.old, *_bounds(lengths))])
         advantages = torch.tensor(terms.advantages, dtype=torch.float64, device=logp.device)
+        if reference is None and terms.reference is not None:  # precompute: the table's, token after token
+            reference = torch.tensor(terms.reference, dtype=torch.float64, device=logp.device)
         t = token_terms(logp, lengths, advantages, self.spec, old, reference)
         self.counts[0] += t.loss.numel()
         self.counts[1] += float(t.clipped.sum())
@@ -441,7 +485,7 @@ class Terms:
     (per example, or None)."""
     weights: tuple[float, ...]
     pairs: tuple[tuple[int, int], ...] = ()
-    reference: tuple[float, ...] | None = None
+    reference: tuple[float, ...] | None = None  # dpo: per example; grpo: per target token, example after example
     advantages: tuple[float, ...] = ()  # grpo: per completion
     old: tuple[tuple[float, ...] | None, ...] = ()  # grpo: the sampler's log-probabilities per completion (or None)
 

@@ -1,10 +1,10 @@
-"""DPO's reference log-probabilities computed once before training (``train.dpo_reference: precompute``), cached in
-``OUTPUT/reference.json``.
+"""The reference log-probabilities computed once before training (``train.dpo_reference: precompute``), cached in
+``OUTPUT/reference.json``: DPO's, and GRPO's on scored groups from the data where ``rl.beta`` > 0.
 
 The pass is an evaluation of the training plan (:func:`packtrain.run.evaluate.evaluate`: the same packed units,
 under no_grad, every rank its share, gathered on every rank) with the adapter disabled: the base model
-(``model.adapter`` folded in). An example's reference is its answer's summed token log-probability, ``-mean loss *
-target tokens``.
+(``model.adapter`` folded in). Under dpo an example's reference is its answer's summed token log-probability, ``-mean
+loss * target tokens``; under grpo the list of its completion's token log-probabilities (the k3 KL is per token).
 
 The file holds the table by example id and the digests of what it was computed from: the data (every training
 example's id, tokens and images, the images' contents too), the base (``model.config`` and its seed and dtype, or
@@ -99,12 +99,23 @@ _CHANGED = {"data": "training data (data.train)", "base": "base model (model.pat
             "tokenizer": "tokenizer (data.tokenizer, data.chat_template, data.template_kwargs)"}
 
 
-def content_digest(table: dict[str, float]) -> str:
+Entry = float | tuple[float, ...]  # dpo: an answer's summed log-probability; grpo: each of its tokens'
+
+
+def content_digest(table: dict[str, Entry]) -> str:
     """The table's entries (ids and values as JSON writes them, which reads back to the same floats)."""
     return hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def read(out: Path, expected: dict[str, str], ids: Iterable[str] = ()) -> dict[str, float] | None:
+def _entry(value) -> Entry:
+    return tuple(float(v) for v in value) if isinstance(value, list) else float(value)
+
+
+def _finite(value: Entry) -> bool:
+    return all(map(math.isfinite, value)) if isinstance(value, tuple) else math.isfinite(value)
+
+
+def read(out: Path, expected: dict[str, str], ids: Iterable[str] = ()) -> dict[str, Entry] | None:
     """The cached table, or None when there is none (or it has no content digest: computed again); refused when it
     was computed from other data, base or tokenizer, when one of ``ids`` (the examples the plan trains) has no
     entry or a value that is not finite, or when the entries no longer match their digest."""
@@ -113,14 +124,14 @@ def read(out: Path, expected: dict[str, str], ids: Iterable[str] = ()) -> dict[s
         return None
     try:
         raw = json.loads(path.read_text())
-        found, table = raw["digests"], {str(k): float(v) for k, v in raw["log_probs"].items()}
+        found, table = raw["digests"], {str(k): _entry(v) for k, v in raw["log_probs"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}: unreadable DPO reference cache ({type(e).__name__}: {e}); remove it to compute "
+        raise ValueError(f"{path}: unreadable reference cache ({type(e).__name__}: {e}); remove it to compute "
                          "the reference again") from None
     changed = [name for name in expected if found.get(name) != expected[name]]
     if changed:
         what = ", ".join(_CHANGED[name] for name in changed)
-        raise ValueError(f"{path}: the DPO reference log-probabilities were computed with another {what}: refused "
+        raise ValueError(f"{path}: the reference log-probabilities were computed with another {what}: refused "
                          f"(they would train wrong); remove {FILE} to compute them again for this run")
     if "content" not in raw:
         return None
@@ -131,7 +142,7 @@ def read(out: Path, expected: dict[str, str], ids: Iterable[str] = ()) -> dict[s
             if partial:
                 continue
             raise ValueError(f"{path}: log_probs has no entry for example {i!r}: {again}")
-        if not math.isfinite(table[i]):
+        if not _finite(table[i]):
             raise ValueError(f"{path}: log_probs[{i!r}] is {raw['log_probs'][i]}, not a finite log-probability: "
                              f"{again}")
     if raw["content"] != content_digest(table):
@@ -140,7 +151,7 @@ def read(out: Path, expected: dict[str, str], ids: Iterable[str] = ()) -> dict[s
     return table
 
 
-def write(out: Path, expected: dict[str, str], table: dict[str, float], partial: bool = False) -> Path:
+def write(out: Path, expected: dict[str, str], table: dict[str, Entry], partial: bool = False) -> Path:
     """The table with its digests; ``partial``: a pass stopped part way (:func:`compute_in_batches`), whose missing
     entries the next start computes."""
     path = out / FILE
@@ -151,8 +162,8 @@ def write(out: Path, expected: dict[str, str], table: dict[str, float], partial:
     return path
 
 
-def compute_in_batches(lm, plan, examples, kinds, info, have: dict[str, float], stop, progress=None
-                       ) -> tuple[dict[str, float], bool]:
+def compute_in_batches(lm, plan, examples, kinds, info, have: dict[str, Entry], stop, progress=None
+                       ) -> tuple[dict[str, Entry], bool]:
     """The reference of the plan's packs whose examples ``have`` lacks (a partial table read back), in batches of
     one pack a rank, ``stop()`` asked before each (every rank's answer agreed: a signal is acted on between
     batches, not at the pass's end, so a launcher's 30 s grace is enough). Returns (the table so far, whether it is
@@ -170,14 +181,17 @@ def compute_in_batches(lm, plan, examples, kinds, info, have: dict[str, float], 
     return table, True
 
 
-def compute(lm, plan, examples, kinds, info, progress=None) -> dict[str, float]:
-    """The reference log-probability of every planned example, by id: the training plan evaluated with the
-    adapter disabled."""
+def compute(lm, plan, examples, kinds, info, progress=None) -> dict[str, Entry]:
+    """The reference of every planned example, by id: the training plan evaluated with the adapter disabled (per
+    token where the objective's KL is, grpo's)."""
     from packtrain.run.evaluate import evaluate
     from packtrain.run.objective import adapters_disabled
 
+    tokens = kinds.objective.per_token_reference
     with adapters_disabled(lm):
-        rows = evaluate(lm, plan, examples, kinds, info, progress)
+        rows = evaluate(lm, plan, examples, kinds, info, progress, tokens=tokens)
+    if tokens:
+        return {row["id"]: tuple(row["token_logp"]) for row in rows}
     return table_of(rows)
 
 

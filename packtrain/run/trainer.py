@@ -169,7 +169,7 @@ class Trainer:
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         if self.info.is_main:  # what the run is, before its first long pass (the dpo reference)
             self._log(header(self))
-        if self.kinds.objective.paired and cfg.train.dpo_reference == "precompute":
+        if self.kinds.objective.precomputes:
             table = self._reference_table(cfg)
             self.kinds = dataclasses.replace(self.kinds, objective=self.kinds.objective.with_table(table))
         self.optimizer = build_optimizer(self.params, cfg.optim)
@@ -216,10 +216,12 @@ class Trainer:
         return "\n".join(["", "# the savings this run chose (packtrain/memory/savings.py), on this device:", *lines, ""]
                          ) if lines else ""
 
-    def _reference_table(self, cfg: Config) -> dict[str, float]:
-        """dpo, precompute: the reference log-probabilities of the training examples, read from OUTPUT/reference.json
+    def _reference_table(self, cfg: Config) -> dict:
+        """dpo, and grpo with rl.beta > 0, precompute: the reference log-probabilities of the training examples (a
+        dpo answer's sum, each of a grpo completion's tokens), read from OUTPUT/reference.json
         (rank 0 reads it and every rank gets it, or its refusal) or computed by every rank and written by rank 0
         (packtrain.run.reference)."""
+        name = self.kinds.objective.name
         expected = reference.digests(cfg, self.train_examples)
         planned = [self.train_examples[e].id for pack in self.plan.packs for e in pack.examples]
         found: list = [None]
@@ -235,11 +237,11 @@ class Trainer:
             raise ValueError(value)
         have = value or {}
         if value is not None and all(i in have for i in planned):
-            self.log(f"dpo reference: {len(value):,} log-probabilities read from {self.out / reference.FILE}")
+            self.log(f"{name} reference: {len(value):,} log-probabilities read from {self.out / reference.FILE}")
             return value
         if have and self.info.is_main:
-            self.log(f"dpo reference: {len(have):,} log-probabilities read from {self.out / reference.FILE} (a pass "
-                     "stopped part way); computing the rest")
+            self.log(f"{name} reference: {len(have):,} log-probabilities read from {self.out / reference.FILE} (a "
+                     "pass stopped part way); computing the rest")
         t0 = time.perf_counter()
         bar = tqdm(total=None, desc="reference", unit="unit", leave=False,
                    disable=not (self.info.is_main and cfg.logging.progress and sys.stderr.isatty()))
@@ -247,17 +249,17 @@ class Trainer:
         table, complete = reference.compute_in_batches(
             self.lm, self.plan, self.train_examples, self.kinds, self.info, have,
             lambda: bool(agree([int(self.signals.requested)], self.info)[0]),
-            Beating(bar, lambda: self.ops.progress("a dpo reference unit")))
+            Beating(bar, lambda: self.ops.progress(f"a {name} reference unit")))
         bar.close()
         path = self.out / reference.FILE
         if self.info.is_main:
             reference.write(self.out, expected, table, partial=not complete)
         if not complete:
-            raise Preempted(f"stopped by {self.signals.name()} during the dpo reference pass: {len(table):,} of "
+            raise Preempted(f"stopped by {self.signals.name()} during the {name} reference pass: {len(table):,} of "
                             f"{len(planned):,} log-probabilities kept in {path}; continue with `packtrain train CONFIG "
                             "--resume`", quiet=not self.info.is_main)
         if self.info.is_main:
-            self.log(f"dpo reference: {len(table) - len(have):,} log-probabilities of the base model (adapter "
+            self.log(f"{name} reference: {len(table) - len(have):,} log-probabilities of the base model (adapter "
                      f"disabled) in {time.perf_counter() - t0:.1f} s, written to {path}")
         return table
 

@@ -166,6 +166,8 @@ class UnitResult:
     target_tokens: list[int]
     positions: int  # buffer positions computed for real examples (0 for a dummy)
     calls: int  # forward calls of the root module: each runs FSDP's collectives
+    # evaluating a whole pack: each example's target tokens' log-probabilities (grpo's precomputed reference)
+    token_logp: list[list[float]] | None = None
 
 
 def step_scale(step_examples: int) -> float:
@@ -236,9 +238,12 @@ class Kind:
         return float(loss.detach()), out.per_example.tolist(), out.target_tokens.tolist()
 
     def evaluate(self, lm, unit: Unit, work):
-        """The per-example losses under no_grad (the caller's): (their sum, per-example losses, target tokens)."""
+        """The per-example losses under no_grad (the caller's): (their sum, per-example losses, target tokens, each
+        example's target tokens' log-probabilities)."""
         out = self.forward(lm, work)
-        return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist()
+        counts = out.target_tokens.tolist()
+        tokens = None if out.token_logp is None else [t.tolist() for t in out.token_logp.split(counts)]
+        return out.per_example.sum().item(), out.per_example.tolist(), counts, tokens
 
     def calls(self, unit: Unit, training: bool) -> int:
         """The forward calls of the root the unit issues: the same for every unit of a slot on every rank."""
@@ -315,7 +320,7 @@ class GroupsKind(Kind):
         from packtrain.packed.groups import eval_groups
 
         total, losses = eval_groups(lm, work)
-        return total, losses, _group_targets(work)
+        return total, losses, _group_targets(work), None
 
     def calls(self, unit, training):
         return self.n_groups + 1
@@ -442,7 +447,7 @@ class WalkKind(Kind):
         from packtrain.packed.walk import eval_walk
 
         r = eval_walk(lm, work, self.spec, unit.walk.chunks, unit.dummy)
-        return r.loss, [r.loss], [r.target_tokens]
+        return r.loss, [r.loss], [r.target_tokens], None
 
     def calls(self, unit, training):
         """P, then the slot's no-grad forwards and windows with grad (horizon all: P's forward comes first);
@@ -642,10 +647,11 @@ def run_unit(lm, built: Built, kinds: Kinds, device, scale: float | None = None)
     calls = lm.calls
     if not training:
         with torch.no_grad():
-            loss_sum, per_example, targets = kind.evaluate(lm, unit, work)
+            loss_sum, per_example, targets, tokens = kind.evaluate(lm, unit, work)
     else:
         scale = equal.silenced(scale) if unit.dummy else scale
         loss_sum, per_example, targets = kind.train(lm, unit, work, scale, kinds.objective, built.terms)
+        tokens = None
     calls = lm.calls - calls
     # under dpo per_step a unit's reference forward issues the calls of its training forward again
     expected = kind.calls(unit, training) * (2 if training and kinds.objective.per_step else 1)
@@ -653,7 +659,7 @@ def run_unit(lm, built: Built, kinds: Kinds, device, scale: float | None = None)
         raise RuntimeError(f"a {kind.name} unit issued {calls} forward calls, its kind says {expected}")
     if unit.dummy:
         return UnitResult(0.0, [], [], 0, calls)
-    return UnitResult(loss_sum, per_example, targets, work.length, calls)
+    return UnitResult(loss_sum, per_example, targets, work.length, calls, tokens)
 
 
 # -- what the kinds' builds share ---------------------------------------------------------------------------------

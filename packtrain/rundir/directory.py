@@ -40,12 +40,13 @@ LOCK = "packtrain.lock"
 NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # flock refused by the filesystem
 # What `--overwrite` removes: everything `train` writes into OUTPUT (nothing else there is touched).
 OUTPUTS = ("adapter", "checkpoints", "metrics.jsonl", "loss.png", "config.yaml", "base", "tokenizer", "hang", "ops",
-           "generations", "wandb-run-id", "reference.json", "overrides.json")
+           "generations", "wandb-run-id", "reference.json", "overrides.json", "rollouts")
 
 
 # Folders of OUTPUTS that a user may put files of their own in: --overwrite removes only the files packtrain writes
 # there (generations/step-N.jsonl and step-N.errors.md, and their .tmp while written: packtrain.run.task)
-OWN_FILES_ONLY = {"generations": re.compile(r"step-\d+\.(jsonl|errors\.md)(\.tmp)?")}
+OWN_FILES_ONLY = {"generations": re.compile(r"step-\d+\.(jsonl|errors\.md)(\.tmp)?"),
+                  "rollouts": re.compile(r"step-\d+\.jsonl(\.tmp)?")}  # online grpo's (packtrain.run.rollouts)
 
 
 MARKER = "packtrain-run.json"

@@ -7,9 +7,21 @@ and `plan` counts the groups. The exactness of the step itself (against each com
 import json
 
 import pytest
-from cli_helpers import RULEBOOKS, SGD, adapter_of, adapter_rel, metrics_of, run_in_process, run_ranks, write_config
+from cli_helpers import (
+    RULEBOOKS,
+    SGD,
+    adapter_of,
+    adapter_rel,
+    assert_equal_adapters,
+    metrics_of,
+    run_in_process,
+    run_ranks,
+    write_config,
+)
 
 from packtrain.data.jsonl import load_examples
+from packtrain.exits import Preempted
+from packtrain.faults import SIGTERM_IN_STEP
 
 COLOURS = ["red", "blue", "green"]
 
@@ -89,3 +101,29 @@ def test_plan_counts_the_groups_and_their_positions(tree_run):
     cfg, _ = tree_run
     out = run_in_process("plan", cfg).stdout
     assert "groups     9 scored groups, each group's completions in one pack" in out, out
+
+
+def test_the_kl_reference_is_precomputed_per_token_read_back_on_resume_and_equals_per_step(tree_run, tmp_path):
+    """rl.beta > 0 on the data's groups under train.dpo_reference precompute (the default): one pass before step 0
+    writes each completion's reference token log-probabilities to OUTPUT/reference.json; the run equals a per_step
+    run (a reference forward before each unit's training forward), and a resume reads the table back."""
+    cfg, tree = tree_run
+    out = (tree / "config.yaml").read_text()
+    assert "dpo_reference: precompute" in out
+    table = json.loads((tree / "reference.json").read_text())["log_probs"]
+    examples = load_examples(cfg.parent / "groups.jsonl", "text")
+    assert {ex.id: len(ex.target_ids) for ex in examples} == {k: len(v) for k, v in table.items()}
+    per_step = run_in_process("train", cfg, "--set", "train.dpo_reference=per_step", "--set",
+                              f"output_dir={tmp_path / 'per_step'}")
+    assert "a no-grad forward of each unit before its training forward" in " ".join(per_step.stdout.split())
+    assert not (tmp_path / "per_step" / "reference.json").exists()
+    for a, b in zip(metrics_of(tree), metrics_of(tmp_path / "per_step"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-9) and a["kl"] == pytest.approx(b["kl"], rel=1e-9)
+    assert adapter_rel(adapter_of(tmp_path / "per_step"), adapter_of(tree)) < 1e-9
+    stopped = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'r'}", "--set", "train.save_every=1",
+                             env={SIGTERM_IN_STEP: "1"}, check=False)
+    assert stopped.returncode == Preempted.exit_code, stopped.stderr[-2000:]
+    resumed = run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'r'}", "--set", "train.save_every=1",
+                             "--resume")
+    assert f"grpo reference: {len(examples)} log-probabilities read from" in resumed.stdout, resumed.stdout
+    assert_equal_adapters(adapter_of(tmp_path / "r"), adapter_of(tree))

@@ -11,9 +11,11 @@ What is checked, each against something the online path does not compute itself:
 """
 
 import json
+import shutil
 
 import pytest
 from cli_helpers import (
+    REPO,
     adapter_of,
     adapter_rel,
     assert_equal_adapters,
@@ -163,3 +165,29 @@ def test_plan_shows_the_samples_positions_in_tree_packs_against_standalone_sampl
     most = once + sum(len(ex.prefix_ids) for ex in examples)
     assert once + sum(map(len, prompts)) <= figures["positions_packed"] <= most
     assert figures["position_ratio"] == pytest.approx(alone / figures["positions_packed"])
+
+
+def test_overwrite_removes_the_rollouts_of_the_run_before_and_keeps_other_files(online_run, tmp_path):
+    cfg, run = online_run
+    shutil.copytree(run, tmp_path / "run")
+    (tmp_path / "run" / "rollouts" / "step-99.jsonl").write_text("{}\n")
+    (tmp_path / "run" / "rollouts" / "notes.txt").write_text("mine")
+    run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'run'}", "--set", "train.max_steps=1",
+                   "--overwrite")
+    assert sorted(p.name for p in (tmp_path / "run" / "rollouts").iterdir()) == ["notes.txt", "step-1.jsonl"]
+
+
+def test_the_rl_demo_config_samples_from_the_sft_demos_adapter(tmp_path):
+    """configs/rl_demo.yaml on an adapter of configs/demo.yaml (a few steps of each: the demos' own figures are in
+    README.md): its first steps sample 8 answers to each of one rulebook's 60 requests."""
+    sft, rl = tmp_path / "sft", tmp_path / "rl"
+    run_in_process("train", REPO / "configs" / "demo.yaml", "--set", "train.max_steps=3", "--set", "generate.every=null",
+                   "--set", f"output_dir={sft}")
+    out = run_in_process("train", REPO / "configs" / "rl_demo.yaml", "--set", f"model.adapter={sft / 'adapter'}",
+                         "--set", "train.max_steps=2", "--set", "generate.every=null", "--set", f"output_dir={rl}")
+    assert "objective grpo (dapo" in out.stdout, out.stdout
+    steps = [m for m in metrics_of(rl) if m.get("split") is None]
+    assert len(steps) == 2 and all(m["examples"] == 480 for m in steps)
+    for records in rollouts(rl):
+        assert len(records) == 60 and len({tuple(r["prefix_ids"]) for r in records}) == 1
+        assert all(len(r["completion_ids"]) == 8 for r in records)

@@ -309,3 +309,35 @@ def test_a_flipped_advantage_a_dropped_clip_and_a_kl_on_the_wrong_side_are_each_
         losses, change = _packed_step(model, "tree", examples, _plan("tree", examples), Grpo(spec))
     with pytest.raises(AssertionError):
         _check(losses, change, loss, grad, f"planted: {kind}")
+
+
+@pytest.mark.parametrize("mode", ["tree", "standalone"])
+def test_a_precomputed_per_token_reference_gives_the_per_step_update(models, forwards, mode, monkeypatch):
+    """train.dpo_reference precompute under grpo: each completion's reference token log-probabilities from a table
+    (here transformers + peft's with the adapter disabled, each completion alone) in place of the per-step forward:
+    the same loss and gradients as the formulas, with no reference forward in the step; a table entry of another
+    length is refused."""
+    spec = RlSpec("dapo", "token", "group", 0.2, 0.28, 0.04, MAX_LEN)
+    model = models("text")
+    examples, _ = _groups(GROUPS)
+    with without_float32_casts(monkeypatch):
+        examples = _sampled(forwards, model, "text", examples, seed=1)
+        loss, grad = _reference(forwards, model, "text", examples, spec)
+        ref = forwards[("text", tuple((ex.prefix_ids, ex.item_ids, ex.target_ids) for ex in examples))][1]
+        table = {ex.id: tuple(r.tolist()) for ex, r in zip(examples, ref)}
+        objective = Grpo(spec, reference="precompute").with_table(table)
+        assert objective.precomputes and not objective.per_step
+        forwarded, original = [], Grpo.reference_log_probs
+
+        def counted(self, lm, forward):
+            out = original(self, lm, forward)
+            forwarded.append(out is not None)
+            return out
+
+        monkeypatch.setattr(Grpo, "reference_log_probs", counted)
+        losses, change = _packed_step(model, mode, examples, _plan(mode, examples), objective)
+    assert forwarded and not any(forwarded)  # the table, not a forward
+    _check(losses, change, loss, grad, f"precomputed reference, {mode}")
+    short = {**table, examples[0].id: table[examples[0].id][:-1]}
+    with pytest.raises(RuntimeError, match="no entry of 4 token log-probabilities for completion 'g0:0'"):
+        Grpo(spec, reference="precompute").with_table(short).terms(examples)

@@ -84,7 +84,7 @@ def test_the_cache_round_trips_and_refuses_other_inputs(tmp_path):
         with pytest.raises(ValueError, match=f"another {words}.*remove reference.json"):
             reference.read(tmp_path, {**digests, name: "changed"})
     Path(tmp_path / reference.FILE).write_text("{not json")
-    with pytest.raises(ValueError, match="unreadable DPO reference cache"):
+    with pytest.raises(ValueError, match="unreadable reference cache"):
         reference.read(tmp_path, digests)
 
 
