@@ -47,7 +47,8 @@ FLOOR := .venv-floor
 FLOOR_TESTS := tests/test_versions.py tests/packed tests/run/test_generate.py tests/models/test_loading.py \
 	tests/models/test_lora_compute.py tests/models/test_offload.py tests/test_distributed.py \
 	tests/commands/test_context_grad_cli.py tests/commands/test_families_cli.py tests/commands/test_groups_cli.py \
-	tests/commands/test_tree_cli.py tests/commands/test_walk_cli.py  # the packed computation through the CLI
+	tests/commands/test_tree_cli.py tests/commands/test_walk_cli.py \
+	tests/run/test_grpo.py tests/commands/test_grpo_online.py  # the packed computation through the CLI; grpo
 $(FLOOR)/.installed: pyproject.toml packtrain/versions.py
 	$(PY) -m venv $(FLOOR)
 	PYTHONPATH=. $(PY) -m packtrain.versions --floor > $(FLOOR)/floor.txt

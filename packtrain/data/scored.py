@@ -1,5 +1,5 @@
-"""Scored groups: one request with K sampled completions and their rewards (``train.objective: grpo``, issue 59,
-in progress).
+"""Scored groups: one request with K sampled completions and their rewards (``train.objective: grpo``; online runs
+write their samples in the pretokenized form, :mod:`packtrain.run.rollouts`).
 
 Per format (:data:`GROUP_KEYS`):
 

@@ -91,8 +91,14 @@ def test_each_step_samples_k_scored_completions_per_request(online_run):
 
 
 def test_a_replay_of_step_one_offline_makes_the_online_update(online_run, tmp_path):
+    """(and --overwrite removes the rollouts of the run before, not a file of the user's beside them)"""
     cfg, run = online_run
-    run_in_process("train", cfg, "--set", "train.max_steps=1", "--set", f"output_dir={tmp_path / 'one'}")
+    shutil.copytree(run, tmp_path / "one")
+    (tmp_path / "one" / "rollouts" / "step-99.jsonl").write_text("{}\n")
+    (tmp_path / "one" / "rollouts" / "notes.txt").write_text("mine")
+    run_in_process("train", cfg, "--set", "train.max_steps=1", "--set", f"output_dir={tmp_path / 'one'}",
+                   "--overwrite")
+    assert sorted(p.name for p in (tmp_path / "one" / "rollouts").iterdir()) == ["notes.txt", "step-1.jsonl"]
     assert (tmp_path / "one" / "rollouts" / "step-1.jsonl").read_bytes() == (run / "rollouts" / "step-1.jsonl"
                                                                                 ).read_bytes()
     # the same groups as data: one step over all their packs, no sampling
@@ -165,16 +171,6 @@ def test_plan_shows_the_samples_positions_in_tree_packs_against_standalone_sampl
     most = once + sum(len(ex.prefix_ids) for ex in examples)
     assert once + sum(map(len, prompts)) <= figures["positions_packed"] <= most
     assert figures["position_ratio"] == pytest.approx(alone / figures["positions_packed"])
-
-
-def test_overwrite_removes_the_rollouts_of_the_run_before_and_keeps_other_files(online_run, tmp_path):
-    cfg, run = online_run
-    shutil.copytree(run, tmp_path / "run")
-    (tmp_path / "run" / "rollouts" / "step-99.jsonl").write_text("{}\n")
-    (tmp_path / "run" / "rollouts" / "notes.txt").write_text("mine")
-    run_in_process("train", cfg, "--set", f"output_dir={tmp_path / 'run'}", "--set", "train.max_steps=1",
-                   "--overwrite")
-    assert sorted(p.name for p in (tmp_path / "run" / "rollouts").iterdir()) == ["notes.txt", "step-1.jsonl"]
 
 
 def test_the_rl_demo_config_samples_from_the_sft_demos_adapter(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import test_objective
 import torch
 from parity import max_rel, without_float32_casts
-from test_objective import GRAD, LOSS, _packed_step, _plan, _tokens
+from test_objective import GRAD, LOSS, _packed_step, _plan, _token_log_probs, _tokens
 from test_rl import _trl_loss
 
 from packtrain.data.example import Example
@@ -55,27 +55,6 @@ def _groups(prompts, seed=0, images=None):
 # one with a reward repeated
 GROUPS = ((16, [(3, (4, 6, 3), 2, (1.0, 0.0, 0.5)), (0, (5, 3), 0, (0.0, 1.0))]),
           (11, [(4, (3, 5, 4, 2), 1, (0.25, 1.0, 0.25, 0.0)), (2, (4, 2), 0, (0.5, 0.5))]))
-
-
-def _token_log_probs(model, examples, pixels=None):
-    """Per completion alone, its tokens' log-probabilities [n] (with the graph): transformers' forward with peft's
-    LoRA forward and the MLPs whole on concat(P, item, completion), log_softmax of the logits in float64."""
-    from parity import peft_lora_forward, transformers_mlp
-    from tiny_models import IMAGE
-
-    out = []
-    with peft_lora_forward(model), transformers_mlp(model):
-        for ex in examples:
-            ids = torch.tensor([list(ex.prefix_ids + ex.item_ids + ex.target_ids)])
-            kw = {}
-            if ex.images:
-                kw = {"pixel_values": torch.cat([pixels[r.path] for r in ex.images]),
-                      "image_grid_thw": torch.tensor([list(r.grid_thw) for r in ex.images]),
-                      "mm_token_type_ids": (ids == IMAGE).int()}
-            logits = model(input_ids=ids, **kw).logits[0].to(torch.float64)
-            start = len(ex.prefix_ids) + len(ex.item_ids)
-            out.append(torch.log_softmax(logits[start - 1:-1], dim=-1).gather(1, ids[0, start:, None])[:, 0])
-    return out
 
 
 def _sampled(forwards, model, name, examples, pixels=None, seed=0):

@@ -130,9 +130,10 @@ class _Pixels:
         return torch.cat([self.pixels[r.path] for r in refs]), torch.tensor([list(r.grid_thw) for r in refs])
 
 
-def _answer_log_probs(model, examples, pixels):
+def _token_log_probs(model, examples, pixels=None):
     """transformers' own forward (peft's LoRA forward, the MLPs whole) on each example's concat(P, item, answer)
-    alone: the answer's summed token log-probability, from log_softmax of its logits in float64 (with the graph)."""
+    alone: per example its answer tokens' log-probabilities [n], from log_softmax of the logits in float64 (with the
+    graph)."""
     from parity import peft_lora_forward, transformers_mlp
     from tiny_models import IMAGE
 
@@ -147,9 +148,13 @@ def _answer_log_probs(model, examples, pixels):
                       "mm_token_type_ids": (ids == IMAGE).int()}
             logits = model(input_ids=ids, **kw).logits[0].to(torch.float64)
             start = len(ex.prefix_ids) + len(ex.item_ids)
-            logp = torch.log_softmax(logits[start - 1:-1], dim=-1)
-            out.append(logp.gather(1, ids[0, start:, None]).sum())
-    return torch.stack(out)
+            out.append(torch.log_softmax(logits[start - 1:-1], dim=-1).gather(1, ids[0, start:, None])[:, 0])
+    return out
+
+
+def _answer_log_probs(model, examples, pixels):
+    """Each example's answer's summed token log-probability, alone (:func:`_token_log_probs`)."""
+    return torch.stack([t.sum() for t in _token_log_probs(model, examples, pixels)])
 
 
 def _standalone_loss(forwards, objective, examples):
