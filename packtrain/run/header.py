@@ -34,6 +34,12 @@ def header(trainer) -> list[str]:
         lines.append(f"  {serving.describe(serving.of_lora(cfg.lora))}")
     if t.kinds.objective.paired:
         lines.append(f"  {s['examples'] // 2:,} preference pairs, each pair's two answers in one pack")
+    if t.kinds.objective.online:
+        r = cfg.rl
+        lines.append(f"  online: each step samples {r.num_generations} completions of up to "
+                     f"{r.max_completion_length} tokens per request (temperature {r.temperature:g}, top_p "
+                     f"{r.top_p:g}), scored by {cfg.generate.metric} against its target; samples and rewards in "
+                     f"{t.out / 'rollouts'}/step-N.jsonl (the figures above are the requests with their targets)")
     if cfg.data.train_on != "last" or s["turns"] != s["examples"]:
         lines.append(f"  data.train_on {cfg.data.train_on}: {s['conversations']:,} conversations, {s['turns']:,} "
                      f"assistant turns trained, {s['target_tokens']:,} target tokens")

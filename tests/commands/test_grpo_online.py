@@ -181,7 +181,9 @@ def test_the_rl_demo_config_samples_from_the_sft_demos_adapter(tmp_path):
                    "--set", f"output_dir={sft}")
     out = run_in_process("train", REPO / "configs" / "rl_demo.yaml", "--set", f"model.adapter={sft / 'adapter'}",
                          "--set", "train.max_steps=2", "--set", "generate.every=null", "--set", f"output_dir={rl}")
-    assert "objective grpo (dapo" in out.stdout, out.stdout
+    said = " ".join(out.stdout.split())
+    assert "objective grpo (dapo" in said and "online: each step samples 8 completions of up to 8 tokens per request " \
+        "(temperature 1.5, top_p 1), scored by exact against its target" in said, out.stdout
     steps = [m for m in metrics_of(rl) if m.get("split") is None]
     assert len(steps) == 2 and all(m["examples"] == 480 for m in steps)
     for records in rollouts(rl):
