@@ -12,7 +12,7 @@ from packtrain.config.support import Combination, built_context_grads, refusals,
 
 MODES = ("shared_prefix", "standalone", "tree")
 CONTEXTS = ("full", "kv_only", "frozen")
-OBJECTIVES = ("sft", "weighted", "dpo")
+OBJECTIVES = ("sft", "weighted", "dpo", "grpo")
 
 
 def test_what_is_built_row_by_row():
@@ -29,7 +29,7 @@ def test_what_is_built_row_by_row():
             if walk and context == "kv_only":
                 continue
             expected.add(("standalone", context, walk, 1, objective))
-            for groups in (1, 2) if objective != "dpo" else (1,):
+            for groups in (1, 2) if objective not in ("dpo", "grpo") else (1,):
                 expected.add(("shared_prefix", context, walk, groups, objective))
         expected.add(("tree", "full", False, 1, objective))
     assert built == expected
