@@ -99,6 +99,16 @@ def describe_positions(f: dict, mode: str) -> str:
             "sampled each step)")
 
 
+def sampling_plan(cfg, copies: list):
+    """The packs ``copies`` (the step's requests, K times each) are generated in, planned at the longest answer each
+    row may sample, ``rl.max_completion_length`` (not its target's length): no generation unit holds more than
+    ``packing.token_budget`` positions."""
+    length = cfg.rl.max_completion_length
+    sized = [dataclasses.replace(c, target_ids=(0,) * length) for c in copies]
+    p = cfg.packing
+    return plan_packs(sized, p.token_budget, p.max_continuations, "error", cfg.train.seed)
+
+
 @dataclass
 class Online:
     """What each online step samples with: the run's requests and how to score them."""
@@ -129,8 +139,7 @@ class Online:
         k = self.cfg.rl.num_generations
         requests = [self.examples[e] for i in pack_ids for e in self.plan.packs[i].examples]
         copies = [dataclasses.replace(ex, id=f"{ex.id}:{j}") for ex in requests for j in range(k)]
-        p = self.cfg.packing
-        plan = plan_packs(copies, p.token_budget, p.max_continuations, "error", self.cfg.train.seed)
+        plan = sampling_plan(self.cfg, copies)
         task = Task(plan, copies, self.spec(model, number), self.scorer, self.cfg.generate.strip_thinking,
                     self.tokenizer, "train")
         if number == 0:

@@ -8,7 +8,7 @@ import json
 from packtrain.data.example import Example
 from packtrain.data.jsonl import load_examples
 from packtrain.data.prefix_tree import example_tree
-from packtrain.run.rollouts import group_examples, rollouts_path, step_seed, worst_case_group
+from packtrain.run.rollouts import group_examples, rollouts_path, sampling_plan, step_seed, worst_case_group
 
 RECORDS = [{"id": "a", "prefix_ids": [5, 6, 7], "item_ids": [8], "completion_ids": [[9, 2], [9, 10, 11], [12]],
             "rewards": [1.0, 0.0, 0.5]},
@@ -41,3 +41,15 @@ def test_each_step_has_its_own_seed_and_a_run_seed_moves_them_all():
     assert len(set(seeds)) == 1000
     assert not set(seeds) & {step_seed(1, n) for n in range(1000)}
     assert all(0 <= step_seed(2**40, n) < 2**31 for n in range(10))
+
+
+def test_the_samples_are_planned_at_the_longest_answer_not_the_targets_length():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(rl=SimpleNamespace(max_completion_length=30), train=SimpleNamespace(seed=0),
+                          packing=SimpleNamespace(token_budget=100, max_continuations=16))
+    copies = [Example(f"r:{j}", (1,) * 20, (2, 3), (4,)) for j in range(8)]  # a 1-token target, answers up to 30
+    plan = sampling_plan(cfg, copies)
+    assert sorted(e for pack in plan.packs for e in pack.examples) == list(range(8))
+    # each pack: P once, then its rows' items and room for 30 tokens each, within the budget
+    assert all(20 + len(pack.examples) * (2 + 30) <= 100 for pack in plan.packs) and len(plan.packs) == 4
