@@ -121,6 +121,13 @@ class Online:
     scorer: object
     tokenizer: object | None
 
+    def check(self, model) -> None:
+        """Every request's P + item + ``rl.max_completion_length`` within the model's positions, before step 0."""
+        from packtrain.run.task import check_positions
+
+        check_positions(model, self.plan, self.examples, self.cfg.rl.max_completion_length,
+                        "rl.max_completion_length")
+
     def spec(self, model, number: int) -> GenerateSpec:
         from packtrain.run.generate import GenerateSpec, stop_ids
 
@@ -133,7 +140,7 @@ class Online:
         import torch.distributed as dist
 
         from packtrain.run.generate import generate
-        from packtrain.run.task import Task, check_positions, score_row
+        from packtrain.run.task import Task, score_row
 
         t0 = time.perf_counter()
         k = self.cfg.rl.num_generations
@@ -142,8 +149,6 @@ class Online:
         plan = sampling_plan(self.cfg, copies)
         task = Task(plan, copies, self.spec(model, number), self.scorer, self.cfg.generate.strip_thinking,
                     self.tokenizer, "train")
-        if number == 0:
-            check_positions(model, plan, copies, task.spec.max_new_tokens)
         generated = generate(lm, plan, copies, self.kinds, task.spec, self.info)
         prompt_of = {e: pack.prompt for pack in plan.packs for e in pack.examples}
         rewards = [score_row(task, e, prompt_of[e], generated[e])["score"] for e in range(len(copies))]

@@ -58,9 +58,11 @@ def task_for(cfg, model, examples: list, scorer: Scorer, tokenizer, kinds, split
     return Task(plan, chosen, spec, scorer, cfg.generate.strip_thinking, tokenizer, split)
 
 
-def check_positions(model, plan: Plan, examples: list, max_new_tokens: int) -> None:
-    """The longest P + item + ``generate.max_new_tokens`` within the model's positions (``max_position_embeddings``),
-    before any row is allocated: 1e9 new tokens asked the allocator for 256 GB, a traceback."""
+def check_positions(model, plan: Plan, examples: list, max_new_tokens: int,
+                    what: str = "generate.max_new_tokens") -> None:
+    """The longest P + item + ``max_new_tokens`` (the setting ``what``) within the model's positions
+    (``max_position_embeddings``), before any row is allocated: 1e9 new tokens asked the allocator for 256 GB, a
+    traceback."""
     from packtrain.packed.patch import unwrap
 
     positions = getattr(unwrap(model).config.get_text_config(), "max_position_embeddings", None)
@@ -69,7 +71,7 @@ def check_positions(model, plan: Plan, examples: list, max_new_tokens: int) -> N
     longest = max(len(plan.prompts[pack.prompt]) + len(examples[e].item_ids) for pack in plan.packs
                   for e in pack.examples)
     if longest + max_new_tokens > positions:
-        raise ValueError(f"generate.max_new_tokens: {max_new_tokens} new tokens after a prompt of up to {longest} "
+        raise ValueError(f"{what}: {max_new_tokens} new tokens after a prompt of up to {longest} "
                          f"tokens exceed the model's {positions} positions (max_position_embeddings); at most "
                          f"{max(positions - longest, 0)} fit")
 

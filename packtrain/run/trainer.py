@@ -166,6 +166,7 @@ class Trainer:
         if self.kinds.objective.online:
             self.online = rollouts.Online(cfg, self.plan, self.train_examples, self.kinds, self.info, self.out,
                                           s.scorer, s.task_tokenizer)
+            self.online.check(self.model)
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         if self.info.is_main:  # what the run is, before its first long pass (the dpo reference)
             self._log(header(self))

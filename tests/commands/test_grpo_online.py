@@ -16,6 +16,7 @@ import shutil
 import pytest
 from cli_helpers import (
     REPO,
+    TINY_MODEL,
     adapter_of,
     adapter_rel,
     assert_equal_adapters,
@@ -189,3 +190,14 @@ def test_the_rl_demo_config_samples_from_the_sft_demos_adapter(tmp_path):
     for records in rollouts(rl):
         assert len(records) == 60 and len({tuple(r["prefix_ids"]) for r in records}) == 1
         assert all(len(r["completion_ids"]) == 8 for r in records)
+
+
+def test_answers_past_the_models_positions_are_refused_before_step_0(tmp_path):
+    online_config(tmp_path)  # the data
+    longest = max(len(ex.prefix_ids) + len(ex.item_ids) for ex in load_examples(tmp_path / "train.jsonl", "text"))
+    model = {"config": {**TINY_MODEL, "max_position_embeddings": longest + LENGTH - 1}}
+    cfg = online_config(tmp_path, model=model)
+    err = refused(run_in_process("train", cfg, check=False))
+    assert (f"rl.max_completion_length: {LENGTH} new tokens after a prompt of up to {longest} tokens exceed the "
+            f"model's {longest + LENGTH - 1} positions") in " ".join(err.split()), err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
