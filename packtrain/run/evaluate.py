@@ -27,9 +27,10 @@ def evaluate(lm, plan: Plan, examples, kinds: Kinds, info: DistInfo, progress=No
         r = run_unit(lm, build(unit, plan, examples, kinds), kinds, info.device)
         if tokens and r.token_logp is None and r.per_example:
             raise RuntimeError(f"a {unit.kind.name} unit gives no per-token log-probabilities")
-        logps = r.token_logp if tokens else [None] * len(r.per_example)
+        split = tokens and r.token_logp is not None  # (a dummy's: none)
+        logps = r.token_logp.split(r.target_tokens) if split else [None] * len(r.per_example)
         for e, loss, n, logp in zip(unit.examples, r.per_example, r.target_tokens, logps):
-            results[e] = (loss, n, logp)
+            results[e] = (loss, n, None if logp is None else logp.tolist())
         if progress is not None:
             progress.update(1)
     if info.enabled:

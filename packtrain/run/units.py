@@ -166,8 +166,9 @@ class UnitResult:
     target_tokens: list[int]
     positions: int  # buffer positions computed for real examples (0 for a dummy)
     calls: int  # forward calls of the root module: each runs FSDP's collectives
-    # evaluating a whole pack: each example's target tokens' log-probabilities (grpo's precomputed reference)
-    token_logp: list[list[float]] | None = None
+    # evaluating a whole pack: its target tokens' log-probabilities [M], example after example (read only by
+    # evaluate(tokens=True), grpo's precomputed reference)
+    token_logp: object | None = None
 
 
 def step_scale(step_examples: int) -> float:
@@ -238,12 +239,10 @@ class Kind:
         return float(loss.detach()), out.per_example.tolist(), out.target_tokens.tolist()
 
     def evaluate(self, lm, unit: Unit, work):
-        """The per-example losses under no_grad (the caller's): (their sum, per-example losses, target tokens, each
-        example's target tokens' log-probabilities)."""
+        """The per-example losses under no_grad (the caller's): (their sum, per-example losses, target tokens, the
+        target tokens' log-probabilities [M])."""
         out = self.forward(lm, work)
-        counts = out.target_tokens.tolist()
-        tokens = None if out.token_logp is None else [t.tolist() for t in out.token_logp.split(counts)]
-        return out.per_example.sum().item(), out.per_example.tolist(), counts, tokens
+        return out.per_example.sum().item(), out.per_example.tolist(), out.target_tokens.tolist(), out.token_logp
 
     def calls(self, unit: Unit, training: bool) -> int:
         """The forward calls of the root the unit issues: the same for every unit of a slot on every rank."""

@@ -127,3 +127,14 @@ def test_the_kl_reference_is_precomputed_per_token_read_back_on_resume_and_equal
                              "--resume")
     assert f"grpo reference: {len(examples)} log-probabilities read from" in resumed.stdout, resumed.stdout
     assert_equal_adapters(adapter_of(tmp_path / "r"), adapter_of(tree))
+
+
+def test_two_ranks_precompute_the_reference_of_an_odd_number_of_packs(tree_run, tmp_path):
+    """One group a pack (9 packs): the reference pass's last batch holds a pack on rank 0 and a dummy on rank 1."""
+    cfg, one = tree_run
+    run_ranks(2, "train", str(cfg), "--set", "packing.max_continuations=4", "--set", "train.packs_per_step=2",
+              "--set", f"output_dir={tmp_path / 'two'}")
+    table = json.loads((tmp_path / "two" / "reference.json").read_text())["log_probs"]
+    mine = json.loads((one / "reference.json").read_text())["log_probs"]
+    assert table.keys() == mine.keys()
+    assert all(v == pytest.approx(mine[k], rel=1e-12, abs=1e-12) for k, v in table.items())
